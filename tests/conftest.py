@@ -1,0 +1,57 @@
+"""Test set-up: 8 virtual CPU devices (set before jax is imported) and device fixtures."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def gpu_devices() -> list[jax.Device]:
+    """The CUDA devices of this process ([] where there are none)."""
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+@pytest.fixture
+def cpu_mesh():
+    """``cpu_mesh(tp)``: a 1-D ``Mesh`` named ``"tp"`` over the first ``tp`` CPU devices."""
+
+    def make(tp: int, axis_name: str = "tp") -> Mesh:
+        devices = jax.devices("cpu")
+        if len(devices) < tp:
+            pytest.skip(f"needs {tp} CPU devices, have {len(devices)}")
+        return Mesh(np.array(devices[:tp]), (axis_name,))
+
+    return make
+
+
+@pytest.fixture
+def gpu_mesh():
+    """``gpu_mesh(tp)``: a 1-D ``Mesh`` named ``"tp"`` over ``tp`` GPUs; skips where too few."""
+
+    def make(tp: int, axis_name: str = "tp") -> Mesh:
+        devices = gpu_devices()
+        if len(devices) < tp:
+            pytest.skip(f"needs {tp} GPUs, have {len(devices)}")
+        return Mesh(np.array(devices[:tp]), (axis_name,))
+
+    return make
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """Fresh random inputs every run (seed from the OS), printed so a failure can be replayed."""
+    seed = int(np.random.SeedSequence().entropy % (2**32))
+    print(f"numpy seed: {seed}")
+    return np.random.default_rng(seed)
