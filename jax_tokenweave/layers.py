@@ -1,0 +1,477 @@
+"""Tensor-parallel decoder layers and the TokenWeave schedules.
+
+``DecoderLayer`` holds one layer's weights as ``nnx.Param`` arrays sharded over a 1-D mesh axis
+(``"tp"``, size N) and exposes per-rank pieces, pure functions of per-rank arrays used inside
+``jax.shard_map`` (``nnx.merge`` of the layer's graph with the *local* shards, as
+``WeaveDecoder`` does). ``WeaveDecoder`` runs the whole stack inside one ``shard_map``.
+
+Parameters of a layer (global shapes, ``[in, out]`` layout = transpose of a torch ``Linear``):
+
+=========================== ============== ===================== =============================
+name                        shape          sharding              Hugging Face Llama tensor
+=========================== ============== ===================== =============================
+``input_layernorm``         [H]            replicated            ``input_layernorm.weight``
+``q_proj``                  [H, Nq*D]      ``P(None, "tp")``     ``self_attn.q_proj.weight``.T
+``k_proj`` / ``v_proj``     [H, Nkv*D]     ``P(None, "tp")``     ``self_attn.k/v_proj.weight``.T
+``q_bias`` (qkv_bias only)  [Nq*D]         ``P("tp")``           ``self_attn.q_proj.bias``
+``k_bias``/``v_bias``       [Nkv*D]        ``P("tp")``           ``self_attn.k/v_proj.bias``
+``o_proj``                  [Nq*D, H]      ``P("tp", None)``     ``self_attn.o_proj.weight``.T
+``post_attention_layernorm`` [H]           replicated            ``post_attention_layernorm...``
+``gate_proj``/``up_proj``   [H, F]         ``P(None, "tp")``     ``mlp.gate/up_proj.weight``.T
+``down_proj``               [F, H]         ``P("tp", None)``     ``mlp.down_proj.weight``.T
+``moe.*`` (num_experts > 0) see ``jax_tokenweave.moe``
+=========================== ============== ===================== =============================
+
+``WeaveDecoder`` names them ``layers.{i}.<name>`` (``layers.{i}.moe.router`` etc.) plus
+``final_norm`` [H]; :func:`named_params` lists them, :func:`load_weights` sets them from full
+arrays with the right ``NamedSharding``. Each Param carries its ``PartitionSpec`` as the metadata
+attribute ``tp_spec``.
+
+Schedules of ``WeaveDecoder.__call__`` (``comm`` picks the ``ops.allreduce_rmsnorm`` impl of
+``weave``: ``"xla"`` -> ``xla_rsag``, ``"ffi"`` -> ``ffi``, ``"auto"`` -> ``auto``):
+
+* ``baseline``: plain TP. Residual replicated ``[T, H]``; after each row-parallel GEMM,
+  ``allreduce_rmsnorm(impl="xla")`` (psum, then add + RMSNorm on all T rows).
+* ``weave``: the halves of ``batch.halves`` (one when the batch is not split), each with its
+  residual token-sharded (``[ceil(T_half/N), H]`` per rank). Per layer, in program order:
+  attn(A); fused(A); attn(B); fused(B); mlp(A); fused(A, next norm); mlp(B); fused(B, next norm).
+  Half B's piece of a request cut by the split attends to A's K/V of that request (same layer).
+  The first layer's input norm is local (no communication), the last fused op of each half uses
+  the final norm. Half h uses workspace ``slot=h``.
+* ``nocomm``: **NOT THE MODEL'S OUTPUT.** ``baseline`` with every collective removed (each rank
+  adds its own partial sum only). It exists solely to time the communication away in benchmarks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, get_args
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_tokenweave import attention as attn_lib
+from jax_tokenweave import ops
+from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.moe import MoE, reference_moe
+from jax_tokenweave.split import BatchPlan, Half, plan_batch
+
+Schedule = Literal["weave", "baseline", "nocomm"]
+Comm = Literal["auto", "xla", "ffi"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+COMMS: tuple[str, ...] = get_args(Comm)
+_COMM_IMPL = {"auto": "auto", "xla": "xla_rsag", "ffi": "ffi"}
+
+
+# ---------------------------------------------------------------------------- parameters ----
+
+ParamSpec = tuple[tuple[int, ...], P, float | None]
+"""``(global shape, PartitionSpec, std)`` of a parameter; ``std=None`` means ones (norms)."""
+
+
+@functools.lru_cache(maxsize=128)
+def _init_fn(specs: tuple[tuple[str, ParamSpec], ...], dtype: jnp.dtype,
+             mesh: Mesh) -> Callable[[jax.Array], dict[str, jax.Array]]:
+    """One jitted initialiser for a group of parameters (compiled once per shapes/mesh/dtype)."""
+    shardings = {name: NamedSharding(mesh, spec) for name, (_, spec, _) in specs}
+
+    def init(key: jax.Array) -> dict[str, jax.Array]:
+        keys = jax.random.split(key, len(specs))
+        out = {}
+        for k, (name, (shape, _, std)) in zip(keys, specs, strict=True):
+            if std is None:
+                out[name] = jnp.ones(shape, dtype)
+            else:
+                out[name] = (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
+        return out
+
+    return jax.jit(init, out_shardings=shardings)
+
+
+def make_params(rngs: nnx.Rngs, specs: Mapping[str, ParamSpec], dtype: jnp.dtype,
+                mesh: Mesh) -> dict[str, nnx.Param]:
+    """``nnx.Param``s created directly with ``NamedSharding(mesh, spec)`` by one jitted call.
+
+    ``specs``: ``{name: (shape, spec, std)}``; ``std=None``: ones, else normal(0, std). Each
+    Param keeps its spec as the metadata attribute ``tp_spec``.
+    """
+    frozen = tuple((name, (tuple(shape), spec, None if std is None else float(std)))
+                   for name, (shape, spec, std) in specs.items())
+    values = _init_fn(frozen, jnp.dtype(dtype), mesh)(rngs.params())
+    return {name: nnx.Param(values[name], tp_spec=spec)
+            for name, (_, spec, _) in specs.items()}
+
+
+def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, mesh: Mesh,
+               spec: P, std: float | None) -> nnx.Param:
+    """A single parameter (see :func:`make_params`)."""
+    return make_params(rngs, {"p": (shape, spec, std)}, dtype, mesh)["p"]
+
+
+def named_params(module: nnx.Module) -> dict[str, nnx.Param]:
+    """``{dotted name: Param}`` of a module, e.g. ``"layers.0.q_proj"``."""
+    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
+    return {".".join(str(p) for p in path): var for path, var in flat}
+
+
+def param_specs(module: nnx.Module) -> Any:
+    """The module's Param state with each leaf replaced by its ``PartitionSpec`` (``tp_spec``)."""
+    return jax.tree.map(lambda v: v.tp_spec, nnx.state(module, nnx.Param),
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def load_weights(module: nnx.Module, mesh: Mesh, weights: Mapping[str, Any], *,
+                 strict: bool = True) -> None:
+    """Set Params from full (global) arrays, placed with ``NamedSharding(mesh, tp_spec)``.
+
+    ``weights``: ``{dotted name: array}`` (NumPy or ``jax.Array``), names as :func:`named_params`.
+    Each array must have the Param's global shape; it is cast to the Param's dtype. Unknown
+    names raise ``ValueError``; with ``strict``, so do missing ones.
+    """
+    params = named_params(module)
+    unknown = sorted(set(weights) - set(params))
+    if unknown:
+        raise ValueError(f"unknown parameter names {unknown}; known: {sorted(params)}")
+    missing = sorted(set(params) - set(weights))
+    if strict and missing:
+        raise ValueError(f"missing parameters {missing}")
+    for name, array in weights.items():
+        param = params[name]
+        old = param[...]
+        if tuple(array.shape) != tuple(old.shape):
+            raise ValueError(f"{name}: expected shape {tuple(old.shape)}, got {array.shape}")
+        sharding = NamedSharding(mesh, param.tp_spec)
+        if isinstance(array, jax.Array):
+            value = jax.device_put(array.astype(old.dtype), sharding)
+        else:
+            value = jax.device_put(np.asarray(array).astype(old.dtype), sharding)
+        param.set_value(value)
+
+
+def numpy_weights(module: nnx.Module) -> dict[str, np.ndarray]:
+    """``{dotted name: full NumPy array}`` (gathers the shards; for tests and references)."""
+    return {name: np.asarray(jax.device_get(p[...])) for name, p in named_params(module).items()}
+
+
+# ------------------------------------------------------------------------------- the layer ----
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(config: DecoderConfig) -> np.ndarray:
+    return attn_lib.rope_inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
+class DecoderLayer(nnx.Module):
+    """One Llama-style decoder layer (weights sharded as in the module docstring).
+
+    The methods below are per-rank pieces: call them on a layer whose Params hold the *local*
+    shards (inside ``shard_map``). ``x`` is always ``[T, H]`` replicated.
+    """
+
+    def __init__(self, config: DecoderConfig, mesh: Mesh, *, axis_name: str = "tp",
+                 dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs) -> None:
+        config.check_tensor_parallel(mesh.shape[axis_name])
+        self.config = config
+        self.platform = str(mesh.devices.flat[0].platform)
+        h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
+        nq, nkv = config.num_heads * d, config.num_kv_heads * d
+        col, row, rep = P(None, axis_name), P(axis_name, None), P()
+        specs: dict[str, ParamSpec] = {
+            "input_layernorm": ((h,), rep, None),
+            "q_proj": ((h, nq), col, 1 / np.sqrt(h)),
+            "k_proj": ((h, nkv), col, 1 / np.sqrt(h)),
+            "v_proj": ((h, nkv), col, 1 / np.sqrt(h)),
+            "o_proj": ((nq, h), row, 1 / np.sqrt(nq)),
+            "post_attention_layernorm": ((h,), rep, None),
+        }
+        if config.qkv_bias:
+            specs.update(q_bias=((nq,), P(axis_name), 0.5), k_bias=((nkv,), P(axis_name), 0.5),
+                         v_bias=((nkv,), P(axis_name), 0.5))
+        if config.num_experts == 0:
+            specs.update(gate_proj=((h, f), col, 1 / np.sqrt(h)),
+                         up_proj=((h, f), col, 1 / np.sqrt(h)),
+                         down_proj=((f, h), row, 1 / np.sqrt(f)))
+        for name, param in make_params(rngs, specs, dtype, mesh).items():
+            setattr(self, name, param)
+        if config.num_experts > 0:
+            self.moe = MoE(config, mesh, axis_name=axis_name, dtype=dtype, rngs=rngs)
+
+    # -- per-rank pieces ------------------------------------------------------------------
+    def input_norm(self, x: jax.Array) -> jax.Array:
+        """RMSNorm with ``input_layernorm`` (local, no communication): [T, H] -> [T, H]."""
+        return ops.rms_norm(x, self.input_layernorm[...], self.config.rms_norm_eps)
+
+    def post_norm(self, x: jax.Array) -> jax.Array:
+        """RMSNorm with ``post_attention_layernorm`` (local): [T, H] -> [T, H]."""
+        return ops.rms_norm(x, self.post_attention_layernorm[...], self.config.rms_norm_eps)
+
+    post_attention_norm = post_norm
+
+    def qkv(self, x_normed: jax.Array,
+            positions: jax.Array | np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Local heads: ``x_normed`` [T, H], ``positions`` [T] -> q [T, Nq/N, D],
+        k, v [T, Nkv/N, D]; RoPE applied to q and k."""
+        d = self.config.head_dim
+        q = jnp.dot(x_normed, self.q_proj[...])
+        k = jnp.dot(x_normed, self.k_proj[...])
+        v = jnp.dot(x_normed, self.v_proj[...])
+        if self.config.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        t = x_normed.shape[0]
+        q, k, v = (a.reshape(t, -1, d) for a in (q, k, v))
+        inv_freq = _inv_freq(self.config)
+        return attn_lib.apply_rope(q, positions, inv_freq), \
+            attn_lib.apply_rope(k, positions, inv_freq), v
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, half: Half, *,
+                  prefix: Mapping[int, tuple[jax.Array, jax.Array]] | None = None) -> jax.Array:
+        """Ragged causal attention of ``half``'s pieces (``attention.ragged_attention``)."""
+        impl = attn_lib.default_implementation(self.platform, q.dtype, self.config.head_dim)
+        return attn_lib.ragged_attention(q, k, v, half.pieces, origin=half.start,
+                                         prefix=prefix, implementation=impl)
+
+    def attention_out(self, attn: jax.Array) -> jax.Array:
+        """Row-parallel output projection: [T, Nq/N, D] -> partial [T, H] (sum over ranks)."""
+        return jnp.dot(attn.reshape(attn.shape[0], -1), self.o_proj[...])
+
+    def mlp(self, x_normed: jax.Array) -> jax.Array:
+        """SwiGLU (or MoE) on [T, H] replicated -> partial [T, H] (sum over ranks)."""
+        if self.config.num_experts > 0:
+            return self.moe(x_normed)
+        gate = jnp.dot(x_normed, self.gate_proj[...])
+        up = jnp.dot(x_normed, self.up_proj[...])
+        return jnp.dot(jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+# ------------------------------------------------------------------------------ the stack ----
+
+class WeaveDecoder(nnx.Module):
+    """``config.num_layers`` ``DecoderLayer``s and the final norm, run inside one ``shard_map``.
+
+    Args:
+      config: model shapes; every sharded dimension must divide by the mesh axis size.
+      mesh: a mesh with the tensor-parallel axis ``axis_name``.
+      dtype: parameter and activation dtype.
+      rngs: ``nnx.Rngs`` for the random initial weights.
+    """
+
+    def __init__(self, config: DecoderConfig, mesh: Mesh, *, axis_name: str = "tp",
+                 dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs) -> None:
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        config.check_tensor_parallel(mesh.shape[axis_name])
+        self.config = config
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.dtype = jnp.dtype(dtype)
+        self.layers = nnx.List([
+            DecoderLayer(config, mesh, axis_name=axis_name, dtype=dtype, rngs=rngs)
+            for _ in range(config.num_layers)])
+        self.final_norm = make_param(rngs, (config.hidden_size,), dtype, mesh, P(), None)
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (size of ``axis_name``)."""
+        return self.mesh.shape[self.axis_name]
+
+    def load_weights(self, weights: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Set weights from full arrays named as in the module docstring (see ``load_weights``)."""
+        load_weights(self, self.mesh, weights, strict=strict)
+
+    def __call__(self, hidden: jax.Array, batch: BatchPlan, *, schedule: Schedule = "weave",
+                 comm: Comm = "auto", return_kv: bool = False) -> Any:
+        """Run the stack on ``hidden`` [T, H] (replicated) laid out as ``batch``.
+
+        Returns the final-normed hidden states [T, H], replicated; with ``return_kv``, also a
+        list over layers of ``(k, v)``, each [T, Nkv, D] sharded over heads (``P(None, tp)``),
+        RoPE applied to k. ``schedule="nocomm"`` does NOT compute the model (module docstring).
+        """
+        check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, comm)
+        graphdef, state = nnx.split(self)
+        specs = param_specs(self)
+        axis = self.axis_name
+
+        def per_rank(state: Any, x: jax.Array) -> Any:
+            dec = nnx.merge(graphdef, state)
+            if schedule == "weave":
+                out, kvs = _weave(dec, x, batch, _COMM_IMPL[comm])
+            else:
+                out, kvs = _baseline(dec, x, batch, with_comm=schedule == "baseline")
+            return (out, kvs) if return_kv else out
+
+        kv_spec = P(None, axis, None)
+        out_specs = (P(), [(kv_spec, kv_spec)] * self.config.num_layers) if return_kv else P()
+        fn = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(specs, P()),
+                           out_specs=out_specs, check_vma=False)
+        return fn(state, hidden)
+
+
+def check_call(config: DecoderConfig, dtype: jnp.dtype, tp: int, hidden: Any, batch: Any,
+               schedule: str, comm: str) -> None:
+    """Validate ``WeaveDecoder.__call__``'s arguments; raise ``ValueError`` saying what is wrong."""
+    config.check_tensor_parallel(tp)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    if not isinstance(batch, BatchPlan):
+        raise ValueError(f"batch must be a split.BatchPlan (see plan_batch), got {type(batch)}")
+    shape = tuple(getattr(hidden, "shape", ()))
+    if len(shape) != 2:
+        raise ValueError(f"hidden must be [tokens, hidden_size], got shape {shape}")
+    if shape[0] < 1:
+        raise ValueError("hidden has no tokens (empty batch)")
+    if shape[1] != config.hidden_size:
+        raise ValueError(f"hidden has width {shape[1]}, the config's hidden_size is "
+                         f"{config.hidden_size}")
+    if shape[0] != batch.num_tokens:
+        raise ValueError(f"hidden has {shape[0]} tokens but the batch's request lengths sum to "
+                         f"{batch.num_tokens}")
+    if not jnp.issubdtype(hidden.dtype, jnp.floating):
+        raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
+    if jnp.dtype(hidden.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"hidden dtype {hidden.dtype} differs from the model dtype {dtype}")
+
+
+# -------------------------------------------------------------------- per-rank schedules ----
+
+def _next_norm_weight(dec: WeaveDecoder, index: int) -> jax.Array:
+    if index + 1 < len(dec.layers):
+        return dec.layers[index + 1].input_layernorm[...]
+    return dec.final_norm[...]
+
+
+def _baseline(dec: WeaveDecoder, hidden: jax.Array, batch: BatchPlan,
+              with_comm: bool) -> tuple[jax.Array, list]:
+    """Plain TP on all T tokens, residual replicated; ``with_comm=False`` drops every psum."""
+    eps = dec.config.rms_norm_eps
+    whole = plan_batch(batch.request_lengths, split=False).halves[0]
+    positions = batch.positions()
+
+    def reduce(partial: jax.Array, residual: jax.Array, w: jax.Array):
+        if with_comm:
+            return ops.allreduce_rmsnorm(partial, residual, w, axis_name=dec.axis_name, eps=eps,
+                                         impl="xla")
+        return ops.add_rmsnorm(partial, residual, w, eps)
+
+    residual = hidden
+    x = dec.layers[0].input_norm(hidden)
+    kvs = []
+    for i, layer in enumerate(dec.layers):
+        q, k, v = layer.qkv(x, positions)
+        attn = layer.attention(q, k, v, whole)
+        x, residual = reduce(layer.attention_out(attn), residual,
+                             layer.post_attention_layernorm[...])
+        x, residual = reduce(layer.mlp(x), residual, _next_norm_weight(dec, i))
+        kvs.append((k, v))
+    return x, kvs
+
+
+def _own_rows(x: jax.Array, axis_name: str) -> jax.Array:
+    """This rank's ``ceil(T/N)`` rows of ``x`` [T, H] (zero rows past T)."""
+    n = jax.lax.axis_size(axis_name)
+    rows = ops.rows_per_rank(x.shape[0], n)
+    padded = jnp.pad(x, ((0, rows * n - x.shape[0]), (0, 0)))
+    return jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axis_name) * rows, rows, 0)
+
+
+def _prefixes(half: Half, earlier_k: list[jax.Array],
+              earlier_v: list[jax.Array]) -> dict[int, tuple[jax.Array, jax.Array]]:
+    """K/V prefixes of ``half``'s pieces with position > 0, cut from the earlier halves' K/V.
+
+    The earlier halves cover global tokens ``[0, half.start)`` in order.
+    """
+    out = {}
+    for piece in half.pieces:
+        if piece.position > 0:
+            if not earlier_k:
+                raise ValueError(f"piece {piece} needs a K/V prefix but no earlier half exists")
+            k_all = jnp.concatenate(earlier_k) if len(earlier_k) > 1 else earlier_k[0]
+            v_all = jnp.concatenate(earlier_v) if len(earlier_v) > 1 else earlier_v[0]
+            lo = piece.start - piece.position
+            out[piece.request] = (k_all[lo:piece.start], v_all[lo:piece.start])
+    return out
+
+
+def _weave(dec: WeaveDecoder, hidden: jax.Array, batch: BatchPlan,
+           impl: str) -> tuple[jax.Array, list]:
+    """TokenWeave: halves interleaved layer by layer, residual token-sharded per half."""
+    eps, axis = dec.config.rms_norm_eps, dec.axis_name
+    halves = batch.halves
+
+    def fused(partial: jax.Array, residual: jax.Array, w: jax.Array, slot: int):
+        return ops.allreduce_rmsnorm(partial, residual, w, axis_name=axis, eps=eps, impl=impl,
+                                     mesh=dec.mesh, slot=slot)
+
+    positions = [h.positions() for h in halves]
+    inputs = [hidden[h.start:h.end] for h in halves]
+    residual = [_own_rows(x, axis) for x in inputs]
+    x = [dec.layers[0].input_norm(xh) for xh in inputs]
+    kvs = []
+    for i, layer in enumerate(dec.layers):
+        ks: list[jax.Array] = []
+        vs: list[jax.Array] = []
+        for j, half in enumerate(halves):
+            q, k, v = layer.qkv(x[j], positions[j])
+            attn = layer.attention(q, k, v, half, prefix=_prefixes(half, ks, vs))
+            x[j], residual[j] = fused(layer.attention_out(attn), residual[j],
+                                      layer.post_attention_layernorm[...], j)
+            ks.append(k)
+            vs.append(v)
+        w_next = _next_norm_weight(dec, i)
+        for j in range(len(halves)):
+            x[j], residual[j] = fused(layer.mlp(x[j]), residual[j], w_next, j)
+        kvs.append((_cat(ks), _cat(vs)))
+    return _cat(x), kvs
+
+
+def _cat(parts: list[jax.Array]) -> jax.Array:
+    return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
+# ----------------------------------------------------------------------- float reference ----
+
+def _ref_rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def reference_decoder(weights: Mapping[str, np.ndarray], config: DecoderConfig,
+                      hidden: np.ndarray, request_lengths: tuple[int, ...],
+                      prefix: str = "") -> np.ndarray:
+    """Float64 single-device, unsharded reference of ``WeaveDecoder`` (any schedule but nocomm).
+
+    ``weights``: full arrays named as :func:`named_params` (with ``prefix`` prepended, e.g.
+    ``"decoder."``); ``hidden``: [T, H]. Returns the final-normed hidden states [T, H].
+    """
+    w = {k[len(prefix):]: np.asarray(v, np.float64) for k, v in weights.items()
+         if k.startswith(prefix)}
+    eps, d = config.rms_norm_eps, config.head_dim
+    lengths = tuple(request_lengths)
+    positions = plan_batch(lengths, split=False).positions()
+    inv_freq = _inv_freq(config)
+    h = np.asarray(hidden, np.float64)
+    t = h.shape[0]
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        x = _ref_rms(h, w[p + "input_layernorm"], eps)
+        q, k, v = x @ w[p + "q_proj"], x @ w[p + "k_proj"], x @ w[p + "v_proj"]
+        if config.qkv_bias:
+            q, k, v = q + w[p + "q_bias"], k + w[p + "k_bias"], v + w[p + "v_bias"]
+        q = attn_lib.reference_rope(q.reshape(t, -1, d), positions, inv_freq)
+        k = attn_lib.reference_rope(k.reshape(t, -1, d), positions, inv_freq)
+        attn = attn_lib.reference_attention(q, k, v.reshape(t, -1, d), lengths)
+        h = h + attn.reshape(t, -1) @ w[p + "o_proj"]
+        x = _ref_rms(h, w[p + "post_attention_layernorm"], eps)
+        if config.num_experts > 0:
+            mlp = reference_moe(x, w[p + "moe.router"], w[p + "moe.gate_proj"],
+                                w[p + "moe.up_proj"], w[p + "moe.down_proj"],
+                                config.experts_per_token)
+        else:
+            g, u = x @ w[p + "gate_proj"], x @ w[p + "up_proj"]
+            mlp = (g / (1 + np.exp(-g)) * u) @ w[p + "down_proj"]
+        h = h + mlp
+    return _ref_rms(h, w["final_norm"], eps)

@@ -1,0 +1,228 @@
+"""``WeaveDecoder``: weave == baseline == a float64 single-device reference; input checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax_tokenweave.models.configs import get_config
+
+from jax_tokenweave import attention as A
+from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.layers import (
+    WeaveDecoder,
+    named_params,
+    numpy_weights,
+    reference_decoder,
+)
+from jax_tokenweave.split import plan_batch
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def rel_err(got, want) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def build(config, mesh, dtype, rng) -> WeaveDecoder:
+    """A decoder with random weights, norm weights randomised too (so a swapped norm shows)."""
+    dec = WeaveDecoder(config, mesh, dtype=dtype, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    norms = {name: 1 + 0.2 * rng.standard_normal(p[...].shape)
+             for name, p in named_params(dec).items() if name.endswith(("norm", "layernorm"))}
+    dec.load_weights(norms, strict=False)
+    return dec
+
+
+def forward(dec, batch, schedules=(("weave", "xla"), ("baseline", "xla")), return_kv=False):
+    """Compile once: the decoder under each (schedule, comm) on the same input.
+
+    XLA's CPU backend optimisation is turned off: it only saves compile time here.
+    """
+    graphdef, state = nnx.split(dec)
+
+    def run(state, hidden):
+        model = nnx.merge(graphdef, state)
+        return [model(hidden, batch, schedule=s, comm=c, return_kv=return_kv)
+                for s, c in schedules]
+
+    cache = {}
+
+    def call(hidden):
+        key = (hidden.shape, hidden.dtype)
+        if key not in cache:
+            cache[key] = jax.jit(run).lower(state, hidden).compile(
+                compiler_options={"xla_backend_optimization_level": 0})
+        return cache[key](state, hidden)
+
+    return call
+
+
+CASES = [
+    # (config, tp, request lengths, split threshold, dtype)
+    ("tiny", 2, (5,), 1024, jnp.float32),                 # below the threshold: one half
+    ("tiny", 8, (1,), 1024, jnp.float32),                 # one token, fewer than TP
+    ("tiny", 4, (5, 9, 3), 4, jnp.float32),               # split, request 1 straddles it
+    ("tiny", 8, (3, 11, 7, 2), 8, jnp.float32),           # T=23: not divisible by TP
+    ("tiny", 8, (100, 130, 70), 256, jnp.float32),        # T=300 > 256, midpoint rule
+    ("tiny", 4, (5, 9, 3), 4, jnp.bfloat16),
+    ("tiny", 8, (2, 19), 8, jnp.bfloat16),
+    ("tiny-moe", 8, (4, 9, 6), 8, jnp.float32),
+    ("tiny-qwen", 2, (6, 7, 4), 8, jnp.float32),
+    ("tiny-qwen", 8, (6, 7, 4), 8, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("name", "tp", "lengths", "threshold", "dtype"), CASES)
+def test_weave_baseline_reference(cpu_mesh, rng, name, tp, lengths, threshold, dtype):
+    config, mesh = get_config(name), cpu_mesh(tp)
+    batch = plan_batch(lengths, tp=tp, threshold=threshold)
+    dec = build(config, mesh, dtype, rng)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), dtype)
+    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    schedules = (("weave", "xla"), ("baseline", "xla"))
+    if tp == 8 and dtype == jnp.float32 and name == "tiny":
+        schedules += (("weave", "auto"),)                 # auto = xla_rsag on CPU
+    outs = forward(dec, batch, schedules)(hidden)
+    for out in outs:
+        assert out.shape == hidden.shape and out.dtype == dtype
+        assert out.sharding.is_fully_replicated
+        assert rel_err(out, want) < TOL[dtype]
+    weave, baseline = (np.asarray(jnp.asarray(o, jnp.float32), np.float64) for o in outs[:2])
+    assert rel_err(weave, baseline) < TOL[dtype]
+
+
+def test_random_ragged_batch(cpu_mesh, rng):
+    """A random ragged batch (seed printed), forced to split: weave == baseline == reference."""
+    tp = int(rng.choice([2, 4, 8]))
+    lengths = tuple(int(n) for n in rng.integers(1, 12, size=int(rng.integers(1, 5))))
+    if sum(lengths) < 2:
+        lengths = (*lengths, 3)
+    print("tp", tp, "lengths", lengths)
+    config, mesh = get_config("tiny"), cpu_mesh(tp)
+    batch = plan_batch(lengths, tp=tp, split=True)
+    dec = build(config, mesh, jnp.float32, rng)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
+                         jnp.float32)
+    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    for out in forward(dec, batch)(hidden):
+        assert rel_err(out, want) < 1e-5
+
+
+def test_split_cases_do_split():
+    """The ragged cases above really exercise a split with a cut request."""
+    assert plan_batch((5, 9, 3), tp=4, threshold=4).cut_request == 1
+    assert plan_batch((3, 11, 7, 2), tp=8, threshold=8).cut_request is not None
+    assert plan_batch((8, 8), tp=4, threshold=4).cut_request is None
+    big = plan_batch((100, 130, 70), tp=8, threshold=256)
+    assert big.split and big.cut_request is not None
+
+
+def test_return_kv_and_nocomm(cpu_mesh, rng):
+    config, tp, lengths = get_config("tiny"), 4, (5, 9, 3)
+    mesh, batch = cpu_mesh(tp), plan_batch(lengths, tp=tp, threshold=4)
+    dec = build(config, mesh, jnp.float32, rng)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
+                         jnp.float32)
+    run = forward(dec, batch, (("weave", "xla"), ("baseline", "xla")), return_kv=True)
+    (w_out, w_kv), (b_out, b_kv) = run(hidden)
+    assert len(w_kv) == len(b_kv) == config.num_layers
+    assert rel_err(w_out, np.asarray(b_out, np.float64)) < 1e-5
+    shape = (batch.num_tokens, config.num_kv_heads, config.head_dim)
+    for (wk, wv), (bk, bv) in zip(w_kv, b_kv, strict=True):
+        assert wk.shape == wv.shape == bk.shape == shape
+        for a, b in ((wk, bk), (wv, bv)):
+            assert rel_err(a, np.asarray(b, np.float64)) < 1e-5
+    # layer 0's keys: RoPE(input_norm(hidden) @ k_proj)
+    w = numpy_weights(dec)
+    h = np.asarray(hidden, np.float64)
+    x = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + config.rms_norm_eps)
+    x = x * w["layers.0.input_layernorm"]
+    inv = A.rope_inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    k0 = A.reference_rope((x @ w["layers.0.k_proj"]).reshape(shape), batch.positions(), inv)
+    assert rel_err(w_kv[0][0], k0) < 1e-5
+    # nocomm runs, has the right shape, and is NOT the model's output
+    (nocomm,) = forward(dec, batch, (("nocomm", "auto"),))(hidden)
+    assert nocomm.shape == hidden.shape
+    assert rel_err(nocomm, np.asarray(b_out, np.float64)) > 1e-2
+
+
+def test_ffi_unavailable_on_cpu(cpu_mesh, rng):
+    config, mesh = get_config("tiny", num_layers=1), cpu_mesh(2)
+    dec = build(config, mesh, jnp.float32, rng)
+    hidden = jnp.zeros((4, config.hidden_size), jnp.float32)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        forward(dec, plan_batch((4,)), (("weave", "ffi"),))(hidden)
+
+
+def test_bad_config_for_tp(cpu_mesh, rng):
+    mesh = cpu_mesh(8)
+    base = get_config("tiny", num_layers=1)
+    with pytest.raises(ValueError, match="hidden_size"):
+        WeaveDecoder(dataclasses.replace(base, hidden_size=36), mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_heads"):
+        WeaveDecoder(dataclasses.replace(base, num_heads=12, num_kv_heads=4), mesh,
+                     rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        WeaveDecoder(dataclasses.replace(base, intermediate_size=100), mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="axis"):
+        WeaveDecoder(base, mesh, axis_name="model", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_heads"):
+        DecoderConfig(hidden_size=64, intermediate_size=64, num_layers=1, num_heads=6,
+                      num_kv_heads=4, head_dim=8)
+
+
+def test_bad_call_inputs(cpu_mesh, rng):
+    config, mesh = get_config("tiny", num_layers=1), cpu_mesh(2)
+    dec = build(config, mesh, jnp.float32, rng)
+    h = config.hidden_size
+    batch = plan_batch((3, 4))
+    good = jnp.zeros((7, h), jnp.float32)
+    cases = [
+        (jnp.zeros((7, h + 2), jnp.float32), batch, {}, "hidden_size"),
+        (jnp.zeros((8, h), jnp.float32), batch, {}, "sum to 7"),     # lengths don't sum to T
+        (jnp.zeros((7, h), jnp.bfloat16), batch, {}, "dtype"),
+        (jnp.zeros((7, h), jnp.int32), batch, {}, "floating"),
+        (jnp.zeros((7 * h,), jnp.float32), batch, {}, "tokens, hidden_size"),
+        (jnp.zeros((0, h), jnp.float32), batch, {}, "empty"),
+        (good, (3, 4), {}, "BatchPlan"),
+        (good, batch, {"schedule": "fast"}, "schedule"),
+        (good, batch, {"comm": "nccl"}, "comm"),
+    ]
+    for hidden, plan, kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            dec(hidden, plan, **kwargs)
+    with pytest.raises(ValueError, match="empty"):
+        plan_batch(())
+
+
+def test_weights_sharded_as_documented(cpu_mesh, rng):
+    config, mesh = get_config("tiny-qwen", num_layers=1), cpu_mesh(4)
+    dec = build(config, mesh, jnp.bfloat16, rng)
+    params = named_params(dec)
+    d = config.head_dim
+    expect = {
+        "layers.0.q_proj": ((64, 16 * d), (64, 4 * d)),
+        "layers.0.k_proj": ((64, 8 * d), (64, 2 * d)),
+        "layers.0.q_bias": ((16 * d,), (4 * d,)),
+        "layers.0.o_proj": ((16 * d, 64), (4 * d, 64)),
+        "layers.0.gate_proj": ((64, 128), (64, 32)),
+        "layers.0.down_proj": ((128, 64), (32, 64)),
+        "layers.0.input_layernorm": ((64,), (64,)),
+        "final_norm": ((64,), (64,)),
+    }
+    for name, (global_shape, shard_shape) in expect.items():
+        value = params[name][...]
+        assert value.shape == global_shape, name
+        assert value.addressable_shards[0].data.shape == shard_shape, name
+        assert value.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="unknown"):
+        dec.load_weights({"layers.0.nope": np.zeros(3)}, strict=False)
+    with pytest.raises(ValueError, match="shape"):
+        dec.load_weights({"final_norm": np.zeros(3)}, strict=False)
+    with pytest.raises(ValueError, match="missing"):
+        dec.load_weights({"final_norm": np.zeros(64)})
