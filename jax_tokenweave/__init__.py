@@ -1,1 +1,43 @@
-"""pkg"""
+"""TokenWeave for JAX: overlap tensor-parallel communication with compute in LLM inference.
+
+The public names below load lazily, so ``import jax_tokenweave`` does not import JAX (the main
+job, ``python -m jax_tokenweave.bench``, sets XLA flags before JAX is imported).
+
+- ``allreduce_rmsnorm`` (``jax_tokenweave.ops``): fused all-reduce + residual add + RMSNorm.
+- ``plan_batch``, ``BatchPlan`` (``jax_tokenweave.split``): wave-aware token split planning.
+- ``WeaveDecoder`` (``jax_tokenweave.layers``): the tensor-parallel decoder stack and schedules.
+- ``DecoderConfig``, ``RopeScaling`` (``jax_tokenweave.config``), ``get_config``
+  (``jax_tokenweave.models.configs``): model shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "allreduce_rmsnorm": "jax_tokenweave.ops",
+    "plan_batch": "jax_tokenweave.split",
+    "BatchPlan": "jax_tokenweave.split",
+    "WeaveDecoder": "jax_tokenweave.layers",
+    "DecoderConfig": "jax_tokenweave.config",
+    "RopeScaling": "jax_tokenweave.config",
+    "get_config": "jax_tokenweave.models.configs",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jax_tokenweave' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -7,10 +7,10 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

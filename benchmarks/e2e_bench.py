@@ -1,0 +1,371 @@
+"""End-to-end benchmark: prefill and decode-batch latency of the decoder stack, per mode.
+
+Prefill modes (``MODES``), each the layer stack on a packed batch of requests:
+
+- ``baseline``: XLA ``psum`` all-reduce, replicated residual (what a plain JAX TP model does);
+- ``fused-no-split``: the weave schedule with the fused kernel but no token split;
+- ``weave-xla``: the weave schedule with XLA ReduceScatter -> norm -> AllGather (``xla_rsag``);
+- ``weave-ffi``: the weave schedule with the fused CUDA kernel (TokenWeave proper);
+- ``nocomm``: every collective dropped (not the model's output; the floor).
+
+Decode batches (``DECODE_MODES``) are ``n`` requests of one token each, never split: the layer
+stack without a KV cache, i.e. the GEMMs and the communication of one decode step (attention
+over past tokens is not included). Modes that cannot run here (no CUDA extension, too few
+devices) are reported as skipped with the reason. ``--time-budget`` bounds the run: work not
+started by then is reported as skipped.
+
+Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` into ``--out``. Example (4 GPUs)::
+
+    python benchmarks/e2e_bench.py --out results/ --models llama3-70b --tp 4 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jax_tokenweave import bench  # first: sets the virtual CPU device flag before JAX starts
+
+# isort: split
+import jax
+
+from jax_tokenweave import timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One way of running the stack: schedule, communication and whether the batch may split."""
+
+    schedule: str
+    comm: str
+    split: bool | None  # None: plan_batch decides (split at >= threshold tokens)
+    reference: bool = False  # compared against baseline (nocomm's output is not the model's)
+
+    @property
+    def needs_ffi(self) -> bool:
+        return self.comm == "ffi"
+
+
+MODES: dict[str, Mode] = {
+    "baseline": Mode("baseline", "auto", None),
+    "fused-no-split": Mode("weave", "ffi", False, reference=True),
+    "weave-xla": Mode("weave", "xla", None, reference=True),
+    "weave-ffi": Mode("weave", "ffi", None, reference=True),
+    "nocomm": Mode("nocomm", "auto", None),
+}
+DECODE_MODES: dict[str, Mode] = {
+    "baseline": Mode("baseline", "auto", False),
+    "fused": Mode("weave", "ffi", False, reference=True),
+    "xla-rsag": Mode("weave", "xla", False, reference=True),
+    "nocomm": Mode("nocomm", "auto", False),
+}
+MODELS = ("llama3-70b", "qwen2.5-72b", "mixtral-8x22b")
+TOKENS = (1024, 2048, 4096, 8192, 16384)
+DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
+TPS = (2, 4)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options; see ``--help``."""
+    p = argparse.ArgumentParser(
+        prog="e2e_bench.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ints = bench._positive_ints
+    p.add_argument("--out", type=Path, required=True, help="folder for e2e.json/.md/.png")
+    p.add_argument("--models", nargs="+", default=list(MODELS), help="model config names")
+    p.add_argument("--layers", type=bench._positive_int, default=8, help="decoder layers")
+    p.add_argument("--tp", type=ints, nargs="+", default=[list(TPS)],
+                   help="tensor-parallel degrees, run in this order")
+    p.add_argument("--tokens", type=ints, nargs="+", default=[list(TOKENS)],
+                   help="prefill batch sizes (tokens)")
+    p.add_argument("--request-len", type=bench._positive_int, default=1024,
+                   help="tokens per prefill request")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="prefill modes")
+    p.add_argument("--decode-tokens", type=ints, nargs="+", default=[list(DECODE_TOKENS)],
+                   help="decode batch sizes (one token per request)")
+    p.add_argument("--decode-modes", nargs="+", default=list(DECODE_MODES),
+                   choices=list(DECODE_MODES), help="decode modes")
+    p.add_argument("--no-prefill", action="store_true", help="skip the prefill sweep")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode sweep")
+    p.add_argument("--warmup", type=bench._nonnegative_int, default=2)
+    p.add_argument("--iters", type=bench._positive_int, default=10)
+    p.add_argument("--dtype", choices=tuple(bench.DTYPES), default="bfloat16")
+    p.add_argument("--seed", type=bench._nonnegative_int, default=None,
+                   help="random seed (default: fresh)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start no new measurement after this many seconds")
+    p.add_argument("--replot", type=Path, metavar="JSON",
+                   help="only redraw the markdown and plot from an earlier e2e.json")
+    args = p.parse_args(argv)
+    for name in ("tp", "tokens", "decode_tokens"):
+        setattr(args, name, list(dict.fromkeys(v for group in getattr(args, name) for v in group)))
+    if args.time_budget is not None and args.time_budget <= 0:
+        p.error(f"--time-budget must be > 0, got {args.time_budget}")
+    from jax_tokenweave.models.configs import get_config
+
+    for model in args.models:
+        try:
+            get_config(model)
+        except (KeyError, ValueError) as err:
+            p.error(f"--models: unknown model {model!r}: {err}")
+    return args
+
+
+class Runner:
+    """Measures modes for one (model, TP) decoder and appends records to ``self.records``."""
+
+    def __init__(self, args: argparse.Namespace, devices: Sequence[jax.Device]) -> None:
+        self.args, self.devices = args, devices
+        self.dtype = bench.DTYPES[args.dtype]
+        self.tol = bench.TOLERANCE[args.dtype]
+        self.seed = args.seed if args.seed is not None else bench.resolve_seed()
+        self.start = time.perf_counter()
+        self.records: list[dict[str, Any]] = []
+
+    def out_of_time(self) -> bool:
+        budget = self.args.time_budget
+        return budget is not None and time.perf_counter() - self.start > budget
+
+    def skip(self, base: dict[str, Any], modes: Sequence[str], reason: str) -> None:
+        for mode in modes:
+            self.records.append({**base, "mode": mode, "status": "skipped", "reason": reason})
+
+    def run_all(self) -> None:
+        """The sweep: per TP, per model, the prefill token counts then the decode batches."""
+        a = self.args
+        for tp in a.tp:
+            for model in a.models:
+                work = []
+                if not a.no_prefill:
+                    work += [("prefill", t, MODES, a.modes, a.request_len) for t in a.tokens]
+                if not a.no_decode:
+                    work += [("decode", t, DECODE_MODES, a.decode_modes, 1)
+                             for t in a.decode_tokens]
+                self.run_model(model, tp, work)
+
+    def run_model(self, model: str, tp: int, work: list[tuple]) -> None:
+        config = bench.load_config(model, self.args.layers)
+        reason = None
+        if tp > len(self.devices):
+            reason = f"TP={tp} needs {tp} devices, this machine has {len(self.devices)}"
+        else:
+            try:
+                config.check_tensor_parallel(tp)
+            except ValueError as err:
+                reason = str(err)
+        if reason is None and self.out_of_time():
+            reason = "time budget exhausted"
+        if reason is not None:
+            for kind, tokens, _, modes, _ in work:
+                self.skip(_base(kind, model, tp, tokens), modes, reason)
+            return
+        mesh = bench.make_mesh(self.devices, tp)
+        print(f"== {model} x{config.num_layers} layers, TP={tp}", flush=True)
+        decoder = bench.build_decoder(config, mesh, self.dtype, self.seed)
+        try:
+            for i, (kind, tokens, table, modes, request_len) in enumerate(work):
+                base = _base(kind, model, tp, tokens)
+                if self.out_of_time():
+                    self.skip(base, modes, "time budget exhausted")
+                    continue
+                self.run_point(base, config, mesh, decoder, table, modes, request_len, i)
+        finally:
+            del decoder
+            gc.collect()
+            jax.clear_caches()
+
+    def run_point(self, base: dict[str, Any], config: Any, mesh: Any, decoder: Any,
+                  table: dict[str, Mode], modes: Sequence[str], request_len: int,
+                  index: int) -> None:
+        """Compile, check against baseline and time every mode for one batch."""
+        tokens, tp = base["tokens"], base["tp"]
+        lengths = bench.request_lengths(tokens, request_len)
+        hidden = bench.random_hidden(tokens, config.hidden_size, self.dtype, mesh,
+                                     self.seed + 1 + index)
+        ffi_reason = bench.ffi_unavailable(mesh, self.dtype, (tokens, config.hidden_size))
+        fns, info = {}, {}
+        for name in dict.fromkeys(["baseline", *modes]):
+            mode = table[name]
+            if mode.needs_ffi and ffi_reason is not None:
+                info[name] = {"status": "skipped", "reason": f"ffi unavailable: {ffi_reason}"}
+                continue
+            try:
+                plan = bench.make_plan(config, base["model"], lengths, tp, split=mode.split)
+                fns[name], seconds = bench.compile_forward(
+                    decoder, plan, hidden, schedule=mode.schedule, comm=mode.comm)
+                info[name] = {"status": "ok", "compile_s": seconds, "split": plan.split,
+                              "half_lengths": [h.length for h in plan.halves]}
+            except Exception as err:  # a mode that fails must not end the sweep
+                info[name] = {"status": "error", "reason": _one_line(err)}
+                traceback.print_exc(limit=3)
+        reference = fns["baseline"]() if "baseline" in fns else None
+        for name in list(fns):
+            if not table[name].reference or reference is None:
+                continue
+            err = timing.rel_error(fns[name](), reference)
+            info[name]["rel_err"] = err
+            if not err <= self.tol:
+                info[name].update(status="mismatch",
+                                  reason=f"relative error {err:.3g} vs baseline > {self.tol}")
+                del fns[name]
+        del reference
+        timed = {n: fns[n] for n in modes if n in fns}
+        if timed:
+            label = f"{base['kind']} {base['model']} TP={tp} T={tokens}"
+            print(f"   {label}: timing {', '.join(timed)}", flush=True)
+            stats = timing.benchmark(timed, warmup=self.args.warmup, iters=self.args.iters)
+            for name, s in stats.items():
+                info[name].update(s.summary())
+        for name in modes:
+            self.records.append({**base, "mode": name, **info[name]})
+
+
+def _base(kind: str, model: str, tp: int, tokens: int) -> dict[str, Any]:
+    return {"kind": kind, "model": model, "tp": tp, "tokens": tokens}
+
+
+def _one_line(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".strip().splitlines()
+    return text[0][:300] if text else type(err).__name__
+
+
+# ---------------------------------------------------------------------------------- output ---
+
+def _groups(records: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["kind"], r["model"], r["tp"]), []).append(r)
+    return groups
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """One table per (kind, model, TP): median ms per mode, and speedups over baseline."""
+    env, cfg = report["environment"], report["config"]
+    lines = [f"# End-to-end latency ({env['num_devices']} x {env['device_kind']})", "",
+             f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; "
+             f"{cfg['layers']} layers, {cfg['dtype']}, prefill requests of "
+             f"{cfg['request_len']} tokens; median of {cfg['iters']} runs "
+             f"(after {cfg['warmup']} warm-up). Speedup = baseline / mode.", ""]
+    for (kind, model, tp), recs in _groups(report["records"]).items():
+        modes = list(dict.fromkeys(r["mode"] for r in recs))
+        tokens = list(dict.fromkeys(r["tokens"] for r in recs))
+        cell = {(r["tokens"], r["mode"]): r for r in recs}
+        speed = [m for m in modes if m != "baseline"]
+        lines += [f"## {kind}: {model}, TP={tp}", "",
+                  "| tokens | " + " | ".join(f"{m} ms" for m in modes) + " | "
+                  + " | ".join(f"speedup {m}" for m in speed) + " |",
+                  "|---" * (1 + len(modes) + len(speed)) + "|"]
+        notes: dict[str, int] = {}
+        for t in tokens:
+            row = [str(t)]
+            for m in modes:
+                r = cell.get((t, m), {})
+                if r.get("status") == "ok":
+                    row.append(f"{r['median_ms']:.2f}")
+                else:
+                    reason = r.get("reason", "missing")
+                    notes.setdefault(reason, len(notes) + 1)
+                    row.append(f"{r.get('status', '-')} [{notes[reason]}]")
+            base = cell.get((t, "baseline"), {})
+            for m in speed:
+                r = cell.get((t, m), {})
+                ok = r.get("status") == "ok" and base.get("status") == "ok"
+                row.append(f"{base['median_ms'] / r['median_ms']:.3f}" if ok else "-")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+        lines += [f"[{n}] {reason}" for reason, n in notes.items()]
+        if notes:
+            lines.append("")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: Path) -> bool:
+    """Speedup over baseline vs tokens, a panel per (kind, model, TP). False if nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {k: v for k, v in _groups(report["records"]).items()
+              if any(r.get("status") == "ok" and r["mode"] != "baseline" for r in v)}
+    if not groups:
+        return False
+    ncols = min(2, len(groups))
+    nrows = -(-len(groups) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.6 * nrows), squeeze=False)
+    for ax, ((kind, model, tp), recs) in zip(axes.flat, groups.items(), strict=False):
+        base = {r["tokens"]: r["median_ms"] for r in recs
+                if r["mode"] == "baseline" and r.get("status") == "ok"}
+        for mode in dict.fromkeys(r["mode"] for r in recs):
+            if mode == "baseline":
+                continue
+            pts = sorted((r["tokens"], base[r["tokens"]] / r["median_ms"]) for r in recs
+                         if r["mode"] == mode and r.get("status") == "ok" and r["tokens"] in base)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{kind}: {model}, TP={tp}", fontsize=10)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("speedup over baseline")
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{report['environment']['num_devices']} x "
+                 f"{report['environment']['device_kind']}", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> None:
+    """``e2e.json``, ``e2e.md`` and (where anything ran) ``e2e.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "e2e.md").write_text(to_markdown(report) + "\n")
+    plotted = write_plot(report, out / "e2e.png")
+    print(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}" + (f", {out / 'e2e.png'}" if plotted
+                                                           else " (nothing ran: no plot)"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sweep (or ``--replot``) and write the outputs; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.replot:
+        report = json.loads(args.replot.read_text())
+        write_outputs(report, args.out)
+        return 0
+    _, devices = bench.platform_devices()
+    runner = Runner(args, devices)
+    try:
+        runner.run_all()
+    finally:
+        env = bench.environment(devices, argv)
+        env["command"] = " ".join(["python", "benchmarks/e2e_bench.py", *argv])
+        config = {k: v for k, v in vars(args).items() if k not in ("out", "replot")}
+        config.update(seed=runner.seed, tolerance=runner.tol,
+                      wall_s=round(time.perf_counter() - runner.start, 1))
+        report = {"environment": env, "config": config, "records": runner.records}
+        write_outputs(report, args.out)
+    counts: dict[str, int] = {}
+    for r in runner.records:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print("records: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    print(to_markdown(report))
+    return 1 if counts.get("mismatch") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

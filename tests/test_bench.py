@@ -1,0 +1,215 @@
+"""The main job (``python -m jax_tokenweave.bench``), its timing helper and the e2e driver."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jax_tokenweave import bench, timing
+
+ROOT = Path(__file__).resolve().parents[1]
+# Tiny settings: 1 layer, a batch of 96 tokens in requests of 40 (one request is cut by the
+# split), forced to split by a low threshold.
+TINY = ["--model", "tiny", "--layers", "1", "--request-len", "40",
+        "--split-threshold", "32", "--warmup", "1", "--iters", "2", "--no-progress"]
+
+
+# ----------------------------------------------------------------------------------- timing ---
+
+def test_stats_percentiles():
+    s = timing.Stats((4.0, 1.0, 3.0, 2.0, 5.0))
+    assert s.median_ms == 3.0 and s.min_ms == 1.0 and s.mean_ms == 3.0
+    assert s.p10_ms == pytest.approx(1.4) and s.p90_ms == pytest.approx(4.6)
+    summary = s.summary()
+    assert summary["iters"] == 5 and summary["samples_ms"] == [4.0, 1.0, 3.0, 2.0, 5.0]
+    assert "samples_ms" not in s.summary(samples=False)
+    with pytest.raises(ValueError, match="at least one sample"):
+        timing.Stats(())
+
+
+def test_benchmark_interleaves_and_counts_calls():
+    calls: list[str] = []
+    fns = {n: (lambda n=n: calls.append(n) or np.zeros(1)) for n in ("a", "b")}
+    steps = []
+    stats = timing.benchmark(fns, warmup=1, iters=3, on_step=lambda: steps.append(1))
+    assert calls == ["a", "b"] + ["a", "b"] * 3
+    assert len(steps) == 8
+    assert set(stats) == {"a", "b"} and all(len(s.samples_ms) == 3 for s in stats.values())
+    calls.clear()
+    timing.benchmark(fns, warmup=0, iters=2, interleave=False)
+    assert calls == ["a", "a", "b", "b"]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"warmup": -1}, "warmup"), ({"iters": 0}, "iters")])
+def test_benchmark_rejects_bad_counts(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        timing.benchmark({"a": lambda: 0}, **kwargs)
+    with pytest.raises(ValueError, match="empty"):
+        timing.benchmark({})
+
+
+def test_rel_error():
+    ref = np.array([3.0, 4.0])
+    assert timing.rel_error(ref, ref) == 0.0
+    assert timing.rel_error(np.array([3.0, 4.5]), ref) == pytest.approx(0.1)
+    assert timing.rel_error(np.array([np.nan, 4.0]), ref) == float("inf")
+    with pytest.raises(ValueError, match="shapes differ"):
+        timing.rel_error(np.zeros(3), ref)
+
+
+# ------------------------------------------------------------------------------- main job ---
+
+def test_request_lengths():
+    assert bench.request_lengths(96, 40) == (40, 40, 16)
+    assert bench.request_lengths(80, 40) == (40, 40)
+    assert bench.request_lengths(10, 40) == (10,)
+    with pytest.raises(ValueError):
+        bench.request_lengths(0, 40)
+
+
+def test_main_job_in_process(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench.main([*TINY, "--tokens", "96,64", "--json", str(out), "--seed", "7"]) == 0
+    text = capsys.readouterr().out
+    assert "speedup weave" in text and "relative error" in text
+    report = json.loads(out.read_text())
+    assert report["config"]["schedules"] == list(bench.SCHEDULES)
+    assert report["config"]["tokens"] == [64, 96]
+    assert report["config"]["seed"] == 7
+    env = report["environment"]
+    for key in ("device_kind", "jax_version", "date", "git_commit", "command"):
+        assert key in env
+    assert env["platform"] == "cpu"
+    for result in report["results"]:
+        assert result["split"] and sum(result["half_lengths"]) == result["tokens"]
+        assert set(result["schedules"]) == {"baseline", "weave", "nocomm"}
+        for stats in result["schedules"].values():
+            assert stats["iters"] == 2 and stats["median_ms"] > 0
+            assert stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"]
+        assert result["rel_err_weave_vs_baseline"] <= report["config"]["tolerance"]
+        assert set(result["ratios"]) == {"baseline_over_weave", "baseline_over_nocomm",
+                                         "weave_over_nocomm"}
+
+
+def test_main_job_refuses_to_report_when_weave_disagrees(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(bench.timing, "rel_error", lambda a, b: 0.5)
+    out = tmp_path / "bench.json"
+    assert bench.main([*TINY, "--tokens", "96", "--schedules", "baseline,weave",
+                       "--json", str(out)]) == 1
+    assert "refusing to report" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_main_job_subprocess_uses_eight_cpu_devices(tmp_path):
+    """As a newcomer runs it: a fresh process sets up the 8 virtual CPU devices itself."""
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_tokenweave.bench", *TINY, "--tokens", "96", "--json",
+         str(out), "--plot", str(plot)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["environment"]["num_devices"] == bench.CPU_DEVICES
+    assert report["config"]["tp"] == bench.CPU_DEVICES
+    assert set(report["results"][0]["schedules"]) == set(bench.SCHEDULES)
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tokens", "0"], "must be >= 1"),
+    (["--tokens", "abc"], "is not an integer"),
+    (["--iters", "0"], "must be >= 1"),
+    (["--warmup", "-1"], "must be >= 0"),
+    (["--schedules", "fast"], "unknown schedule"),
+    (["--comm", "nccl"], "invalid choice"),
+    (["--dtype", "int8"], "invalid choice"),
+    (["--tp", "64"], "needs 64 devices"),
+    (["--tp", "3"], "not divisible"),
+    (["--model", "no-such-model"], "no-such-model"),
+    (["--tol", "0"], "--tol must be > 0"),
+    (["--comm", "ffi", "--tokens", "64"], "--comm ffi is unavailable"),
+])
+def test_argument_errors_are_clear(argv, message, capsys):
+    if "ffi" in argv and bench.ffi_unavailable(bench.make_mesh(bench.platform_devices()[1], 8),
+                                               bench.DTYPES["bfloat16"], (64, 64)) is None:
+        pytest.skip("the fused kernel is available here")
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--model", "tiny", *argv] if "--model" not in argv else argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_format_table_and_ratios():
+    stats = {n: timing.Stats((t,)) for n, t in (("baseline", 2.0), ("weave", 1.6),
+                                                ("nocomm", 1.5))}
+    result = bench._result(64, (64,), _FakePlan(), 1e-3, "xla", stats, {})
+    assert result["ratios"]["baseline_over_weave"] == pytest.approx(1.25)
+    report = {"config": {"schedules": list(stats)}, "results": [result]}
+    table = bench.format_table(report)
+    assert "1.250" in table and "weave/nocomm" in table and "30x34" in table
+
+
+class _FakePlan:
+    split = True
+    offset = -2
+    halves = (type("H", (), {"length": 30})(), type("H", (), {"length": 34})())
+
+
+# ------------------------------------------------------------------------------ e2e bench ---
+
+def _load_e2e():
+    spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_e2e_bench_runs_and_skips_unavailable_modes(tmp_path):
+    e2e = _load_e2e()
+    argv = ["--out", str(tmp_path), "--models", "tiny", "--layers", "1", "--tp", "2", "16",
+            "--tokens", "64", "--request-len", "40", "--decode-tokens", "4", "--warmup", "0",
+            "--iters", "1"]
+    assert e2e.main(argv) == 0
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    recs = {(r["kind"], r["tp"], r["tokens"], r["mode"]): r for r in report["records"]}
+    assert len(recs) == len(e2e.MODES) * 2 + len(e2e.DECODE_MODES) * 2
+    ffi_ok = bench.ffi_unavailable(bench.make_mesh(bench.platform_devices()[1], 2),
+                                   bench.DTYPES["bfloat16"], (64, 64)) is None
+    for mode in ("baseline", "weave-xla", "nocomm"):
+        assert recs[("prefill", 2, 64, mode)]["status"] == "ok", recs[("prefill", 2, 64, mode)]
+    if not ffi_ok:
+        for mode in ("weave-ffi", "fused-no-split"):
+            r = recs[("prefill", 2, 64, mode)]
+            assert r["status"] == "skipped" and "ffi unavailable" in r["reason"]
+    assert recs[("decode", 2, 4, "baseline")]["status"] == "ok"
+    assert recs[("prefill", 16, 64, "baseline")]["status"] == "skipped"
+    assert "needs 16 devices" in recs[("prefill", 16, 64, "baseline")]["reason"]
+    markdown = (tmp_path / "e2e.md").read_text()
+    assert "## prefill: tiny, TP=2" in markdown and "weave-xla ms" in markdown
+    assert (tmp_path / "e2e.png").stat().st_size > 0
+
+
+def test_e2e_bench_time_budget_and_bad_args(tmp_path, capsys):
+    e2e = _load_e2e()
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", str(tmp_path), "--models", "nope"])
+    assert "unknown model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.main(["--out", str(tmp_path), "--time-budget", "0"])
+    assert "--time-budget must be > 0" in capsys.readouterr().err
+    assert e2e.main(["--out", str(tmp_path), "--models", "tiny", "--tp", "2", "--tokens", "64",
+                     "--decode-tokens", "4", "--time-budget", "1e-9"]) == 0
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    assert report["records"] and all(r["status"] == "skipped" and "time budget" in r["reason"]
+                                     for r in report["records"])

@@ -1,0 +1,100 @@
+"""The README's two set-up commands are the ones CI and the docs use, and its API example runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+CI = ROOT / ".ci" / "run"
+SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^```([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def code_blocks(text: str) -> list[tuple[str, str]]:
+    """``(language, body)`` of every fenced code block of a markdown text."""
+    return [(lang.lower(), body.strip()) for lang, body in FENCE.findall(text)]
+
+
+def shell_blocks() -> list[str]:
+    return [body for lang, body in code_blocks(README.read_text()) if lang in SHELL_LANGS]
+
+
+def ci_test_command() -> str:
+    match = re.search(r"^TEST_COMMAND=(.+)$", CI.read_text(), re.MULTILINE)
+    assert match, ".ci/run must define TEST_COMMAND='...'"
+    (value,) = shlex.split(match.group(1))
+    return value
+
+
+def test_readme_has_exactly_two_shell_blocks_of_one_line_each():
+    blocks = shell_blocks()
+    assert len(blocks) == 2, f"README needs exactly two shell code blocks, found {blocks}"
+    for block in blocks:
+        assert "\n" not in block, f"a set-up command must be one line: {block!r}"
+
+
+def test_first_command_runs_the_main_job():
+    main_job = shell_blocks()[0]
+    assert main_job.startswith("pip install ")
+    assert main_job.endswith("python -m jax_tokenweave.bench")
+
+
+def test_second_command_is_what_ci_runs():
+    tests = shell_blocks()[1]
+    assert "pytest" in tests and "[test,parity]" in tests
+    assert ci_test_command() == tests
+
+
+def test_ci_script_runs_the_command_and_fails_on_no_tests():
+    text = CI.read_text()
+    assert os.access(CI, os.X_OK), ".ci/run must be executable"
+    assert "set -euo pipefail" in text
+    assert re.search(r'^bash -c "[^"]*\$TEST_COMMAND"', text, re.MULTILINE)
+    assert "python3 -m venv" in text
+    assert "ruff check ." in text
+    assert "-eq 5" in text  # pytest's 'no tests collected' is reported as a failure
+
+
+def test_docs_name_the_same_main_job():
+    from jax_tokenweave import bench
+
+    assert "python -m jax_tokenweave.bench" in (bench.__doc__ or "")
+    assert bench.build_parser().prog == "python -m jax_tokenweave.bench"
+    gpu_script = (ROOT / "benchmarks" / "gpu_e2e.sh").read_text()
+    assert "-m jax_tokenweave.bench" in gpu_script
+
+
+def test_version_matches_the_package_metadata():
+    from importlib.metadata import version
+
+    import jax_tokenweave
+
+    assert jax_tokenweave.__version__ == version("jax-tokenweave")
+
+
+def test_readme_options_exist():
+    """Every ``--option`` the README mentions is one the main job accepts."""
+    from jax_tokenweave import bench
+
+    known = {o for a in bench.build_parser()._actions for o in a.option_strings}
+    mentioned = set(re.findall(r"`(--[a-z][a-z-]*)`", README.read_text()))
+    assert mentioned, "README should name the main job's options"
+    assert mentioned <= known, f"README names unknown options: {mentioned - known}"
+
+
+def test_readme_api_example_runs():
+    """The API example works on the CPU devices of the test session."""
+    pytest.importorskip("jax_tokenweave.layers")
+    pytest.importorskip("jax_tokenweave.models.configs")
+    (example,) = [body for lang, body in code_blocks(README.read_text()) if lang == "python"]
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    out, plan, config = namespace["out"], namespace["plan"], namespace["config"]
+    assert plan.split
+    assert out.shape == (plan.num_tokens, config.hidden_size)
