@@ -1,0 +1,177 @@
+"""Fused AllReduce + residual + RMSNorm: ``ffi`` vs ``xla`` (psum + norm) vs ``xla_rsag``.
+
+Method: for each configuration one jitted ``shard_map`` function runs the op K times in a
+fully unrolled ``lax.fori_loop`` (no per-iteration host sync; the residual output feeds the
+next call, so no call can be skipped or hoisted); it is timed with ``block_until_ready`` over
+R repetitions after a warm-up, and the median time divided by K is reported as the device time
+per call (one dispatch per K calls, so dispatch is amortised; the same method for every impl).
+The ffi result is checked against
+``xla_rsag`` on fresh random inputs before timing. Bandwidth: ``busbw = 2 (N-1)/N * T*H*bytes /
+time`` (the all-reduce convention), and ``algbw = T*H*bytes / time``.
+
+    python benchmarks/kernel_bench.py --out benchmarks/results/kernel --tokens 1 128 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from jax_tokenweave import _ffi, ops
+
+
+def _fn(mesh, impl, iters, num_ctas, algo):
+    def body(p, r, w):
+        def step(_, c):
+            if impl == "ffi":
+                return _ffi.allreduce_rmsnorm(p, c[1], w, axis_name="tp", mesh=mesh,
+                                              num_ctas=num_ctas, algo=algo)
+            return ops.allreduce_rmsnorm(p, c[1], w, axis_name="tp", impl=impl)
+
+        return jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(p), r), unroll=True)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
+                                 out_specs=(P("tp"), P("tp")), check_vma=False))
+
+
+def _time(f, args, reps):
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096, 16384])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[8192, 5120, 4096])
+    ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--ctas", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    ap.add_argument("--algos", nargs="+", default=["auto"])
+    ap.add_argument("--impls", nargs="+", default=["ffi", "xla", "xla_rsag"])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    dtype = jnp.dtype(args.dtype)
+    gpus = jax.devices()
+    rng = np.random.default_rng()
+    configs = []
+    for tp in args.tp:
+        if tp > len(gpus):
+            continue
+        for h in args.hidden:
+            for t in args.tokens:
+                for impl in args.impls:
+                    if impl == "ffi":
+                        configs += [(tp, h, t, impl, c, a) for c in args.ctas for a in args.algos]
+                    else:
+                        configs.append((tp, h, t, impl, None, None))
+    rows, checked = [], set()
+    for tp, h, t, impl, ctas, algo in tqdm(configs, desc="kernel_bench"):
+        mesh = Mesh(np.array(gpus[:tp]), ("tp",))
+        if impl == "ffi" and _ffi.unavailable_reason(mesh, "tp", dtype, (t, h)) is not None:
+            tqdm.write(f"skip ffi tp={tp} H={h} T={t}: "
+                       f"{_ffi.unavailable_reason(mesh, 'tp', dtype, (t, h))}")
+            continue
+        q = ops.rows_per_rank(t, tp)
+        res_rows = t if impl == "xla" else q
+        part = jnp.asarray(rng.standard_normal((tp * t, h)) * 0.01, dtype)
+        res = jnp.asarray(rng.standard_normal((tp * res_rows, h)), dtype)
+        w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), dtype)
+        if impl == "ffi" and (tp, h, t, algo) not in checked:  # check once against xla_rsag
+            got = _fn(mesh, "ffi", 1, ctas, algo)(part, res, w)
+            want = _fn(mesh, "xla_rsag", 1, None, None)(part, res, w)
+            for g, x in zip(got, want, strict=True):
+                g, x = np.asarray(g, np.float64), np.asarray(x, np.float64)
+                err = np.linalg.norm(g - x) / np.linalg.norm(x)
+                assert err < 2e-2, f"ffi mismatch tp={tp} H={h} T={t}: rel err {err}"
+            checked.add((tp, h, t, algo))
+        nbytes = t * h * dtype.itemsize
+        iters = 50 if nbytes <= 4 << 20 else 10
+        sec = _time(_fn(mesh, impl, iters, ctas, algo), (part, res, w), args.reps) / iters
+        rows.append(dict(tp=tp, hidden=h, tokens=t, impl=impl, num_ctas=ctas, algo=algo,
+                         dtype=str(dtype), us=sec * 1e6, algbw_gbs=nbytes / sec / 1e9,
+                         busbw_gbs=2 * (tp - 1) / tp * nbytes / sec / 1e9))
+        tqdm.write(json.dumps(rows[-1]))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                device=gpus[0].device_kind, n_devices=len(gpus), jax=jax.__version__,
+                commit=commit + " plus uncommitted changes", method=__doc__.split("\n\n")[1])
+    with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    _markdown(args.out, meta, rows)
+    _plot(args.out, rows)
+
+
+def _best_ffi(rows):
+    best = {}
+    for r in rows:
+        key = (r["tp"], r["hidden"], r["tokens"], r["impl"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    return best
+
+
+def _markdown(out, meta, rows):
+    lines = [f"# kernel_bench ({meta['device']} x{meta['n_devices']}, {meta['date']})", "",
+             f"commit {meta['commit']}; jax {meta['jax']}", "", meta["method"], "",
+             "| TP | H | T | impl | CTAs | algo | us/call | busbw GB/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tp']} | {r['hidden']} | {r['tokens']} | {r['impl']} | "
+                     f"{r['num_ctas'] or ''} | {r['algo'] or ''} | {r['us']:.1f} | "
+                     f"{r['busbw_gbs']:.1f} |")
+    lines += ["", "Best per impl:", "", "| TP | H | T | impl | us/call | CTAs |",
+              "|---|---|---|---|---|---|"]
+    for (tp, h, t, impl), r in sorted(_best_ffi(rows).items()):
+        lines.append(f"| {tp} | {h} | {t} | {impl} | {r['us']:.1f} | {r['num_ctas'] or ''} |")
+    with open(os.path.join(out, "kernel_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[-(len(_best_ffi(rows)) + 2):]))
+
+
+def _plot(out, rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = _best_ffi(rows)
+    keys = sorted({(tp, h) for tp, h, _, _ in best})
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for ax, (tp, h) in zip(axes[0], keys, strict=True):
+        for impl in sorted({k[3] for k in best}):
+            pts = sorted((t, r["us"]) for (a, b, t, i), r in best.items()
+                         if (a, b, i) == (tp, h, impl))
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per call",
+               title=f"TP={tp} H={h}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "kernel_bench.png"), dpi=100)
+
+
+if __name__ == "__main__":
+    main()

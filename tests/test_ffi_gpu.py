@@ -1,0 +1,243 @@
+"""GPU tests of the fused kernel (skipped without at least two peer GPUs)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_tokenweave import _ffi, ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
+EPS = 1e-6
+
+
+@pytest.fixture
+def mesh2(gpu_mesh):
+    mesh = gpu_mesh(2)
+    if _ffi.import_error() is not None:
+        pytest.skip(f"extension not built: {_ffi.import_error()}")
+    why = _ffi.unavailable_reason(mesh, "tp", jnp.bfloat16, (16, 4096))
+    if why is not None:
+        pytest.skip(why)
+    return mesh
+
+
+def _shard(mesh, fn, n_in, n_out):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * (n_in - 1) + (P(),),
+                                 out_specs=(P("tp"),) * n_out, check_vma=False))
+
+
+def _inputs(rng, n, tokens, hidden, dtype):
+    rows = ops.rows_per_rank(tokens, n)
+    partial = rng.standard_normal((n * tokens, hidden)).astype(np.float32)
+    residual = rng.standard_normal((n * rows, hidden)).astype(np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    return (jnp.asarray(partial, dtype), jnp.asarray(residual, dtype), jnp.asarray(weight, dtype))
+
+
+def _reference(partial, residual, weight, n):
+    p = np.asarray(partial, np.float64)
+    r = np.asarray(residual, np.float64)
+    tokens = p.shape[0] // n
+    rows = r.shape[0] // n
+    summed = p.reshape(n, tokens, -1).sum(0)
+    res_out = r.copy()
+    padded = np.zeros((n * rows, p.shape[1]))
+    padded[:tokens] = summed
+    res_out += padded
+    x = res_out[:tokens]
+    normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * np.asarray(weight, np.float64)
+    return normed, res_out
+
+
+def _rel(got, want):
+    got = np.asarray(got, np.float64)
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def _poison(mesh, shapes_dtypes):
+    """Fill freed device memory with NaN so unwritten outputs would show."""
+    for shape, dtype in shapes_dtypes:
+        for d in mesh.devices.flat:
+            jax.device_put(jnp.full((4 * shape[0], *shape[1:]), jnp.nan, dtype), d).delete()
+
+
+def _check(mesh, outs, partial, residual, weight, dtype):
+    n = mesh.shape["tp"]
+    normed, res_out = (np.asarray(o.astype(jnp.float32)) for o in outs)
+    want_n, want_r = _reference(partial, residual, weight, n)
+    tokens = partial.shape[0] // n
+    assert np.isfinite(normed).all() and np.isfinite(res_out).all()
+    copies = normed.reshape(n, tokens, -1)
+    for c in copies[1:]:  # every rank holds the same normed rows, bitwise
+        np.testing.assert_array_equal(c, copies[0])
+    assert _rel(copies[0], want_n) < TOL[dtype]
+    assert _rel(res_out, want_r) < TOL[dtype]
+    pad = want_r.shape[0] - tokens  # padding rows: residual carried through exactly
+    if pad:
+        np.testing.assert_array_equal(res_out[tokens:],
+                                      np.asarray(residual.astype(jnp.float32))[tokens:])
+
+
+@functools.cache
+def _op(mesh, algo, num_ctas=16, slot=0):
+    def body(p, r, w):
+        return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=mesh, eps=EPS, slot=slot,
+                                      num_ctas=num_ctas, algo=algo)
+
+    return _shard(mesh, body, 3, 2)
+
+
+CASES = [(t, h, d) for d in (jnp.bfloat16, jnp.float32) for h in (4096, 8192)
+         for t in (1, 3, 16, 128, 1024, 4096)] + [(t, 4096, jnp.float16) for t in (3, 1024)]
+
+
+@pytest.mark.parametrize("algo", ["two_shot", "one_shot"])
+@pytest.mark.parametrize(("tokens", "hidden", "dtype"), CASES)
+def test_matches_float64_reference(mesh2, rng, tokens, hidden, dtype, algo):
+    if algo == "one_shot" and tokens > 1024:
+        pytest.skip("one-shot is for small messages")
+    args = _inputs(rng, 2, tokens, hidden, dtype)
+    _poison(mesh2, [((tokens, hidden), dtype)])
+    outs = _op(mesh2, algo)(*args)
+    _check(mesh2, outs, *args, dtype)
+
+
+@pytest.mark.parametrize("num_ctas", [2, 8, 32])
+def test_num_ctas(mesh2, rng, num_ctas):
+    args = _inputs(rng, 2, 333, 4096, jnp.bfloat16)
+    _check(mesh2, _op(mesh2, "auto", num_ctas)(*args), *args, jnp.bfloat16)
+
+
+def test_ops_ffi_and_auto_match_xla_rsag(mesh2, rng):
+    args = _inputs(rng, 2, 100, 4096, jnp.bfloat16)
+    res = {}
+    for impl in ("ffi", "auto", "xla_rsag"):
+        def body(p, r, w, impl=impl):
+            return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl=impl, mesh=mesh2, eps=EPS)
+
+        res[impl] = _shard(mesh2, body, 3, 2)(*args)
+    for impl in ("ffi", "auto"):
+        for g, w in zip(res[impl], res["xla_rsag"], strict=True):
+            assert _rel(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float64))) < 1e-2
+    np.testing.assert_array_equal(np.asarray(res["ffi"][0]), np.asarray(res["auto"][0]))
+
+
+@pytest.mark.parametrize(("tokens", "algo"), [(1024, "two_shot"), (16, "one_shot")])
+def test_1000_back_to_back_calls(mesh2, rng, tokens, algo):
+    iters = 1000
+    p, r, w = _inputs(rng, 2, tokens, 4096, jnp.bfloat16)
+    p = p * 0.01  # the residual grows by the sum each step
+
+    def chain(p, r, w):
+        def step(_, carry):
+            return _ffi.allreduce_rmsnorm(p, carry[1], w, axis_name="tp", mesh=mesh2, eps=EPS,
+                                          algo=algo)
+
+        return jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(p), r))
+
+    got = _shard(mesh2, chain, 3, 2)(p, r, w)
+    single = _op(mesh2, algo)
+    carry = (None, r)
+    for _ in range(iters):
+        carry = single(p, carry[1], w)
+    for g, want in zip(got, carry, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+
+
+def test_two_slots_interleaved(mesh2, rng):
+    iters = 100
+    pa, ra, w = _inputs(rng, 2, 1000, 8192, jnp.bfloat16)
+    pb, rb, _ = _inputs(rng, 2, 77, 8192, jnp.bfloat16)
+    pa, pb = pa * 0.01, pb * 0.01
+
+    def both(pa, ra, pb, rb, w):
+        def step(_, c):
+            a = _ffi.allreduce_rmsnorm(pa, c[1], w, axis_name="tp", mesh=mesh2, eps=EPS, slot=0)
+            b = _ffi.allreduce_rmsnorm(pb, c[3], w, axis_name="tp", mesh=mesh2, eps=EPS, slot=1)
+            return (*a, *b)
+
+        return jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(pa), ra, jnp.zeros_like(pb), rb))
+
+    got = _shard(mesh2, both, 5, 4)(pa, ra, pb, rb, w)
+    a, b = (None, ra), (None, rb)
+    for _ in range(iters):
+        a = _op(mesh2, "auto", 16, 0)(pa, a[1], w)
+        b = _op(mesh2, "auto", 16, 1)(pb, b[1], w)
+    for g, want in zip(got, (*a, *b), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+    _check(mesh2, _op(mesh2, "auto", 16, 1)(pb, rb, w), pb, rb, w, jnp.bfloat16)
+
+
+def test_start_done_matches_sync(mesh2, rng):
+    pa, ra, w = _inputs(rng, 2, 2000, 8192, jnp.bfloat16)
+    pb, rb, _ = _inputs(rng, 2, 500, 8192, jnp.bfloat16)
+    kw = dict(axis_name="tp", mesh=mesh2, eps=EPS)
+
+    def overlapped(pa, ra, pb, rb, w):
+        pend = _ffi.allreduce_rmsnorm_start(pa, ra, w, slot=2, **kw)
+        pend, pb = jax.lax.optimization_barrier((pend, pb))
+        b = _ffi.allreduce_rmsnorm(pb * 2, rb, w, slot=3, **kw)  # on XLA's stream meanwhile
+        pend, b = jax.lax.optimization_barrier((pend, b))
+        a = _ffi.allreduce_rmsnorm_done(pend, slot=2, axis_name="tp", mesh=mesh2)
+        return (*a, *b)
+
+    got = _shard(mesh2, overlapped, 5, 4)(pa, ra, pb, rb, w)
+    _check(mesh2, got[:2], pa, ra, w, jnp.bfloat16)
+    _check(mesh2, got[2:], pb * 2, rb, w, jnp.bfloat16)
+    want = _op(mesh2, "auto", 16, 0)(pa, ra, w)
+    for g, x in zip(got[:2], want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
+
+    def chain(pa, ra, w):
+        def step(_, c):
+            pend = _ffi.allreduce_rmsnorm_start(pa, c[1], w, slot=2, **kw)
+            return _ffi.allreduce_rmsnorm_done(pend, slot=2, axis_name="tp", mesh=mesh2)
+
+        return jax.lax.fori_loop(0, 200, step, (jnp.zeros_like(pa), ra))
+
+    pa = pa * 0.01
+    got = _shard(mesh2, chain, 3, 2)(pa, ra, w)
+    c = (None, ra)
+    for _ in range(200):
+        c = _op(mesh2, "auto", 16, 0)(pa, c[1], w)
+    for g, x in zip(got, c, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
+
+
+def test_errors(mesh2, rng, monkeypatch):
+    args = _inputs(rng, 2, 16, 4096, jnp.bfloat16)
+
+    def body(p, r, w):
+        return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=mesh2, num_ctas=64)
+
+    with pytest.raises(ValueError, match="num_ctas"):
+        _shard(mesh2, body, 3, 2)(*args)
+    monkeypatch.setenv("JAX_TOKENWEAVE_WORKSPACE_MB", "16")
+    why = _ffi.unavailable_reason(mesh2, "tp", jnp.bfloat16, (4096, 8192))
+    assert why is not None and "JAX_TOKENWEAVE_WORKSPACE_MB" in why
+    big = _inputs(rng, 2, 4096, 8192, jnp.bfloat16)
+
+    def body2(p, r, w):
+        return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl="ffi", mesh=mesh2)
+
+    with pytest.raises(RuntimeError, match="workspace"):
+        _shard(mesh2, body2, 3, 2)(*big)
+
+
+def test_under_shard_map_with_check_vma(mesh2, rng):
+    args = _inputs(rng, 2, 64, 4096, jnp.bfloat16)
+
+    def body(p, r, w):
+        return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl="ffi", mesh=mesh2, eps=EPS)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh2, in_specs=(P("tp"), P("tp"), P()),
+                              out_specs=(P("tp"), P("tp"))))
+    _check(mesh2, f(*args), *args, jnp.bfloat16)
