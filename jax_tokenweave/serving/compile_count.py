@@ -1,0 +1,43 @@
+"""Count XLA compilations, to check that a serving loop does not recompile after warm-up.
+
+Listens to JAX's monitoring event for backend compilation (emitted once per compiled
+executable, not on a jit cache hit); works on jax 0.10 and 0.11.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import jax
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """``count``: backend compilations seen while the counter is active (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.active = True
+        self._lock = threading.Lock()
+
+    def _listener(self, event: str, duration_secs: float, **_: object) -> None:
+        if self.active and event == BACKEND_COMPILE_EVENT:
+            with self._lock:
+                self.count += 1
+
+
+@contextlib.contextmanager
+def count_compilations() -> Iterator[CompileCounter]:
+    """``with count_compilations() as c: ...``; then ``c.count`` is the number of compiles."""
+    counter = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(counter._listener)
+    try:
+        yield counter
+    finally:
+        counter.active = False  # stays inert where JAX cannot unregister listeners
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is not None:
+            unregister(counter._listener)

@@ -1,0 +1,132 @@
+"""The two jitted serving steps: ``prefill`` (prompts -> cache + first token) and ``decode``.
+
+Both are pure functions of ``(model state, cache, ...)`` with static shapes; the engine
+(``serving.engine``) jits them once per shape bucket and donates the cache.
+
+* Prefill: ``P`` prompts, each padded at its end to the bucket length ``Lb``, packed back to
+  back (``P * Lb`` tokens) and laid out as ``plan_batch([Lb] * P)``: the weave schedule splits
+  the batch when it has at least ``weave_threshold`` tokens (or always/never when forced). The
+  padding sits after each prompt's real tokens, so causal attention keeps it out of the real
+  tokens' results; its K/V land in cache rows the decode mask hides until they are overwritten.
+* Decode: one token per slot, ``B`` slots; no split. Per layer: q/k/v of the new token, its K/V
+  written into the cache at its position, attention over the slot's cache rows ``0..position``,
+  then the fused ``allreduce_rmsnorm`` (``decode_impl``: ``auto``/``xla_rsag`` with the residual
+  token-sharded, ``ceil(B/N)`` rows per rank, or ``xla`` = all-reduce with it replicated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jax_tokenweave import ops
+from jax_tokenweave.layers import WeaveDecoder, param_specs
+from jax_tokenweave.serving.kv_cache import KVCache, decode_attention, write_prompts
+from jax_tokenweave.serving.sampling import sample
+from jax_tokenweave.split import BatchPlan
+
+DECODE_IMPLS = ("auto", "xla_rsag", "xla")
+
+
+def prefill(model: Any, cache: KVCache, tokens: jax.Array, last_index: jax.Array,
+            slots: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
+            plan: BatchPlan, schedule: str, comm: str) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Run ``P`` padded prompts, fill their cache slots, sample each one's first new token.
+
+    Args:
+      model: a causal LM with ``decoder`` (``WeaveDecoder``), ``embed_tokens(tokens)`` and
+        ``logits(hidden)`` (``models.llama.LlamaModel``).
+      tokens: int32 [P, Lb], each prompt padded at its end.
+      last_index: int32 [P], index of each prompt's last real token (its length - 1).
+      slots: int32 [P], cache slot per prompt; ``>= cache.num_slots`` for padding prompts.
+      plan: ``plan_batch([Lb] * P, ...)``.
+
+    Returns:
+      ``(next_tokens int32 [P], logits float [P, V] of each last real token, cache)``.
+    """
+    p, lb = tokens.shape
+    hidden = model.embed_tokens(tokens.reshape(-1))
+    out, kvs = model.decoder(hidden, plan, schedule=schedule, comm=comm, return_kv=True)
+    for i, (k, v) in enumerate(kvs):
+        cache = write_prompts(cache, i, k.reshape(p, lb, *k.shape[1:]),
+                              v.reshape(p, lb, *v.shape[1:]), slots)
+    last = out.reshape(p, lb, -1)[jnp.arange(p), last_index]
+    logits = model.logits(last)
+    return sample(logits, key, temperature, top_p), logits, cache
+
+
+def decode(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+           key: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
+           impl: str = "auto") -> tuple[jax.Array, jax.Array, KVCache]:
+    """One new token for each of the ``B`` slots.
+
+    ``tokens`` int32 [B] (each slot's latest token), ``positions`` int32 [B] (its position:
+    the slot's length before this token). Returns ``(next int32 [B], logits [B, V], cache)``.
+    Slots not in use may hold anything; their outputs are meaningless and harmless.
+    """
+    hidden = model.embed_tokens(tokens)
+    x, k, v = decoder_step(model.decoder, hidden, positions, cache.k, cache.v, impl=impl)
+    logits = model.logits(x)
+    return sample(logits, key, temperature, top_p), logits, KVCache(k, v)
+
+
+def decoder_step(decoder: WeaveDecoder, hidden: jax.Array, positions: jax.Array,
+                 k_cache: jax.Array, v_cache: jax.Array, *,
+                 impl: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decoder stack on one token per slot, reading and extending the cache.
+
+    ``hidden`` [B, H] replicated, ``positions`` int32 [B], caches [L, B, S, KVH, D] sharded over
+    KVH. Returns the final-normed hidden [B, H] (replicated) and the updated caches.
+    """
+    if impl not in DECODE_IMPLS:
+        raise ValueError(f"decode impl must be one of {DECODE_IMPLS}, got {impl!r}")
+    graphdef, state = nnx.split(decoder)
+    axis = decoder.axis_name
+    eps = decoder.config.rms_norm_eps
+    mesh = decoder.mesh
+
+    def per_rank(state: Any, x: jax.Array, pos: jax.Array, kc: jax.Array,
+                 vc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        dec = nnx.merge(graphdef, state)
+        layers = list(dec.layers)
+        rows = jnp.arange(x.shape[0])
+        residual = x if impl == "xla" else _own_rows(x, axis)
+        h = layers[0].input_norm(x)
+
+        def reduce(partial: jax.Array, res: jax.Array, w: jax.Array, slot: int):
+            return ops.allreduce_rmsnorm(partial, res, w, axis_name=axis, eps=eps, impl=impl,
+                                         mesh=mesh, slot=slot)
+
+        for i, layer in enumerate(layers):
+            q, k, v = layer.qkv(h, pos)
+            kc = kc.at[i, rows, pos].set(k.astype(kc.dtype))
+            vc = vc.at[i, rows, pos].set(v.astype(vc.dtype))
+            attn = decode_attention(q, kc[i], vc[i], pos)
+            h, residual = reduce(layer.attention_out(attn.reshape(q.shape)), residual,
+                                 layer.post_attention_layernorm[...], 0)
+            w_next = layers[i + 1].input_layernorm[...] if i + 1 < len(layers) \
+                else dec.final_norm[...]
+            h, residual = reduce(layer.mlp(h), residual, w_next, 0)
+        return h, kc, vc
+
+    kv_spec = P(None, None, None, axis, None)
+    fn = jax.shard_map(per_rank, mesh=mesh,
+                       in_specs=(param_specs(decoder), P(), P(), kv_spec, kv_spec),
+                       out_specs=(P(), kv_spec, kv_spec), check_vma=False)
+    return fn(state, hidden, positions, k_cache, v_cache)
+
+
+def _own_rows(x: jax.Array, axis_name: str) -> jax.Array:
+    """This rank's ``ceil(T/N)`` rows of ``x`` [T, H], zero rows past T (token-sharded)."""
+    n = jax.lax.axis_size(axis_name)
+    rows = ops.rows_per_rank(x.shape[0], n)
+    padded = jnp.pad(x, ((0, rows * n - x.shape[0]), (0, 0)))
+    return jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axis_name) * rows, rows, 0)
+
+
+StepFn = Callable[..., tuple[jax.Array, jax.Array, KVCache]]

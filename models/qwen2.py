@@ -1,0 +1,31 @@
+"""Qwen2: the Llama architecture with a bias on the q/k/v projections (``qkv_bias=True``).
+
+``Qwen2Model`` is ``LlamaModel`` with that checked; the biases are ``decoder.layers.{i}.q_bias``
+etc. (see ``jax_tokenweave.layers``). Qwen2's sliding window is not implemented (full causal
+attention; the loader warns where a checkpoint enables it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax_tokenweave.models.llama import LlamaModel
+
+from jax_tokenweave.config import DecoderConfig
+
+
+class Qwen2Model(LlamaModel):
+    """``LlamaModel`` for Qwen2 configs (``config.qkv_bias`` must be True, no experts)."""
+
+    def __init__(self, config: DecoderConfig, *args: Any, **kwargs: Any) -> None:
+        if not config.qkv_bias or config.num_experts:
+            raise ValueError("Qwen2Model needs config.qkv_bias=True and num_experts=0")
+        super().__init__(config, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str, mesh: Any, dtype: Any = None,
+                        **kwargs: Any) -> Qwen2Model:
+        """Load a Hugging Face Qwen2 checkpoint directory (``jax_tokenweave.hf``)."""
+        from jax_tokenweave import hf
+
+        return hf.from_pretrained(path, mesh, dtype, model_cls=cls, **kwargs)

@@ -1,0 +1,62 @@
+"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Mixtral) for the loading/serving tests.
+
+Built with ``transformers`` on CPU torch and saved with ``save_pretrained`` in small shards, so
+every checkpoint is a sharded ``*.safetensors`` set with an index.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+KINDS = ("llama", "qwen2", "mixtral")
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=4, vocab_size=256, max_position_embeddings=512)
+
+
+def hf_config(kind: str, **overrides: Any):
+    """A tiny ``transformers`` config of ``kind`` (llama has llama3 rope scaling + tied
+    embeddings, qwen2 qkv bias, mixtral 4 experts top-2)."""
+    import transformers
+
+    kw = dict(_COMMON)
+    if kind == "llama":
+        kw.update(tie_word_embeddings=True, rope_theta=10000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        cls = transformers.LlamaConfig
+    elif kind == "qwen2":
+        cls = transformers.Qwen2Config
+    elif kind == "mixtral":
+        kw.update(num_local_experts=4, num_experts_per_tok=2)
+        cls = transformers.MixtralConfig
+    else:
+        raise ValueError(kind)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def make_hf_model(kind: str, seed: int = 0, **overrides: Any):
+    """A float32 ``transformers`` causal LM of ``kind`` with random weights, in eval mode."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(kind, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():  # larger than the default 0.02 init, so the logits are not flat
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def save_checkpoint(model, path: str, max_shard_size: str = "40KB") -> str:
+    """``save_pretrained`` in small safetensors shards (with an index); returns ``path``."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, max_shard_size=max_shard_size, safe_serialization=True)
+    return path

@@ -1,0 +1,150 @@
+"""Serving loop: sampling, EOS / max-token stops, weave prefill of a cut request, static shapes
+(no recompilation over a stream of requests) and input errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from jax_tokenweave.models.configs import get_config
+from jax_tokenweave.models.llama import LlamaModel
+
+from jax_tokenweave.serving import Engine, ServingConfig, count_compilations, sample
+from jax_tokenweave.serving.buckets import batch_bucket, length_bucket, next_pow2
+from jax_tokenweave.split import plan_batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("tp",))
+    return LlamaModel(get_config("tiny"), mesh, dtype=jnp.float32, rngs=nnx.Rngs(3))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, ServingConfig(max_batch=4, max_seq_len=64))
+
+
+def _prompts(rng: np.random.Generator, lengths) -> list[list[int]]:
+    return [rng.integers(0, 256, int(n)).tolist() for n in lengths]
+
+
+# ---- pieces --------------------------------------------------------------------------------
+
+def test_buckets():
+    assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 17)] == [1, 1, 2, 4, 4, 8, 32]
+    assert length_bucket(3) == 16 and length_bucket(17) == 32 and length_bucket(3, 4) == 4
+    assert batch_bucket(3, 8) == 4 and batch_bucket(5, 6) == 6
+    with pytest.raises(ValueError):
+        length_bucket(0)
+
+
+def test_sample_greedy_and_top_p(rng):
+    logits = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
+    key = jax.random.key(0)
+    greedy = np.argmax(np.asarray(logits), axis=-1)
+    np.testing.assert_array_equal(sample(logits, key, 0.0, 1.0), greedy)
+    # top_p tiny keeps only the most likely token, whatever the temperature.
+    np.testing.assert_array_equal(sample(logits, key, 2.0, 1e-6), greedy)
+
+
+def test_sample_distribution():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.asarray(np.log(np.tile(probs, (4000, 1))), jnp.float32)
+    draws = np.asarray(sample(logits, jax.random.key(1), 1.0, 1.0))
+    freq = np.bincount(draws, minlength=4) / draws.size
+    np.testing.assert_allclose(freq, probs, atol=0.03)
+    # top_p = 0.7: the nucleus is {0, 1} (0.5 + 0.3 >= 0.7), renormalised to 5/8, 3/8.
+    draws = np.asarray(sample(logits, jax.random.key(2), 1.0, 0.7))
+    freq = np.bincount(draws, minlength=4) / draws.size
+    np.testing.assert_allclose(freq, [0.625, 0.375, 0, 0], atol=0.03)
+
+
+# ---- generate ------------------------------------------------------------------------------
+
+def test_prefill_logits_match_model(model, engine, rng):
+    prompts = _prompts(rng, (3, 9, 14))
+    _, logits = engine.prefill(prompts, [0, 1, 2], jax.random.key(0))
+    graphdef, state = nnx.split(model)
+    plan = plan_batch([len(p) for p in prompts])
+    forward = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, plan, schedule="baseline",
+                                                             comm="xla"))
+    want = np.asarray(forward(state, jnp.asarray(np.concatenate(prompts), jnp.int32)))
+    last = np.cumsum([len(p) for p in prompts]) - 1
+    np.testing.assert_allclose(logits, want[last], rtol=1e-5, atol=1e-5)
+
+
+def test_eos_and_max_tokens(engine, rng):
+    prompts = _prompts(rng, (4, 7))
+    full = engine.generate(prompts, 12, eos_token_ids=())
+    assert [len(o) for o in full] == [12, 12]
+    eos = full[0][5]
+    cut = engine.generate(prompts, 12, eos_token_ids=[eos])
+    for f, c in zip(full, cut, strict=True):
+        stop = f.index(eos) + 1 if eos in f else len(f)
+        assert c == f[:stop]
+    assert engine.generate(prompts, 1, eos_token_ids=()) == [f[:1] for f in full]
+
+
+def test_sampling_seeded(engine, rng):
+    prompts = _prompts(rng, (5, 6))
+    a = engine.generate(prompts, 10, temperature=1.0, top_p=0.9, seed=7, eos_token_ids=())
+    b = engine.generate(prompts, 10, temperature=1.0, top_p=0.9, seed=7, eos_token_ids=())
+    c = engine.generate(prompts, 10, temperature=1.0, top_p=0.9, seed=8, eos_token_ids=())
+    assert a == b and a != c
+
+
+def test_weave_split_cutting_a_prompt(model, engine, rng):
+    """One prompt in a forced-split prefill: the split cuts it; greedy output is unchanged."""
+    prompts = _prompts(rng, (21,))
+    weave = Engine(model, ServingConfig(max_batch=4, max_seq_len=64, force_split=True))
+    assert weave.plan(1, 32).cut_request == 0
+    assert weave.generate(prompts, 16, eos_token_ids=()) == \
+        engine.generate(prompts, 16, eos_token_ids=())
+
+
+def test_more_prompts_than_slots(engine, rng):
+    prompts = _prompts(rng, (3, 5, 8, 2, 6, 9))
+    together = engine.generate(prompts, 6, eos_token_ids=())
+    alone = [engine.generate([p], 6, eos_token_ids=())[0] for p in prompts]
+    assert together == alone
+
+
+def test_no_recompilation_after_warmup(engine, rng):
+    # Warm up every (prompts per group, length bucket) pair the stream below can hit.
+    for lengths in ((3,), (3, 9), (3, 5, 9, 14), (20,), (17, 30), (17, 20, 25, 30)):
+        engine.generate(_prompts(rng, lengths), 4, eos_token_ids=())
+    with count_compilations() as counter:
+        for _ in range(6):
+            n = int(rng.integers(1, 5))
+            lengths = rng.integers(1, 33, n)
+            engine.generate(_prompts(rng, lengths), int(rng.integers(1, 20)),
+                            temperature=float(rng.choice([0.0, 0.8])), top_p=0.9,
+                            seed=int(rng.integers(100)), eos_token_ids=[int(rng.integers(256))])
+    assert counter.count == 0
+
+
+def test_compile_counter_counts():
+    f = jax.jit(lambda x: x * 3 + 1)
+    x4, x5 = np.ones(4, np.float32), np.ones(5, np.float32)
+    with count_compilations() as counter:
+        f(x4)
+        f(x4)
+        f(x5)
+    assert counter.count == 2
+
+
+def test_input_errors(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[1, 2], []], 4)
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[1, 256]], 4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate([[1] * 40], 30)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([[1]], 0)
+    with pytest.raises(ValueError, match="schedule"):
+        ServingConfig(schedule="nocomm")
