@@ -1,8 +1,9 @@
 """Fused AllReduce + residual + RMSNorm: ``ffi`` vs ``xla`` (psum + norm) vs ``xla_rsag``.
 
 Method: for each configuration one jitted ``shard_map`` function runs the op K times in a
-fully unrolled ``lax.fori_loop`` (no per-iteration host sync; the residual output feeds the
-next call, so no call can be skipped or hoisted); it is timed with ``block_until_ready`` over
+fully unrolled ``lax.fori_loop`` (no per-iteration host sync; both outputs feed the next call,
+``normed`` as its ``partial`` and ``residual_out`` as its residual, so no call can be skipped,
+hoisted out of the loop or merged with another by XLA); it is timed with ``block_until_ready`` over
 R repetitions after a warm-up, and the median time divided by K is reported as the device time
 per call (one dispatch per K calls, so dispatch is amortised; the same method for every impl).
 The ffi result is checked against
@@ -18,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import time
 
 import jax
@@ -29,17 +29,18 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jax_tokenweave import _ffi, ops
+from jax_tokenweave.bench import git_commit
 
 
 def _fn(mesh, impl, iters, num_ctas, algo):
     def body(p, r, w):
         def step(_, c):
             if impl == "ffi":
-                return _ffi.allreduce_rmsnorm(p, c[1], w, axis_name="tp", mesh=mesh,
+                return _ffi.allreduce_rmsnorm(c[0], c[1], w, axis_name="tp", mesh=mesh,
                                               num_ctas=num_ctas, algo=algo)
-            return ops.allreduce_rmsnorm(p, c[1], w, axis_name="tp", impl=impl)
+            return ops.allreduce_rmsnorm(c[0], c[1], w, axis_name="tp", impl=impl)
 
-        return jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(p), r), unroll=True)
+        return jax.lax.fori_loop(0, iters, step, (p, r), unroll=True)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
                                  out_specs=(P("tp"), P("tp")), check_vma=False))
@@ -110,14 +111,10 @@ def main():
                          dtype=str(dtype), us=sec * 1e6, algbw_gbs=nbytes / sec / 1e9,
                          busbw_gbs=2 * (tp - 1) / tp * nbytes / sec / 1e9))
         tqdm.write(json.dumps(rows[-1]))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = git_commit() or "unknown"
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 device=gpus[0].device_kind, n_devices=len(gpus), jax=jax.__version__,
-                commit=commit + " plus uncommitted changes", method=__doc__.split("\n\n")[1])
+                commit=commit, method=__doc__.split("\n\n")[1])
     with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     _markdown(args.out, meta, rows)

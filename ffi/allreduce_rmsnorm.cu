@@ -17,7 +17,12 @@ namespace {
 
 constexpr int kGroup = 128;                  // threads per row: 4 rows per block at once
 constexpr int kGroups = kThreads / kGroup;
-constexpr int kU = 4;                        // vectors per thread in flight
+constexpr int kU = 4;                        // vectors per source per thread (copies, multimem)
+
+// Vectors per source per thread in the reduce phase of a kernel built for up to kMaxN ranks:
+// all (kMaxN + 1) x kURows loads of a step are issued before the first add, 9-10 in flight.
+template <int kMaxN>
+constexpr int kURows = kMaxN <= 2 ? 3 : (kMaxN <= 4 ? 2 : 1);
 
 __device__ __forceinline__ void GroupSync(int group) {
   asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(kGroup) : "memory");
@@ -41,7 +46,7 @@ __device__ __forceinline__ float GroupSum(float v, float* red, int group) {
 // into acc. Pass 1 rounds the sum to T, writes it to res_out (if not null) and stages it in the
 // thread's own `stage` locations (the normed row, overwritten in pass 2 by the same thread);
 // pass 2 normalises and hands each normed vector to emit(v, o).
-template <typename T, typename LoadSum, typename Emit>
+template <typename T, int kU, typename LoadSum, typename Emit>
 __device__ __forceinline__ void FusedRow(const KernelParams& p, LoadSum load_sum, char* res_out,
                                          char* stage, Emit emit, float* red, int group) {
   constexpr int kN = Vec<T>::kN;
@@ -109,12 +114,31 @@ __device__ __forceinline__ void AddRow(float (*acc)[Vec<T>::kN], const char* row
     if (v0 + u * kGroup < vpr) AddVec<T>(acc[u], x[u]);
 }
 
+// Adds vectors v0 + u*kGroup (u < kU, v < vpr) of the first `ns` of `rows` into acc[u], in row
+// order. Every load of the step is issued before the first add (kS*kU in flight per thread):
+// the reduce phase is bound by load latency, not bandwidth, at a handful of CTAs.
+template <typename T, int kS, int kU>
+__device__ __forceinline__ void LoadSum(float (*acc)[Vec<T>::kN], const char* const* rows, int ns,
+                                        int v0, int vpr) {
+  uint4 x[kS][kU];
+#pragma unroll
+  for (int s = 0; s < kS; ++s)
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (s < ns && v0 + u * kGroup < vpr) x[s][u] = Ldcg(rows[s] + (v0 + u * kGroup) * 16);
+#pragma unroll
+  for (int s = 0; s < kS; ++s)
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (s < ns && v0 + u * kGroup < vpr) AddVec<T>(acc[u], x[s][u]);
+}
+
 // residual_out row = residual row (padding rows past T), by one group.
 __device__ __forceinline__ void CopyRow(const char* src, char* dst, int vpr) {
   for (int v = threadIdx.x % kGroup; v < vpr; v += kGroup) St(dst + v * 16, Ldg(src + v * 16));
 }
 
-template <typename T>
+template <typename T, int kMaxN>
 __global__ void __launch_bounds__(kThreads) TwoShotKernel(KernelParams p) {
   __shared__ float red[kThreads / 32];
   const int group = threadIdx.x / kGroup;
@@ -145,16 +169,20 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(KernelParams p) {
       CopyRow(res_in, residual_out + row * rb, vpr);
       continue;
     }
-    FusedRow<T>(
+    const char* rows[kMaxN + 1];  // the N partials in rank order, then the residual
+#pragma unroll
+    for (int src = 0; src < kMaxN; ++src)
+      if (src < n)
+        rows[src] = src == r ? partial + g * rb
+                             : p.data[r] + (PeerIndex(src, r, n) * q + row) * rb;
+#pragma unroll
+    for (int src = 0; src < kMaxN; ++src)
+      if (src == n) rows[src] = res_in;
+    rows[kMaxN] = res_in;
+    FusedRow<T, kURows<kMaxN>>(
         p,
         [&](int v0, float (*acc)[Vec<T>::kN]) {
-          for (int src = 0; src < n; ++src) {
-            if (src == r)
-              AddRow<T, true>(acc, partial + g * rb, v0, vpr);
-            else
-              AddRow<T, false>(acc, p.data[r] + (PeerIndex(src, r, n) * q + row) * rb, v0, vpr);
-          }
-          AddRow<T, true>(acc, res_in, v0, vpr);
+          LoadSum<T, kMaxN + 1, kURows<kMaxN>>(acc, rows, n + 1, v0, vpr);
         },
         residual_out + row * rb, normed + g * rb,
         [&](int v, uint4 o) {
@@ -178,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(KernelParams p) {
   });
 }
 
-template <typename T>
+template <typename T, int kMaxN>
 __global__ void __launch_bounds__(kThreads) OneShotKernel(KernelParams p) {
   __shared__ float red[kThreads / 32];
   const int group = threadIdx.x / kGroup;
@@ -215,24 +243,25 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(KernelParams p) {
       continue;
     }
     const int g = idx, owner = g / q, row = g % q;
-    FusedRow<T>(
+    const char* res_row =
+        owner == r
+            ? residual + row * rb
+            : p.data[r] + res_area + (static_cast<int64_t>(PeerIndex(owner, r, n)) * q + row) * rb;
+    const char* rows[kMaxN + 1];  // the N partials in rank order, then the residual
+#pragma unroll
+    for (int src = 0; src < kMaxN; ++src)
+      if (src < n)
+        rows[src] = src == r ? partial + g * rb
+                             : p.data[r] +
+                                   (static_cast<int64_t>(PeerIndex(src, r, n)) * tokens + g) * rb;
+#pragma unroll
+    for (int src = 0; src < kMaxN; ++src)
+      if (src == n) rows[src] = res_row;
+    rows[kMaxN] = res_row;
+    FusedRow<T, kURows<kMaxN>>(
         p,
         [&](int v0, float (*acc)[Vec<T>::kN]) {
-          for (int src = 0; src < n; ++src) {
-            if (src == r)
-              AddRow<T, true>(acc, partial + g * rb, v0, vpr);
-            else
-              AddRow<T, false>(
-                  acc, p.data[r] + (static_cast<int64_t>(PeerIndex(src, r, n)) * tokens + g) * rb,
-                  v0, vpr);
-          }
-          if (owner == r)
-            AddRow<T, true>(acc, residual + row * rb, v0, vpr);
-          else
-            AddRow<T, false>(
-                acc,
-                p.data[r] + res_area + (static_cast<int64_t>(PeerIndex(owner, r, n)) * q + row) * rb,
-                v0, vpr);
+          LoadSum<T, kMaxN + 1, kURows<kMaxN>>(acc, rows, n + 1, v0, vpr);
         },
         owner == r ? residual_out + row * rb : nullptr, normed + g * rb,
         [&](int v, uint4 o) { St(normed + g * rb + v * 16, o); }, red, group);
@@ -314,7 +343,7 @@ __global__ void __launch_bounds__(kThreads) MultimemKernel(KernelParams p) {
       CopyRow(res_in, residual_out + row * rb, vpr);
       continue;
     }
-    FusedRow<T>(
+    FusedRow<T, kU>(
         p,
         [&](int v0, float (*acc)[Vec<T>::kN]) {
 #pragma unroll
@@ -336,15 +365,26 @@ __global__ void __launch_bounds__(kThreads) MultimemKernel(KernelParams p) {
   });
 }
 
+template <typename T, int kMaxN>
+void LaunchP2P(const KernelParams& p, Algo algo, int num_ctas, cudaStream_t stream) {
+  if (algo == Algo::kOneShot)
+    OneShotKernel<T, kMaxN><<<num_ctas, kThreads, 0, stream>>>(p);
+  else
+    TwoShotKernel<T, kMaxN><<<num_ctas, kThreads, 0, stream>>>(p);
+}
+
 template <typename T>
 cudaError_t Launch(const KernelParams& p, Algo algo, bool multimem, int num_ctas,
                    cudaStream_t stream) {
+  static_assert(kMaxRanks == 8, "LaunchP2P instances cover groups of up to 8 ranks");
   if (multimem)
     MultimemKernel<T><<<num_ctas, kThreads, 0, stream>>>(p);
-  else if (algo == Algo::kOneShot)
-    OneShotKernel<T><<<num_ctas, kThreads, 0, stream>>>(p);
+  else if (p.nranks <= 2)
+    LaunchP2P<T, 2>(p, algo, num_ctas, stream);
+  else if (p.nranks <= 4)
+    LaunchP2P<T, 4>(p, algo, num_ctas, stream);
   else
-    TwoShotKernel<T><<<num_ctas, kThreads, 0, stream>>>(p);
+    LaunchP2P<T, 8>(p, algo, num_ctas, stream);
   return cudaGetLastError();
 }
 

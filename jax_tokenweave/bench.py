@@ -183,7 +183,13 @@ def compile_forward(decoder: Any, plan: Any, hidden: jax.Array, *, schedule: str
 # ------------------------------------------------------------------------------ environment ---
 
 def git_commit() -> str | None:
-    """``HEAD`` of the source checkout (``+dirty`` if modified), or None outside one."""
+    """``HEAD`` of the source checkout (``+dirty`` if modified), or None outside one.
+
+    ``JAX_TOKENWEAVE_COMMIT`` wins where set: copies without ``.git`` (a GPU machine's) name the
+    commit they were made from that way.
+    """
+    if os.environ.get("JAX_TOKENWEAVE_COMMIT"):
+        return os.environ["JAX_TOKENWEAVE_COMMIT"]
     for root in (Path(__file__).resolve().parents[1], Path.cwd()):
         if not (root / ".git").exists():
             continue

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One GPU session in one call: build the package with its CUDA extension, run the GPU tests, the
+# kernel benchmark, the main job and the end-to-end benchmark, and pack every log and result into
+# $OUT/session.tgz (the device tool brings back at most 8 files). Run from the repository root:
+#
+#   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
+#
+# Stages (in this order, each optional): build tests kernel main e2e.
+# Knobs: TESTS (pytest paths), KERNEL_ARGS, MAIN_ARGS, E2E_ARGS; JAX_TOKENWEAVE_COMMIT names the
+# commit the copy was made from (the device machine gets no .git).
+# Never touches NCCL_NVLS_ENABLE and never sets JAX_TOKENWEAVE_MULTIMEM: no multicast here.
+set -u -o pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${OUT:-$repo/gpu_out}
+STAGES=${STAGES:-build tests kernel main}
+TESTS=${TESTS:-tests/test_ffi.py tests/test_ffi_gpu.py}
+KERNEL_ARGS=${KERNEL_ARGS:---tp 2 4 --hidden 8192 --tokens 1 128 1024 4096 16384 --ctas 8 16 32 --reps 10}
+MAIN_ARGS=${MAIN_ARGS:---model llama3-70b --layers 4 --tokens 2048 8192 --comm xla --iters 10}
+E2E_ARGS=${E2E_ARGS:---models llama3-70b --tp 4 --tokens 2048 8192 --layers 8 --iters 5}
+W=$(mktemp -d)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 JAX_TOKENWEAVE_TIMEOUT_S=${JAX_TOKENWEAVE_TIMEOUT_S:-10}
+start=$SECONDS
+log() { echo "[gpu_session $((SECONDS - start))s] $*"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+# -P: never import the source folder in place of the installed package.
+PY="python3 -P"
+
+{
+  date -u; nvidia-smi -L; nvidia-smi topo -m
+  env | grep -E 'NVLS|MULTICAST|JAX_TOKENWEAVE|CUDA_VISIBLE' | sort
+  python3 -c 'import jax, sys; print(sys.version, jax.__version__, jax.devices())'
+} > "$W/env.log" 2>&1
+cat "$W/env.log"
+
+status=0
+if has build; then
+  log "build"
+  if ! (cd "$repo" && python3 -m pip install -v --no-build-isolation --no-deps -e .) \
+      > "$W/build.log" 2>&1; then
+    log "editable install failed; trying a plain install"
+    (cd "$repo" && python3 -m pip install -v --no-build-isolation --no-deps .) \
+      >> "$W/build.log" 2>&1 || { tail -40 "$W/build.log"; log "BUILD FAILED"; status=1; }
+  fi
+  $PY -c 'from jax_tokenweave import _ffi; print("extension:", _ffi.import_error() or "loaded")'
+fi
+if has tests && [[ $status == 0 ]]; then
+  log "tests: $TESTS"
+  # shellcheck disable=SC2086
+  (cd "$repo" && timeout 300 $PY -m pytest -q -rfEs --durations=5 -p no:cacheprovider $TESTS) \
+    > "$W/tests.log" 2>&1 || status=$?
+  tail -25 "$W/tests.log"
+fi
+if has kernel; then
+  log "kernel benchmark: $KERNEL_ARGS"
+  # shellcheck disable=SC2086
+  timeout 280 $PY "$repo/benchmarks/kernel_bench.py" --out "$W/kernel" $KERNEL_ARGS \
+    > "$W/kernel.log" 2>&1 || status=$?
+  cat "$W/kernel/kernel_bench.md" 2>/dev/null || tail -20 "$W/kernel.log"
+fi
+if has main; then
+  log "main job: $MAIN_ARGS"
+  # shellcheck disable=SC2086
+  (cd "$W" && timeout 240 $PY -m jax_tokenweave.bench --no-progress --json "$W/bench.json" \
+    --plot "$W/bench.png" $MAIN_ARGS) > "$W/bench.txt" 2>&1 || status=$?
+  tail -20 "$W/bench.txt"
+fi
+if has e2e; then
+  log "e2e benchmark: $E2E_ARGS"
+  # shellcheck disable=SC2086
+  timeout 300 $PY "$repo/benchmarks/e2e_bench.py" --out "$W/e2e" $E2E_ARGS \
+    > "$W/e2e.txt" 2>&1 || status=$?
+  cat "$W/e2e/e2e.md" 2>/dev/null || tail -30 "$W/e2e.txt"
+fi
+tar czf "$OUT/session.tgz" -C "$W" .
+log "done (status $status); results in $OUT/session.tgz"
+exit "$status"
