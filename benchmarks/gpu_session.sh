@@ -6,7 +6,8 @@
 #   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
 # Stages (in this order, each optional): build tests kernel main e2e.
-# Knobs: TESTS (pytest paths), KERNEL_ARGS, MAIN_ARGS, E2E_ARGS; JAX_TOKENWEAVE_COMMIT names the
+# Knobs: TESTS (pytest paths), KERNEL_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
+# T_KERNEL, T_MAIN, T_E2E (seconds); JAX_TOKENWEAVE_COMMIT names the
 # commit the copy was made from (the device machine gets no .git).
 # Never touches NCCL_NVLS_ENABLE and never sets JAX_TOKENWEAVE_MULTIMEM: no multicast here.
 set -u -o pipefail
@@ -47,28 +48,28 @@ fi
 if has tests && [[ $status == 0 ]]; then
   log "tests: $TESTS"
   # shellcheck disable=SC2086
-  (cd "$repo" && timeout 300 $PY -m pytest -q -rfEs --durations=5 -p no:cacheprovider $TESTS) \
+  (cd "$repo" && timeout ${T_TESTS:-150} $PY -m pytest -q -rfEs --durations=5 -p no:cacheprovider $TESTS) \
     > "$W/tests.log" 2>&1 || status=$?
   tail -25 "$W/tests.log"
 fi
 if has kernel; then
   log "kernel benchmark: $KERNEL_ARGS"
   # shellcheck disable=SC2086
-  timeout 280 $PY "$repo/benchmarks/kernel_bench.py" --out "$W/kernel" $KERNEL_ARGS \
+  timeout ${T_KERNEL:-200} $PY "$repo/benchmarks/kernel_bench.py" --out "$W/kernel" $KERNEL_ARGS \
     > "$W/kernel.log" 2>&1 || status=$?
   cat "$W/kernel/kernel_bench.md" 2>/dev/null || tail -20 "$W/kernel.log"
 fi
 if has main; then
   log "main job: $MAIN_ARGS"
   # shellcheck disable=SC2086
-  (cd "$W" && timeout 240 $PY -m jax_tokenweave.bench --no-progress --json "$W/bench.json" \
+  (cd "$W" && timeout ${T_MAIN:-180} $PY -m jax_tokenweave.bench --no-progress --json "$W/bench.json" \
     --plot "$W/bench.png" $MAIN_ARGS) > "$W/bench.txt" 2>&1 || status=$?
   tail -20 "$W/bench.txt"
 fi
 if has e2e; then
   log "e2e benchmark: $E2E_ARGS"
   # shellcheck disable=SC2086
-  timeout 300 $PY "$repo/benchmarks/e2e_bench.py" --out "$W/e2e" $E2E_ARGS \
+  timeout ${T_E2E:-300} $PY "$repo/benchmarks/e2e_bench.py" --out "$W/e2e" $E2E_ARGS \
     > "$W/e2e.txt" 2>&1 || status=$?
   cat "$W/e2e/e2e.md" 2>/dev/null || tail -30 "$W/e2e.txt"
 fi
