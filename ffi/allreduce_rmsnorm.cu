@@ -4,6 +4,12 @@
 //   scatter area; (b) barrier; (c) owner rows: sum the N partials + residual in float32, write
 //   residual_out, RMSNorm, write normed locally and push it into every peer's all-gather area;
 //   (d) barrier; (e) copy the peers' normed rows from the local all-gather area into `normed`.
+// direct (P2P, nothing staged): each rank publishes the addresses of its own `partial` and
+//   `normed` (XLA's buffers; peer access makes them reachable) in its workspace mailbox;
+//   barrier; owner rows: pull the N partials' rows straight from the peers' `partial`, add the
+//   residual, RMSNorm, store the normed rows into every rank's `normed`; barrier (so no rank
+//   returns, and lets XLA reuse its buffers, while a peer still reads or writes them).
+//   Moves the least data: no copy into or out of the workspace.
 // one-shot (small messages): push the whole partial and the own residual rows to every peer,
 //   one barrier, every rank reduces and normalises all T rows itself.
 // multimem (sm_90, opt-in): two-shot with multimem.ld_reduce / multimem.st on a multicast
@@ -268,6 +274,65 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(KernelParams p) {
   }
 }
 
+template <typename T, int kMaxN>
+__global__ void __launch_bounds__(kThreads) DirectKernel(KernelParams p) {
+  __shared__ float red[kThreads / 32];
+  __shared__ const char* peer_partial[kMaxRanks];
+  __shared__ char* peer_normed[kMaxRanks];
+  const int group = threadIdx.x / kGroup;
+  const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens;
+  const int vpr = p.hidden / Vec<T>::kN;
+  const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
+  const char* residual = static_cast<const char*>(p.residual);
+  char* residual_out = static_cast<char*>(p.residual_out);
+
+  // (a) publish this rank's buffers; the barrier makes them visible to every peer.
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned long long* box = reinterpret_cast<unsigned long long*>(p.data[r]);
+    box[0] = reinterpret_cast<unsigned long long>(p.partial);
+    box[1] = reinterpret_cast<unsigned long long>(p.normed);
+  }
+  Barrier(p, 0);
+  if (threadIdx.x < n) {
+    const unsigned long long* box =
+        reinterpret_cast<const unsigned long long*>(p.data[threadIdx.x]);
+    peer_partial[threadIdx.x] = reinterpret_cast<const char*>(__ldcg(box));
+    peer_normed[threadIdx.x] = reinterpret_cast<char*>(__ldcg(box + 1));
+  }
+  __syncthreads();
+
+  // (b) own rows: pull, reduce, norm, push to every rank (self first).
+  for (int row = blockIdx.x * kGroups + group; row < q; row += gridDim.x * kGroups) {
+    const int g = r * q + row;
+    const char* res_in = residual + row * rb;
+    if (g >= tokens) {
+      CopyRow(res_in, residual_out + row * rb, vpr);
+      continue;
+    }
+    const char* rows[kMaxN + 1];  // the N partials in rank order, then the residual
+#pragma unroll
+    for (int src = 0; src < kMaxN; ++src)
+      if (src < n) rows[src] = peer_partial[src] + g * rb;
+#pragma unroll
+    for (int src = 0; src < kMaxN; ++src)
+      if (src == n) rows[src] = res_in;
+    rows[kMaxN] = res_in;
+    char* own = static_cast<char*>(p.normed) + g * rb;
+    FusedRow<T, kURows<kMaxN>>(
+        p,
+        [&](int v0, float (*acc)[Vec<T>::kN]) {
+          LoadSum<T, kMaxN + 1, kURows<kMaxN>>(acc, rows, n + 1, v0, vpr);
+        },
+        residual_out + row * rb, own,
+        [&](int v, uint4 o) {
+          St(own + v * 16, o);
+          for (int k = 1; k < n; ++k) St(peer_normed[(r + k) % n] + g * rb + v * 16, o);
+        },
+        red, group);
+  }
+  Barrier(p, 1);
+}
+
 // ---- multimem (NVLink SHARP) variant: sm_90 only, opt-in, never run on shared machines. ----
 template <typename T> __device__ __forceinline__ uint4 MultimemLdReduce(const void* mc);
 template <> __device__ __forceinline__ uint4 MultimemLdReduce<float>(const void* mc) {
@@ -369,6 +434,8 @@ template <typename T, int kMaxN>
 void LaunchP2P(const KernelParams& p, Algo algo, int num_ctas, cudaStream_t stream) {
   if (algo == Algo::kOneShot)
     OneShotKernel<T, kMaxN><<<num_ctas, kThreads, 0, stream>>>(p);
+  else if (algo == Algo::kDirect)
+    DirectKernel<T, kMaxN><<<num_ctas, kThreads, 0, stream>>>(p);
   else
     TwoShotKernel<T, kMaxN><<<num_ctas, kThreads, 0, stream>>>(p);
 }

@@ -109,8 +109,9 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
     return ffi::Error::InvalidArgument("jax-tokenweave: num_ctas must be in [" +
                                        std::to_string(kMinCtas) + ", " + std::to_string(kMaxCtas) +
                                        "], got " + std::to_string(num_ctas));
-  if (algo < 0 || algo > 2)
-    return ffi::Error::InvalidArgument("jax-tokenweave: algo must be 0 (auto), 1 (two-shot) or 2 (one-shot)");
+  if (algo < 0 || algo > 3)
+    return ffi::Error::InvalidArgument(
+        "jax-tokenweave: algo must be 0 (auto), 1 (two-shot), 2 (one-shot) or 3 (direct)");
   for (const void* p : {partial.untyped_data(), residual.untyped_data(), weight.untyped_data(),
                         normed.untyped_data(), residual_out.untyped_data()})
     if (!Aligned(p)) return ffi::Error::InvalidArgument("jax-tokenweave: buffers must be 16-byte aligned");
@@ -121,8 +122,10 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
   if (a == Algo::kAuto)
     a = (tokens * hidden * es <= OneShotThreshold() && one <= comm.area_bytes()) ? Algo::kOneShot
                                                                                  : Algo::kTwoShot;
-  const int64_t need = comm.multimem() ? MultimemBytes(n, tokens, hidden, es)
-                                       : (a == Algo::kOneShot ? one : two);
+  const int64_t need = comm.multimem()          ? MultimemBytes(n, tokens, hidden, es)
+                       : a == Algo::kOneShot   ? one
+                       : a == Algo::kDirect    ? kDirectBytes
+                                               : two;
   if (need > comm.area_bytes())
     return ffi::Error::InvalidArgument(
         "jax-tokenweave: [" + std::to_string(tokens) + ", " + std::to_string(hidden) + "] needs " +

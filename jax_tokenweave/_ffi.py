@@ -42,8 +42,9 @@ TARGETS = {
     "allreduce_rmsnorm_start": "tokenweave_allreduce_rmsnorm_start",
     "allreduce_rmsnorm_done": "tokenweave_allreduce_rmsnorm_done",
 }
-ALGOS = {"auto": 0, "two_shot": 1, "one_shot": 2}
-Algo = Literal["auto", "two_shot", "one_shot"]
+ALGOS = {"auto": 0, "two_shot": 1, "one_shot": 2, "direct": 3}
+Algo = Literal["auto", "two_shot", "one_shot", "direct"]
+DIRECT_BYTES = 16  # the direct variant's mailbox
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 DEFAULT_NUM_CTAS = 16
 MIN_CTAS, MAX_CTAS, MAX_RANKS, MAX_HIDDEN = 2, 32, 8, 16384
@@ -83,6 +84,14 @@ def oneshot_bytes() -> int:
     return int(os.environ.get("JAX_TOKENWEAVE_ONESHOT_BYTES", str(64 * 1024)))
 
 
+def env_algo() -> str:
+    """``JAX_TOKENWEAVE_ALGO``: the variant ``algo="auto"`` runs ("auto" = chosen by size)."""
+    algo = os.environ.get("JAX_TOKENWEAVE_ALGO", "auto")
+    if algo not in ALGOS:
+        raise ValueError(f"JAX_TOKENWEAVE_ALGO must be one of {tuple(ALGOS)}, got {algo!r}")
+    return algo
+
+
 def multimem_requested() -> bool:
     return os.environ.get("JAX_TOKENWEAVE_MULTIMEM") == "1"
 
@@ -103,9 +112,15 @@ def area_bytes() -> int:
 
 
 def resolve_algo(algo: Algo, axis_size: int, dtype, shape) -> int:
-    """The kernel variant (1 two-shot, 2 one-shot) a call of this shape runs."""
+    """The kernel variant (1 two-shot, 2 one-shot, 3 direct) a call of this shape runs.
+
+    ``"auto"`` runs ``JAX_TOKENWEAVE_ALGO`` where that names a variant, else one-shot for
+    messages up to ``JAX_TOKENWEAVE_ONESHOT_BYTES`` and two-shot above.
+    """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {tuple(ALGOS)}, got {algo!r}")
+    if algo == "auto":
+        algo = env_algo()
     if algo != "auto":
         return ALGOS[algo]
     tokens, hidden = shape
@@ -116,7 +131,7 @@ def resolve_algo(algo: Algo, axis_size: int, dtype, shape) -> int:
 
 
 def needed_bytes(axis_size: int, dtype, shape, algo: int = 1) -> int:
-    """Bytes of a (slot, parity) area a call needs (two-shot: algo 1; one-shot: 2)."""
+    """Bytes of a (slot, parity) area a call needs (two-shot: algo 1; one-shot: 2; direct: 3)."""
     tokens, hidden = shape
     es = jnp.dtype(dtype).itemsize
     rows = -(-tokens // axis_size)
@@ -124,6 +139,8 @@ def needed_bytes(axis_size: int, dtype, shape, algo: int = 1) -> int:
         return 2 * axis_size * rows * hidden * es
     if algo == 2:
         return (axis_size - 1) * (tokens + rows) * hidden * es
+    if algo == 3:
+        return DIRECT_BYTES
     return 2 * (axis_size - 1) * rows * hidden * es
 
 
@@ -241,7 +258,8 @@ def allreduce_rmsnorm(partial: jax.Array, residual: jax.Array, weight: jax.Array
                       slot: int = 0, algo: Algo = "auto") -> tuple[jax.Array, jax.Array]:
     """The fused kernel, inside ``shard_map``: same contract as ``ops.allreduce_rmsnorm``
     (partial [T, H], token-sharded residual [ceil(T/N), H], weight [H]) -> (normed [T, H],
-    residual_out). ``algo``: "auto" (by size), "two_shot" or "one_shot"."""
+    residual_out). ``algo``: "auto" (by size, or JAX_TOKENWEAVE_ALGO), "two_shot", "one_shot"
+    or "direct" (see ffi/README.md)."""
     w32, attrs, outs = _prepare(partial, residual, weight, axis_name, mesh, num_ctas, slot, algo)
     call = jax.ffi.ffi_call(TARGETS["allreduce_rmsnorm"], outs)
     return call(partial, residual, w32, eps=np.float32(eps), **attrs)

@@ -99,7 +99,7 @@ CASES = [(t, h, d) for d in (jnp.bfloat16, jnp.float32) for h in (4096, 8192)
          for t in (1, 3, 16, 128, 1024, 4096)] + [(t, 4096, jnp.float16) for t in (3, 1024)]
 
 
-@pytest.mark.parametrize("algo", ["two_shot", "one_shot"])
+@pytest.mark.parametrize("algo", ["two_shot", "one_shot", "direct"])
 @pytest.mark.parametrize(("tokens", "hidden", "dtype"), CASES)
 def test_matches_float64_reference(mesh2, rng, tokens, hidden, dtype, algo):
     if algo == "one_shot" and tokens > 1024:
@@ -130,7 +130,8 @@ def test_ops_ffi_and_auto_match_xla_rsag(mesh2, rng):
     np.testing.assert_array_equal(np.asarray(res["ffi"][0]), np.asarray(res["auto"][0]))
 
 
-@pytest.mark.parametrize(("tokens", "algo"), [(1024, "two_shot"), (16, "one_shot")])
+@pytest.mark.parametrize(("tokens", "algo"),
+                         [(1024, "two_shot"), (16, "one_shot"), (1024, "direct")])
 def test_1000_back_to_back_calls(mesh2, rng, tokens, algo):
     iters = 1000
     p, r, w = _inputs(rng, 2, tokens, 4096, jnp.bfloat16)
@@ -176,10 +177,11 @@ def test_two_slots_interleaved(mesh2, rng):
     _check(mesh2, _op(mesh2, "auto", 16, 1)(pb, rb, w), pb, rb, w, jnp.bfloat16)
 
 
-def test_start_done_matches_sync(mesh2, rng):
+@pytest.mark.parametrize("algo", ["auto", "direct"])
+def test_start_done_matches_sync(mesh2, rng, algo):
     pa, ra, w = _inputs(rng, 2, 2000, 8192, jnp.bfloat16)
     pb, rb, _ = _inputs(rng, 2, 500, 8192, jnp.bfloat16)
-    kw = dict(axis_name="tp", mesh=mesh2, eps=EPS)
+    kw = dict(axis_name="tp", mesh=mesh2, eps=EPS, algo=algo)
 
     def overlapped(pa, ra, pb, rb, w):
         pend = _ffi.allreduce_rmsnorm_start(pa, ra, w, slot=2, **kw)
@@ -187,7 +189,7 @@ def test_start_done_matches_sync(mesh2, rng):
         b = _ffi.allreduce_rmsnorm(pb * 2, rb, w, slot=3, **kw)  # on XLA's stream meanwhile
         pend, b = jax.lax.optimization_barrier((pend, b))
         a = _ffi.allreduce_rmsnorm_done(pend, slot=2, axis_name="tp", mesh=mesh2)
-        return (*a, *b)
+        return (*a, *b)  # (the start's algo applies to b too: both run `algo`)
 
     got = _shard(mesh2, overlapped, 5, 4)(pa, ra, pb, rb, w)
     _check(mesh2, got[:2], pa, ra, w, jnp.bfloat16)
