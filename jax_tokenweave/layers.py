@@ -27,17 +27,37 @@ name                        shape          sharding              Hugging Face Ll
 arrays with the right ``NamedSharding``. Each Param carries its ``PartitionSpec`` as the metadata
 attribute ``tp_spec``.
 
-Schedules of ``WeaveDecoder.__call__`` (``comm`` picks the ``ops.allreduce_rmsnorm`` impl of
-``weave``: ``"xla"`` -> ``xla_rsag``, ``"ffi"`` -> ``ffi``, ``"auto"`` -> ``auto``):
+Schedules of ``WeaveDecoder.__call__`` (``comm`` picks the communication of ``weave``):
 
 * ``baseline``: plain TP. Residual replicated ``[T, H]``; after each row-parallel GEMM,
   ``allreduce_rmsnorm(impl="xla")`` (psum, then add + RMSNorm on all T rows).
 * ``weave``: the halves of ``batch.halves`` (one when the batch is not split), each with its
-  residual token-sharded (``[ceil(T_half/N), H]`` per rank). Per layer, in program order:
-  attn(A); fused(A); attn(B); fused(B); mlp(A); fused(A, next norm); mlp(B); fused(B, next norm).
-  Half B's piece of a request cut by the split attends to A's K/V of that request (same layer).
-  The first layer's input norm is local (no communication), the last fused op of each half uses
-  the final norm. Half h uses workspace ``slot=h``.
+  residual token-sharded (``[ceil(T_half/N), H]`` per rank). Half B's piece of a request cut by
+  the split attends to A's K/V of that request (same layer). The first layer's input norm is
+  local (no communication), the last fused op of each half uses the final norm. Half h uses
+  workspace ``slot=h``.
+
+  - ``comm="xla"`` (``ops`` impl ``xla_rsag``), or any comm with one half: per layer, in program
+    order, attn(A); fused(A); attn(B); fused(B); mlp(A); fused(A, next norm); mlp(B);
+    fused(B, next norm). With ``comm="ffi"`` and one half, fused is the synchronous kernel.
+  - ``comm="ffi"`` with two halves: each fused op is split into ``start`` (the kernel begins on
+    the device's side stream) and ``done`` (XLA's stream waits for it), and the other half's next
+    compute runs in between. Program order, ordered by data through
+    ``jax.lax.optimization_barrier`` (see :func:`_weave`)::
+
+      attn0(A) -> start(A) ; attn0(B) -> start(B) ; done(A) -> mlp0(A) -> start(A) ;
+      done(B) -> mlp0(B) -> start(B) ; done(A) -> attn1(A) -> start(A) ; done(B) -> attn1(B) ...
+      ... mlp_last(B) -> start(B) ; done(A) ; done(B)
+
+    so every kernel but the last runs while a GEMM block of the other half computes
+    (``jax_tokenweave.hlo_check`` verifies that in compiled HLO).
+  - ``comm="auto"``: ``"ffi"`` where ``_ffi.unavailable_reason`` is None for every half's
+    ``[T_half, H]`` (with its slot and the CTA count), else ``"xla"``; decided once per call at
+    trace time (:func:`resolve_comm`), so both halves use the same path.
+
+  ``tuning`` (a ``jax_tokenweave.tuning.TuneEntry``, default ``tuning.DEFAULT_ENTRY``) gives the
+  fused kernel's CTA count (``first_num_ctas`` for the stack's first fused call). Its ``offset``
+  is for planning the batch (``tuning.plan_batch``), not used here.
 * ``nocomm``: **NOT THE MODEL'S OUTPUT.** ``baseline`` with every collective removed (each rank
   adds its own partial sum only). It exists solely to time the communication away in benchmarks.
 """
@@ -60,12 +80,13 @@ from jax_tokenweave import ops
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.moe import MoE, reference_moe
 from jax_tokenweave.split import BatchPlan, Half, plan_batch
+from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
 Schedule = Literal["weave", "baseline", "nocomm"]
 Comm = Literal["auto", "xla", "ffi"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 COMMS: tuple[str, ...] = get_args(Comm)
-_COMM_IMPL = {"auto": "auto", "xla": "xla_rsag", "ffi": "ffi"}
+_COMM_IMPL = {"xla": "xla_rsag", "ffi": "ffi"}
 
 
 # ---------------------------------------------------------------------------- parameters ----
@@ -283,14 +304,23 @@ class WeaveDecoder(nnx.Module):
         load_weights(self, self.mesh, weights, strict=strict)
 
     def __call__(self, hidden: jax.Array, batch: BatchPlan, *, schedule: Schedule = "weave",
-                 comm: Comm = "auto", return_kv: bool = False) -> Any:
+                 comm: Comm = "auto", return_kv: bool = False,
+                 tuning: TuneEntry | None = None) -> Any:
         """Run the stack on ``hidden`` [T, H] (replicated) laid out as ``batch``.
 
         Returns the final-normed hidden states [T, H], replicated; with ``return_kv``, also a
         list over layers of ``(k, v)``, each [T, Nkv, D] sharded over heads (``P(None, tp)``),
         RoPE applied to k. ``schedule="nocomm"`` does NOT compute the model (module docstring).
+        ``tuning``: the fused kernel's CTA counts (module docstring; ``comm`` ffi only).
+        ``comm="ffi"`` where the kernel cannot run raises ``RuntimeError`` saying why.
         """
         check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, comm)
+        if tuning is not None and not isinstance(tuning, TuneEntry):
+            raise ValueError(f"tuning must be a tuning.TuneEntry or None, got {type(tuning)}")
+        entry = DEFAULT_ENTRY if tuning is None else tuning
+        resolved = (resolve_comm(comm, self.mesh, self.axis_name, self.dtype, batch,
+                                 self.config.hidden_size, entry)
+                    if schedule == "weave" else "xla")
         graphdef, state = nnx.split(self)
         specs = param_specs(self)
         axis = self.axis_name
@@ -298,7 +328,7 @@ class WeaveDecoder(nnx.Module):
         def per_rank(state: Any, x: jax.Array) -> Any:
             dec = nnx.merge(graphdef, state)
             if schedule == "weave":
-                out, kvs = _weave(dec, x, batch, _COMM_IMPL[comm])
+                out, kvs = _weave(dec, x, batch, resolved, entry)
             else:
                 out, kvs = _baseline(dec, x, batch, with_comm=schedule == "baseline")
             return (out, kvs) if return_kv else out
@@ -335,6 +365,42 @@ def check_call(config: DecoderConfig, dtype: jnp.dtype, tp: int, hidden: Any, ba
         raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
     if jnp.dtype(hidden.dtype) != jnp.dtype(dtype):
         raise ValueError(f"hidden dtype {hidden.dtype} differs from the model dtype {dtype}")
+
+
+def ffi_unavailable(mesh: Mesh, axis_name: str, dtype: Any, batch: BatchPlan, hidden_size: int,
+                    tuning: TuneEntry | None = None) -> str | None:
+    """Why ``schedule="weave", comm="ffi"`` cannot run this batch (None where it can): the first
+    half whose ``[T_half, H]`` call (its slot = half index, the tuned CTA counts) is refused by
+    ``_ffi.unavailable_reason``."""
+    from jax_tokenweave import _ffi
+
+    entry = DEFAULT_ENTRY if tuning is None else tuning
+    for j, half in enumerate(batch.halves):
+        for ctas in dict.fromkeys((entry.ctas(j == 0), entry.num_ctas)):
+            why = _ffi.unavailable_reason(mesh, axis_name, jnp.dtype(dtype),
+                                          (half.length, hidden_size), num_ctas=ctas, slot=j)
+            if why is not None:
+                return f"half {j} ([{half.length}, {hidden_size}]): {why}"
+    return None
+
+
+def resolve_comm(comm: str, mesh: Mesh, axis_name: str, dtype: Any, batch: BatchPlan,
+                 hidden_size: int, tuning: TuneEntry | None = None) -> str:
+    """The weave schedule's communication for this call, ``"xla"`` or ``"ffi"``.
+
+    ``"xla"`` stays; ``"ffi"`` raises ``RuntimeError`` where :func:`ffi_unavailable` gives a
+    reason; ``"auto"`` is ``"ffi"`` where it is available for every half, else ``"xla"``.
+    """
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    if comm == "xla":
+        return "xla"
+    why = ffi_unavailable(mesh, axis_name, dtype, batch, hidden_size, tuning)
+    if why is None:
+        return "ffi"
+    if comm == "ffi":
+        raise RuntimeError(f"comm='ffi' is unavailable: {why} (use comm='auto' or 'xla')")
+    return "xla"
 
 
 # -------------------------------------------------------------------- per-rank schedules ----
@@ -397,35 +463,88 @@ def _prefixes(half: Half, earlier_k: list[jax.Array],
     return out
 
 
-def _weave(dec: WeaveDecoder, hidden: jax.Array, batch: BatchPlan,
-           impl: str) -> tuple[jax.Array, list]:
-    """TokenWeave: halves interleaved layer by layer, residual token-sharded per half."""
+def _weave(dec: WeaveDecoder, hidden: jax.Array, batch: BatchPlan, comm: str,
+           tuning: TuneEntry = DEFAULT_ENTRY) -> tuple[jax.Array, list]:
+    """TokenWeave: halves interleaved layer by layer, residual token-sharded per half.
+
+    ``comm`` is resolved (``"xla"`` or ``"ffi"``, see :func:`resolve_comm`). With ``"ffi"`` and
+    two halves, every fused op is a ``start``/``done`` pair overlapped with the other half's
+    compute (module docstring); each step of half j ("stage": attn or mlp of one layer) is
+
+    1. make j's input ready: if j has a kernel in flight, ``done(j)`` -- ordered after the other
+       half's latest ``start`` (hence after the compute that fed it) by passing both pendings
+       through one ``optimization_barrier``; if not (layer 0), pass j's input through a barrier
+       with the other half's pending so j's compute is ordered after that ``start``;
+    2. compute j's partial sum (attention block or MLP), which depends on 1;
+    3. ``start(j)`` on slot j (reused only after its ``done`` in 1).
+
+    After the last layer: ``done(A)`` (after ``start(B)``), then ``done(B)``.
+    """
     eps, axis = dec.config.rms_norm_eps, dec.axis_name
     halves = batch.halves
+    overlap = comm == "ffi" and len(halves) == 2
+    impl = _COMM_IMPL[comm]
+    ncalls = [0]
 
-    def fused(partial: jax.Array, residual: jax.Array, w: jax.Array, slot: int):
-        return ops.allreduce_rmsnorm(partial, residual, w, axis_name=axis, eps=eps, impl=impl,
-                                     mesh=dec.mesh, slot=slot)
+    def ctas() -> int:
+        ncalls[0] += 1
+        return tuning.ctas(ncalls[0] == 1)
 
     positions = [h.positions() for h in halves]
     inputs = [hidden[h.start:h.end] for h in halves]
     residual = [_own_rows(x, axis) for x in inputs]
     x = [dec.layers[0].input_norm(xh) for xh in inputs]
+    pending: list[Any] = [None] * len(halves)
+
+    def ready(j: int) -> None:
+        """Step 1 above (overlap only): x[j], residual[j] valid, ordered after the other start."""
+        from jax_tokenweave import _ffi
+
+        other = 1 - j
+        if pending[j] is not None:
+            if pending[other] is not None:
+                pending[j], pending[other] = jax.lax.optimization_barrier(
+                    (pending[j], pending[other]))
+            x[j], residual[j] = _ffi.allreduce_rmsnorm_done(pending[j], axis_name=axis,
+                                                            mesh=dec.mesh, slot=j)
+            pending[j] = None
+        elif pending[other] is not None:
+            pending[other], x[j] = jax.lax.optimization_barrier((pending[other], x[j]))
+
+    def fused(partial: jax.Array, j: int, w: jax.Array) -> None:
+        """Steps 3 (overlap: start) or the synchronous fused op into x[j], residual[j]."""
+        if overlap:
+            from jax_tokenweave import _ffi
+
+            pending[j] = _ffi.allreduce_rmsnorm_start(partial, residual[j], w, axis_name=axis,
+                                                      mesh=dec.mesh, eps=eps, num_ctas=ctas(),
+                                                      slot=j)
+        else:
+            x[j], residual[j] = ops.allreduce_rmsnorm(
+                partial, residual[j], w, axis_name=axis, eps=eps, impl=impl, mesh=dec.mesh,
+                slot=j, num_ctas=ctas() if comm == "ffi" else None)
+
     kvs = []
     for i, layer in enumerate(dec.layers):
         ks: list[jax.Array] = []
         vs: list[jax.Array] = []
         for j, half in enumerate(halves):
+            if overlap:
+                ready(j)
             q, k, v = layer.qkv(x[j], positions[j])
             attn = layer.attention(q, k, v, half, prefix=_prefixes(half, ks, vs))
-            x[j], residual[j] = fused(layer.attention_out(attn), residual[j],
-                                      layer.post_attention_layernorm[...], j)
+            fused(layer.attention_out(attn), j, layer.post_attention_layernorm[...])
             ks.append(k)
             vs.append(v)
         w_next = _next_norm_weight(dec, i)
         for j in range(len(halves)):
-            x[j], residual[j] = fused(layer.mlp(x[j]), residual[j], w_next, j)
+            if overlap:
+                ready(j)
+            fused(layer.mlp(x[j]), j, w_next)
         kvs.append((_cat(ks), _cat(vs)))
+    if overlap:
+        for j in range(len(halves)):
+            ready(j)
     return _cat(x), kvs
 
 

@@ -1,0 +1,496 @@
+"""The weave schedule with the fused kernel's start/done pair (comm="ffi"), its tuning table and
+the compiled-HLO overlap checker.
+
+CPU: tuning.py; hlo_check on synthetic HLO; comm="ffi" refused / "auto" falling back; the
+overlapped schedule with pure-JAX stand-ins for the kernel (values == baseline, slot protocol,
+CTA counts); the ordering by data, read from the jaxpr of the real start/done calls.
+GPU (>= 2 peer GPUs): weave-ffi == baseline in bf16, and the overlap present in compiled HLO.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax_tokenweave.models.configs import get_config
+
+from jax_tokenweave import _ffi, hlo_check, ops, tuning
+from jax_tokenweave.layers import WeaveDecoder, named_params, resolve_comm
+from jax_tokenweave.split import plan_batch
+from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
+
+# ------------------------------------------------------------------------------- tuning ---
+
+
+def test_tune_entry_and_defaults():
+    assert TuneEntry(offset=None, num_ctas=16, first_num_ctas=8) == DEFAULT_ENTRY
+    assert DEFAULT_ENTRY.ctas(True) == 8 and DEFAULT_ENTRY.ctas(False) == 16
+    assert TuneEntry(0, 4).ctas(True) == 4
+    hash(TuneEntry(-128, 32, 2))
+    for bad in (dict(offset=None, num_ctas=1), dict(offset=None, num_ctas=33),
+                dict(offset=None, num_ctas=8.0), dict(offset=1.5, num_ctas=8),
+                dict(offset=None, num_ctas=8, first_num_ctas=64),
+                dict(offset=None, num_ctas=True)):
+        with pytest.raises(ValueError):
+            TuneEntry(**bad)
+
+
+def test_lookup_nearest_at_or_below():
+    table = {("m", 4, 1024): TuneEntry(0, 8), ("m", 4, 4096): TuneEntry(-128, 16, 8),
+             ("m", 2, 2048): TuneEntry(128, 32), ("other", 4, 512): TuneEntry(256, 4)}
+    assert tuning.lookup("m", 4, 1024, table) == TuneEntry(0, 8)
+    assert tuning.lookup("m", 4, 4095, table) == TuneEntry(0, 8)
+    assert tuning.lookup("m", 4, 4096, table) == TuneEntry(-128, 16, 8)
+    assert tuning.lookup("m", 4, 100000, table) == TuneEntry(-128, 16, 8)
+    assert tuning.lookup("m", 4, 1023, table) == DEFAULT_ENTRY       # below the smallest
+    assert tuning.lookup("m", 8, 4096, table) == DEFAULT_ENTRY       # other TP
+    assert tuning.lookup("nope", 4, 4096, table) == DEFAULT_ENTRY
+    assert tuning.lookup("m", 4, 4096) == DEFAULT_ENTRY              # DEFAULT_TABLE is empty
+    mine = TuneEntry(None, 2)
+    assert tuning.lookup("m", 1, 5, table, default=mine) is mine
+    for bad in (("", 4, 8), ("m", 0, 8), ("m", 4, 0), ("m", 4, 8.0), (None, 4, 8)):
+        with pytest.raises(ValueError):
+            tuning.lookup(*bad, table)
+    assert tuning.offsets(table) == {("m", 4, 1024): 0, ("m", 4, 4096): -128,
+                                     ("m", 2, 2048): 128, ("other", 4, 512): 256}
+
+
+def test_json_round_trip(tmp_path):
+    table = {("llama3-70b", 4, 8192): TuneEntry(-128, 16, 8),
+             ("llama3-70b", 4, 2048): TuneEntry(None, 8),
+             ("qwen2.5-72b", 2, 4096): TuneEntry(256, 32, None)}
+    path = tmp_path / "tune.json"
+    tuning.save(table, path, extra={("llama3-70b", 4, 8192): {"latency_ms": 1.5}})
+    data = json.loads(path.read_text())
+    assert data["format"] == tuning.FORMAT and len(data["entries"]) == 3
+    assert data["entries"][1]["latency_ms"] == 1.5   # sorted: (llama3-70b, 4, 2048) first
+    assert tuning.load(path) == table
+    assert tuning.from_json(tuning.to_json({})) == {}
+
+
+@pytest.mark.parametrize(("data", "match"), [
+    ([], "format"),
+    ({"format": "v0", "entries": []}, "format"),
+    ({"format": tuning.FORMAT}, "entries"),
+    ({"format": tuning.FORMAT, "entries": [1]}, "not an object"),
+    ({"format": tuning.FORMAT, "entries": [{"model": "m", "tp": 2, "tokens": 8}]}, "num_ctas"),
+    ({"format": tuning.FORMAT,
+      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 64}]}, r"\[2, 32\]"),
+    ({"format": tuning.FORMAT,
+      "entries": [{"model": "m", "tp": "2", "tokens": 8, "num_ctas": 8}]}, "tp"),
+    ({"format": tuning.FORMAT,
+      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8, "offset": "x"}]},
+     "offset"),
+    ({"format": tuning.FORMAT,
+      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8}] * 2}, "duplicate"),
+])
+def test_json_bad_input(tmp_path, data, match):
+    with pytest.raises(ValueError, match=match):
+        tuning.from_json(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match):
+        tuning.load(path)
+
+
+def test_load_invalid_json(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        tuning.load(path)
+
+
+def test_plan_batch_from_table():
+    lengths = (700, 900, 500)   # T = 2100, midpoint 1152
+    table = {("m", 4, 2048): TuneEntry(-256, 16)}
+    assert tuning.plan_batch(lengths, model="m", tp=4, table=table).offset == -256
+    assert tuning.plan_batch(lengths, model="m", tp=4, table=table, offset=0).offset == 0
+    default = plan_batch(lengths, tp=4, model="m")
+    assert tuning.plan_batch(lengths, model="m", tp=2, table=table) == default
+    # an offset that would empty a half falls back to the split module's rule
+    far = {("m", 4, 16): TuneEntry(-500, 16)}
+    assert tuning.plan_batch((10, 10), model="m", tp=4, table=far, split=True) == \
+        plan_batch((10, 10), tp=4, model="m", split=True)
+
+
+# ------------------------------------------------------------------------- HLO checker ---
+
+def _start(name, slot, rows, extra=""):
+    return (f"  %{name} = (bf16[{rows},64]{{1,0}}, bf16[4,64]{{1,0}}) custom-call(%a, %b, %w), "
+            f'custom_call_target="{hlo_check.START_TARGET}", api_version=API_VERSION_TYPED_FFI, '
+            f"backend_config={{algo = 1 : i32, comm_id = 3 : i64, eps = 9.99999997E-7 : f32, "
+            f"num_ctas = 8 : i32, slot = {slot} : i32}}{extra}")
+
+
+def _done(name, slot, rows):
+    return (f"  %{name} = (bf16[{rows},64]{{1,0}}, bf16[4,64]{{1,0}}) custom-call(%gte.1, %gte.2,"
+            f' %a, %b, %w), custom_call_target="{hlo_check.DONE_TARGET}", '
+            "output_to_operand_aliasing={{0}: (0, {}), {1}: (1, {})}, "
+            f"api_version=API_VERSION_TYPED_FFI, backend_config={{comm_id = 3 : i64, "
+            f"slot = {slot} : i32}}")
+
+
+SYNTHETIC = "\n".join([
+    "HloModule jit_f, is_scheduled=true, entry_computation_layout={(bf16[8,64]{1,0})->bf16[8,64]}",
+    "",
+    "%fused_dot (p0: bf16[8,64], p1: bf16[64,64]) -> bf16[8,64] {",
+    "  %p0 = bf16[8,64]{1,0} parameter(0)",
+    "  %p1 = bf16[64,64]{1,0} parameter(1)",
+    "  ROOT %d = bf16[8,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, "
+    "rhs_contracting_dims={0}",
+    "}",
+    "",
+    "%command_buffer (p: bf16[9,64], q: bf16[64,64]) -> (bf16[9,64], s8[16]) {",
+    "  %p = bf16[9,64]{1,0} parameter(0)",
+    "  %q = bf16[64,64]{1,0} parameter(1)",
+    "  ROOT %cublas = (bf16[9,64]{1,0}, s8[16]{0}) custom-call(%p, %q), "
+    'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{}}',
+    "}",
+    "",
+    "ENTRY %main (a: bf16[8,64], b: bf16[4,64], w: f32[64]) -> bf16[8,64] {",
+    "  %a = bf16[8,64]{1,0} parameter(0)",
+    _start("start.0", 0, 8),
+    "  %call = (bf16[9,64]{1,0}, s8[16]{0}) call(%y, %q), to_apply=%command_buffer",
+    _start("start.1", 1, 9),
+    "  %opt-barrier.1 = (bf16[8,64]{1,0}) opt-barrier(%t)",
+    _done("done.0", 0, 8),
+    "  %gemm_fusion = bf16[8,64]{1,0} fusion(%a, %w), kind=kCustom, calls=%fused_dot, "
+    'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
+    _start("start.2", 0, 8),
+    _done("done.1", 1, 9),
+    _done("done.2", 0, 8),
+    "  ROOT %r = bf16[8,64]{1,0} add(%a, %a)",
+    "}",
+])
+
+
+def test_overlap_report_synthetic():
+    pairs = hlo_check.overlap_report(SYNTHETIC)
+    assert [(p.slot, p.rows, len(p.gemms)) for p in pairs] == [(0, 8, 1), (1, 9, 1), (0, 8, 0)]
+    assert pairs[0].gemms[0].target == "__cublas$gemm" and pairs[0].gemm_dims() == {9, 64}
+    assert pairs[1].gemm_dims() == {8, 64}   # the triton GEMM fusion, counted once
+    assert [p.overlapped for p in pairs] == [True, True, False]
+    assert "serialised" not in "".join(hlo_check.overlap_problems(SYNTHETIC))
+    assert hlo_check.overlap_problems(SYNTHETIC) == []
+    problems = hlo_check.overlap_problems(SYNTHETIC, allow_unoverlapped=0)
+    assert len(problems) == 1 and "slot 0" in problems[0]
+    assert hlo_check.count_targets(SYNTHETIC) == {"start": 3, "done": 3, "sync": 0}
+    # the same module with the GEMMs scheduled after the dones: caught
+    lines = SYNTHETIC.splitlines()
+    moved = [ln for ln in lines if "%call =" not in ln and "%gemm_fusion =" not in ln]
+    at = moved.index(next(ln for ln in moved if "ROOT %r" in ln))
+    moved[at:at] = [ln for ln in lines if "%call =" in ln or "%gemm_fusion =" in ln]
+    serial = "\n".join(moved)
+    assert len(hlo_check.overlap_problems(serial)) == 2
+    # without the leading % (pre-optimisation HLO style) the parser still works
+    assert len(hlo_check.overlap_report(SYNTHETIC.replace("%", ""))) == 3
+
+
+def test_overlap_report_errors():
+    lines = SYNTHETIC.splitlines()
+    no_start = "\n".join(ln for ln in lines if "start.0 =" not in ln)
+    with pytest.raises(ValueError, match="no start"):
+        hlo_check.overlap_report(no_start)
+    no_done = "\n".join(ln for ln in lines if "done.2 =" not in ln)
+    with pytest.raises(ValueError, match="never done"):
+        hlo_check.overlap_report(no_done)
+    with pytest.raises(ValueError, match="ENTRY"):
+        hlo_check.overlap_report("HloModule m\n")
+    assert hlo_check.overlap_problems("HloModule m\nENTRY %e () -> f32[] {\n}\n") == [
+        "no allreduce_rmsnorm start/done pair in the compiled HLO"]
+
+
+# ------------------------------------------------------------------ the schedule on CPU ---
+
+def _decoder(config, mesh, dtype, rng) -> WeaveDecoder:
+    dec = WeaveDecoder(config, mesh, dtype=dtype, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    norms = {n: 1 + 0.2 * rng.standard_normal(p[...].shape)
+             for n, p in named_params(dec).items() if n.endswith(("norm", "layernorm"))}
+    dec.load_weights(norms, strict=False)
+    return dec
+
+
+def _run(dec, batch, hidden, calls, jit_opts=True):
+    graphdef, state = nnx.split(dec)
+
+    def run(state, hidden):
+        model = nnx.merge(graphdef, state)
+        return [model(hidden, batch, **kw) for kw in calls]
+
+    opts = {"xla_backend_optimization_level": 0} if jit_opts else {}
+    return jax.jit(run).lower(state, hidden).compile(compiler_options=opts)(state, hidden)
+
+
+def test_ffi_refused_on_cpu_and_auto_falls_back(cpu_mesh, rng):
+    config, mesh = get_config("tiny"), cpu_mesh(2)
+    batch = plan_batch((5, 9, 3), tp=2, split=True)
+    dec = _decoder(config, mesh, jnp.float32, rng)
+    hidden = jnp.zeros((batch.num_tokens, config.hidden_size), jnp.float32)
+    with pytest.raises(RuntimeError, match=r"comm='ffi' is unavailable: half 0 .*comm='auto'"):
+        dec(hidden, batch, schedule="weave", comm="ffi")
+    assert resolve_comm("auto", mesh, "tp", jnp.float32, batch, config.hidden_size) == "xla"
+    assert resolve_comm("xla", mesh, "tp", jnp.float32, batch, config.hidden_size) == "xla"
+    with pytest.raises(ValueError, match="tuning"):
+        dec(hidden, batch, tuning=16)
+    # baseline ignores comm: an unavailable kernel does not matter there
+    dec(hidden, batch, schedule="baseline", comm="ffi")
+
+
+class FakeKernel:
+    """Pure-JAX stand-ins for the kernel's entry points that record the call protocol."""
+
+    def __init__(self, monkeypatch):
+        self.log: list[tuple[str, int, int | None]] = []
+        monkeypatch.setattr(_ffi, "unavailable_reason", lambda *a, **k: None)
+        monkeypatch.setattr(_ffi, "allreduce_rmsnorm", self.sync)
+        monkeypatch.setattr(_ffi, "allreduce_rmsnorm_start", self.start)
+        monkeypatch.setattr(_ffi, "allreduce_rmsnorm_done", self.done)
+
+    @staticmethod
+    def _math(partial, residual, weight, axis_name, eps):
+        n = jax.lax.axis_size(axis_name)
+        return ops._xla_rsag(partial, residual, weight, axis_name, n, eps)
+
+    def sync(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None,
+             slot=0, algo="auto"):
+        self.log.append(("sync", slot, num_ctas))
+        return self._math(partial, residual, weight, axis_name, eps)
+
+    def start(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None,
+              slot=0, algo="auto"):
+        self.log.append(("start", slot, num_ctas))
+        normed, res = self._math(partial, residual, weight, axis_name, eps)
+        return _ffi.Pending(normed, res, partial, residual, weight.astype(jnp.float32))
+
+    def done(self, pending, *, axis_name, mesh, slot=0):
+        self.log.append(("done", slot, None))
+        return pending.normed, pending.residual_out
+
+    def check_protocol(self):
+        """Every start's slot is free, every done's slot is in flight, nothing left over."""
+        inflight: set[int] = set()
+        for op, slot, _ in self.log:
+            if op == "start":
+                assert slot not in inflight, self.log
+                inflight.add(slot)
+            elif op == "done":
+                assert slot in inflight, self.log
+                inflight.remove(slot)
+        assert not inflight, self.log
+
+
+@pytest.mark.parametrize(("lengths", "offset", "tp"), [
+    ((5, 9, 3), -120, 4),      # halves 8 + 9, request 1 cut by the split
+    ((3, 11, 7, 2), None, 8),  # T=23: not divisible by TP
+])
+def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, monkeypatch, lengths, offset, tp):
+    fake = FakeKernel(monkeypatch)
+    config, mesh = get_config("tiny", num_layers=3), cpu_mesh(tp)
+    batch = plan_batch(lengths, tp=tp, split=True, offset=offset)
+    assert batch.split and batch.cut_request is not None
+    dec = _decoder(config, mesh, jnp.float32, rng)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
+                         jnp.float32)
+    entry = TuneEntry(None, 12, 4)
+    ffi, xla, base = _run(dec, batch, hidden, [
+        dict(schedule="weave", comm="ffi", tuning=entry), dict(schedule="weave", comm="xla"),
+        dict(schedule="baseline")])
+    for out in (ffi, xla):
+        np.testing.assert_allclose(np.asarray(out), np.asarray(base), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ffi), np.asarray(xla), rtol=1e-6, atol=1e-6)
+    fake.check_protocol()
+    n = config.num_layers
+    # program order: A B | A B per layer, dones interleaved one stage behind, then the last two
+    want = [("start", 0), ("start", 1), ("done", 0), ("start", 0), ("done", 1), ("start", 1)]
+    for _ in range(n - 1):
+        want += [("done", 0), ("start", 0), ("done", 1), ("start", 1)] * 2
+    want += [("done", 0), ("done", 1)]
+    assert [(op, s) for op, s, _ in fake.log] == want
+    ctas = [c for op, _, c in fake.log if op == "start"]
+    assert ctas == [4] + [12] * (4 * n - 1)
+    # comm="auto" takes the (faked) kernel too
+    fake.log.clear()
+    (auto,) = _run(dec, batch, hidden, [dict(schedule="weave", comm="auto")])
+    np.testing.assert_allclose(np.asarray(auto), np.asarray(ffi), rtol=1e-6, atol=1e-6)
+    assert [c for op, _, c in fake.log if op == "start"] == [8] + [16] * (4 * n - 1)
+
+
+def test_unsplit_ffi_is_synchronous(cpu_mesh, rng, monkeypatch):
+    fake = FakeKernel(monkeypatch)
+    config, mesh = get_config("tiny"), cpu_mesh(2)
+    batch = plan_batch((5, 4), tp=2, split=False)
+    dec = _decoder(config, mesh, jnp.float32, rng)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
+                         jnp.float32)
+    ffi, base = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi"),
+                                          dict(schedule="baseline")])
+    np.testing.assert_allclose(np.asarray(ffi), np.asarray(base), rtol=1e-4, atol=1e-4)
+    assert fake.log == [("sync", 0, 8)] + [("sync", 0, 16)] * (2 * config.num_layers - 1)
+
+
+# ------------------------------------------------------- ordering by data, in the jaxpr ---
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def _has_dot(jaxpr) -> bool:
+    return any(e.primitive.name == "dot_general" or any(_has_dot(j) for j in _sub_jaxprs(e))
+               for e in jaxpr.eqns)
+
+
+def _ffi_jaxpr(jaxpr):
+    """The (nested) jaxpr whose own equations hold the ffi calls."""
+    if any(e.primitive.name == "ffi_call" for e in jaxpr.eqns):
+        return jaxpr
+    for e in jaxpr.eqns:
+        for sub in _sub_jaxprs(e):
+            found = _ffi_jaxpr(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def data_order_report(jaxpr, start_target, done_target):
+    """Per start/done pair (by slot, in program order): the output shapes of the GEMM-bearing
+    equations that depend on the start and that the done depends on (ordered between them by
+    data, whatever the scheduler does)."""
+    eqns = jaxpr.eqns
+    producer = {}
+    anc = []   # bitset of ancestor equations
+    for i, e in enumerate(eqns):
+        bits = 0
+        for v in e.invars:
+            if not isinstance(v, jax.extend.core.Literal) and v in producer:
+                p = producer[v]
+                bits |= anc[p] | (1 << p)
+        anc.append(bits)
+        for v in e.outvars:
+            producer[v] = i
+    gemm = [e.primitive.name == "dot_general" or any(_has_dot(j) for j in _sub_jaxprs(e))
+            for e in eqns]
+    open_, pairs = {}, []
+    for i, e in enumerate(eqns):
+        if e.primitive.name != "ffi_call":
+            continue
+        slot = int(dict(e.params["attributes"])["slot"])
+        if e.params["target_name"] == start_target:
+            assert slot not in open_
+            open_[slot] = i
+        elif e.params["target_name"] == done_target:
+            s = open_.pop(slot)
+            between = [eqns[g].outvars[0].aval.shape for g in range(s + 1, i)
+                       if gemm[g] and anc[g] >> s & 1 and anc[i] >> g & 1]
+            pairs.append((slot, eqns[s].outvars[0].aval.shape[0], between))
+    assert not open_
+    return pairs
+
+
+def test_ordering_by_data_in_jaxpr(cpu_mesh, rng, monkeypatch):
+    """The real start/done calls (traced, not run): between each start and its done there is a
+    GEMM of the other half that depends on the start and that the done depends on."""
+    monkeypatch.setattr(_ffi, "unavailable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(_ffi, "comm_id", lambda *a: 7)
+    monkeypatch.setattr(_ffi, "register_targets", lambda: True)
+    config, mesh = get_config("tiny"), cpu_mesh(2)
+    batch = plan_batch((5, 9, 3), tp=2, split=True, offset=-120)
+    lens = batch.half_lengths
+    assert lens == (8, 9) and batch.cut_request == 1
+    dec = _decoder(config, mesh, jnp.bfloat16, rng)
+    graphdef, state = nnx.split(dec)
+    hidden = jnp.zeros((batch.num_tokens, config.hidden_size), jnp.bfloat16)
+
+    def f(state, hidden):
+        return nnx.merge(graphdef, state)(hidden, batch, schedule="weave", comm="ffi")
+
+    inner = _ffi_jaxpr(jax.make_jaxpr(f)(state, hidden).jaxpr)
+    pairs = data_order_report(inner, _ffi.TARGETS["allreduce_rmsnorm_start"],
+                              _ffi.TARGETS["allreduce_rmsnorm_done"])
+    assert len(pairs) == 4 * config.num_layers
+    for slot, rows, between in pairs[:-1]:
+        assert rows == lens[slot]
+        assert between, pairs
+        assert any(shape[0] == lens[1 - slot] for shape in between), (slot, between)
+    assert pairs[-1][0] == 1 and not pairs[-1][2]   # the last kernel has nothing to hide behind
+    targets = [e.params["target_name"] for e in inner.eqns if e.primitive.name == "ffi_call"]
+    assert _ffi.TARGETS["allreduce_rmsnorm"] not in targets
+
+
+# ------------------------------------------------------------------------------------ GPU ---
+
+def _gpu_setup(gpu_mesh):
+    mesh = gpu_mesh(2)
+    if _ffi.import_error() is not None:
+        pytest.skip(f"extension not built: {_ffi.import_error()}")
+    why = _ffi.unavailable_reason(mesh, "tp", jnp.bfloat16, (1024, 1024))
+    if why is not None:
+        pytest.skip(why)
+    return mesh
+
+
+GPU_CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_heads=8, num_kv_heads=4,
+                  head_dim=128, num_layers=2)
+
+
+def _rel(got, want) -> float:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_gpu_weave_ffi_matches_baseline(gpu_mesh, rng):
+    mesh = _gpu_setup(gpu_mesh)
+    config = get_config("tiny", **GPU_CONFIG)
+    batch = plan_batch((300, 500, 212), tp=2, split=True, offset=-80)
+    assert batch.half_lengths == (432, 580) and batch.cut_request == 1
+    dec = _decoder(config, mesh, jnp.bfloat16, rng)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
+                         jnp.bfloat16)
+    ffi, xla, base = _run(dec, batch, hidden, [
+        dict(schedule="weave", comm="ffi", tuning=TuneEntry(None, 16, 8)),
+        dict(schedule="weave", comm="xla"), dict(schedule="baseline")], jit_opts=False)
+    assert np.isfinite(np.asarray(ffi, np.float32)).all()
+    assert _rel(ffi, base) < 2e-2
+    assert _rel(ffi, xla) < 2e-2
+    # unsplit: the synchronous kernel
+    whole = plan_batch(batch.request_lengths, tp=2, split=False)
+    (sync,) = _run(dec, whole, hidden, [dict(schedule="weave", comm="ffi")], jit_opts=False)
+    assert _rel(sync, base) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_gpu_compiled_hlo_overlaps(gpu_mesh, rng):
+    """In the compiled HLO of a 2-layer weave-ffi stack, a GEMM of the other half is scheduled
+    between every start and its done (all but the stack's last kernel)."""
+    mesh = _gpu_setup(gpu_mesh)
+    config = get_config("tiny", **GPU_CONFIG)
+    batch = plan_batch((300, 500, 212), tp=2, split=True, offset=-80)
+    lens = batch.half_lengths
+    dec = _decoder(config, mesh, jnp.bfloat16, rng)
+    graphdef, state = nnx.split(dec)
+    hidden = jnp.zeros((batch.num_tokens, config.hidden_size), jnp.bfloat16)
+
+    def f(state, hidden):
+        return nnx.merge(graphdef, state)(hidden, batch, schedule="weave", comm="ffi")
+
+    text = jax.jit(f).lower(state, hidden).compile().as_text()
+    assert hlo_check.count_targets(text) == {"start": 8, "done": 8, "sync": 0}
+    pairs = hlo_check.overlap_report(text)
+    report = "\n".join(p.describe() for p in pairs)
+    print(report)
+    assert hlo_check.overlap_problems(text) == [], report
+    for p in pairs[:-1]:
+        assert p.rows == lens[p.slot], report
+        assert lens[1 - p.slot] in p.gemm_dims(), report
