@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import time
 
 import jax
@@ -68,7 +69,10 @@ def main():
     ap.add_argument("--impls", nargs="+", default=["ffi", "xla", "xla_rsag"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--time-budget", type=float, default=float("inf"), metavar="SECONDS",
+                    help="start no new measurement after this many seconds")
     args = ap.parse_args()
+    start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     dtype = jnp.dtype(args.dtype)
     gpus = jax.devices()
@@ -85,7 +89,14 @@ def main():
                     else:
                         configs.append((tp, h, t, impl, None, None))
     rows, checked = [], set()
+    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                device=gpus[0].device_kind, n_devices=len(gpus), jax=jax.__version__,
+                commit=git_commit() or "unknown", method=__doc__.split("\n\n")[1],
+                argv=" ".join(sys.argv))
     for tp, h, t, impl, ctas, algo in tqdm(configs, desc="kernel_bench"):
+        if time.perf_counter() - start > args.time_budget:
+            tqdm.write(f"time budget of {args.time_budget:.0f} s spent: stopping")
+            break
         mesh = Mesh(np.array(gpus[:tp]), ("tp",))
         if impl == "ffi" and _ffi.unavailable_reason(mesh, "tp", dtype, (t, h)) is not None:
             tqdm.write(f"skip ffi tp={tp} H={h} T={t}: "
@@ -111,20 +122,22 @@ def main():
                          dtype=str(dtype), us=sec * 1e6, algbw_gbs=nbytes / sec / 1e9,
                          busbw_gbs=2 * (tp - 1) / tp * nbytes / sec / 1e9))
         tqdm.write(json.dumps(rows[-1]))
-    commit = git_commit() or "unknown"
-    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                device=gpus[0].device_kind, n_devices=len(gpus), jax=jax.__version__,
-                commit=commit, method=__doc__.split("\n\n")[1])
-    with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:  # after every row
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
     _markdown(args.out, meta, rows)
     _plot(args.out, rows)
 
 
+def _label(r):
+    """impl, with the kernel variant for ffi rows (``ffi:push``)."""
+    return f"{r['impl']}:{r['algo']}" if r["impl"] == "ffi" and r["algo"] else r["impl"]
+
+
 def _best_ffi(rows):
+    """Per (TP, H, T, impl label): the row of the fastest CTA count."""
     best = {}
     for r in rows:
-        key = (r["tp"], r["hidden"], r["tokens"], r["impl"])
+        key = (r["tp"], r["hidden"], r["tokens"], _label(r))
         if key not in best or r["us"] < best[key]["us"]:
             best[key] = r
     return best

@@ -72,6 +72,18 @@ def test_algo_resolution(monkeypatch):
         _ffi.resolve_algo("three_shot", 2, jnp.bfloat16, (1, 8192))
 
 
+def test_push_variant_bytes_and_peer_buffers(monkeypatch):
+    assert _ffi.resolve_algo("push", 4, jnp.bfloat16, (1000, 8192)) == 4
+    # mailbox + the (N-1) peers' copies of this rank's 250 rows
+    assert _ffi.needed_bytes(4, jnp.bfloat16, (1000, 8192), 4) == 256 + 3 * 250 * 8192 * 2
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    assert _ffi.peer_buffer_reason() is None
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    assert _ffi.peer_buffer_reason() is None
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
+    assert "cuda_async" in _ffi.peer_buffer_reason()
+
+
 def test_device_groups_of_2d_mesh():
     devices = np.array(jax.devices("cpu")[:8]).reshape(2, 4)
     mesh = jax.sharding.Mesh(devices, ("dp", "tp"))

@@ -99,7 +99,7 @@ CASES = [(t, h, d) for d in (jnp.bfloat16, jnp.float32) for h in (4096, 8192)
          for t in (1, 3, 16, 128, 1024, 4096)] + [(t, 4096, jnp.float16) for t in (3, 1024)]
 
 
-@pytest.mark.parametrize("algo", ["two_shot", "one_shot", "direct"])
+@pytest.mark.parametrize("algo", ["two_shot", "one_shot", "direct", "push"])
 @pytest.mark.parametrize(("tokens", "hidden", "dtype"), CASES)
 def test_matches_float64_reference(mesh2, rng, tokens, hidden, dtype, algo):
     if algo == "one_shot" and tokens > 1024:
@@ -131,7 +131,8 @@ def test_ops_ffi_and_auto_match_xla_rsag(mesh2, rng):
 
 
 @pytest.mark.parametrize(("tokens", "algo"),
-                         [(1024, "two_shot"), (16, "one_shot"), (1024, "direct")])
+                         [(1024, "two_shot"), (16, "one_shot"), (1024, "direct"),
+                          (1024, "push")])
 def test_1000_back_to_back_calls(mesh2, rng, tokens, algo):
     iters = 1000
     p, r, w = _inputs(rng, 2, tokens, 4096, jnp.bfloat16)
@@ -177,7 +178,7 @@ def test_two_slots_interleaved(mesh2, rng):
     _check(mesh2, _op(mesh2, "auto", 16, 1)(pb, rb, w), pb, rb, w, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("algo", ["auto", "direct"])
+@pytest.mark.parametrize("algo", ["auto", "direct", "push"])
 def test_start_done_matches_sync(mesh2, rng, algo):
     pa, ra, w = _inputs(rng, 2, 2000, 8192, jnp.bfloat16)
     pb, rb, _ = _inputs(rng, 2, 500, 8192, jnp.bfloat16)
