@@ -4,10 +4,6 @@
 //   scatter area; (b) barrier; (c) owner rows: sum the N partials + residual in float32, write
 //   residual_out, RMSNorm, write normed locally and push it into every peer's all-gather area;
 //   (d) barrier; (e) copy the peers' normed rows from the local all-gather area into `normed`.
-// push (two-shot without the all-gather staging): as two-shot, but (a) also publishes the
-//   address of this rank's `normed` (XLA's buffer) in the workspace mailbox, and (c) stores the
-//   normed rows straight into every rank's `normed`; no (e). Remote traffic is stores only
-//   (what few CTAs do best, DESIGN.md), and one local pass fewer than two-shot.
 // direct (P2P, nothing staged): each rank publishes the addresses of its own `partial` and
 //   `normed` (XLA's buffers; peer access makes them reachable) in its workspace mailbox;
 //   barrier; owner rows: pull the N partials' rows straight from the peers' `partial`, add the
@@ -148,40 +144,28 @@ __device__ __forceinline__ void CopyRow(const char* src, char* dst, int vpr) {
   for (int v = threadIdx.x % kGroup; v < vpr; v += kGroup) St(dst + v * 16, Ldg(src + v * 16));
 }
 
-// kPushAg = false: two-shot; true: push (file comment). The push variant's reduce-scatter area
-// starts after the kMailboxBytes mailbox.
-template <typename T, int kMaxN, bool kPushAg>
+template <typename T, int kMaxN>
 __global__ void __launch_bounds__(kThreads) TwoShotKernel(KernelParams p) {
   __shared__ float red[kThreads / 32];
-  __shared__ char* peer_normed[kMaxRanks];
   const int group = threadIdx.x / kGroup;
   const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens;
   const int vpr = p.hidden / Vec<T>::kN;
   const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
-  const int64_t rs = kPushAg ? kMailboxBytes : 0;  // the reduce-scatter area
-  const int64_t ag = rs + (n - 1) * q * rb;  // two-shot: the all-gather area follows it
+  const int64_t ag = (n - 1) * q * rb;  // the all-gather area follows the reduce-scatter area
   const char* partial = static_cast<const char*>(p.partial);
   const char* residual = static_cast<const char*>(p.residual);
   char* normed = static_cast<char*>(p.normed);
   char* residual_out = static_cast<char*>(p.residual_out);
 
-  if (kPushAg && blockIdx.x == 0 && threadIdx.x == 0)
-    *reinterpret_cast<unsigned long long*>(p.data[r]) = reinterpret_cast<unsigned long long>(normed);
   // (a) reduce-scatter by push, peers in rotated order (rank r starts with r+1).
   RowCopy<true>((n - 1) * q, vpr, [&](int i, const char*& s, char*& d) {
     const int k = i / q, row = i % q;
     const int j = (r + 1 + k) % n, g = j * q + row;
     if (g >= tokens) return;
     s = partial + g * rb;
-    d = p.data[j] + rs + (PeerIndex(r, j, n) * q + row) * rb;
+    d = p.data[j] + (PeerIndex(r, j, n) * q + row) * rb;
   });
   Barrier(p, 0);
-  if (kPushAg) {
-    if (threadIdx.x < n)
-      peer_normed[threadIdx.x] = reinterpret_cast<char*>(
-          __ldcg(reinterpret_cast<const unsigned long long*>(p.data[threadIdx.x])));
-    __syncthreads();
-  }
 
   // (c) own rows.
   for (int row = blockIdx.x * kGroups + group; row < q; row += gridDim.x * kGroups) {
@@ -196,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(KernelParams p) {
     for (int src = 0; src < kMaxN; ++src)
       if (src < n)
         rows[src] = src == r ? partial + g * rb
-                             : p.data[r] + rs + (PeerIndex(src, r, n) * q + row) * rb;
+                             : p.data[r] + (PeerIndex(src, r, n) * q + row) * rb;
 #pragma unroll
     for (int src = 0; src < kMaxN; ++src)
       if (src == n) rows[src] = res_in;
@@ -211,15 +195,12 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(KernelParams p) {
           St(normed + g * rb + v * 16, o);
           for (int k = 1; k < n; ++k) {
             const int j = (r + k) % n;
-            St(kPushAg ? peer_normed[j] + g * rb + v * 16
-                       : p.data[j] + ag + (PeerIndex(r, j, n) * q + row) * rb + v * 16,
-               o);
+            St(p.data[j] + ag + (PeerIndex(r, j, n) * q + row) * rb + v * 16, o);
           }
         },
         red, group);
   }
   Barrier(p, 1);
-  if (kPushAg) return;  // every rank's normed rows are in place
 
   // (e) the peers' normed rows.
   RowCopy<false>((n - 1) * q, vpr, [&](int i, const char*& s, char*& d) {
@@ -455,10 +436,8 @@ void LaunchP2P(const KernelParams& p, Algo algo, int num_ctas, cudaStream_t stre
     OneShotKernel<T, kMaxN><<<num_ctas, kThreads, 0, stream>>>(p);
   else if (algo == Algo::kDirect)
     DirectKernel<T, kMaxN><<<num_ctas, kThreads, 0, stream>>>(p);
-  else if (algo == Algo::kPush)
-    TwoShotKernel<T, kMaxN, true><<<num_ctas, kThreads, 0, stream>>>(p);
   else
-    TwoShotKernel<T, kMaxN, false><<<num_ctas, kThreads, 0, stream>>>(p);
+    TwoShotKernel<T, kMaxN><<<num_ctas, kThreads, 0, stream>>>(p);
 }
 
 template <typename T>

@@ -19,7 +19,7 @@ constexpr int64_t kDefaultWorkspaceMiB = 2048;
 constexpr int64_t kDefaultOneShotBytes = 64 * 1024;  // auto: one-shot when T*H*bytes <= this
 constexpr double kDefaultTimeoutS = 10.0;
 
-enum class Algo : int32_t { kAuto = 0, kTwoShot = 1, kOneShot = 2, kDirect = 3, kPush = 4 };
+enum class Algo : int32_t { kAuto = 0, kTwoShot = 1, kOneShot = 2, kDirect = 3 };
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // Written by a kernel that timed out in a barrier (cudaHostAlloc, mapped): the next handler
@@ -55,13 +55,8 @@ inline int64_t TwoShotBytes(int64_t n, int64_t rows, int64_t hidden, int64_t es)
 inline int64_t OneShotBytes(int64_t n, int64_t tokens, int64_t rows, int64_t hidden, int64_t es) {
   return (n - 1) * (tokens + rows) * hidden * es;
 }
-// direct: only the mailbox (this rank's `partial` and `normed` addresses). push: the mailbox
-// (kMailboxBytes, keeps the data 256-byte aligned) then the reduce-scatter area.
+// direct: only the mailbox (this rank's `partial` and `normed` addresses).
 constexpr int64_t kDirectBytes = 16;
-constexpr int64_t kMailboxBytes = 256;
-inline int64_t PushBytes(int64_t n, int64_t rows, int64_t hidden, int64_t es) {
-  return kMailboxBytes + (n - 1) * rows * hidden * es;
-}
 inline int64_t MultimemBytes(int64_t n, int64_t tokens, int64_t hidden, int64_t es) {
   return 2 * n * ((tokens + n - 1) / n) * hidden * es;
 }

@@ -109,10 +109,9 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
     return ffi::Error::InvalidArgument("jax-tokenweave: num_ctas must be in [" +
                                        std::to_string(kMinCtas) + ", " + std::to_string(kMaxCtas) +
                                        "], got " + std::to_string(num_ctas));
-  if (algo < 0 || algo > 4)
+  if (algo < 0 || algo > 3)
     return ffi::Error::InvalidArgument(
-        "jax-tokenweave: algo must be 0 (auto), 1 (two-shot), 2 (one-shot), 3 (direct) or "
-        "4 (push)");
+        "jax-tokenweave: algo must be 0 (auto), 1 (two-shot), 2 (one-shot) or 3 (direct)");
   for (const void* p : {partial.untyped_data(), residual.untyped_data(), weight.untyped_data(),
                         normed.untyped_data(), residual_out.untyped_data()})
     if (!Aligned(p)) return ffi::Error::InvalidArgument("jax-tokenweave: buffers must be 16-byte aligned");
@@ -126,7 +125,6 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
   const int64_t need = comm.multimem()          ? MultimemBytes(n, tokens, hidden, es)
                        : a == Algo::kOneShot   ? one
                        : a == Algo::kDirect    ? kDirectBytes
-                       : a == Algo::kPush      ? PushBytes(n, rows, hidden, es)
                                                : two;
   if (need > comm.area_bytes())
     return ffi::Error::InvalidArgument(

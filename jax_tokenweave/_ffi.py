@@ -11,7 +11,9 @@ Environment:
                                    epoch parities; a call needs at most one (slot, parity) area.
   ``JAX_TOKENWEAVE_SLOTS``         independent slots (default 4; calls in flight together need
                                    different slots).
-  ``JAX_TOKENWEAVE_ONESHOT_BYTES`` auto picks one-shot when T*H*itemsize <= this (default 64 KiB).
+  ``JAX_TOKENWEAVE_ONESHOT_BYTES`` auto picks one-shot when T*H*itemsize <= this (default 64 KiB),
+                                   direct above.
+  ``JAX_TOKENWEAVE_ALGO``          the variant auto runs at every size (two_shot, one_shot, direct).
   ``JAX_TOKENWEAVE_TIMEOUT_S``     barrier wait bound before the kernel traps (default 10 s).
   ``JAX_TOKENWEAVE_MULTIMEM=1``    opt into the multicast (multimem) path; refused where
                                    ``NCCL_NVLS_ENABLE=0``.
@@ -42,13 +44,9 @@ TARGETS = {
     "allreduce_rmsnorm_start": "tokenweave_allreduce_rmsnorm_start",
     "allreduce_rmsnorm_done": "tokenweave_allreduce_rmsnorm_done",
 }
-ALGOS = {"auto": 0, "two_shot": 1, "one_shot": 2, "direct": 3, "push": 4}
-Algo = Literal["auto", "two_shot", "one_shot", "direct", "push"]
+ALGOS = {"auto": 0, "two_shot": 1, "one_shot": 2, "direct": 3}
+Algo = Literal["auto", "two_shot", "one_shot", "direct"]
 DIRECT_BYTES = 16  # the direct variant's mailbox
-MAILBOX_BYTES = 256  # the push variant's mailbox, before its reduce-scatter area
-# Variants that read or write XLA's own buffers on peers (need them peer-mapped: see
-# peer_buffer_reason).
-PEER_BUFFER_ALGOS = ("direct", "push")
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 DEFAULT_NUM_CTAS = 16
 MIN_CTAS, MAX_CTAS, MAX_RANKS, MAX_HIDDEN = 2, 32, 8, 16384
@@ -116,10 +114,12 @@ def area_bytes() -> int:
 
 
 def resolve_algo(algo: Algo, axis_size: int, dtype, shape) -> int:
-    """The kernel variant (1 two-shot, 2 one-shot, 3 direct, 4 push) a call of this shape runs.
+    """The kernel variant (1 two-shot, 2 one-shot, 3 direct) a call of this shape runs.
 
     ``"auto"`` runs ``JAX_TOKENWEAVE_ALGO`` where that names a variant, else one-shot for
-    messages up to ``JAX_TOKENWEAVE_ONESHOT_BYTES`` and two-shot above.
+    messages up to ``JAX_TOKENWEAVE_ONESHOT_BYTES`` and direct above (two-shot where
+    :func:`peer_buffer_reason` rules direct out). Direct was the fastest variant at every
+    size and CTA count measured from 1024 tokens up (benchmarks/results/kernel_tp2).
     """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {tuple(ALGOS)}, got {algo!r}")
@@ -131,14 +131,16 @@ def resolve_algo(algo: Algo, axis_size: int, dtype, shape) -> int:
     es = jnp.dtype(dtype).itemsize
     rows = -(-tokens // axis_size)
     one = (axis_size - 1) * (tokens + rows) * hidden * es
-    return 2 if tokens * hidden * es <= oneshot_bytes() and one <= area_bytes() else 1
+    if tokens * hidden * es <= oneshot_bytes() and one <= area_bytes():
+        return ALGOS["one_shot"]
+    return ALGOS["two_shot"] if peer_buffer_reason() is not None else ALGOS["direct"]
 
 
 def peer_buffer_reason() -> str | None:
     """None where XLA's device buffers can be read and written by peers (plain device
-    allocations: the default BFC allocator, or "platform"); else why the variants that do so
-    (``PEER_BUFFER_ALGOS``) cannot run: CUDA's stream-ordered pools (``cuda_async``) are not
-    mapped by peer access."""
+    allocations: the default BFC allocator, or "platform"); else why the ``direct`` variant,
+    which does so, cannot run: CUDA's stream-ordered pools (``cuda_async``) are not mapped by
+    peer access."""
     allocator = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default")
     if allocator == "cuda_async":
         return ("XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async: XLA's buffers come from CUDA memory "
@@ -147,8 +149,7 @@ def peer_buffer_reason() -> str | None:
 
 
 def needed_bytes(axis_size: int, dtype, shape, algo: int = 1) -> int:
-    """Bytes of a (slot, parity) area a call needs (algo: 1 two-shot, 2 one-shot, 3 direct,
-    4 push)."""
+    """Bytes of a (slot, parity) area a call needs (algo: 1 two-shot, 2 one-shot, 3 direct)."""
     tokens, hidden = shape
     es = jnp.dtype(dtype).itemsize
     rows = -(-tokens // axis_size)
@@ -158,8 +159,6 @@ def needed_bytes(axis_size: int, dtype, shape, algo: int = 1) -> int:
         return (axis_size - 1) * (tokens + rows) * hidden * es
     if algo == 3:
         return DIRECT_BYTES
-    if algo == 4:
-        return MAILBOX_BYTES + (axis_size - 1) * rows * hidden * es
     return 2 * (axis_size - 1) * rows * hidden * es
 
 
@@ -265,7 +264,7 @@ def _prepare(partial, residual, weight, axis_name, mesh, num_ctas, slot, algo):
         raise ValueError(f"residual must be token-sharded {(rows, partial.shape[1])}, "
                          f"got {residual.shape}")
     algo_id = resolve_algo(algo, axis_size, partial.dtype, partial.shape)
-    if algo_id in (ALGOS[a] for a in PEER_BUFFER_ALGOS) and peer_buffer_reason() is not None:
+    if algo_id == ALGOS["direct"] and peer_buffer_reason() is not None:
         raise RuntimeError(f"the fused kernel's algo={algo!r} cannot run: {peer_buffer_reason()}"
                            " (use algo='two_shot')")
     attrs = dict(comm_id=np.int64(comm_id(mesh, axis_name)), slot=np.int32(slot),
@@ -280,8 +279,8 @@ def allreduce_rmsnorm(partial: jax.Array, residual: jax.Array, weight: jax.Array
                       slot: int = 0, algo: Algo = "auto") -> tuple[jax.Array, jax.Array]:
     """The fused kernel, inside ``shard_map``: same contract as ``ops.allreduce_rmsnorm``
     (partial [T, H], token-sharded residual [ceil(T/N), H], weight [H]) -> (normed [T, H],
-    residual_out). ``algo``: "auto" (by size, or JAX_TOKENWEAVE_ALGO), "two_shot", "one_shot",
-    "direct" or "push" (see ffi/README.md)."""
+    residual_out). ``algo``: "auto" (by size, or JAX_TOKENWEAVE_ALGO), "two_shot", "one_shot"
+    or "direct" (see ffi/README.md)."""
     w32, attrs, outs = _prepare(partial, residual, weight, axis_name, mesh, num_ctas, slot, algo)
     call = jax.ffi.ffi_call(TARGETS["allreduce_rmsnorm"], outs)
     return call(partial, residual, w32, eps=np.float32(eps), **attrs)

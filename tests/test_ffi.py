@@ -59,6 +59,9 @@ def test_shape_reasons(monkeypatch):
     assert "slot 9" in _ffi.shape_reason(2, jnp.bfloat16, (128, 64), slot=9)
     assert "at most 8" in _ffi.shape_reason(16, jnp.bfloat16, (128, 64))
     monkeypatch.setenv("JAX_TOKENWEAVE_WORKSPACE_MB", "64")
+    monkeypatch.delenv("JAX_TOKENWEAVE_ALGO", raising=False)
+    assert _ffi.shape_reason(4, jnp.bfloat16, (16384, 8192)) is None  # direct: no staging
+    monkeypatch.setenv("JAX_TOKENWEAVE_ALGO", "two_shot")
     why = _ffi.shape_reason(4, jnp.bfloat16, (16384, 8192))
     assert "JAX_TOKENWEAVE_WORKSPACE_MB" in why and "needs" in why
 
@@ -66,16 +69,19 @@ def test_shape_reasons(monkeypatch):
 def test_algo_resolution(monkeypatch):
     monkeypatch.setenv("JAX_TOKENWEAVE_ONESHOT_BYTES", str(64 * 1024))
     assert _ffi.resolve_algo("auto", 2, jnp.bfloat16, (1, 8192)) == 2
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    monkeypatch.delenv("JAX_TOKENWEAVE_ALGO", raising=False)
+    assert _ffi.resolve_algo("auto", 2, jnp.bfloat16, (128, 8192)) == 3
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")  # direct ruled out
     assert _ffi.resolve_algo("auto", 2, jnp.bfloat16, (128, 8192)) == 1
+    monkeypatch.setenv("JAX_TOKENWEAVE_ALGO", "one_shot")
+    assert _ffi.resolve_algo("auto", 2, jnp.bfloat16, (128, 8192)) == 2
     assert _ffi.resolve_algo("two_shot", 2, jnp.bfloat16, (1, 8192)) == 1
     with pytest.raises(ValueError):
         _ffi.resolve_algo("three_shot", 2, jnp.bfloat16, (1, 8192))
 
 
-def test_push_variant_bytes_and_peer_buffers(monkeypatch):
-    assert _ffi.resolve_algo("push", 4, jnp.bfloat16, (1000, 8192)) == 4
-    # mailbox + the (N-1) peers' copies of this rank's 250 rows
-    assert _ffi.needed_bytes(4, jnp.bfloat16, (1000, 8192), 4) == 256 + 3 * 250 * 8192 * 2
+def test_peer_buffer_reason(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
     assert _ffi.peer_buffer_reason() is None
     monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
