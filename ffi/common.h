@@ -28,6 +28,7 @@ struct ErrorRecord {
   volatile int32_t failed;  // 0 until a kernel timed out
   int32_t device, rank, slot, barrier, peer, block;
   uint32_t epoch, seen;
+  uint32_t peer_issued;  // the last epoch the missing rank's handler issued on this slot
 };
 
 // Everything one launch needs; passed by value.
@@ -41,6 +42,10 @@ struct KernelParams {
   uint32_t* flags[kMaxRanks];  // this slot's flags on every rank, by rank
   char* mc_data;             // multicast mapping of this (slot, parity) area (multimem only)
   ErrorRecord* err;
+  // Per rank, host-mapped: the last epoch its handler issued on this slot. Read only by a
+  // barrier that timed out, to say whether the missing rank's host never issued the call
+  // (a host-side stall) or issued it and its stream never ran it (a device-side stall).
+  const volatile uint32_t* issued[kMaxRanks];
   int32_t rank, nranks, tokens, hidden, rows;  // rows = q = ceil(T / N)
   int32_t device, slot;
   float eps;

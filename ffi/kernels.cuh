@@ -103,10 +103,13 @@ __device__ __noinline__ void Barrier(const KernelParams& p, int barrier) {
             ErrorRecord* e = p.err;
             e->device = p.device; e->rank = p.rank; e->slot = p.slot; e->barrier = barrier;
             e->peer = src; e->block = blk; e->epoch = p.epoch; e->seen = seen;
+            e->peer_issued = *p.issued[src];
             __threadfence_system();
             printf("jax-tokenweave: barrier timeout on device %d (rank %d, slot %d, barrier %d): "
-                   "block %d of rank %d never arrived (epoch %u, flag %u)\n",
-                   p.device, p.rank, p.slot, barrier, blk, src, p.epoch, seen);
+                   "block %d of rank %d never arrived (epoch %u, flag %u; rank %d's host issued "
+                   "epoch %u on this slot)\n",
+                   p.device, p.rank, p.slot, barrier, blk, src, p.epoch, seen, src,
+                   e->peer_issued);
           }
           __trap();
         }

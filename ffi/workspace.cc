@@ -67,7 +67,10 @@ std::string DescribeError(const ErrorRecord& e) {
   s << "a previous jax-tokenweave kernel timed out in a barrier on device " << e.device
     << " (rank " << e.rank << ", slot " << e.slot << ", barrier " << e.barrier << "): block "
     << e.block << " of rank " << e.peer << " never arrived (epoch " << e.epoch << ", flag "
-    << e.seen << "); the comm is unusable";
+    << e.seen << "; rank " << e.peer << "'s host issued epoch " << e.peer_issued
+    << (static_cast<int32_t>(e.peer_issued - e.epoch) < 0
+            ? ": its host never issued the call" : ": issued, but its stream never ran it")
+    << "); the comm is unusable";
   return s.str();
 }
 
@@ -124,6 +127,11 @@ Comm::Comm(std::vector<int> ordinals, int group_size, int64_t workspace_bytes, i
   TW_THROW_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&err_), sizeof(ErrorRecord),
                                cudaHostAllocMapped | cudaHostAllocPortable));
   *err_ = ErrorRecord{};
+  uint32_t* issued = nullptr;
+  TW_THROW_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&issued), sizeof(uint32_t) * n * num_slots_,
+                               cudaHostAllocMapped | cudaHostAllocPortable));
+  for (int i = 0; i < n * num_slots_; ++i) issued[i] = 0;
+  issued_ = issued;
   const size_t flag_bytes = sizeof(uint32_t) * num_slots_ * kNumBarriers * kMaxRanks * kMaxCtas;
   for (int i = 0; i < n; ++i) {
     auto d = std::make_unique<DeviceState>();
@@ -209,10 +217,13 @@ void Comm::Fill(const DeviceState& d, int slot, uint32_t epoch, KernelParams& p)
   const int64_t offset = (2 * static_cast<int64_t>(slot) + (epoch & 1)) * area_bytes_;
   const int64_t flag_offset = static_cast<int64_t>(slot) * kNumBarriers * kMaxRanks * kMaxCtas;
   for (int r = 0; r < group_size_; ++r) {
-    const DeviceState& peer = *devs_[d.group * group_size_ + r];
+    const int index = d.group * group_size_ + r;
+    const DeviceState& peer = *devs_[index];
     p.data[r] = peer.data + offset;
     p.flags[r] = peer.flags + flag_offset;
+    p.issued[r] = issued_ + index * num_slots_ + slot;
   }
+  issued_[(d.group * group_size_ + d.rank) * num_slots_ + slot] = epoch;
   p.mc_data = d.mc_data != nullptr ? d.mc_data + offset : nullptr;
   p.err = err_;
   p.rank = d.rank;

@@ -36,7 +36,8 @@ class Comm {
   Comm& operator=(const Comm&) = delete;
 
   DeviceState* Find(int ordinal);  // nullptr when the device is not in this comm
-  // Fills data/flags/mc_data/err of `p` for device `d`, `slot`, and the parity of `epoch`.
+  // Fills data/flags/issued/mc_data/err of `p` for device `d`, `slot`, and the parity of
+  // `epoch`, and records `epoch` as the last one `d`'s host issued on `slot`.
   void Fill(const DeviceState& d, int slot, uint32_t epoch, KernelParams& p) const;
 
   int group_size() const { return group_size_; }
@@ -54,6 +55,7 @@ class Comm {
   bool multimem_;
   std::vector<std::unique_ptr<DeviceState>> devs_;  // in `ordinals_` order
   ErrorRecord* err_ = nullptr;
+  volatile uint32_t* issued_ = nullptr;  // host-mapped [device index][slot]: last issued epoch
 };
 
 // Registers (or finds) the comm for these CUDA ordinals, in group order, `group_size` devices
