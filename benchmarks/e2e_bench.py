@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import signal
 import sys
 import time
 import traceback
@@ -349,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     _, devices = bench.platform_devices()
     runner = Runner(args, devices)
+    # A `timeout` kill (SIGTERM) still writes what was measured: SystemExit runs `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         runner.run_all()
     finally:
