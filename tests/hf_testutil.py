@@ -6,10 +6,29 @@ every checkpoint is a sharded ``*.safetensors`` set with an index.
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 from typing import Any
 
+import pytest
+
 KINDS = ("llama", "qwen2", "mixtral")
+
+
+def in_ci() -> bool:
+    """Whether the environment variable ``CI`` is set (to anything but "", "0" or "false")."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
+def import_or_skip(name: str) -> ModuleType:
+    """``pytest.importorskip(name)`` outside CI; under CI (:func:`in_ci`) a plain import, so a
+    missing ``torch``/``transformers`` fails the test module's collection instead of skipping
+    it."""
+    if in_ci():
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
 
 _COMMON: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,

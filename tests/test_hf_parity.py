@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_testutil import KINDS, make_hf_model, save_checkpoint
+from hf_testutil import KINDS, import_or_skip, make_hf_model, save_checkpoint
 
 from jax_tokenweave import hf
 from jax_tokenweave.serving import Engine, ServingConfig
 from jax_tokenweave.split import plan_batch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch = import_or_skip("torch")             # under CI (env CI set): fail, never skip
+import_or_skip("transformers")
 
 LOGIT_LENGTHS = (5, 11, 3)          # ragged; a forced split cuts request 1
 GEN_LENGTHS = (5, 12, 16)           # one bucket: 16 tokens, P=4 prompts (one padding)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,47 @@ def test_ci_script_runs_the_command_and_fails_on_no_tests():
     assert "python3 -m venv" in text
     assert "ruff check ." in text
     assert "-eq 5" in text  # pytest's 'no tests collected' is reported as a failure
+
+
+def ci_status_snippet() -> str:
+    """The part of .ci/run that runs ``$TEST_COMMAND`` and maps its exit status (from
+    ``status=0`` to the ``fi`` closing the status checks), verbatim."""
+    match = re.search(r"^status=0\n.*?^fi\n", CI.read_text(), re.MULTILINE | re.DOTALL)
+    assert match, ".ci/run must run the test command after 'status=0' and check it in an if/fi"
+    snippet = match.group(0)
+    assert "$TEST_COMMAND" in snippet and "-eq 5" in snippet
+    return snippet
+
+
+@pytest.mark.parametrize(("tests", "want"), [
+    ("", 5),                                                  # collects no tests
+    ("def test_ok():\n    pass\n", 0),
+    ("def test_bad():\n    assert False\n", 1),
+], ids=["no-tests", "passing", "failing"])
+def test_ci_status_handling_fails_on_no_tests(tmp_path, tests, want):
+    """Behavioural: .ci/run's status handling (run verbatim with a stub ``TEST_COMMAND``, as the
+    script has no override hook) exits non-zero when pytest collects no tests."""
+    (tmp_path / "test_stub.py").write_text(tests)
+    command = f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider test_stub.py"
+    env = {**os.environ, "TEST_COMMAND": command}
+    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + ci_status_snippet()],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == want, result.stdout + result.stderr
+    if want == 5:
+        assert "no tests ran" in result.stdout and "collected no tests" in result.stderr
+
+
+@pytest.mark.parametrize("ci", ["", "0", "false", "1", "true"])
+def test_hf_tests_fail_instead_of_skip_under_ci(monkeypatch, ci):
+    """The HF tests' ``import_or_skip``: a missing module skips, but fails where CI is set."""
+    from hf_testutil import import_or_skip
+
+    monkeypatch.setenv("CI", ci)
+    missing = "jax_tokenweave_no_such_module"
+    expected = ModuleNotFoundError if ci in ("1", "true") else pytest.skip.Exception
+    with pytest.raises(expected, match=missing):
+        import_or_skip(missing)
+    assert import_or_skip("json").__name__ == "json"
 
 
 def test_docs_name_the_same_main_job():

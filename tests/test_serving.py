@@ -127,6 +127,32 @@ def test_no_recompilation_after_warmup(engine, rng):
     assert counter.count == 0
 
 
+def test_no_recompilation_with_weave_split_prefill(rng):
+    """TP 4, weave threshold 32 (padded prefill tokens), 2 slots: the counted stream mixes
+    prefills that split cutting a prompt (1 x 32), split at a prompt boundary (2 x 16, 2 x 32)
+    and do not split (1 x 16), within one ``generate`` call too; nothing compiles after the
+    warm-up."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("tp",))
+    model = LlamaModel(get_config("tiny", num_layers=1), mesh, dtype=jnp.float32,
+                       rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    engine = Engine(model, ServingConfig(max_batch=2, max_seq_len=64, weave_threshold=32))
+    assert not engine.plan(1, 16).split
+    assert engine.plan(1, 32).cut_request == 0
+    assert engine.plan(2, 16).split and engine.plan(2, 32).split
+    # Warm up every (prompts per group, length bucket) pair the stream below can hit.
+    for lengths in ((3,), (3, 9), (20,), (17, 30)):
+        engine.generate(_prompts(rng, lengths), 4, eos_token_ids=())
+    short, long = int(rng.integers(1, 17)), int(rng.integers(17, 33))
+    stream = [(long,), (short, long)] + [rng.integers(1, 33, int(rng.integers(1, 5)))
+                                         for _ in range(4)]
+    with count_compilations() as counter:
+        for lengths in stream:
+            engine.generate(_prompts(rng, lengths), int(rng.integers(1, 20)),
+                            temperature=float(rng.choice([0.0, 0.8])), top_p=0.9,
+                            seed=int(rng.integers(100)), eos_token_ids=[int(rng.integers(256))])
+    assert counter.count == 0
+
+
 def test_compile_counter_counts():
     f = jax.jit(lambda x: x * 3 + 1)
     x4, x5 = np.ones(4, np.float32), np.ones(5, np.float32)
