@@ -50,6 +50,23 @@ def gpu_mesh():
 
 
 @pytest.fixture
+def ffi_mesh2(gpu_mesh):
+    """A 2-GPU ``"tp"`` mesh on which the fused CUDA kernel can run; skips, saying why, where
+    it cannot (too few GPUs, extension not built, devices not peers, ...)."""
+    import jax.numpy as jnp
+
+    from jax_tokenweave import _ffi
+
+    mesh = gpu_mesh(2)
+    if _ffi.import_error() is not None:
+        pytest.skip(f"extension not built: {_ffi.import_error()}")
+    why = _ffi.unavailable_reason(mesh, "tp", jnp.bfloat16, (1024, 4096))
+    if why is not None:
+        pytest.skip(why)
+    return mesh
+
+
+@pytest.fixture
 def rng() -> np.random.Generator:
     """Fresh random inputs every run (seed from the OS), printed so a failure can be replayed."""
     seed = int(np.random.SeedSequence().entropy % (2**32))

@@ -18,17 +18,6 @@ TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
 EPS = 1e-6
 
 
-@pytest.fixture
-def mesh2(gpu_mesh):
-    mesh = gpu_mesh(2)
-    if _ffi.import_error() is not None:
-        pytest.skip(f"extension not built: {_ffi.import_error()}")
-    why = _ffi.unavailable_reason(mesh, "tp", jnp.bfloat16, (16, 4096))
-    if why is not None:
-        pytest.skip(why)
-    return mesh
-
-
 def _shard(mesh, fn, n_in, n_out):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * (n_in - 1) + (P(),),
                                  out_specs=(P("tp"),) * n_out, check_vma=False))
@@ -101,29 +90,30 @@ CASES = [(t, h, d) for d in (jnp.bfloat16, jnp.float32) for h in (4096, 8192)
 
 @pytest.mark.parametrize("algo", ["two_shot", "one_shot", "direct"])
 @pytest.mark.parametrize(("tokens", "hidden", "dtype"), CASES)
-def test_matches_float64_reference(mesh2, rng, tokens, hidden, dtype, algo):
+def test_matches_float64_reference(ffi_mesh2, rng, tokens, hidden, dtype, algo):
     if algo == "one_shot" and tokens > 1024:
         pytest.skip("one-shot is for small messages")
     args = _inputs(rng, 2, tokens, hidden, dtype)
-    _poison(mesh2, [((tokens, hidden), dtype)])
-    outs = _op(mesh2, algo)(*args)
-    _check(mesh2, outs, *args, dtype)
+    _poison(ffi_mesh2, [((tokens, hidden), dtype)])
+    outs = _op(ffi_mesh2, algo)(*args)
+    _check(ffi_mesh2, outs, *args, dtype)
 
 
 @pytest.mark.parametrize("num_ctas", [2, 8, 32])
-def test_num_ctas(mesh2, rng, num_ctas):
+def test_num_ctas(ffi_mesh2, rng, num_ctas):
     args = _inputs(rng, 2, 333, 4096, jnp.bfloat16)
-    _check(mesh2, _op(mesh2, "auto", num_ctas)(*args), *args, jnp.bfloat16)
+    _check(ffi_mesh2, _op(ffi_mesh2, "auto", num_ctas)(*args), *args, jnp.bfloat16)
 
 
-def test_ops_ffi_and_auto_match_xla_rsag(mesh2, rng):
+def test_ops_ffi_and_auto_match_xla_rsag(ffi_mesh2, rng):
     args = _inputs(rng, 2, 100, 4096, jnp.bfloat16)
     res = {}
     for impl in ("ffi", "auto", "xla_rsag"):
         def body(p, r, w, impl=impl):
-            return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl=impl, mesh=mesh2, eps=EPS)
+            return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl=impl, mesh=ffi_mesh2,
+                                         eps=EPS)
 
-        res[impl] = _shard(mesh2, body, 3, 2)(*args)
+        res[impl] = _shard(ffi_mesh2, body, 3, 2)(*args)
     for impl in ("ffi", "auto"):
         for g, w in zip(res[impl], res["xla_rsag"], strict=True):
             assert _rel(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float64))) < 1e-2
@@ -132,20 +122,20 @@ def test_ops_ffi_and_auto_match_xla_rsag(mesh2, rng):
 
 @pytest.mark.parametrize(("tokens", "algo"),
                          [(1024, "two_shot"), (16, "one_shot"), (1024, "direct")])
-def test_1000_back_to_back_calls(mesh2, rng, tokens, algo):
+def test_1000_back_to_back_calls(ffi_mesh2, rng, tokens, algo):
     iters = 1000
     p, r, w = _inputs(rng, 2, tokens, 4096, jnp.bfloat16)
     p = p * 0.01  # the residual grows by the sum each step
 
     def chain(p, r, w):
         def step(_, carry):
-            return _ffi.allreduce_rmsnorm(p, carry[1], w, axis_name="tp", mesh=mesh2, eps=EPS,
+            return _ffi.allreduce_rmsnorm(p, carry[1], w, axis_name="tp", mesh=ffi_mesh2, eps=EPS,
                                           algo=algo)
 
         return jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(p), r))
 
-    got = _shard(mesh2, chain, 3, 2)(p, r, w)
-    single = _op(mesh2, algo)
+    got = _shard(ffi_mesh2, chain, 3, 2)(p, r, w)
+    single = _op(ffi_mesh2, algo)
     carry = (None, r)
     for _ in range(iters):
         carry = single(p, carry[1], w)
@@ -153,7 +143,7 @@ def test_1000_back_to_back_calls(mesh2, rng, tokens, algo):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
 
 
-def test_two_slots_interleaved(mesh2, rng):
+def test_two_slots_interleaved(ffi_mesh2, rng):
     iters = 100
     pa, ra, w = _inputs(rng, 2, 1000, 8192, jnp.bfloat16)
     pb, rb, _ = _inputs(rng, 2, 77, 8192, jnp.bfloat16)
@@ -161,86 +151,86 @@ def test_two_slots_interleaved(mesh2, rng):
 
     def both(pa, ra, pb, rb, w):
         def step(_, c):
-            a = _ffi.allreduce_rmsnorm(pa, c[1], w, axis_name="tp", mesh=mesh2, eps=EPS, slot=0)
-            b = _ffi.allreduce_rmsnorm(pb, c[3], w, axis_name="tp", mesh=mesh2, eps=EPS, slot=1)
+            a = _ffi.allreduce_rmsnorm(pa, c[1], w, axis_name="tp", mesh=ffi_mesh2, eps=EPS, slot=0)
+            b = _ffi.allreduce_rmsnorm(pb, c[3], w, axis_name="tp", mesh=ffi_mesh2, eps=EPS, slot=1)
             return (*a, *b)
 
         return jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(pa), ra, jnp.zeros_like(pb), rb))
 
-    got = _shard(mesh2, both, 5, 4)(pa, ra, pb, rb, w)
+    got = _shard(ffi_mesh2, both, 5, 4)(pa, ra, pb, rb, w)
     a, b = (None, ra), (None, rb)
     for _ in range(iters):
-        a = _op(mesh2, "auto", 16, 0)(pa, a[1], w)
-        b = _op(mesh2, "auto", 16, 1)(pb, b[1], w)
+        a = _op(ffi_mesh2, "auto", 16, 0)(pa, a[1], w)
+        b = _op(ffi_mesh2, "auto", 16, 1)(pb, b[1], w)
     for g, want in zip(got, (*a, *b), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
-    _check(mesh2, _op(mesh2, "auto", 16, 1)(pb, rb, w), pb, rb, w, jnp.bfloat16)
+    _check(ffi_mesh2, _op(ffi_mesh2, "auto", 16, 1)(pb, rb, w), pb, rb, w, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("algo", ["auto", "two_shot", "direct"])
-def test_start_done_matches_sync(mesh2, rng, algo):
+def test_start_done_matches_sync(ffi_mesh2, rng, algo):
     pa, ra, w = _inputs(rng, 2, 2000, 8192, jnp.bfloat16)
     pb, rb, _ = _inputs(rng, 2, 500, 8192, jnp.bfloat16)
-    kw = dict(axis_name="tp", mesh=mesh2, eps=EPS, algo=algo)
+    kw = dict(axis_name="tp", mesh=ffi_mesh2, eps=EPS, algo=algo)
 
     def overlapped(pa, ra, pb, rb, w):
         pend = _ffi.allreduce_rmsnorm_start(pa, ra, w, slot=2, **kw)
         pend, pb = jax.lax.optimization_barrier((pend, pb))
         b = _ffi.allreduce_rmsnorm(pb * 2, rb, w, slot=3, **kw)  # on XLA's stream meanwhile
         pend, b = jax.lax.optimization_barrier((pend, b))
-        a = _ffi.allreduce_rmsnorm_done(pend, slot=2, axis_name="tp", mesh=mesh2)
+        a = _ffi.allreduce_rmsnorm_done(pend, slot=2, axis_name="tp", mesh=ffi_mesh2)
         return (*a, *b)  # (the start's algo applies to b too: both run `algo`)
 
-    got = _shard(mesh2, overlapped, 5, 4)(pa, ra, pb, rb, w)
-    _check(mesh2, got[:2], pa, ra, w, jnp.bfloat16)
-    _check(mesh2, got[2:], pb * 2, rb, w, jnp.bfloat16)
-    want = _op(mesh2, "auto", 16, 0)(pa, ra, w)
+    got = _shard(ffi_mesh2, overlapped, 5, 4)(pa, ra, pb, rb, w)
+    _check(ffi_mesh2, got[:2], pa, ra, w, jnp.bfloat16)
+    _check(ffi_mesh2, got[2:], pb * 2, rb, w, jnp.bfloat16)
+    want = _op(ffi_mesh2, "auto", 16, 0)(pa, ra, w)
     for g, x in zip(got[:2], want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
 
     def chain(pa, ra, w):
         def step(_, c):
             pend = _ffi.allreduce_rmsnorm_start(pa, c[1], w, slot=2, **kw)
-            return _ffi.allreduce_rmsnorm_done(pend, slot=2, axis_name="tp", mesh=mesh2)
+            return _ffi.allreduce_rmsnorm_done(pend, slot=2, axis_name="tp", mesh=ffi_mesh2)
 
         return jax.lax.fori_loop(0, 200, step, (jnp.zeros_like(pa), ra))
 
     pa = pa * 0.01
-    got = _shard(mesh2, chain, 3, 2)(pa, ra, w)
+    got = _shard(ffi_mesh2, chain, 3, 2)(pa, ra, w)
     c = (None, ra)
     for _ in range(200):
-        c = _op(mesh2, "auto", 16, 0)(pa, c[1], w)
+        c = _op(ffi_mesh2, "auto", 16, 0)(pa, c[1], w)
     for g, x in zip(got, c, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
 
 
-def test_errors(mesh2, rng, monkeypatch):
+def test_errors(ffi_mesh2, rng, monkeypatch):
     args = _inputs(rng, 2, 16, 4096, jnp.bfloat16)
 
     def body(p, r, w):
-        return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=mesh2, num_ctas=64)
+        return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=ffi_mesh2, num_ctas=64)
 
     with pytest.raises(ValueError, match="num_ctas"):
-        _shard(mesh2, body, 3, 2)(*args)
+        _shard(ffi_mesh2, body, 3, 2)(*args)
     monkeypatch.setenv("JAX_TOKENWEAVE_WORKSPACE_MB", "16")
     monkeypatch.setenv("JAX_TOKENWEAVE_ALGO", "two_shot")  # direct stages nothing
-    why = _ffi.unavailable_reason(mesh2, "tp", jnp.bfloat16, (4096, 8192))
+    why = _ffi.unavailable_reason(ffi_mesh2, "tp", jnp.bfloat16, (4096, 8192))
     assert why is not None and "JAX_TOKENWEAVE_WORKSPACE_MB" in why
     big = _inputs(rng, 2, 4096, 8192, jnp.bfloat16)
 
     def body2(p, r, w):
-        return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl="ffi", mesh=mesh2)
+        return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl="ffi", mesh=ffi_mesh2)
 
     with pytest.raises(RuntimeError, match="workspace"):
-        _shard(mesh2, body2, 3, 2)(*big)
+        _shard(ffi_mesh2, body2, 3, 2)(*big)
 
 
-def test_under_shard_map_with_check_vma(mesh2, rng):
+def test_under_shard_map_with_check_vma(ffi_mesh2, rng):
     args = _inputs(rng, 2, 64, 4096, jnp.bfloat16)
 
     def body(p, r, w):
-        return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl="ffi", mesh=mesh2, eps=EPS)
+        return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl="ffi", mesh=ffi_mesh2, eps=EPS)
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh2, in_specs=(P("tp"), P("tp"), P()),
+    f = jax.jit(jax.shard_map(body, mesh=ffi_mesh2, in_specs=(P("tp"), P("tp"), P()),
                               out_specs=(P("tp"), P("tp"))))
-    _check(mesh2, f(*args), *args, jnp.bfloat16)
+    _check(ffi_mesh2, f(*args), *args, jnp.bfloat16)

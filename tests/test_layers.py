@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decoder_testutil import build_decoder as build
+from decoder_testutil import rel_err
 from flax import nnx
 from jax_tokenweave.models.configs import get_config
 
@@ -22,20 +24,6 @@ from jax_tokenweave.layers import (
 from jax_tokenweave.split import plan_batch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def rel_err(got, want) -> float:
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
-def build(config, mesh, dtype, rng) -> WeaveDecoder:
-    """A decoder with random weights, norm weights randomised too (so a swapped norm shows)."""
-    dec = WeaveDecoder(config, mesh, dtype=dtype, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
-    norms = {name: 1 + 0.2 * rng.standard_normal(p[...].shape)
-             for name, p in named_params(dec).items() if name.endswith(("norm", "layernorm"))}
-    dec.load_weights(norms, strict=False)
-    return dec
 
 
 def forward(dec, batch, schedules=(("weave", "xla"), ("baseline", "xla")), return_kv=False):
@@ -69,7 +57,9 @@ CASES = [
     ("tiny", 4, (5, 9, 3), 4, jnp.float32),               # split, request 1 straddles it
     ("tiny", 8, (3, 11, 7, 2), 8, jnp.float32),           # T=23: not divisible by TP
     ("tiny", 8, (100, 130, 70), 256, jnp.float32),        # T=300 > 256, midpoint rule
+    ("tiny", 2, (5, 9, 3), 4, jnp.bfloat16),
     ("tiny", 4, (5, 9, 3), 4, jnp.bfloat16),
+    ("tiny", 4, (7, 6), 1024, jnp.bfloat16),              # bf16 below the threshold
     ("tiny", 8, (2, 19), 8, jnp.bfloat16),
     ("tiny-moe", 8, (4, 9, 6), 8, jnp.float32),
     ("tiny-qwen", 2, (6, 7, 4), 8, jnp.float32),
@@ -118,8 +108,31 @@ def test_split_cases_do_split():
     assert plan_batch((5, 9, 3), tp=4, threshold=4).cut_request == 1
     assert plan_batch((3, 11, 7, 2), tp=8, threshold=8).cut_request is not None
     assert plan_batch((8, 8), tp=4, threshold=4).cut_request is None
+    assert not plan_batch((7, 6), tp=4, threshold=1024).split
     big = plan_batch((100, 130, 70), tp=8, threshold=256)
     assert big.split and big.cut_request is not None
+
+
+DEFAULT_THRESHOLD_LENGTHS = (1, 300, 517, 282)              # T = 1100 >= 1024, 1 token first
+
+
+def test_default_threshold_split(cpu_mesh, rng):
+    """The default threshold (1024), not a lowered one: a ragged batch of 1100 tokens splits
+    at 640, inside request 2; weave == baseline == reference."""
+    config, tp, lengths = get_config("tiny"), 4, DEFAULT_THRESHOLD_LENGTHS
+    batch = plan_batch(lengths, tp=tp)
+    assert batch.split and batch.num_tokens == 1100
+    assert batch.cut_request == 2 and batch.half_lengths == (640, 460)
+    assert not plan_batch((*lengths[:-1], lengths[-1] - 77), tp=tp).split    # T = 1023
+    dec = build(config, cpu_mesh(tp), jnp.float32, rng)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
+                         jnp.float32)
+    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    weave, baseline = forward(dec, batch)(hidden)
+    for out in (weave, baseline):
+        assert out.shape == hidden.shape and out.sharding.is_fully_replicated
+        assert rel_err(out, want) < 1e-5
+    assert rel_err(weave, np.asarray(baseline, np.float64)) < 1e-5
 
 
 def test_return_kv_and_nocomm(cpu_mesh, rng):
@@ -167,6 +180,12 @@ def test_bad_config_for_tp(cpu_mesh, rng):
     with pytest.raises(ValueError, match="num_heads"):
         WeaveDecoder(dataclasses.replace(base, num_heads=12, num_kv_heads=4), mesh,
                      rngs=nnx.Rngs(0))
+    # Fails on num_kv_heads alone: 16 heads divide by 8 (and everything divides by 4).
+    kv4 = dataclasses.replace(base, num_heads=16, num_kv_heads=4)
+    kv4.check_tensor_parallel(4)
+    with pytest.raises(ValueError, match=r"^num_kv_heads=4 is not divisible by the "
+                                         r"tensor-parallel degree 8; choose a TP degree"):
+        WeaveDecoder(kv4, mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="intermediate_size"):
         WeaveDecoder(dataclasses.replace(base, intermediate_size=100), mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="axis"):

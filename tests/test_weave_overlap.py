@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decoder_testutil import build_decoder, rel_err
 from flax import nnx
 from jax_tokenweave.models.configs import get_config
 
 from jax_tokenweave import _ffi, hlo_check, ops, tuning
-from jax_tokenweave.layers import WeaveDecoder, named_params, resolve_comm
+from jax_tokenweave.layers import resolve_comm
 from jax_tokenweave.split import plan_batch
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
@@ -206,14 +207,6 @@ def test_overlap_report_errors():
 
 # ------------------------------------------------------------------ the schedule on CPU ---
 
-def _decoder(config, mesh, dtype, rng) -> WeaveDecoder:
-    dec = WeaveDecoder(config, mesh, dtype=dtype, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
-    norms = {n: 1 + 0.2 * rng.standard_normal(p[...].shape)
-             for n, p in named_params(dec).items() if n.endswith(("norm", "layernorm"))}
-    dec.load_weights(norms, strict=False)
-    return dec
-
-
 def _run(dec, batch, hidden, calls, jit_opts=True):
     graphdef, state = nnx.split(dec)
 
@@ -228,7 +221,7 @@ def _run(dec, batch, hidden, calls, jit_opts=True):
 def test_ffi_refused_on_cpu_and_auto_falls_back(cpu_mesh, rng):
     config, mesh = get_config("tiny"), cpu_mesh(2)
     batch = plan_batch((5, 9, 3), tp=2, split=True)
-    dec = _decoder(config, mesh, jnp.float32, rng)
+    dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.zeros((batch.num_tokens, config.hidden_size), jnp.float32)
     with pytest.raises(RuntimeError, match=r"comm='ffi' is unavailable: half 0 .*comm='auto'"):
         dec(hidden, batch, schedule="weave", comm="ffi")
@@ -292,7 +285,7 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, monkeypatch, length
     config, mesh = get_config("tiny", num_layers=3), cpu_mesh(tp)
     batch = plan_batch(lengths, tp=tp, split=True, offset=offset)
     assert batch.split and batch.cut_request is not None
-    dec = _decoder(config, mesh, jnp.float32, rng)
+    dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
     entry = TuneEntry(None, 12, 4)
@@ -323,7 +316,7 @@ def test_unsplit_ffi_is_synchronous(cpu_mesh, rng, monkeypatch):
     fake = FakeKernel(monkeypatch)
     config, mesh = get_config("tiny"), cpu_mesh(2)
     batch = plan_batch((5, 4), tp=2, split=False)
-    dec = _decoder(config, mesh, jnp.float32, rng)
+    dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
     ffi, base = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi"),
@@ -405,7 +398,7 @@ def test_ordering_by_data_in_jaxpr(cpu_mesh, rng, monkeypatch):
     batch = plan_batch((5, 9, 3), tp=2, split=True, offset=-120)
     lens = batch.half_lengths
     assert lens == (8, 9) and batch.cut_request == 1
-    dec = _decoder(config, mesh, jnp.bfloat16, rng)
+    dec = build_decoder(config, mesh, jnp.bfloat16, rng)
     graphdef, state = nnx.split(dec)
     hidden = jnp.zeros((batch.num_tokens, config.hidden_size), jnp.bfloat16)
 
@@ -427,58 +420,42 @@ def test_ordering_by_data_in_jaxpr(cpu_mesh, rng, monkeypatch):
 
 # ------------------------------------------------------------------------------------ GPU ---
 
-def _gpu_setup(gpu_mesh):
-    mesh = gpu_mesh(2)
-    if _ffi.import_error() is not None:
-        pytest.skip(f"extension not built: {_ffi.import_error()}")
-    why = _ffi.unavailable_reason(mesh, "tp", jnp.bfloat16, (1024, 1024))
-    if why is not None:
-        pytest.skip(why)
-    return mesh
-
-
 GPU_CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_heads=8, num_kv_heads=4,
                   head_dim=128, num_layers=2)
 
 
-def _rel(got, want) -> float:
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_gpu_weave_ffi_matches_baseline(gpu_mesh, rng):
-    mesh = _gpu_setup(gpu_mesh)
+def test_gpu_weave_ffi_matches_baseline(ffi_mesh2, rng):
+    mesh = ffi_mesh2
     config = get_config("tiny", **GPU_CONFIG)
     batch = plan_batch((300, 500, 212), tp=2, split=True, offset=-80)
     assert batch.half_lengths == (432, 580) and batch.cut_request == 1
-    dec = _decoder(config, mesh, jnp.bfloat16, rng)
+    dec = build_decoder(config, mesh, jnp.bfloat16, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.bfloat16)
     ffi, xla, base = _run(dec, batch, hidden, [
         dict(schedule="weave", comm="ffi", tuning=TuneEntry(None, 16, 8)),
         dict(schedule="weave", comm="xla"), dict(schedule="baseline")], jit_opts=False)
     assert np.isfinite(np.asarray(ffi, np.float32)).all()
-    assert _rel(ffi, base) < 2e-2
-    assert _rel(ffi, xla) < 2e-2
+    assert rel_err(ffi, base) < 2e-2
+    assert rel_err(ffi, xla) < 2e-2
     # unsplit: the synchronous kernel
     whole = plan_batch(batch.request_lengths, tp=2, split=False)
     (sync,) = _run(dec, whole, hidden, [dict(schedule="weave", comm="ffi")], jit_opts=False)
-    assert _rel(sync, base) < 2e-2
+    assert rel_err(sync, base) < 2e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_gpu_compiled_hlo_overlaps(gpu_mesh, rng):
+def test_gpu_compiled_hlo_overlaps(ffi_mesh2, rng):
     """In the compiled HLO of a 2-layer weave-ffi stack, a GEMM of the other half is scheduled
     between every start and its done (all but the stack's last kernel)."""
-    mesh = _gpu_setup(gpu_mesh)
+    mesh = ffi_mesh2
     config = get_config("tiny", **GPU_CONFIG)
     batch = plan_batch((300, 500, 212), tp=2, split=True, offset=-80)
     lens = batch.half_lengths
-    dec = _decoder(config, mesh, jnp.bfloat16, rng)
+    dec = build_decoder(config, mesh, jnp.bfloat16, rng)
     graphdef, state = nnx.split(dec)
     hidden = jnp.zeros((batch.num_tokens, config.hidden_size), jnp.bfloat16)
 
