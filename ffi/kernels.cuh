@@ -135,8 +135,8 @@ __device__ __forceinline__ float BlockSum(float v, float* red) {
 
 // Copies `total_rows` rows of `vpr` 16-byte vectors across the grid: each block takes 8 rows
 // at a time (index math once per row, 8 loads in flight per thread: 64 KiB per block, since a
-// handful of CTAs is bound by the bytes it keeps in flight, not by NVLink). addr(i, src, dst) sets the
-// addresses of row i; src = nullptr skips it. kNc: the source is an input nobody writes during
+// handful of CTAs is bound by the bytes it keeps in flight, not by NVLink). addr(i, src, dst)
+// sets the addresses of row i; src = nullptr skips it. kNc: the source is an input nobody writes during
 // the kernel (read through the non-coherent path); else it is read from L2 (peer-written).
 template <bool kNc, typename Addr>
 __device__ __forceinline__ void RowCopy(int total_rows, int vpr, Addr addr) {

@@ -128,7 +128,8 @@ Comm::Comm(std::vector<int> ordinals, int group_size, int64_t workspace_bytes, i
                                cudaHostAllocMapped | cudaHostAllocPortable));
   *err_ = ErrorRecord{};
   uint32_t* issued = nullptr;
-  TW_THROW_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&issued), sizeof(uint32_t) * n * num_slots_,
+  TW_THROW_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&issued),
+                               sizeof(uint32_t) * n * num_slots_,
                                cudaHostAllocMapped | cudaHostAllocPortable));
   for (int i = 0; i < n * num_slots_; ++i) issued[i] = 0;
   issued_ = issued;
