@@ -129,7 +129,7 @@ def main():
 
 
 def _label(r):
-    """impl, with the kernel variant for ffi rows (``ffi:push``)."""
+    """impl, with the kernel variant for ffi rows (``ffi:direct``)."""
     return f"{r['impl']}:{r['algo']}" if r["impl"] == "ffi" and r["algo"] else r["impl"]
 
 

@@ -119,12 +119,17 @@ def resolve_algo(algo: Algo, axis_size: int, dtype, shape) -> int:
     ``"auto"`` runs ``JAX_TOKENWEAVE_ALGO`` where that names a variant, else one-shot for
     messages up to ``JAX_TOKENWEAVE_ONESHOT_BYTES`` and direct above (two-shot where
     :func:`peer_buffer_reason` rules direct out). Direct was the fastest variant at every
-    size and CTA count measured from 1024 tokens up (benchmarks/results/kernel_tp2).
+    size and CTA count measured from 1024 tokens up (benchmarks/results/2026-11-23-h200x2).
+    Asking for direct (here or through ``JAX_TOKENWEAVE_ALGO``) where
+    :func:`peer_buffer_reason` rules it out raises ``RuntimeError``.
     """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {tuple(ALGOS)}, got {algo!r}")
     if algo == "auto":
         algo = env_algo()
+    if algo == "direct" and (why := peer_buffer_reason()) is not None:
+        raise RuntimeError(f"the fused kernel's algo='direct' cannot run: {why} "
+                           "(use algo='two_shot')")
     if algo != "auto":
         return ALGOS[algo]
     tokens, hidden = shape
@@ -179,7 +184,11 @@ def shape_reason(axis_size: int, dtype, shape, *, num_ctas: int | None = None,
         return f"num_ctas={num_ctas} is outside [{MIN_CTAS}, {MAX_CTAS}]"
     if not 0 <= slot < num_slots():
         return f"slot {slot} is outside [0, {num_slots()}) (JAX_TOKENWEAVE_SLOTS)"
-    need = needed_bytes(axis_size, dtype, shape, resolve_algo("auto", axis_size, dtype, shape))
+    try:
+        algo = resolve_algo("auto", axis_size, dtype, shape)
+    except RuntimeError as err:  # JAX_TOKENWEAVE_ALGO=direct where direct cannot run
+        return str(err)
+    need = needed_bytes(axis_size, dtype, shape, algo)
     if need > area_bytes():
         return (f"[{tokens}, {hidden}] {jnp.dtype(dtype)} over {axis_size} devices needs {need} "
                 f"bytes of workspace per slot but a slot holds {area_bytes()} "
@@ -263,12 +272,9 @@ def _prepare(partial, residual, weight, axis_name, mesh, num_ctas, slot, algo):
     if residual.shape != (rows, partial.shape[1]):
         raise ValueError(f"residual must be token-sharded {(rows, partial.shape[1])}, "
                          f"got {residual.shape}")
-    algo_id = resolve_algo(algo, axis_size, partial.dtype, partial.shape)
-    if algo_id == ALGOS["direct"] and peer_buffer_reason() is not None:
-        raise RuntimeError(f"the fused kernel's algo={algo!r} cannot run: {peer_buffer_reason()}"
-                           " (use algo='two_shot')")
     attrs = dict(comm_id=np.int64(comm_id(mesh, axis_name)), slot=np.int32(slot),
-                 num_ctas=np.int32(num_ctas), algo=np.int32(algo_id))
+                 num_ctas=np.int32(num_ctas),
+                 algo=np.int32(resolve_algo(algo, axis_size, partial.dtype, partial.shape)))
     outs = (jax.ShapeDtypeStruct(partial.shape, partial.dtype),
             jax.ShapeDtypeStruct(residual.shape, residual.dtype))
     return weight.astype(jnp.float32), attrs, outs

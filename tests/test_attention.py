@@ -8,15 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from testutil import rel_err
 
 from jax_tokenweave import attention as A
 from jax_tokenweave.config import RopeScaling
 from jax_tokenweave.split import Piece, plan_batch
-
-
-def rel_err(got, want) -> float:
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def qkv(rng, t, nq, nkv, d, dtype=jnp.float32):

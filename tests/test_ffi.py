@@ -74,6 +74,12 @@ def test_algo_resolution(monkeypatch):
     assert _ffi.resolve_algo("auto", 2, jnp.bfloat16, (128, 8192)) == 3
     monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")  # direct ruled out
     assert _ffi.resolve_algo("auto", 2, jnp.bfloat16, (128, 8192)) == 1
+    with pytest.raises(RuntimeError, match="cuda_async"):
+        _ffi.resolve_algo("direct", 2, jnp.bfloat16, (128, 8192))
+    monkeypatch.setenv("JAX_TOKENWEAVE_ALGO", "direct")
+    with pytest.raises(RuntimeError, match="cuda_async"):
+        _ffi.resolve_algo("auto", 2, jnp.bfloat16, (128, 8192))
+    assert "cuda_async" in _ffi.shape_reason(2, jnp.bfloat16, (128, 8192))  # auto falls back
     monkeypatch.setenv("JAX_TOKENWEAVE_ALGO", "one_shot")
     assert _ffi.resolve_algo("auto", 2, jnp.bfloat16, (128, 8192)) == 2
     assert _ffi.resolve_algo("two_shot", 2, jnp.bfloat16, (1, 8192)) == 1

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from testutil import rel_err
 
 from jax_tokenweave import _ffi, ops
 
@@ -46,11 +47,6 @@ def _reference(partial, residual, weight, n):
     return normed, res_out
 
 
-def _rel(got, want):
-    got = np.asarray(got, np.float64)
-    return np.linalg.norm(got - want) / np.linalg.norm(want)
-
-
 def _poison(mesh, shapes_dtypes):
     """Fill freed device memory with NaN so unwritten outputs would show."""
     for shape, dtype in shapes_dtypes:
@@ -67,8 +63,8 @@ def _check(mesh, outs, partial, residual, weight, dtype):
     copies = normed.reshape(n, tokens, -1)
     for c in copies[1:]:  # every rank holds the same normed rows, bitwise
         np.testing.assert_array_equal(c, copies[0])
-    assert _rel(copies[0], want_n) < TOL[dtype]
-    assert _rel(res_out, want_r) < TOL[dtype]
+    assert rel_err(copies[0], want_n) < TOL[dtype]
+    assert rel_err(res_out, want_r) < TOL[dtype]
     pad = want_r.shape[0] - tokens  # padding rows: residual carried through exactly
     if pad:
         np.testing.assert_array_equal(res_out[tokens:],
@@ -116,7 +112,7 @@ def test_ops_ffi_and_auto_match_xla_rsag(ffi_mesh2, rng):
         res[impl] = _shard(ffi_mesh2, body, 3, 2)(*args)
     for impl in ("ffi", "auto"):
         for g, w in zip(res[impl], res["xla_rsag"], strict=True):
-            assert _rel(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float64))) < 1e-2
+            assert rel_err(g, w) < 1e-2
     np.testing.assert_array_equal(np.asarray(res["ffi"][0]), np.asarray(res["auto"][0]))
 
 

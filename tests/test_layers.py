@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from decoder_testutil import build_decoder as build
-from decoder_testutil import rel_err
 from flax import nnx
 from jax_tokenweave.models.configs import get_config
+from testutil import build_decoder as build
+from testutil import rel_err
 
 from jax_tokenweave import attention as A
 from jax_tokenweave.config import DecoderConfig

@@ -9,16 +9,12 @@ import pytest
 from flax import nnx
 from jax_tokenweave.models.configs import CONFIGS, config_names, get_config
 from jax_tokenweave.models.llama import LlamaModel, reference_logits
+from testutil import rel_err
 
 from jax_tokenweave.layers import named_params
 from jax_tokenweave.split import plan_batch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def rel_err(got, want) -> float:
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def compiled(model, batch, schedules, tokens):

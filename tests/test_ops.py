@@ -7,16 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from testutil import rel_err
 
 from jax_tokenweave import ops
 
 EPS = 1e-5
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def rel_err(got, want) -> float:
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def run(mesh, partials, residual, weight, impl, eps=EPS, **kwargs):

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from decoder_testutil import build_decoder, rel_err
 from flax import nnx
 from jax_tokenweave.models.configs import get_config
+from testutil import build_decoder, rel_err
 
 from jax_tokenweave import _ffi, hlo_check, ops, tuning
 from jax_tokenweave.layers import resolve_comm

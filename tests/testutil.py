@@ -1,4 +1,5 @@
-"""Helpers shared by the decoder tests: a randomised ``WeaveDecoder`` and the relative error."""
+"""Helpers shared by the tests: the relative error against a reference, a randomised
+``WeaveDecoder``."""
 
 from __future__ import annotations
 
