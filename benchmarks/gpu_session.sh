@@ -5,8 +5,8 @@
 #
 #   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
-# Stages (in this order, each optional): build tests kernel main e2e.
-# Knobs: TESTS (pytest paths), KERNEL_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
+# Stages (in this order, each optional): build tests loopback kernel main e2e.
+# Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, KERNEL_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
 # T_KERNEL, T_MAIN, T_E2E (seconds); JAX_TOKENWEAVE_COMMIT names the
 # commit the copy was made from (the device machine gets no .git).
 # Never touches NCCL_NVLS_ENABLE and never sets JAX_TOKENWEAVE_MULTIMEM: no multicast here.
@@ -14,13 +14,14 @@ set -u -o pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$repo/gpu_out}
 STAGES=${STAGES:-build tests kernel main}
-TESTS=${TESTS:-tests/test_ffi.py tests/test_ffi_gpu.py}
+TESTS=${TESTS:-tests/test_ffi.py tests/test_loopback_gpu.py tests/test_cmdbuffer_gpu.py tests/test_ffi_gpu.py}
+LOOPBACK_ARGS=${LOOPBACK_ARGS:---ranks 2 4 8 --tokens 1 16 64 256}
 KERNEL_ARGS=${KERNEL_ARGS:---tp 2 4 --hidden 8192 --tokens 1 128 1024 4096 16384 --ctas 8 16 32 --reps 10}
 MAIN_ARGS=${MAIN_ARGS:---model llama3-70b --layers 4 --tokens 2048 8192 --comm xla --iters 10}
 E2E_ARGS=${E2E_ARGS:---models llama3-70b --tp 4 --tokens 2048 8192 --layers 8 --iters 5}
 W=$(mktemp -d)
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 JAX_TOKENWEAVE_TIMEOUT_S=${JAX_TOKENWEAVE_TIMEOUT_S:-10}
+export PYTHONUNBUFFERED=1
 start=$SECONDS
 log() { echo "[gpu_session $((SECONDS - start))s] $*"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -29,7 +30,7 @@ PY="python3 -P"
 
 {
   date -u; nvidia-smi -L; nvidia-smi topo -m
-  env | grep -E 'NVLS|MULTICAST|JAX_TOKENWEAVE|CUDA_VISIBLE' | sort
+  env | grep -E 'NVLS|MULTICAST|JAX_TOKENWEAVE|CUDA_VISIBLE|CUDA_MODULE' | sort
   python3 -c 'import jax, sys; print(sys.version, jax.__version__, jax.devices())'
 } > "$W/env.log" 2>&1
 cat "$W/env.log"
@@ -46,11 +47,21 @@ if has build; then
   $PY -c 'from jax_tokenweave import _ffi; print("extension:", _ffi.import_error() or "loaded")'
 fi
 if has tests && [[ $status == 0 ]]; then
-  log "tests: $TESTS"
+  # TEST_RUNS consecutive runs of the same files (flaky waits show up as a failed run).
+  for run in $(seq 1 "${TEST_RUNS:-1}"); do
+    log "tests (run $run of ${TEST_RUNS:-1}): $TESTS"
+    # shellcheck disable=SC2086
+    (cd "$repo" && timeout ${T_TESTS:-300} $PY -m pytest -q -rfEs --durations=5 -p no:cacheprovider \
+      $TESTS) > "$W/tests_$run.log" 2>&1 || status=$?
+    tail -15 "$W/tests_$run.log"
+  done
+fi
+if has loopback; then
+  log "loopback benchmark: $LOOPBACK_ARGS"
   # shellcheck disable=SC2086
-  (cd "$repo" && timeout ${T_TESTS:-150} $PY -m pytest -q -rfEs --durations=5 -p no:cacheprovider $TESTS) \
-    > "$W/tests.log" 2>&1 || status=$?
-  tail -25 "$W/tests.log"
+  timeout ${T_LOOPBACK:-120} $PY "$repo/benchmarks/loopback_bench.py" --out "$W/loopback" \
+    $LOOPBACK_ARGS > "$W/loopback.log" 2>&1 || status=$?
+  tail -40 "$W/loopback.log"
 fi
 if has kernel; then
   log "kernel benchmark: $KERNEL_ARGS"

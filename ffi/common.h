@@ -1,5 +1,5 @@
-// Shared definitions of the jax-tokenweave CUDA extension: limits, kernel parameters, the
-// host-mapped error record, and the CUDA error-checking macros.
+// Shared definitions of the jax-tokenweave CUDA extension: limits, the device-resident sync
+// state, kernel parameters, the host-mapped error record and the CUDA error-checking macros.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,67 +9,101 @@
 
 namespace tokenweave {
 
-constexpr int kMaxRanks = 8;        // largest group (tensor-parallel axis) size
-constexpr int kMaxCtas = 32;        // largest grid of the fused kernel
-constexpr int kMinCtas = 2;
-constexpr int kThreads = 512;       // threads per block
-constexpr int kNumBarriers = 2;     // barrier ids per call
-constexpr int kDefaultSlots = 4;
-constexpr int64_t kDefaultWorkspaceMiB = 2048;
-constexpr int64_t kDefaultOneShotBytes = 64 * 1024;  // auto: one-shot when T*H*bytes <= this
-constexpr double kDefaultTimeoutS = 10.0;
+constexpr int kMaxRanks = 8;      // largest group (tensor-parallel axis) size
+constexpr int kMaxCtas = 32;      // largest grid of the fused kernel
+constexpr int kMinCtas = 1;
+constexpr int kThreads = 512;     // threads per block
+constexpr int kMaxHidden = 16384;
+constexpr int kNumBarriers = 2;   // barrier ids per call (two-shot, direct)
+constexpr int kLamportBuffers = 3;  // one-shot receive buffers per slot, rotated
 
-enum class Algo : int32_t { kAuto = 0, kTwoShot = 1, kOneShot = 2, kDirect = 3 };
+// "Not written yet" in a one-shot receive buffer (kernels.cuh): buffers are cleared to this
+// word: two bf16/fp16 negative zeros, or an fp32 negative denormal. Senders send +0 for a
+// 16-bit -0, and -0.0f (kSentinelReplacement) for the fp32 value -4.6e-41 with these bits.
+constexpr uint32_t kSentinel = 0x80008000u;
+constexpr uint32_t kSentinelReplacement = 0x80000000u;
+
+enum class Algo : int32_t { kTwoShot = 1, kOneShot = 2, kDirect = 3 };
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
-// Written by a kernel that timed out in a barrier (cudaHostAlloc, mapped): the next handler
-// call reads it and returns an error instead of running on a broken comm.
-struct ErrorRecord {
-  volatile int32_t failed;  // 0 until a kernel timed out
-  int32_t device, rank, slot, barrier, peer, block;
-  uint32_t epoch, seen;
-  uint32_t peer_issued;  // the last epoch the missing rank's handler issued on this slot
+// Per (rank, slot), in device memory. Advanced only by the kernels (the last block of a call
+// to finish), so no per-call host state exists and XLA command buffers can replay a call.
+struct SlotControl {
+  uint32_t epoch;          // calls completed on this slot
+  uint32_t arrived;        // blocks of the running call that have finished
+  uint32_t entered;        // epoch of the last call whose kernel began here (read by peers)
+  uint32_t oneshot_calls;  // one-shot calls completed on this slot (picks the receive buffer)
+  uint32_t oneshot_used[kLamportBuffers];  // bytes the last call through each buffer used
+  uint32_t pad;
+};
+static_assert(sizeof(SlotControl) == 32, "SlotControl layout");
+
+// Per rank, device memory: sticky abort word. A kernel whose bounded wait expires sets it on
+// every rank of its group; every later kernel of the group poisons its outputs (NaN) and
+// returns at once, and the handlers refuse to launch.
+struct RankControl {
+  uint32_t failed;
+  uint32_t pad[7];
 };
 
-// Everything one launch needs; passed by value.
+// Host-mapped (cudaHostAlloc): the first wait that expired describes itself here; the host
+// reads it before every launch and turns it into an FFI error.
+struct ErrorRecord {
+  volatile int32_t failed;  // 0 until a wait expired
+  int32_t device, rank, slot, stage, peer, block;
+  uint32_t epoch, seen;
+  uint32_t peer_entered;  // the last epoch the missing rank's kernel began on this slot
+};
+
+// Everything one launch needs; passed by value. Pointers by rank index.
 struct KernelParams {
-  const void* partial;       // [T, H], local
-  const void* residual;      // [q, H], local
-  const float* weight;       // [H], local (float32)
-  void* normed;              // [T, H], local output
-  void* residual_out;        // [q, H], local output
-  char* data[kMaxRanks];     // this (slot, parity) data area on every rank, by rank
-  uint32_t* flags[kMaxRanks];  // this slot's flags on every rank, by rank
-  char* mc_data;             // multicast mapping of this (slot, parity) area (multimem only)
+  const void* partial;      // [T, H], local
+  const void* residual;     // [q, H], local
+  const float* weight;      // [H], local (float32)
+  void* normed;             // [T, H], local output
+  void* residual_out;       // [q, H], local output
+  char* data[kMaxRanks];    // this slot's two-shot/direct area (2 parities) on every rank
+  char* oneshot[kMaxRanks];  // this slot's kLamportBuffers one-shot buffers on every rank
+  uint32_t* flags[kMaxRanks];  // this slot's barrier flags on every rank
+  SlotControl* ctl[kMaxRanks];
+  RankControl* rank_ctl[kMaxRanks];
+  char* mc_data;            // multicast mapping of this slot's area (multimem only)
   ErrorRecord* err;
-  // Per rank, host-mapped: the last epoch its handler issued on this slot. Read only by a
-  // barrier that timed out, to say whether the missing rank's host never issued the call
-  // (a host-side stall) or issued it and its stream never ran it (a device-side stall).
-  const volatile uint32_t* issued[kMaxRanks];
+  int64_t area_bytes;       // one parity of `data`
+  int64_t oneshot_bytes;    // one one-shot buffer
   int32_t rank, nranks, tokens, hidden, rows;  // rows = q = ceil(T / N)
   int32_t device, slot;
   float eps;
-  uint32_t epoch;
   uint64_t timeout_ns;
 };
 
-// Bytes one (slot, parity) area must hold for a call.
+// Wait stages named in timeout reports.
+enum Stage : int32_t { kStageBarrier0 = 0, kStageBarrier1 = 1, kStageOneShotData = 2 };
+
+// Bytes of the per-call working memory each algorithm needs, for N ranks, T tokens,
+// q = ceil(T/N) rows, H hidden, itemsize es. The Python side asks the extension for these.
 inline int64_t TwoShotBytes(int64_t n, int64_t rows, int64_t hidden, int64_t es) {
-  return 2 * (n - 1) * rows * hidden * es;
+  return 2 * (n - 1) * rows * hidden * es;  // one parity of the data area
 }
+// One one-shot receive buffer: N-1 segments of (T partial rows + q residual rows).
 inline int64_t OneShotBytes(int64_t n, int64_t tokens, int64_t rows, int64_t hidden, int64_t es) {
   return (n - 1) * (tokens + rows) * hidden * es;
 }
-// direct: only the mailbox (this rank's `partial` and `normed` addresses).
-constexpr int64_t kDirectBytes = 16;
+constexpr int64_t kDirectBytes = 16;  // the mailbox with this rank's two buffer addresses
 inline int64_t MultimemBytes(int64_t n, int64_t tokens, int64_t hidden, int64_t es) {
   return 2 * n * ((tokens + n - 1) / n) * hidden * es;
 }
 
-// Launches the fused kernel (defined in allreduce_rmsnorm.cu). Returns cudaSuccess or the
-// launch error.
+// Launches the fused kernel (allreduce_rmsnorm.cu / oneshot.cu). Returns the launch error.
 cudaError_t LaunchAllreduceRmsnorm(const KernelParams& p, DType dtype, Algo algo, bool multimem,
                                    int num_ctas, cudaStream_t stream);
+cudaError_t LaunchOneShot(const KernelParams& p, DType dtype, int num_ctas, cudaStream_t stream);
+// Loads every kernel of the extension into the current device's context (see
+// allreduce_rmsnorm.cu: a lazy load behind a spinning kernel can stall a launch).
+cudaError_t PreloadKernels();
+cudaError_t PreloadOneShotKernels();
+// Fills the one-shot buffers at `ptr` (`bytes`, a multiple of 16) with the sentinel.
+cudaError_t LaunchFillSentinel(void* ptr, int64_t bytes, cudaStream_t stream);
 
 }  // namespace tokenweave
 

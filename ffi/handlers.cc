@@ -2,37 +2,16 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cstdlib>
 #include <string>
 
+#include "comm.h"
 #include "common.h"
-#include "workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace tokenweave {
 namespace {
-
-constexpr int64_t kMaxHidden = 16384;
-
-uint64_t TimeoutNs() {
-  static const uint64_t ns = [] {
-    const char* s = std::getenv("JAX_TOKENWEAVE_TIMEOUT_S");
-    double sec = s != nullptr ? std::atof(s) : kDefaultTimeoutS;
-    if (!(sec > 0)) sec = kDefaultTimeoutS;
-    return static_cast<uint64_t>(sec * 1e9);
-  }();
-  return ns;
-}
-
-int64_t OneShotThreshold() {
-  static const int64_t bytes = [] {
-    const char* s = std::getenv("JAX_TOKENWEAVE_ONESHOT_BYTES");
-    return s != nullptr ? std::atoll(s) : kDefaultOneShotBytes;
-  }();
-  return bytes;
-}
 
 std::string Shape(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";
@@ -41,6 +20,10 @@ std::string Shape(ffi::AnyBuffer::Dimensions d) {
 }
 
 bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax-tokenweave: " + what);
+}
 
 // Everything a launch needs, validated.
 struct Call {
@@ -52,18 +35,17 @@ struct Call {
   int num_ctas = 0;
 };
 
+// The comm and this device's state; refuses a comm whose group failed (the sticky error).
 ffi::Error Lookup(int64_t comm_id, int32_t ordinal, Comm** comm, DeviceState** dev) {
   // The primary context of this device: the one XLA runs on and the workspace lives in.
   TW_FFI_CHECK(cudaSetDevice(ordinal));
   *comm = LookupComm(comm_id);
-  if (*comm == nullptr)
-    return ffi::Error::InvalidArgument("jax-tokenweave: unknown comm id " + std::to_string(comm_id));
-  const ErrorRecord* err = (*comm)->error_record();
-  if (err->failed) return ffi::Error::Internal(DescribeError(*err));
+  if (*comm == nullptr) return Invalid("unknown comm id " + std::to_string(comm_id));
+  if (std::string why = FailureMessage(**comm); !why.empty()) return ffi::Error::Internal(why);
   *dev = (*comm)->Find(ordinal);
   if (*dev == nullptr)
-    return ffi::Error::InvalidArgument("jax-tokenweave: device " + std::to_string(ordinal) +
-                                       " is not part of comm " + std::to_string(comm_id));
+    return Invalid("device " + std::to_string(ordinal) + " is not part of comm " +
+                   std::to_string(comm_id));
   return ffi::Error::Success();
 }
 
@@ -72,69 +54,68 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
                    int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo,
                    Call* call) {
   if (ffi::Error e = Lookup(comm_id, ordinal, &call->comm, &call->dev); e.failure()) return e;
-  Comm& comm = *call->comm;
+  const Comm& comm = *call->comm;
+  const CommOptions& opt = comm.options();
   const int n = comm.group_size();
   switch (partial.element_type()) {
     case ffi::DataType::F32: call->dtype = DType::kF32; break;
     case ffi::DataType::F16: call->dtype = DType::kF16; break;
     case ffi::DataType::BF16: call->dtype = DType::kBF16; break;
-    default: return ffi::Error::InvalidArgument("jax-tokenweave: dtype must be f32, f16 or bf16");
+    default: return Invalid("dtype must be f32, f16 or bf16");
   }
   const auto pd = partial.dimensions();
   if (pd.size() != 2 || pd[0] < 1 || pd[1] < 1)
-    return ffi::Error::InvalidArgument("jax-tokenweave: partial must be [T, H], got " + Shape(pd));
+    return Invalid("partial must be [T, H], got " + Shape(pd));
   const int64_t tokens = pd[0], hidden = pd[1], rows = (tokens + n - 1) / n;
   if (hidden % 8 != 0 || hidden > kMaxHidden)
-    return ffi::Error::InvalidArgument(
-        "jax-tokenweave: hidden size must be a multiple of 8 and at most " +
-        std::to_string(kMaxHidden) + ", got " + std::to_string(hidden));
+    return Invalid("hidden size must be a multiple of 8 and at most " +
+                   std::to_string(kMaxHidden) + ", got " + std::to_string(hidden));
   const auto rd = residual.dimensions(), nd = normed.dimensions(), od = residual_out.dimensions();
   if (rd.size() != 2 || rd[0] != rows || rd[1] != hidden)
-    return ffi::Error::InvalidArgument("jax-tokenweave: residual must be [" + std::to_string(rows) +
-                                       ", " + std::to_string(hidden) + "], got " + Shape(rd));
+    return Invalid("residual must be [" + std::to_string(rows) + ", " + std::to_string(hidden) +
+                   "], got " + Shape(rd));
   if (nd.size() != 2 || nd[0] != tokens || nd[1] != hidden || od.size() != 2 || od[0] != rows ||
       od[1] != hidden)
-    return ffi::Error::InvalidArgument("jax-tokenweave: output shapes do not match the inputs");
+    return Invalid("output shapes do not match the inputs");
   if (residual.element_type() != partial.element_type() ||
       normed.element_type() != partial.element_type() ||
       residual_out.element_type() != partial.element_type())
-    return ffi::Error::InvalidArgument("jax-tokenweave: partial, residual and outputs must share a dtype");
+    return Invalid("partial, residual and outputs must share a dtype");
   if (weight.element_type() != ffi::DataType::F32 || weight.dimensions().size() != 1 ||
       weight.dimensions()[0] != hidden)
-    return ffi::Error::InvalidArgument("jax-tokenweave: weight must be float32 [H]");
-  if (slot < 0 || slot >= comm.num_slots())
-    return ffi::Error::InvalidArgument("jax-tokenweave: slot " + std::to_string(slot) +
-                                       " out of range [0, " + std::to_string(comm.num_slots()) + ")");
+    return Invalid("weight must be float32 [H]");
+  if (slot < 0 || slot >= opt.num_slots)
+    return Invalid("slot " + std::to_string(slot) + " out of range [0, " +
+                   std::to_string(opt.num_slots) + ")");
   if (num_ctas < kMinCtas || num_ctas > kMaxCtas)
-    return ffi::Error::InvalidArgument("jax-tokenweave: num_ctas must be in [" +
-                                       std::to_string(kMinCtas) + ", " + std::to_string(kMaxCtas) +
-                                       "], got " + std::to_string(num_ctas));
-  if (algo < 0 || algo > 3)
-    return ffi::Error::InvalidArgument(
-        "jax-tokenweave: algo must be 0 (auto), 1 (two-shot), 2 (one-shot) or 3 (direct)");
+    return Invalid("num_ctas must be in [" + std::to_string(kMinCtas) + ", " +
+                   std::to_string(kMaxCtas) + "], got " + std::to_string(num_ctas));
+  if (algo < 1 || algo > 3) return Invalid("algo must be 1 (two-shot), 2 (one-shot) or 3 (direct)");
   for (const void* p : {partial.untyped_data(), residual.untyped_data(), weight.untyped_data(),
                         normed.untyped_data(), residual_out.untyped_data()})
-    if (!Aligned(p)) return ffi::Error::InvalidArgument("jax-tokenweave: buffers must be 16-byte aligned");
+    if (!Aligned(p)) return Invalid("buffers must be 16-byte aligned");
 
+  const Algo a = static_cast<Algo>(algo);
   const int64_t es = call->dtype == DType::kF32 ? 4 : 2;
-  const int64_t two = TwoShotBytes(n, rows, hidden, es), one = OneShotBytes(n, tokens, rows, hidden, es);
-  Algo a = static_cast<Algo>(algo);
-  if (a == Algo::kAuto)
-    a = (tokens * hidden * es <= OneShotThreshold() && one <= comm.area_bytes()) ? Algo::kOneShot
-                                                                                 : Algo::kTwoShot;
-  const int64_t need = comm.multimem()          ? MultimemBytes(n, tokens, hidden, es)
-                       : a == Algo::kOneShot   ? one
-                       : a == Algo::kDirect    ? kDirectBytes
-                                               : two;
-  if (need > comm.area_bytes())
-    return ffi::Error::InvalidArgument(
-        "jax-tokenweave: [" + std::to_string(tokens) + ", " + std::to_string(hidden) + "] needs " +
-        std::to_string(need) + " bytes per workspace slot but a slot holds " +
-        std::to_string(comm.area_bytes()) + " (raise JAX_TOKENWEAVE_WORKSPACE_MB)");
+  int64_t need, have;
+  if (opt.multimem) {
+    need = MultimemBytes(n, tokens, hidden, es), have = opt.area_bytes;
+  } else if (a == Algo::kOneShot) {
+    need = OneShotBytes(n, tokens, rows, hidden, es), have = opt.oneshot_bytes;
+  } else {
+    need = a == Algo::kDirect ? kDirectBytes : TwoShotBytes(n, rows, hidden, es);
+    have = opt.area_bytes;
+  }
+  if (need > have)
+    return Invalid("[" + std::to_string(tokens) + ", " + std::to_string(hidden) + "] needs " +
+                   std::to_string(need) + " bytes of " +
+                   (a == Algo::kOneShot ? "one-shot buffer" : "data area") +
+                   " per slot, the communicator has " + std::to_string(have));
   call->algo = a;
   call->num_ctas = num_ctas;
 
   KernelParams& p = call->params;
+  comm.Fill(*call->dev, slot, p);
   p.partial = partial.untyped_data();
   p.residual = residual.untyped_data();
   p.weight = static_cast<const float*>(weight.untyped_data());
@@ -144,20 +125,13 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
   p.hidden = static_cast<int32_t>(hidden);
   p.rows = static_cast<int32_t>(rows);
   p.eps = eps;
-  p.timeout_ns = TimeoutNs();
-  uint32_t epoch;
-  {
-    std::lock_guard<std::mutex> lock(call->dev->mu);
-    epoch = ++call->dev->epoch[slot];
-    if (epoch == 0) epoch = call->dev->epoch[slot] = 1;  // flags start at 0
-  }
-  comm.Fill(*call->dev, slot, epoch, p);
   return ffi::Error::Success();
 }
 
-ffi::Error Launch(const Call& c, cudaStream_t stream) {
-  TW_FFI_CHECK(LaunchAllreduceRmsnorm(c.params, c.dtype, c.algo, c.comm->multimem(), c.num_ctas,
-                                      stream));
+ffi::Error Launch(Call& c, cudaStream_t stream) {
+  c.comm->CountLaunch();
+  TW_FFI_CHECK(LaunchAllreduceRmsnorm(c.params, c.dtype, c.algo, c.comm->options().multimem,
+                                      c.num_ctas, stream));
   return ffi::Error::Success();
 }
 
@@ -173,6 +147,9 @@ ffi::Error RunImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
   return Launch(call, stream);
 }
 
+// The start/done pair forks work onto a side stream and joins it in another call, which a
+// command buffer cannot capture (each command is traced alone), so these two are not
+// command-buffer compatible; they carry no per-call host state either.
 ffi::Error StartImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
                      ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                      ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> residual_out,
@@ -183,18 +160,7 @@ ffi::Error StartImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partia
       e.failure())
     return e;
   DeviceState& d = *call.dev;
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.side == nullptr) {  // once per device: stream + per-slot events
-    int least = 0, greatest = 0;
-    TW_FFI_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    TW_FFI_CHECK(cudaStreamCreateWithPriority(&d.side, cudaStreamNonBlocking, greatest));
-    d.ready.assign(call.comm->num_slots(), nullptr);
-    d.done.assign(call.comm->num_slots(), nullptr);
-    for (int s = 0; s < call.comm->num_slots(); ++s) {
-      TW_FFI_CHECK(cudaEventCreateWithFlags(&d.ready[s], cudaEventDisableTiming));
-      TW_FFI_CHECK(cudaEventCreateWithFlags(&d.done[s], cudaEventDisableTiming));
-    }
-  }
+  TW_FFI_CHECK(call.comm->EnsureSideStream(d));
   TW_FFI_CHECK(cudaEventRecord(d.ready[slot], stream));
   TW_FFI_CHECK(cudaStreamWaitEvent(d.side, d.ready[slot], 0));
   if (ffi::Error e = Launch(call, d.side); e.failure()) return e;
@@ -210,14 +176,10 @@ ffi::Error DoneImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer normed,
   Comm* comm;
   DeviceState* d;
   if (ffi::Error e = Lookup(comm_id, ordinal, &comm, &d); e.failure()) return e;
-  if (slot < 0 || slot >= comm->num_slots())
-    return ffi::Error::InvalidArgument("jax-tokenweave: slot out of range");
-  {
-    std::lock_guard<std::mutex> lock(d->mu);
-    if (d->done.empty() || d->done[slot] == nullptr)
-      return ffi::Error::InvalidArgument("jax-tokenweave: done without a start on this slot");
-    TW_FFI_CHECK(cudaStreamWaitEvent(stream, d->done[slot], 0));
-  }
+  if (slot < 0 || slot >= comm->options().num_slots) return Invalid("slot out of range");
+  if (d->side == nullptr || d->done[slot] == nullptr)
+    return Invalid("done without a start on this slot");
+  TW_FFI_CHECK(cudaStreamWaitEvent(stream, d->done[slot], 0));
   // Outputs alias the operands; if XLA gave separate buffers, copy (after the wait).
   if (normed_out->untyped_data() != normed.untyped_data())
     TW_FFI_CHECK(cudaMemcpyAsync(normed_out->untyped_data(), normed.untyped_data(),
@@ -229,12 +191,11 @@ ffi::Error DoneImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer normed,
 }
 
 }  // namespace
-
 }  // namespace tokenweave
 
+using tokenweave::DoneImpl;
 using tokenweave::RunImpl;
 using tokenweave::StartImpl;
-using tokenweave::DoneImpl;
 
 #define TW_BIND_MAIN()                                  \
   ffi::Ffi::Bind()                                      \
@@ -251,7 +212,10 @@ using tokenweave::DoneImpl;
       .Attr<int32_t>("num_ctas")                        \
       .Attr<int32_t>("algo")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnorm, RunImpl, TW_BIND_MAIN());
+// The synchronous call keeps no per-call host state (the kernels advance the device-resident
+// sync state), so XLA may record it into a command buffer and replay it.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnorm, RunImpl, TW_BIND_MAIN(),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormStart, StartImpl, TW_BIND_MAIN());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormDone, DoneImpl,
                               ffi::Ffi::Bind()

@@ -1,5 +1,6 @@
-// Device helpers of the fused kernels: typed 16-byte vectors, system-scope flags, the
-// all-blocks-of-all-ranks barrier with a bounded wait, and a block sum.
+// Device helpers of the fused kernels: typed 16-byte vectors, memory-order primitives, the
+// device-resident per-call state (begin/end of a call), bounded waits that report and abort
+// instead of trapping, the cross-rank barrier, and row copies.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,6 +8,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 #include "common.h"
 
@@ -26,6 +28,17 @@ template <> __device__ __forceinline__ float FromF<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
+}
+// A quiet NaN in every element of a 16-byte vector of T.
+template <typename T> __device__ __forceinline__ uint4 NanVec();
+template <> __device__ __forceinline__ uint4 NanVec<float>() {
+  return make_uint4(0x7fc00000u, 0x7fc00000u, 0x7fc00000u, 0x7fc00000u);
+}
+template <> __device__ __forceinline__ uint4 NanVec<__half>() {
+  return make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u);
+}
+template <> __device__ __forceinline__ uint4 NanVec<__nv_bfloat16>() {
+  return make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
 }
 
 // acc[i] += v's i-th element.
@@ -50,11 +63,25 @@ __device__ __forceinline__ uint4 PackRound(float* acc) {
 }
 
 // Loads: `Ldg` for inputs that no one writes during the kernel; `Ldcg` (L2 only) for areas that
-// peers write during the kernel, so a stale L1 line can never be read.
+// peers write during the kernel behind a barrier; `LdVolatile16` for one-shot receive buffers,
+// polled while peers write them.
 __device__ __forceinline__ uint4 Ldg(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ uint4 Ldcg(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ void St(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
-
+__device__ __forceinline__ uint4 LdVolatile16(const void* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t LdVolatile(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void StVolatile(uint32_t* p, uint32_t v) {
+  asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ void StoreRelease(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -69,76 +96,185 @@ __device__ __forceinline__ uint64_t GlobalTimer() {
   return t;
 }
 
+// One-shot encoding (common.h). A receive buffer is cleared to kSentinel words. 16-bit types
+// are checked per element (0x8000, a negative zero, is "not yet"; senders send +0 instead);
+// fp32 per word (senders replace the one float whose bits equal kSentinel, a negative
+// denormal, by -0.0f). Element-wise checks stay correct even if a store lands in pieces.
+__host__ __device__ __forceinline__ bool HalfIsSentinel(uint32_t w) {
+  return (w & 0xffffu) == 0x8000u || (w >> 16) == 0x8000u;
+}
+template <typename T>
+__host__ __device__ __forceinline__ bool HasSentinel(uint4 v) {
+  if constexpr (sizeof(T) == 2)
+    return HalfIsSentinel(v.x) | HalfIsSentinel(v.y) | HalfIsSentinel(v.z) | HalfIsSentinel(v.w);
+  else
+    return (v.x == kSentinel) | (v.y == kSentinel) | (v.z == kSentinel) | (v.w == kSentinel);
+}
+template <typename T>
+__host__ __device__ __forceinline__ uint32_t Canonical(uint32_t w) {
+  if constexpr (sizeof(T) == 2) {
+    if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
+    if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
+    return w;
+  } else {
+    return w == kSentinel ? kSentinelReplacement : w;
+  }
+}
+template <typename T>
+__host__ __device__ __forceinline__ uint4 Canonical(uint4 v) {
+  return make_uint4(Canonical<T>(v.x), Canonical<T>(v.y), Canonical<T>(v.z), Canonical<T>(v.w));
+}
+
 __device__ __forceinline__ int FlagIndex(int barrier, int src, int block) {
   return (barrier * kMaxRanks + src) * kMaxCtas + block;
 }
 
 // Index of sender `src`'s area inside receiver `dst`'s receive buffers ([N-1] entries; a rank
 // never sends to itself).
-__device__ __forceinline__ int PeerIndex(int src, int dst, int n) { return (src - dst + n) % n - 1; }
+__host__ __device__ __forceinline__ int PeerIndex(int src, int dst, int n) {
+  return (src - dst + n) % n - 1;
+}
+
+// ---- Per-call state, kept on the device ----
+
+// What every block of a call reads at its start (from this rank's SlotControl).
+struct CallState {
+  uint32_t epoch;          // this call's epoch on the slot (calls completed + 1)
+  uint32_t oneshot_calls;  // one-shot calls completed on the slot
+  uint32_t oneshot_clear;  // bytes of the buffer the previous one-shot call used
+  int abort;               // the group failed earlier: poison the outputs and return
+};
+
+// Reads the call state (all threads get it). Block 0 also records `entered` for diagnostics.
+// The previous call on this slot has completed (stream order), so plain loads see its update.
+__device__ __forceinline__ CallState BeginCall(const KernelParams& p) {
+  __shared__ CallState s;
+  if (threadIdx.x == 0) {
+    SlotControl* c = p.ctl[p.rank];
+    s.epoch = LdVolatile(&c->epoch) + 1;
+    s.oneshot_calls = LdVolatile(&c->oneshot_calls);
+    s.oneshot_clear = LdVolatile(&c->oneshot_used[(s.oneshot_calls + kLamportBuffers - 1) %
+                                                  kLamportBuffers]);
+    s.abort = LdVolatile(&p.rank_ctl[p.rank]->failed) != 0;
+    if (blockIdx.x == 0) StVolatile(&c->entered, s.epoch);
+  }
+  __syncthreads();
+  return s;
+}
+
+// Ends a call: the last block to finish advances the slot's epoch (and, for a one-shot call,
+// its buffer rotation, recording `oneshot_used` bytes for the next call to clear).
+__device__ __forceinline__ void EndCall(const KernelParams& p, const CallState& s,
+                                        int64_t oneshot_used = -1) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    SlotControl* c = p.ctl[p.rank];
+    __threadfence();
+    if (atomicAdd(&c->arrived, 1u) == gridDim.x - 1) {
+      StVolatile(&c->arrived, 0);
+      if (oneshot_used >= 0) {
+        StVolatile(&c->oneshot_used[s.oneshot_calls % kLamportBuffers],
+                   static_cast<uint32_t>(oneshot_used));
+        StVolatile(&c->oneshot_calls, s.oneshot_calls + 1);
+      }
+      StVolatile(&c->epoch, s.epoch);
+      __threadfence();
+    }
+  }
+}
+
+__device__ __forceinline__ bool GroupFailed(const KernelParams& p) {
+  return LdVolatile(&p.rank_ctl[p.rank]->failed) != 0;
+}
+
+// Marks the whole group failed and, first time only, describes the expired wait in the
+// host-mapped record (and prints it). Never traps: the CUDA context stays usable.
+static __device__ __noinline__ void ReportTimeout(const KernelParams& p, int stage, int peer, int block,
+                                           uint32_t epoch, uint32_t seen) {
+  for (int j = 0; j < p.nranks; ++j) StVolatile(&p.rank_ctl[j]->failed, 1);
+  __threadfence_system();
+  if (atomicCAS_system(const_cast<int32_t*>(&p.err->failed), 0, 1) == 0) {
+    ErrorRecord* e = p.err;
+    e->device = p.device; e->rank = p.rank; e->slot = p.slot; e->stage = stage;
+    e->peer = peer; e->block = block; e->epoch = epoch; e->seen = seen;
+    e->peer_entered = LdVolatile(&p.ctl[peer]->entered);
+    __threadfence_system();
+    printf("jax-tokenweave: wait expired on device %d (rank %d, slot %d, stage %d): rank %d "
+           "(block %d) missing at epoch %u (seen %u; its kernel last began epoch %u)\n",
+           p.device, p.rank, p.slot, stage, peer, block, epoch, seen, e->peer_entered);
+  }
+}
+
+// A bounded spin. Tick() returns kWait while waiting may go on; it looks at the clock and at
+// the group's abort word every 64 spins.
+struct Deadline {
+  enum Result { kWait, kAborted, kExpired };
+  uint64_t start = 0;
+  uint32_t spins = 0;
+  __device__ __forceinline__ Result Tick(const KernelParams& p) {
+    if ((++spins & 63u) != 0) return kWait;
+    if (GroupFailed(p)) return kAborted;
+    const uint64_t now = GlobalTimer();
+    if (start == 0) start = now;
+    return now - start > p.timeout_ns ? kExpired : kWait;
+  }
+};
 
 // Grid-wide, cross-rank barrier: every block of every rank arrives before any block leaves.
 // Thread 0 of each block publishes (fence, then a release store of the epoch into every rank's
 // flag for this block); threads of the block poll all N*G flags of this rank in parallel.
-// A wait longer than p.timeout_ns records who was missing, prints it and traps.
-__device__ __noinline__ void Barrier(const KernelParams& p, int barrier) {
+// Returns false (in every thread of the block) when a wait expired or the group failed.
+static __device__ __noinline__ bool Barrier(const KernelParams& p, int barrier, uint32_t epoch) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
     for (int k = 0; k < p.nranks; ++k) {
-      int dst = (p.rank + k) % p.nranks;
-      StoreRelease(p.flags[dst] + FlagIndex(barrier, p.rank, blockIdx.x), p.epoch);
+      const int dst = (p.rank + k) % p.nranks;
+      StoreRelease(p.flags[dst] + FlagIndex(barrier, p.rank, blockIdx.x), epoch);
     }
   }
+  bool ok = true;
   const int grid = gridDim.x;
-  for (int t = threadIdx.x; t < p.nranks * grid; t += blockDim.x) {
+  for (int t = threadIdx.x; ok && t < p.nranks * grid; t += blockDim.x) {
     const int src = t / grid, blk = t % grid;
     const uint32_t* flag = p.flags[p.rank] + FlagIndex(barrier, src, blk);
-    uint32_t seen = LoadAcquire(flag);
-    if (static_cast<int32_t>(seen - p.epoch) < 0) {
-      const uint64_t start = GlobalTimer();
-      while (static_cast<int32_t>((seen = LoadAcquire(flag)) - p.epoch) < 0) {
-        if (GlobalTimer() - start > p.timeout_ns) {
-          if (atomicCAS_system(const_cast<int32_t*>(&p.err->failed), 0, 1) == 0) {
-            ErrorRecord* e = p.err;
-            e->device = p.device; e->rank = p.rank; e->slot = p.slot; e->barrier = barrier;
-            e->peer = src; e->block = blk; e->epoch = p.epoch; e->seen = seen;
-            e->peer_issued = *p.issued[src];
-            __threadfence_system();
-            printf("jax-tokenweave: barrier timeout on device %d (rank %d, slot %d, barrier %d): "
-                   "block %d of rank %d never arrived (epoch %u, flag %u; rank %d's host issued "
-                   "epoch %u on this slot)\n",
-                   p.device, p.rank, p.slot, barrier, blk, src, p.epoch, seen, src,
-                   e->peer_issued);
-          }
-          __trap();
-        }
-      }
+    uint32_t seen;
+    Deadline d;
+    while (static_cast<int32_t>((seen = LoadAcquire(flag)) - epoch) < 0) {
+      const Deadline::Result r = d.Tick(p);
+      if (r == Deadline::kWait) continue;
+      if (r == Deadline::kExpired) ReportTimeout(p, barrier, src, blk, epoch, seen);
+      ok = false;
+      break;
     }
   }
-  __syncthreads();
+  return __syncthreads_and(ok) != 0;
 }
 
-// Sum of v over the block (all threads get it). `red` is 32 floats of shared memory.
-__device__ __forceinline__ float BlockSum(float v, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // `red` may still be read from the previous call
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  v = lane < static_cast<int>(blockDim.x / 32) ? red[lane] : 0.f;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+// Fills normed [T, H] and residual_out [q, H] with NaN (grid-stride): what a call of a failed
+// group leaves, so that a command-buffer replay, which no host check sees, is never mistaken
+// for a result.
+template <typename T>
+__device__ __forceinline__ void PoisonOutputs(const KernelParams& p) {
+  const int64_t vpr = p.hidden / Vec<T>::kN;
+  const int64_t n_normed = p.tokens * vpr, total = n_normed + p.rows * vpr;
+  const uint4 nan = NanVec<T>();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < n_normed)
+      St(static_cast<char*>(p.normed) + i * 16, nan);
+    else
+      St(static_cast<char*>(p.residual_out) + (i - n_normed) * 16, nan);
+  }
 }
 
 // Copies `total_rows` rows of `vpr` 16-byte vectors across the grid: each block takes 8 rows
 // at a time (index math once per row, 8 loads in flight per thread: 64 KiB per block, since a
 // handful of CTAs is bound by the bytes it keeps in flight, not by NVLink). addr(i, src, dst)
-// sets the addresses of row i; src = nullptr skips it. kNc: the source is an input nobody writes during
-// the kernel (read through the non-coherent path); else it is read from L2 (peer-written).
-template <bool kNc, typename Addr>
+// sets the addresses of row i; src = nullptr skips it. kNc: the source is an input nobody
+// writes during the kernel (read through the non-coherent path); else it is read from L2.
+// TCanon (not void): store the one-shot encoding of elements of that type (no sentinel).
+template <bool kNc, typename TCanon = void, typename Addr>
 __device__ __forceinline__ void RowCopy(int total_rows, int vpr, Addr addr) {
   constexpr int kU = 8;
   for (int base = blockIdx.x * kU; base < total_rows; base += gridDim.x * kU) {
@@ -157,7 +293,12 @@ __device__ __forceinline__ void RowCopy(int total_rows, int vpr, Addr addr) {
         if (s[u] != nullptr) x[u] = kNc ? Ldg(s[u] + v * 16) : Ldcg(s[u] + v * 16);
 #pragma unroll
       for (int u = 0; u < kU; ++u)
-        if (s[u] != nullptr) St(d[u] + v * 16, x[u]);
+        if (s[u] != nullptr) {
+          if constexpr (std::is_void_v<TCanon>)
+            St(d[u] + v * 16, x[u]);
+          else
+            St(d[u] + v * 16, Canonical<TCanon>(x[u]));
+        }
     }
   }
 }

@@ -1,17 +1,55 @@
-// nanobind module jax_tokenweave._tokenweave_ffi: FFI handler capsules, comm registration and
-// the constants the Python side checks shapes against. Importing it calls no CUDA function.
+// nanobind module jax_tokenweave._tokenweave_ffi: FFI handler capsules, communicator
+// registration and state, the limits and byte formulas the Python side sizes calls with, and
+// the loopback test harness. Importing it calls no CUDA function.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cuda_runtime_api.h>
 
+#include <stdexcept>
+
+#include "comm.h"
 #include "common.h"
 #include "handlers.h"
-#include "workspace.h"
+#include "loopback.h"
+#include "multicast.h"
 
 namespace nb = nanobind;
 using namespace tokenweave;
+
+namespace {
+
+Comm& GetComm(int64_t id) {
+  Comm* c = LookupComm(id);
+  if (c == nullptr) throw std::invalid_argument("jax-tokenweave: unknown comm id " + std::to_string(id));
+  return *c;
+}
+
+Algo ParseAlgo(const std::string& algo) {
+  if (algo == "two_shot") return Algo::kTwoShot;
+  if (algo == "one_shot") return Algo::kOneShot;
+  if (algo == "direct") return Algo::kDirect;
+  throw std::invalid_argument("jax-tokenweave: unknown algo '" + algo + "'");
+}
+
+DType ParseDType(const std::string& dtype) {
+  if (dtype == "float32") return DType::kF32;
+  if (dtype == "float16") return DType::kF16;
+  if (dtype == "bfloat16") return DType::kBF16;
+  throw std::invalid_argument("jax-tokenweave: unsupported dtype '" + dtype + "'");
+}
+
+std::vector<uint8_t> Bytes(const nb::bytes& b) {
+  const auto* p = static_cast<const uint8_t*>(b.data());
+  return std::vector<uint8_t>(p, p + b.size());
+}
+
+nb::bytes ToBytes(const std::vector<uint8_t>& v) {
+  return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
+
+}  // namespace
 
 NB_MODULE(_tokenweave_ffi, m) {
   m.doc() = "jax-tokenweave fused AllReduce + residual + RMSNorm (XLA FFI, CUDA)";
@@ -26,21 +64,35 @@ NB_MODULE(_tokenweave_ffi, m) {
   });
   m.def(
       "register_comm",
-      [](const std::vector<int>& ordinals, int group_size, int64_t workspace_bytes, int num_slots,
-         bool multimem) {
+      [](const std::vector<int>& ordinals, int group_size, int64_t area_bytes,
+         int64_t oneshot_bytes, int num_slots, double timeout_s, bool multimem, bool loopback) {
         nb::gil_scoped_release release;
-        return RegisterComm(ordinals, group_size, workspace_bytes, num_slots, multimem);
+        CommOptions o;
+        o.area_bytes = area_bytes;
+        o.oneshot_bytes = oneshot_bytes;
+        o.num_slots = num_slots;
+        o.timeout_s = timeout_s;
+        o.multimem = multimem;
+        o.loopback = loopback;
+        return RegisterComm(ordinals, group_size, o);
       },
-      nb::arg("ordinals"), nb::arg("group_size"), nb::arg("workspace_bytes"),
-      nb::arg("num_slots"), nb::arg("multimem") = false,
-      "Allocates the symmetric workspace on the devices (CUDA ordinals in group order) and "
-      "enables peer access within each group; returns the comm id. Cached per arguments.");
-  m.def("error_message", [](int64_t comm_id) -> nb::object {
-    Comm* c = LookupComm(comm_id);
-    if (c == nullptr) throw std::invalid_argument("unknown comm id");
-    if (!c->error_record()->failed) return nb::none();
-    return nb::str(DescribeError(*c->error_record()).c_str());
+      nb::arg("ordinals"), nb::arg("group_size"), nb::arg("area_bytes"), nb::arg("oneshot_bytes"),
+      nb::arg("num_slots"), nb::arg("timeout_s"), nb::arg("multimem") = false,
+      nb::arg("loopback") = false,
+      "Allocates a new communicator on the devices (CUDA ordinals in group order; with loopback, "
+      "one ordinal repeated group_size times) and enables peer access within each group; "
+      "returns its id.");
+  m.def("release_comm", [](int64_t id) {
+    nb::gil_scoped_release release;
+    return ReleaseComm(id);
   });
+  m.def("failure_message", [](int64_t id) -> nb::object {
+    std::string why = FailureMessage(GetComm(id));
+    if (why.empty()) return nb::none();
+    return nb::str(why.c_str());
+  });
+  m.def("launches", [](int64_t id) { return GetComm(id).launches(); },
+        "Kernel launches the handlers issued for this comm (command-buffer replays issue none).");
   m.def("device_count", [] {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -56,16 +108,92 @@ NB_MODULE(_tokenweave_ffi, m) {
   });
   m.def("multimem_refusal", &MultimemRefusal,
         "'' when the multimem path may be set up, else why not (environment only).");
-  m.def("area_bytes", &AreaBytes, nb::arg("workspace_bytes"), nb::arg("num_slots"));
-  m.def("two_shot_bytes", &TwoShotBytes);
-  m.def("one_shot_bytes", &OneShotBytes);
-  m.def("multimem_bytes", &MultimemBytes);
-  m.attr("MAX_RANKS") = kMaxRanks;
-  m.attr("MIN_CTAS") = kMinCtas;
-  m.attr("MAX_CTAS") = kMaxCtas;
-  m.attr("MAX_HIDDEN") = 16384;
-  m.attr("DEFAULT_SLOTS") = kDefaultSlots;
-  m.attr("DEFAULT_WORKSPACE_MIB") = kDefaultWorkspaceMiB;
-  m.attr("DEFAULT_ONESHOT_BYTES") = kDefaultOneShotBytes;
-  m.attr("DEFAULT_TIMEOUT_S") = kDefaultTimeoutS;
+  m.def(
+      "needed_bytes",
+      [](const std::string& algo, int64_t n, int64_t tokens, int64_t hidden, int64_t itemsize,
+         bool multimem) {
+        const int64_t rows = (tokens + n - 1) / n;
+        if (multimem) return MultimemBytes(n, tokens, hidden, itemsize);
+        switch (ParseAlgo(algo)) {
+          case Algo::kOneShot: return OneShotBytes(n, tokens, rows, hidden, itemsize);
+          case Algo::kDirect: return kDirectBytes;
+          default: return TwoShotBytes(n, rows, hidden, itemsize);
+        }
+      },
+      nb::arg("algo"), nb::arg("n"), nb::arg("tokens"), nb::arg("hidden"), nb::arg("itemsize"),
+      nb::arg("multimem") = false,
+      "Bytes of the per-slot working memory a call needs: the one-shot buffer for 'one_shot', "
+      "the data area otherwise.");
+  m.def("limits", [] {
+    nb::dict d;
+    d["max_ranks"] = kMaxRanks;
+    d["min_ctas"] = kMinCtas;
+    d["max_ctas"] = kMaxCtas;
+    d["max_hidden"] = kMaxHidden;
+    d["threads"] = kThreads;
+    d["oneshot_buffers"] = kLamportBuffers;
+    d["hidden_multiple"] = 8;
+    return d;
+  });
+  m.def(
+      "loopback_run",
+      [](int64_t comm_id, const std::string& dtype, const std::string& algo, int num_ctas,
+         int tokens, int hidden, float eps, nb::bytes partial, nb::bytes residual,
+         nb::bytes weight, int calls, int slots, int skip_call, int skip_rank, int graph_calls,
+         int graph_replays) {
+        LoopbackRequest req;
+        req.comm_id = comm_id;
+        req.dtype = ParseDType(dtype);
+        req.algo = ParseAlgo(algo);
+        req.num_ctas = num_ctas;
+        req.tokens = tokens;
+        req.hidden = hidden;
+        req.eps = eps;
+        req.partial = Bytes(partial);
+        req.residual = Bytes(residual);
+        req.weight = Bytes(weight);
+        req.calls = calls;
+        req.slots = slots;
+        req.skip_call = skip_call;
+        req.skip_rank = skip_rank;
+        req.graph_calls = graph_calls;
+        req.graph_replays = graph_replays;
+        LoopbackResult res;
+        {
+          nb::gil_scoped_release release;
+          res = RunLoopback(req);
+        }
+        nb::dict d;
+        d["normed"] = ToBytes(res.normed);
+        d["residual_out"] = ToBytes(res.residual_out);
+        d["mismatches"] = res.mismatches;
+        d["call_us"] = res.call_us;
+        d["error"] = res.error.empty() ? nb::none() : nb::object(nb::str(res.error.c_str()));
+        return d;
+      },
+      nb::arg("comm_id"), nb::arg("dtype"), nb::arg("algo"), nb::arg("num_ctas"),
+      nb::arg("tokens"), nb::arg("hidden"), nb::arg("eps"), nb::arg("partial"),
+      nb::arg("residual"), nb::arg("weight"), nb::arg("calls") = 1, nb::arg("slots") = 1,
+      nb::arg("skip_call") = -1, nb::arg("skip_rank") = 0, nb::arg("graph_calls") = 0,
+      nb::arg("graph_replays") = 0,
+      "Runs every rank of a loopback comm on its one device (see ffi/loopback.h).");
+  m.def(
+      "oneshot_encode",
+      [](nb::bytes data, int itemsize) {
+        std::vector<uint8_t> pending;
+        std::vector<uint8_t> out = OneShotEncode(Bytes(data), itemsize, &pending);
+        return nb::make_tuple(ToBytes(out), ToBytes(pending));
+      },
+      nb::arg("data"), nb::arg("itemsize"),
+      "(encoded bytes, per-16-byte-vector 'still the sentinel' flags) of the one-shot wire "
+      "encoding, computed on the host by the kernels' own functions.");
+  m.def(
+      "lazy_load_probe",
+      [](int64_t comm_id, bool preload) {
+        nb::gil_scoped_release release;
+        return LazyLoadProbe(comm_id, preload);
+      },
+      nb::arg("comm_id"), nb::arg("preload"),
+      "Seconds a never-loaded kernel's launch, completion, and a spinning fused kernel's end "
+      "take (see ffi/loopback.h).");
 }

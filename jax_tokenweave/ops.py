@@ -9,7 +9,7 @@ impl       residual layout    what it does
 ``xla``    replicated [T, H]  ``psum`` (all-reduce), add, RMSNorm on all T rows (vLLM-style)
 ``xla_rsag`` sharded [q, H]   ``psum_scatter`` -> add + RMSNorm on q rows -> ``all_gather``
 ``ffi``    sharded [q, H]     the fused CUDA kernel (``jax_tokenweave._ffi``), same contract
-``auto``   sharded [q, H]     ``ffi`` where it is usable, else ``xla_rsag``
+``auto``   sharded [q, H]     ``ffi`` where it is usable and N > 1, else ``xla_rsag``
 ========== ================== ============================================================
 
 ``q = rows_per_rank(T, N) = ceil(T / N)``: rank r owns token rows ``[r*q, (r+1)*q)`` of the
@@ -91,8 +91,9 @@ def allreduce_rmsnorm(
     _check_impl(impl)
     axis_size = jax.lax.axis_size(axis_name)
     _check_inputs(partial, residual, weight, axis_size, impl)
-    if impl == "auto":
-        impl = "ffi" if _ffi_unavailable_reason(partial, axis_name, mesh) is None else "xla_rsag"
+    if impl == "auto":  # one device has nothing to reduce: XLA's own add + norm fusion
+        usable = axis_size > 1 and _ffi_unavailable_reason(partial, axis_name, mesh) is None
+        impl = "ffi" if usable else "xla_rsag"
     if impl == "xla":
         summed = jax.lax.psum(partial, axis_name)
         return add_rmsnorm(summed, residual, weight, eps)

@@ -9,7 +9,7 @@ midpoint, see :mod:`jax_tokenweave.split`; None = the split module's own rule). 
 at or below the batch's (a batch between two measured sizes uses the smaller one's settings) and
 :data:`DEFAULT_ENTRY` where the table has none for that model and TP.
 
-Defaults (:data:`DEFAULT_ENTRY`): 16 CTAs (``_ffi.DEFAULT_NUM_CTAS``, what the paper uses for its
+Defaults (:data:`DEFAULT_ENTRY`): 16 CTAs (what the paper uses for its
 fused kernel), 8 for the stack's first fused call (layer 0, half A) as the paper does, offset
 None (the split module's wave rule). These are the paper's choices, not measured on this code:
 ``benchmarks/tune.py`` measures and writes a table.
@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 FORMAT = "jax-tokenweave-tuning/1"
-MIN_CTAS, MAX_CTAS = 2, 32  # the fused kernel's limits (jax_tokenweave._ffi.MIN_CTAS/MAX_CTAS)
+MIN_CTAS, MAX_CTAS = 1, 32  # the extension's limits (tests/test_ffi.py pins them to limits())
 
 
 def _is_int(value: object) -> bool:

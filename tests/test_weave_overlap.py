@@ -20,6 +20,7 @@ from jax_tokenweave.models.configs import get_config
 from testutil import build_decoder, rel_err
 
 from jax_tokenweave import _ffi, hlo_check, ops, tuning
+from jax_tokenweave.comm import Communicator
 from jax_tokenweave.layers import resolve_comm
 from jax_tokenweave.split import plan_batch
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
@@ -32,7 +33,7 @@ def test_tune_entry_and_defaults():
     assert DEFAULT_ENTRY.ctas(True) == 8 and DEFAULT_ENTRY.ctas(False) == 16
     assert TuneEntry(0, 4).ctas(True) == 4
     hash(TuneEntry(-128, 32, 2))
-    for bad in (dict(offset=None, num_ctas=1), dict(offset=None, num_ctas=33),
+    for bad in (dict(offset=None, num_ctas=0), dict(offset=None, num_ctas=33),
                 dict(offset=None, num_ctas=8.0), dict(offset=1.5, num_ctas=8),
                 dict(offset=None, num_ctas=8, first_num_ctas=64),
                 dict(offset=None, num_ctas=True)):
@@ -80,7 +81,7 @@ def test_json_round_trip(tmp_path):
     ({"format": tuning.FORMAT, "entries": [1]}, "not an object"),
     ({"format": tuning.FORMAT, "entries": [{"model": "m", "tp": 2, "tokens": 8}]}, "num_ctas"),
     ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 64}]}, r"\[2, 32\]"),
+      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 64}]}, r"\[1, 32\]"),
     ({"format": tuning.FORMAT,
       "entries": [{"model": "m", "tp": "2", "tokens": 8, "num_ctas": 8}]}, "tp"),
     ({"format": tuning.FORMAT,
@@ -392,7 +393,8 @@ def test_ordering_by_data_in_jaxpr(cpu_mesh, rng, monkeypatch):
     """The real start/done calls (traced, not run): between each start and its done there is a
     GEMM of the other half that depends on the start and that the done depends on."""
     monkeypatch.setattr(_ffi, "unavailable_reason", lambda *a, **k: None)
-    monkeypatch.setattr(_ffi, "comm_id", lambda *a: 7)
+    monkeypatch.setattr(Communicator, "unavailable_reason", lambda self, *a, **k: None)
+    monkeypatch.setattr(Communicator, "comm_id", 7)  # no workspace: the calls are only traced
     monkeypatch.setattr(_ffi, "register_targets", lambda: True)
     config, mesh = get_config("tiny"), cpu_mesh(2)
     batch = plan_batch((5, 9, 3), tp=2, split=True, offset=-120)

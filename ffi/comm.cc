@@ -1,0 +1,245 @@
+#include "comm.h"
+
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+#include "multicast.h"
+
+namespace tokenweave {
+namespace {
+
+// Restores the calling thread's current device on scope exit.
+class DeviceGuard {
+ public:
+  DeviceGuard() { cudaGetDevice(&prev_); }
+  ~DeviceGuard() { cudaSetDevice(prev_); }
+
+ private:
+  int prev_ = 0;
+};
+
+constexpr int64_t kAlign = 256;
+int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+int64_t FlagsPerSlot() { return static_cast<int64_t>(kNumBarriers) * kMaxRanks * kMaxCtas; }
+
+std::mutex g_mu;
+std::map<int64_t, std::unique_ptr<Comm>> g_comms;
+int64_t g_next_id = 1;
+
+}  // namespace
+
+std::string FailureMessage(const Comm& comm) {
+  const ErrorRecord& e = *comm.error_record();
+  if (!e.failed) return "";
+  static const char* kStages[] = {"barrier 0", "barrier 1", "one-shot data"};
+  const char* stage = e.stage >= 0 && e.stage < 3 ? kStages[e.stage] : "?";
+  std::ostringstream s;
+  s << "jax-tokenweave: a fused kernel's cross-GPU wait expired (bound "
+    << comm.options().timeout_s << " s) on device " << e.device << " (rank " << e.rank
+    << ", slot " << e.slot << ", " << stage << "): rank " << e.peer;
+  if (e.block >= 0) s << " (block " << e.block << ")";
+  s << " was missing at epoch " << e.epoch << "; its kernel last began epoch " << e.peer_entered
+    << (static_cast<int32_t>(e.peer_entered - e.epoch) < 0
+            ? " (it never started this call: its host did not issue it, or its stream was "
+              "blocked)"
+            : " (it started this call but never arrived)")
+    << ". The communicator is unusable: outputs of later calls are NaN and every later "
+       "launch fails; create a new one";
+  return s.str();
+}
+
+Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options)
+    : ordinals_(std::move(ordinals)), group_size_(group_size), options_(options) {
+  const int n = static_cast<int>(ordinals_.size());
+  if (group_size_ < 1 || group_size_ > kMaxRanks || n % group_size_ != 0)
+    throw std::runtime_error("jax-tokenweave: group size must be in [1, " +
+                             std::to_string(kMaxRanks) + "] and divide the device count");
+  if (options_.num_slots < 1 || options_.area_bytes < 256 || options_.oneshot_bytes < 0 ||
+      options_.area_bytes % kAlign != 0 || options_.oneshot_bytes % kAlign != 0 ||
+      options_.oneshot_bytes > (int64_t{1} << 31))
+    throw std::runtime_error(
+        "jax-tokenweave: need num_slots >= 1, a data area of >= 256 bytes and a one-shot buffer "
+        "of at most 2 GiB, both multiples of 256");
+  if (!(options_.timeout_s > 0))
+    throw std::runtime_error("jax-tokenweave: the wait bound (timeout_s) must be > 0");
+  if (options_.loopback && (options_.multimem || n != group_size_))
+    throw std::runtime_error("jax-tokenweave: a loopback comm is one group without multimem");
+  std::vector<char*> unicast, multicast;
+  if (options_.multimem) {  // refuses (before any CUDA call) where NCCL_NVLS_ENABLE=0
+    std::string why = MultimemRefusal();
+    if (!why.empty()) throw std::runtime_error("jax-tokenweave: " + why);
+  }
+  DeviceGuard guard;
+  int count = 0;
+  TW_THROW_CHECK(cudaGetDeviceCount(&count));
+  for (int i = 0; i < n; ++i) {
+    if (ordinals_[i] < 0 || ordinals_[i] >= count)
+      throw std::runtime_error("jax-tokenweave: CUDA device " + std::to_string(ordinals_[i]) +
+                               " does not exist");
+    for (int j = 0; j < i && !options_.loopback; ++j)
+      if (ordinals_[i] == ordinals_[j])
+        throw std::runtime_error("jax-tokenweave: a device appears twice in the comm");
+  }
+  if (!options_.loopback) EnablePeerAccess();
+  TW_THROW_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&err_), sizeof(ErrorRecord),
+                               cudaHostAllocMapped | cudaHostAllocPortable));
+  *err_ = ErrorRecord{};
+  for (int i = 0; i < n; ++i) {
+    auto d = std::make_unique<DeviceState>();
+    d->ordinal = ordinals_[i];
+    d->group = i / group_size_;
+    d->rank = i % group_size_;
+    devs_.push_back(std::move(d));
+  }
+  const int64_t data_bytes = 2 * options_.num_slots * options_.area_bytes;
+  for (int g = 0; options_.multimem && g < n / group_size_; ++g) {
+    std::vector<int> group(ordinals_.begin() + g * group_size_,
+                           ordinals_.begin() + (g + 1) * group_size_);
+    MapMulticast(group, data_bytes, &unicast, &multicast);
+    for (int a = 0; a < group_size_; ++a) {
+      devs_[g * group_size_ + a]->data = unicast[a];
+      devs_[g * group_size_ + a]->mc_data = multicast[a];
+    }
+  }
+  for (auto& d : devs_) Allocate(*d);
+}
+
+void Comm::EnablePeerAccess() {
+  const int n = static_cast<int>(ordinals_.size());
+  for (int g = 0; g < n / group_size_; ++g) {
+    for (int a = 0; a < group_size_; ++a) {
+      const int da = ordinals_[g * group_size_ + a];
+      TW_THROW_CHECK(cudaSetDevice(da));
+      for (int b = 0; b < group_size_; ++b) {
+        const int db = ordinals_[g * group_size_ + b];
+        if (da == db) continue;
+        int can = 0;
+        TW_THROW_CHECK(cudaDeviceCanAccessPeer(&can, da, db));
+        if (!can)
+          throw std::runtime_error("jax-tokenweave: CUDA device " + std::to_string(da) +
+                                   " cannot access device " + std::to_string(db) +
+                                   " as a peer (no P2P/NVLink path)");
+        cudaError_t e = cudaDeviceEnablePeerAccess(db, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled)
+          (void)cudaGetLastError();  // already enabled (e.g. by XLA): fine, clear it
+        else
+          TW_THROW_CHECK(e);
+      }
+    }
+  }
+}
+
+// sync = [SlotControl x slots | RankControl | flags], zeroed; one-shot buffers filled with the
+// sentinel; the data area needs no initial value (barriers order every use of it).
+void Comm::Allocate(DeviceState& d) {
+  const int slots = options_.num_slots;
+  const int64_t ctl_bytes = AlignUp(slots * sizeof(SlotControl));
+  const int64_t rank_bytes = AlignUp(sizeof(RankControl));
+  const int64_t flag_bytes = AlignUp(slots * FlagsPerSlot() * sizeof(uint32_t));
+  TW_THROW_CHECK(cudaSetDevice(d.ordinal));
+  TW_THROW_CHECK(PreloadKernels());
+  TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.sync), ctl_bytes + rank_bytes + flag_bytes));
+  TW_THROW_CHECK(cudaMemset(d.sync, 0, ctl_bytes + rank_bytes + flag_bytes));
+  d.ctl = reinterpret_cast<SlotControl*>(d.sync);
+  d.rank_ctl = reinterpret_cast<RankControl*>(d.sync + ctl_bytes);
+  d.flags = reinterpret_cast<uint32_t*>(d.sync + ctl_bytes + rank_bytes);
+  if (d.data == nullptr)
+    TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.data),
+                              2 * slots * options_.area_bytes));
+  const int64_t oneshot_total = slots * kLamportBuffers * options_.oneshot_bytes;
+  if (oneshot_total > 0) {
+    TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.oneshot), oneshot_total));
+    TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, oneshot_total, nullptr));
+  }
+  TW_THROW_CHECK(cudaDeviceSynchronize());
+}
+
+Comm::~Comm() {
+  DeviceGuard guard;
+  for (auto& d : devs_) {  // best effort: errors here have nowhere to go
+    if (cudaSetDevice(d->ordinal) != cudaSuccess) continue;
+    cudaDeviceSynchronize();
+    for (cudaEvent_t e : d->ready) cudaEventDestroy(e);
+    for (cudaEvent_t e : d->done) cudaEventDestroy(e);
+    if (d->side != nullptr) cudaStreamDestroy(d->side);
+    if (d->mc_data == nullptr) cudaFree(d->data);  // multicast mappings stay (never run here)
+    cudaFree(d->oneshot);
+    cudaFree(d->sync);
+  }
+  (void)cudaGetLastError();
+  if (err_ != nullptr) cudaFreeHost(err_);
+}
+
+DeviceState* Comm::Find(int ordinal) {
+  if (options_.loopback) return nullptr;
+  for (auto& d : devs_)
+    if (d->ordinal == ordinal) return d.get();
+  return nullptr;
+}
+
+void Comm::Fill(const DeviceState& d, int slot, KernelParams& p) const {
+  const int64_t data_off = 2 * static_cast<int64_t>(slot) * options_.area_bytes;
+  const int64_t oneshot_off = static_cast<int64_t>(slot) * kLamportBuffers * options_.oneshot_bytes;
+  for (int r = 0; r < group_size_; ++r) {
+    const DeviceState& peer = *devs_[d.group * group_size_ + r];
+    p.data[r] = peer.data + data_off;
+    p.oneshot[r] = peer.oneshot != nullptr ? peer.oneshot + oneshot_off : nullptr;
+    p.flags[r] = peer.flags + slot * FlagsPerSlot();
+    p.ctl[r] = peer.ctl + slot;
+    p.rank_ctl[r] = peer.rank_ctl;
+  }
+  p.mc_data = d.mc_data != nullptr ? d.mc_data + data_off : nullptr;
+  p.err = err_;
+  p.area_bytes = options_.area_bytes;
+  p.oneshot_bytes = options_.oneshot_bytes;
+  p.rank = d.rank;
+  p.nranks = group_size_;
+  p.device = d.ordinal;
+  p.slot = slot;
+  p.timeout_ns = static_cast<uint64_t>(options_.timeout_s * 1e9);
+}
+
+cudaError_t Comm::EnsureSideStream(DeviceState& d) {
+  std::lock_guard<std::mutex> lock(d.mu);
+  if (d.side != nullptr) return cudaSuccess;
+  int least = 0, greatest = 0;
+  cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&d.side, cudaStreamNonBlocking, greatest);
+  d.ready.assign(options_.num_slots, nullptr);
+  d.done.assign(options_.num_slots, nullptr);
+  for (int s = 0; e == cudaSuccess && s < options_.num_slots; ++s) {
+    e = cudaEventCreateWithFlags(&d.ready[s], cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d.done[s], cudaEventDisableTiming);
+  }
+  return e;
+}
+
+int64_t RegisterComm(const std::vector<int>& ordinals, int group_size, const CommOptions& options) {
+  auto comm = std::make_unique<Comm>(ordinals, group_size, options);
+  std::lock_guard<std::mutex> lock(g_mu);
+  const int64_t id = g_next_id++;
+  g_comms[id] = std::move(comm);
+  return id;
+}
+
+Comm* LookupComm(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_comms.find(id);
+  return it == g_comms.end() ? nullptr : it->second.get();
+}
+
+bool ReleaseComm(int64_t id) {
+  std::unique_ptr<Comm> comm;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_comms.find(id);
+    if (it == g_comms.end()) return false;
+    comm = std::move(it->second);
+    g_comms.erase(it);
+  }
+  return true;  // freed here, outside the lock
+}
+
+}  // namespace tokenweave

@@ -1,0 +1,90 @@
+// The communicator ("comm"): per device a symmetric workspace (data areas, one-shot receive
+// buffers, device-resident sync state), peer access between the devices of each group, and the
+// start/done pair's side stream and events. No per-call host state: kernels advance the sync
+// state themselves, so a call can be captured in an XLA command buffer and replayed.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace tokenweave {
+
+struct CommOptions {
+  int64_t area_bytes = 0;     // one parity of a slot's two-shot/direct data area
+  int64_t oneshot_bytes = 0;  // one of a slot's kLamportBuffers one-shot receive buffers
+  int num_slots = 0;
+  double timeout_s = 0;       // bound on every cross-rank wait
+  bool multimem = false;      // opt-in; refused where NCCL_NVLS_ENABLE=0
+  bool loopback = false;      // every rank on one device (the test harness only; no handlers)
+};
+
+// One device (rank) of a comm.
+struct DeviceState {
+  int ordinal = -1, group = -1, rank = -1;
+  char* data = nullptr;          // num_slots * 2 parities * area_bytes
+  char* oneshot = nullptr;       // num_slots * kLamportBuffers * oneshot_bytes
+  char* sync = nullptr;          // SlotControl[num_slots], RankControl, flags
+  SlotControl* ctl = nullptr;    // [num_slots]
+  RankControl* rank_ctl = nullptr;
+  uint32_t* flags = nullptr;     // num_slots * kNumBarriers * kMaxRanks * kMaxCtas
+  char* mc_data = nullptr;       // multicast mapping of `data` (multimem comms only)
+  std::mutex mu;                  // guards the lazily created stream and events
+  cudaStream_t side = nullptr;    // high-priority stream of the start/done pair
+  std::vector<cudaEvent_t> ready, done;  // per slot: inputs ready / kernel done
+};
+
+class Comm {
+ public:
+  Comm(std::vector<int> ordinals, int group_size, const CommOptions& options);
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  // The device state of `ordinal` (nullptr when not in this comm, or for a loopback comm,
+  // where one ordinal holds every rank).
+  DeviceState* Find(int ordinal);
+  DeviceState* At(int index) { return devs_[index].get(); }
+  // Fills the workspace pointers, rank, sizes and bound of `p` for device `d` and `slot`.
+  void Fill(const DeviceState& d, int slot, KernelParams& p) const;
+  // The side stream and per-slot events of `d`, created on first use.
+  cudaError_t EnsureSideStream(DeviceState& d);
+
+  int group_size() const { return group_size_; }
+  int num_devices() const { return static_cast<int>(devs_.size()); }
+  const CommOptions& options() const { return options_; }
+  ErrorRecord* error_record() const { return err_; }
+  // Host-side launches issued so far by the handlers (an XLA command buffer replay issues none).
+  int64_t launches() const { return launches_.load(); }
+  void CountLaunch() { launches_.fetch_add(1); }
+
+ private:
+  void EnablePeerAccess();
+  void Allocate(DeviceState& d);
+
+  std::vector<int> ordinals_;
+  int group_size_;
+  CommOptions options_;
+  std::vector<std::unique_ptr<DeviceState>> devs_;  // in `ordinals_` order
+  ErrorRecord* err_ = nullptr;
+  std::atomic<int64_t> launches_{0};
+};
+
+// Registers (or finds) the comm for these CUDA ordinals, in group order, `group_size` devices
+// per group. Throws std::runtime_error with a readable message on failure.
+int64_t RegisterComm(const std::vector<int>& ordinals, int group_size, const CommOptions& options);
+Comm* LookupComm(int64_t id);  // nullptr if unknown
+// Waits for the comm's devices, frees its memory and forgets it (false if unknown).
+bool ReleaseComm(int64_t id);
+
+// Why the comm cannot launch any more, or "" (its error record is clear).
+std::string FailureMessage(const Comm& comm);
+
+}  // namespace tokenweave

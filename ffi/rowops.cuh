@@ -1,0 +1,125 @@
+// Row operations shared by the fused kernels: a group of kGroup threads reduces one token row
+// (N partials in rank order, then the residual, in float32), writes the rounded sum, and
+// RMSNorms it. All ranks sum in the same order, so their normed rows are bitwise identical.
+#pragma once
+
+#include "kernels.cuh"
+
+namespace tokenweave {
+
+// Vectors per source per thread in the reduce phase of a kernel built for up to kMaxN ranks,
+// rows of 128 threads: all (kMaxN + 1) x kURows loads of a step are issued before the first
+// add, 9-10 in flight.
+template <int kMaxN>
+constexpr int kURows = kMaxN <= 2 ? 3 : (kMaxN <= 4 ? 2 : 1);
+
+template <int kGroup>
+__device__ __forceinline__ void GroupSync(int group) {
+  if constexpr (kGroup == kThreads) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(kGroup) : "memory");
+  }
+}
+
+// Sum over the kGroup threads of one row group (all of them get it). red: kThreads/32 floats.
+template <int kGroup>
+__device__ __forceinline__ float GroupSum(float v, float* red, int group) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  constexpr int kWarps = kGroup / 32;
+  const int lane = threadIdx.x % 32, w = (threadIdx.x % kGroup) / 32;
+  GroupSync<kGroup>(group);  // the previous row's reads of red are done
+  if (lane == 0) red[group * kWarps + w] = v;
+  GroupSync<kGroup>(group);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) s += red[group * kWarps + i];
+  return s;
+}
+
+// One row, by one group of kGroup threads, kU vectors per thread per step. load_sum(v0, acc)
+// adds vectors v0 + u*kGroup (u < kU) of the partials + residual into acc[u]. Pass 1 rounds the
+// sum to T, writes it to res_out (if not null) and stages it in the thread's own `stage`
+// locations (the normed row, overwritten in pass 2 by the same thread); pass 2 normalises and
+// hands each normed vector to emit(v, o).
+template <typename T, int kGroup, int kU, typename LoadSum, typename Emit>
+__device__ __forceinline__ void FusedRow(const KernelParams& p, LoadSum load_sum, char* res_out,
+                                         char* stage, Emit emit, float* red, int group) {
+  constexpr int kN = Vec<T>::kN;
+  const int vpr = p.hidden / kN, lane = threadIdx.x % kGroup;
+  float ss = 0.f;
+  for (int v0 = lane; v0 < vpr; v0 += kGroup * kU) {
+    float acc[kU][kN];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int i = 0; i < kN; ++i) acc[u][i] = 0.f;
+    load_sum(v0, acc);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int v = v0 + u * kGroup;
+      if (v < vpr) {
+        const uint4 rounded = PackRound<T>(acc[u]);
+        if (res_out != nullptr) St(res_out + v * 16, rounded);
+        St(stage + v * 16, rounded);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
+      }
+    }
+  }
+  const float inv = rsqrtf(GroupSum<kGroup>(ss, red, group) / static_cast<float>(p.hidden) + p.eps);
+  for (int v0 = lane; v0 < vpr; v0 += kGroup * kU) {
+    uint4 x[kU];
+    float4 w[kU][kN / 4];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int v = v0 + u * kGroup;
+      if (v < vpr) {
+        x[u] = *reinterpret_cast<const uint4*>(stage + v * 16);  // own pass-1 store
+        const float4* wp = reinterpret_cast<const float4*>(p.weight + v * kN);
+#pragma unroll
+        for (int i = 0; i < kN / 4; ++i) w[u][i] = __ldg(wp + i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int v = v0 + u * kGroup;
+      if (v < vpr) {
+        float f[kN];
+        const T* e = reinterpret_cast<const T*>(&x[u]);
+        const float* wf = reinterpret_cast<const float*>(w[u]);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) f[i] = ToF(e[i]) * inv * wf[i];
+        emit(v, PackRound<T>(f));
+      }
+    }
+  }
+}
+
+// Adds vectors v0 + u*kGroup (u < kU, v < vpr) of the first `ns` of `rows` into acc[u], in row
+// order. Every load of the step is issued before the first add (kS*kU in flight per thread):
+// at a handful of CTAs the reduce phase is bound by load latency, not bandwidth.
+template <typename T, int kGroup, int kS, int kU>
+__device__ __forceinline__ void LoadSum(float (*acc)[Vec<T>::kN], const char* const* rows, int ns,
+                                        int v0, int vpr) {
+  uint4 x[kS][kU];
+#pragma unroll
+  for (int s = 0; s < kS; ++s)
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (s < ns && v0 + u * kGroup < vpr) x[s][u] = Ldcg(rows[s] + (v0 + u * kGroup) * 16);
+#pragma unroll
+  for (int s = 0; s < kS; ++s)
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (s < ns && v0 + u * kGroup < vpr) AddVec<T>(acc[u], x[s][u]);
+}
+
+// residual_out row = residual row (padding rows past T), by one group.
+template <int kGroup>
+__device__ __forceinline__ void CopyRow(const char* src, char* dst, int vpr) {
+  for (int v = threadIdx.x % kGroup; v < vpr; v += kGroup) St(dst + v * 16, Ldg(src + v * 16));
+}
+
+}  // namespace tokenweave
