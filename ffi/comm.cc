@@ -1,7 +1,7 @@
 #include "comm.h"
 
+#include <cstdio>
 #include <map>
-#include <sstream>
 #include <stdexcept>
 
 #include "multicast.h"
@@ -30,24 +30,28 @@ int64_t g_next_id = 1;
 
 }  // namespace
 
+// Built with std::to_string/snprintf: iostream number formatting crashed inside the extension
+// on the GPU image (a locale facet of a second libstdc++ copy), seen on nvidia-h100-x1.
 std::string FailureMessage(const Comm& comm) {
   const ErrorRecord& e = *comm.error_record();
   if (!e.failed) return "";
   static const char* kStages[] = {"barrier 0", "barrier 1", "one-shot data"};
   const char* stage = e.stage >= 0 && e.stage < 3 ? kStages[e.stage] : "?";
-  std::ostringstream s;
-  s << "jax-tokenweave: a fused kernel's cross-GPU wait expired (bound "
-    << comm.options().timeout_s << " s) on device " << e.device << " (rank " << e.rank
-    << ", slot " << e.slot << ", " << stage << "): rank " << e.peer;
-  if (e.block >= 0) s << " (block " << e.block << ")";
-  s << " was missing at epoch " << e.epoch << "; its kernel last began epoch " << e.peer_entered
-    << (static_cast<int32_t>(e.peer_entered - e.epoch) < 0
-            ? " (it never started this call: its host did not issue it, or its stream was "
-              "blocked)"
-            : " (it started this call but never arrived)")
-    << ". The communicator is unusable: outputs of later calls are NaN and every later "
-       "launch fails; create a new one";
-  return s.str();
+  char bound[32];
+  std::snprintf(bound, sizeof(bound), "%g", comm.options().timeout_s);
+  std::string s = "jax-tokenweave: a fused kernel's cross-GPU wait expired (bound " +
+                  std::string(bound) + " s) on device " + std::to_string(e.device) + " (rank " +
+                  std::to_string(e.rank) + ", slot " + std::to_string(e.slot) + ", " + stage +
+                  "): rank " + std::to_string(e.peer);
+  if (e.block >= 0) s += " (block " + std::to_string(e.block) + ")";
+  s += " was missing at epoch " + std::to_string(e.epoch) + "; its kernel last began epoch " +
+       std::to_string(e.peer_entered);
+  s += static_cast<int32_t>(e.peer_entered - e.epoch) < 0
+           ? " (it never started this call: its host did not issue it, or its stream was "
+             "blocked)"
+           : " (it started this call but never arrived)";
+  return s + ". The communicator is unusable: outputs of later calls are NaN and every later "
+             "launch fails; create a new one";
 }
 
 Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options)

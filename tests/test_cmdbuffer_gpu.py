@@ -42,13 +42,14 @@ _STEP = textwrap.dedent("""
                                  out_specs=(P(), P("tp")), check_vma=False))
     first = [np.asarray(o.astype(jnp.float32)) for o in step(x, res, w, mats)]
     before = comm.launches()
-    mismatches = 0
+    mismatches, per_iter = 0, []
     for _ in range(iters):
         outs = [np.asarray(o.astype(jnp.float32)) for o in step(x, res, w, mats)]
         mismatches += sum(int((a != b).any()) for a, b in zip(outs, first))
+        per_iter.append(comm.launches() - before - sum(per_iter))
     np.savez(path, normed=first[0], residual=first[1])
     print(json.dumps(dict(launches=comm.launches() - before, calls=iters * layers,
-                          mismatches=mismatches, failure=comm.failure())))
+                          per_iter=per_iter, mismatches=mismatches, failure=comm.failure())))
 """)
 
 
@@ -61,7 +62,7 @@ def _run(tmp_path, n, algo, command_buffers: bool):
     path = tmp_path / f"{'on' if command_buffers else 'off'}.npz"
     out = subprocess.run([sys.executable, "-c", _STEP, str(n), "1234", algo, str(path)],
                          capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1]), np.load(path)
 
 
@@ -79,11 +80,11 @@ def test_fused_call_replays_from_command_buffers(tmp_path, n, algo):
     on, on_out = _run(tmp_path, n, algo, command_buffers=True)
     print(f"n={n} {algo}: handler launches over {on['calls']} fused calls: "
           f"{off['launches']} without command buffers, {on['launches']} with")
-    assert off["failure"] is None and on["failure"] is None
-    assert off["launches"] == off["calls"]  # the counter counts every handler launch
+    assert off["failure"] is None and on["failure"] is None, (off, on)
+    assert off["launches"] == off["calls"], off  # the counter counts every handler launch
     # Captured: replays launch from the graph, not the handler (a re-record, e.g. for new
     # output addresses, may run it again for a step's calls).
-    assert on["launches"] <= off["calls"] // 4
+    assert on["launches"] <= off["calls"] // 4, (off, on)
     assert on["mismatches"] == 0 and off["mismatches"] == 0  # replays keep the bits
     for key in ("normed", "residual"):  # and equal the eager path's
         np.testing.assert_array_equal(on_out[key], off_out[key])

@@ -87,7 +87,7 @@ def test_matches_float64_reference(loopback, rng, n, algo, dtype, tokens, hidden
 
 @pytest.mark.parametrize("n", [2, 8])
 def test_one_shot_large_and_uneven(loopback, rng, n):
-    comm = loopback.LoopbackComm(n)
+    comm = loopback.LoopbackComm(n, CommSettings(workspace_mib=64, oneshot_mib=64, num_slots=1))
     try:
         args = _inputs(rng, n, 301, 8192, "bfloat16")  # q*N > T: padding rows on the last rank
         _check(comm.run(*args, algo="one_shot", num_ctas=8), *args, "bfloat16")
@@ -150,7 +150,6 @@ _PROBE = textwrap.dedent("""
     import json, sys
     from jax_tokenweave import _extension
     from jax_tokenweave.comm import CommSettings
-from jax_tokenweave.loopback import reference
     from jax_tokenweave.loopback import LoopbackComm
     comm = LoopbackComm(2, CommSettings(workspace_mib=16, oneshot_mib=1, num_slots=1,
                                         timeout_s=3.0))
@@ -166,7 +165,7 @@ def test_lazy_loading_behind_a_spinning_kernel(loopback, preload):
     that a preloaded kernel launches at once."""
     out = subprocess.run([sys.executable, "-c", _PROBE, "1" if preload else "0"],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
     launch_s, done_s, spin_s = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"preload={preload}: launch {launch_s:.3f} s, probe done {done_s:.3f} s, "
           f"spinner ended {spin_s:.3f} s")
