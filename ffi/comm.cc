@@ -24,8 +24,11 @@ int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 int64_t FlagsPerSlot() { return static_cast<int64_t>(kNumBarriers) * kMaxRanks * kMaxCtas; }
 
+// Never destroyed: a Comm's destructor calls CUDA, which must not run from static destructors
+// at process exit (the CUDA runtime may be gone by then; seen crashing). The driver frees
+// everything at exit; ReleaseComm frees one explicitly.
 std::mutex g_mu;
-std::map<int64_t, std::unique_ptr<Comm>> g_comms;
+auto& g_comms = *new std::map<int64_t, std::unique_ptr<Comm>>();
 int64_t g_next_id = 1;
 
 }  // namespace

@@ -253,9 +253,12 @@ static __device__ __noinline__ bool Barrier(const KernelParams& p, int barrier, 
 
 // Fills normed [T, H] and residual_out [q, H] with NaN (grid-stride): what a call of a failed
 // group leaves, so that a command-buffer replay, which no host check sees, is never mistaken
-// for a result.
+// for a result. For the barrier kernels, whose blocks write rows of other blocks' partitions
+// (and, in `direct`, peers write ours): the fence makes this block's earlier writes land first,
+// so the last block to poison leaves NaN (best effort; the one-shot kernel poisons by owner).
 template <typename T>
 __device__ __forceinline__ void PoisonOutputs(const KernelParams& p) {
+  __threadfence();
   const int64_t vpr = p.hidden / Vec<T>::kN;
   const int64_t n_normed = p.tokens * vpr, total = n_normed + p.rows * vpr;
   const uint4 nan = NanVec<T>();

@@ -60,15 +60,36 @@ __device__ __forceinline__ void PollSum(const KernelParams& p, float (*acc)[Vec<
 template <int kMaxN, int kGroup>
 constexpr int kOneShotU = kGroup == kThreads ? (kMaxN <= 4 ? 2 : 1) : (kMaxN <= 2 ? 2 : kURows<kMaxN>);
 
+// Writes NaN into the rows this block's group owns in (c) and (d) below: the same partition,
+// so a failed call leaves NaN in every output element (only the owner writes an element, and
+// its NaN comes after its own earlier write in program order).
+template <typename T, int kGroup>
+__device__ __forceinline__ void PoisonOwnRows(const KernelParams& p, int own_real) {
+  constexpr int kGroups = kThreads / kGroup;
+  const int group = threadIdx.x / kGroup, q = p.rows, vpr = p.hidden / Vec<T>::kN;
+  const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
+  const uint4 nan = NanVec<T>();
+  auto fill = [&](char* row) {
+    for (int v = threadIdx.x % kGroup; v < vpr; v += kGroup) St(row + v * 16, nan);
+  };
+  for (int g = blockIdx.x * kGroups + group; g < p.tokens; g += gridDim.x * kGroups) {
+    fill(static_cast<char*>(p.normed) + g * rb);
+    if (g / q == p.rank) fill(static_cast<char*>(p.residual_out) + (g % q) * rb);
+  }
+  for (int row = own_real + blockIdx.x * kGroups + group; row < q; row += gridDim.x * kGroups)
+    fill(static_cast<char*>(p.residual_out) + row * rb);
+}
+
 template <typename T, int kMaxN, int kGroup>
 __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant__ KernelParams p) {
   __shared__ float red[kThreads / 32];
   const CallState call = BeginCall(p);
-  if (call.abort) return PoisonOutputs<T>(p);
   constexpr int kGroups = kThreads / kGroup;
   constexpr int kU = kOneShotU<kMaxN, kGroup>;
   const int group = threadIdx.x / kGroup;
   const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens;
+  const int own_real = max(0, min(q, tokens - r * q));  // own residual rows below T
+  if (call.abort) return PoisonOwnRows<T, kGroup>(p, own_real);
   const int vpr = p.hidden / Vec<T>::kN;
   const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
   const int64_t seg = static_cast<int64_t>(tokens + q) * rb;
@@ -79,7 +100,6 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant_
   char* normed = static_cast<char*>(p.normed);
   char* residual_out = static_cast<char*>(p.residual_out);
   const char* recv = p.oneshot[r] + buf * p.oneshot_bytes;
-  const int own_real = max(0, min(q, tokens - r * q));  // own residual rows below T
 
   // (a) partial rows, then own real residual rows (segment rows T..), to every peer, rotated.
   const int send_rows = tokens + own_real;
@@ -133,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant_
   for (int row = own_real + blockIdx.x * kGroups + group; row < q; row += gridDim.x * kGroups)
     CopyRow<kGroup>(residual + row * rb, residual_out + row * rb, vpr);
 
-  if (__syncthreads_or(!ok || GroupFailed(p))) return PoisonOutputs<T>(p);
+  if (__syncthreads_or(!ok || GroupFailed(p))) return PoisonOwnRows<T, kGroup>(p, own_real);
   EndCall(p, call, (n - 1) * seg);
 }
 

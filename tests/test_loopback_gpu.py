@@ -153,7 +153,8 @@ _PROBE = textwrap.dedent("""
     from jax_tokenweave.loopback import LoopbackComm
     comm = LoopbackComm(2, CommSettings(workspace_mib=16, oneshot_mib=1, num_slots=1,
                                         timeout_s=3.0))
-    print(json.dumps(_extension.get().lazy_load_probe(comm.comm_id, sys.argv[1] == "1")))
+    print(json.dumps(_extension.get().lazy_load_probe(comm.comm_id, sys.argv[1] == "1")),
+          flush=True)
 """)
 
 
