@@ -49,7 +49,8 @@ struct RankControl {
 // Host-mapped (cudaHostAlloc): the first wait that expired describes itself here; the host
 // reads it before every launch and turns it into an FFI error.
 struct ErrorRecord {
-  volatile int32_t failed;  // 0 until a wait expired
+  int32_t claimed;          // set (atomically) by the first wait that expired
+  volatile int32_t failed;  // 0 until that wait's report below is complete
   int32_t device, rank, slot, stage, peer, block;
   uint32_t epoch, seen;
   uint32_t peer_entered;  // the last epoch the missing rank's kernel began on this slot

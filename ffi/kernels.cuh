@@ -7,7 +7,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstdio>
 #include <type_traits>
 
 #include "common.h"
@@ -188,20 +187,21 @@ __device__ __forceinline__ bool GroupFailed(const KernelParams& p) {
 }
 
 // Marks the whole group failed and, first time only, describes the expired wait in the
-// host-mapped record (and prints it). Never traps: the CUDA context stays usable.
+// host-mapped record, which the host turns into the error message. Never traps: the CUDA
+// context stays usable. No device printf: flushing it crashed the host process on the GPU
+// image (seen twice on nvidia-h200/h100, inside the statically linked CUDA runtime).
 static __device__ __noinline__ void ReportTimeout(const KernelParams& p, int stage, int peer, int block,
                                            uint32_t epoch, uint32_t seen) {
   for (int j = 0; j < p.nranks; ++j) StVolatile(&p.rank_ctl[j]->failed, 1);
   __threadfence_system();
-  if (atomicCAS_system(const_cast<int32_t*>(&p.err->failed), 0, 1) == 0) {
+  if (atomicCAS_system(&p.err->claimed, 0, 1) == 0) {  // the first report fills the record
     ErrorRecord* e = p.err;
     e->device = p.device; e->rank = p.rank; e->slot = p.slot; e->stage = stage;
     e->peer = peer; e->block = block; e->epoch = epoch; e->seen = seen;
     e->peer_entered = LdVolatile(&p.ctl[peer]->entered);
     __threadfence_system();
-    printf("jax-tokenweave: wait expired on device %d (rank %d, slot %d, stage %d): rank %d "
-           "(block %d) missing at epoch %u (seen %u; its kernel last began epoch %u)\n",
-           p.device, p.rank, p.slot, stage, peer, block, epoch, seen, e->peer_entered);
+    e->failed = 1;  // published last: a host that sees it sees the fields
+    __threadfence_system();
   }
 }
 
