@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,22 @@ def test_extension_imports_and_exposes_handlers():
     assert lim["max_ranks"] == 8 and lim["min_ctas"] >= 1 and lim["max_ctas"] >= 16
     assert _ffi.register_targets() and _ffi.register_targets()  # idempotent, on CPU-only jax
     assert (lim["min_ctas"], lim["max_ctas"]) == (tuning.MIN_CTAS, tuning.MAX_CTAS)
+
+
+@needs_ext
+def test_extension_exports_only_its_init_function():
+    """Exported libstdc++ instantiations broke `ostream << double` in modules loaded after this
+    one (a segfault in ml_dtypes' str(), seen on the GPU image)."""
+    tool = shutil.which("nm")
+    if tool is None:
+        pytest.skip("nm not found")
+    out = subprocess.run([tool, "-D", "--defined-only", _extension.get().__file__],
+                         capture_output=True, text=True, check=True).stdout
+    assert [line.split()[-1] for line in out.splitlines()] == ["PyInit__tokenweave_ffi"]
+    code = ("import jax_tokenweave._tokenweave_ffi, ml_dtypes, numpy as np; "
+            "print(ml_dtypes.bfloat16(1.5), np.float64(2.5))")  # the extension loaded first
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert ran.returncode == 0 and ran.stdout.split() == ["1.5", "2.5"], ran
 
 
 @needs_ext
