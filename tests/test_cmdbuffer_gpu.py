@@ -72,8 +72,14 @@ def _run(tmp_path, n, algo, command_buffers: bool, kind: str = "gemm"):
     return json.loads(out.stdout.strip().splitlines()[-1]), np.load(path)
 
 
+@pytest.mark.parametrize("kind", ["gemm", "elementwise"])
 @pytest.mark.parametrize(("n", "algo"), [(1, "one_shot"), (2, "one_shot"), (2, "direct")])
-def test_fused_call_replays_from_command_buffers(tmp_path, n, algo):
+def test_fused_call_replays_from_command_buffers(tmp_path, n, algo, kind):
+    """``kind``: what produces each layer's partial sum: a GEMM (a real decode step), or an
+    elementwise fusion, whose bits do not depend on a per-process choice. XLA autotunes GEMM
+    algorithms in each process, so two processes may round a GEMM differently (seen: the
+    eager and the captured process disagreed in 2 of ~10 runs); the cross-process bitwise
+    check is made on the elementwise step."""
     from conftest import gpu_devices
 
     from jax_tokenweave import _extension
@@ -82,9 +88,9 @@ def test_fused_call_replays_from_command_buffers(tmp_path, n, algo):
         pytest.skip(f"needs {n} GPUs")
     if _extension.import_error() is not None:
         pytest.skip(f"extension not built: {_extension.import_error()}")
-    off, off_out = _run(tmp_path, n, algo, command_buffers=False)
-    on, on_out = _run(tmp_path, n, algo, command_buffers=True)
-    print(f"n={n} {algo}: handler launches over {on['calls']} fused calls: "
+    off, off_out = _run(tmp_path, n, algo, command_buffers=False, kind=kind)
+    on, on_out = _run(tmp_path, n, algo, command_buffers=True, kind=kind)
+    print(f"n={n} {algo} {kind}: handler launches over {on['calls']} fused calls: "
           f"{off['launches']} without command buffers, {on['launches']} with")
     assert off["failure"] is None and on["failure"] is None, (off, on)
     assert off["launches"] == off["calls"], off  # the counter counts every handler launch
@@ -92,5 +98,6 @@ def test_fused_call_replays_from_command_buffers(tmp_path, n, algo):
     # output addresses, may run it again for a step's calls).
     assert on["launches"] <= off["calls"] // 4, (off, on)
     assert on["mismatches"] == 0 and off["mismatches"] == 0, (off, on)  # replays keep the bits
-    for key in ("normed", "residual"):  # and equal the eager path's
-        np.testing.assert_array_equal(on_out[key], off_out[key])
+    if kind == "elementwise":  # and equal the eager path's
+        for key in ("normed", "residual"):
+            np.testing.assert_array_equal(on_out[key], off_out[key])
