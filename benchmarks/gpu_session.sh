@@ -5,8 +5,8 @@
 #
 #   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
-# Stages (in this order, each optional): build tests loopback kernel main e2e.
-# Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, KERNEL_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
+# Stages (in this order, each optional): build tests loopback profile kernel main e2e.
+# Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, PROFILE_ARGS, KERNEL_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
 # T_KERNEL, T_MAIN, T_E2E (seconds); JAX_TOKENWEAVE_COMMIT names the
 # commit the copy was made from (the device machine gets no .git).
 # Never touches NCCL_NVLS_ENABLE and never sets JAX_TOKENWEAVE_MULTIMEM: no multicast here.
@@ -16,6 +16,7 @@ OUT=${OUT:-$repo/gpu_out}
 STAGES=${STAGES:-build tests kernel main}
 TESTS=${TESTS:-tests/test_ffi.py tests/test_loopback_gpu.py tests/test_cmdbuffer_gpu.py tests/test_ffi_gpu.py}
 LOOPBACK_ARGS=${LOOPBACK_ARGS:---ranks 2 4 8 --tokens 1 16 64 256}
+PROFILE_ARGS=${PROFILE_ARGS:---tokens 1 16 64 256}
 KERNEL_ARGS=${KERNEL_ARGS:---tp 2 4 --hidden 8192 --tokens 1 128 1024 4096 16384 --ctas 8 16 32 --reps 10}
 MAIN_ARGS=${MAIN_ARGS:---model llama3-70b --layers 4 --tokens 2048 8192 --comm xla --iters 10}
 E2E_ARGS=${E2E_ARGS:---models llama3-70b --tp 4 --tokens 2048 8192 --layers 8 --iters 5}
@@ -62,6 +63,13 @@ if has loopback; then
   timeout ${T_LOOPBACK:-120} $PY "$repo/benchmarks/loopback_bench.py" --out "$W/loopback" \
     $LOOPBACK_ARGS > "$W/loopback.log" 2>&1 || status=$?
   tail -40 "$W/loopback.log"
+fi
+if has profile; then
+  log "profiled device time: $PROFILE_ARGS"
+  # shellcheck disable=SC2086
+  timeout ${T_PROFILE:-200} $PY "$repo/benchmarks/profile_kernels.py" --out "$W/profile" \
+    $PROFILE_ARGS > "$W/profile.log" 2>&1 || status=$?
+  tail -12 "$W/profile.log"
 fi
 if has kernel; then
   log "kernel benchmark: $KERNEL_ARGS"

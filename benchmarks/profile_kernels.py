@@ -1,0 +1,116 @@
+"""Device time per all-reduce + residual + RMSNorm call, profiled (torch.profiler sees every
+CUDA kernel of the process, JAX's included): XLA's psum + add/norm fusions against the fused
+kernel, at decode sizes, inside one jitted chain of calls (outputs feed the next call).
+
+  python benchmarks/profile_kernels.py --tp 2 --tokens 1 16 64 256 --out DIR
+
+Reports, per mode and size, the summed device time of every kernel in the chain divided by the
+number of calls (per GPU, median over GPUs), and the kernels that make it up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jax_tokenweave import ops
+
+
+def _chain(mesh: Mesh, impl: str, calls: int, algo: str):
+    def body(p, r, w):
+        x, res = p, r
+        for _ in range(calls):  # each call's normed output is the next call's partial
+            if impl == "ffi":
+                from jax_tokenweave import _ffi
+
+                x, res = _ffi.allreduce_rmsnorm(x, res, w, axis_name="tp", mesh=mesh, algo=algo)
+            else:
+                x, res = ops.allreduce_rmsnorm(x, res, w, axis_name="tp", impl=impl)
+        return x, res
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
+                                 out_specs=(P("tp"), P("tp")), check_vma=False))
+
+
+def profile(fn, args, iters: int) -> dict[str, list[float]]:
+    """Kernel name -> device times (us) of every launch in `iters` runs of fn, per device."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    jax.block_until_ready(fn(*args))  # compile + warm
+    jax.block_until_ready(fn(*args))
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            jax.block_until_ready(fn(*args))
+        torch.cuda.synchronize()
+    out: dict[tuple[int, str], float] = collections.defaultdict(float)
+    for e in prof.events():
+        if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+            out[(e.device_index, e.name)] += e.device_time_total
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--tp", type=int, default=len(jax.devices("gpu")), help="GPUs in the axis")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="tokens T")
+    ap.add_argument("--hidden", type=int, default=8192, help="hidden size H (bf16)")
+    ap.add_argument("--algo", default="auto", help="fused kernel variant")
+    ap.add_argument("--calls", type=int, default=16, help="calls per jitted chain")
+    ap.add_argument("--iters", type=int, default=20, help="profiled chain runs")
+    ap.add_argument("--out", type=Path, default=None, help="folder for JSON + markdown")
+    args = ap.parse_args(argv)
+
+    mesh = Mesh(np.array(jax.devices("gpu")[:args.tp]), ("tp",))
+    rng = np.random.default_rng(0)
+    rows, lines = [], ["| T | mode | us/call (device) | kernels (us/call) |", "|---|---|---|---|"]
+    for tokens in args.tokens:
+        n, h = args.tp, args.hidden
+        part = jnp.asarray(rng.standard_normal((n * tokens, h)), jnp.bfloat16)
+        w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), jnp.float32)
+        for impl in ("xla", "ffi"):
+            rows_res = tokens if impl == "xla" else ops.rows_per_rank(tokens, n)
+            res = jnp.asarray(rng.standard_normal((n * rows_res, h)), jnp.bfloat16)
+            per = profile(_chain(mesh, impl, args.calls, args.algo), (part, res, w), args.iters)
+            calls = args.iters * args.calls
+            by_dev = collections.defaultdict(float)
+            by_name = collections.defaultdict(float)
+            for (dev, name), us in per.items():
+                by_dev[dev] += us / calls
+                by_name[name] += us / calls / max(1, n)
+            total = statistics.median(by_dev.values()) if by_dev else float("nan")
+            top = sorted(by_name.items(), key=lambda kv: -kv[1])[:4]
+            rows.append(dict(tokens=tokens, mode=impl, us_per_call=total,
+                             kernels={k: round(v, 2) for k, v in top}))
+            lines.append(f"| {tokens} | {impl} | {total:.2f} | " +
+                         "; ".join(f"{k[:48]} {v:.2f}" for k, v in top) + " |")
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = dict(command=" ".join(["benchmarks/profile_kernels.py", *(argv or sys.argv[1:])]),
+                    date=time.strftime("%Y-%m-%d"), tp=args.tp, hidden=args.hidden,
+                    devices=[str(d) for d in mesh.devices.flat],
+                    method="torch.profiler device time of every kernel in a jitted chain of "
+                    "--calls calls, --iters runs after two warm runs; per GPU, median over GPUs")
+        (args.out / "profile_kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows),
+                                                                  indent=1))
+        (args.out / "profile_kernels.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
