@@ -27,14 +27,15 @@ from jax.sharding import PartitionSpec as P
 from jax_tokenweave import ops
 
 
-def _chain(mesh: Mesh, impl: str, calls: int, algo: str):
+def _chain(mesh: Mesh, impl: str, calls: int, algo: str, num_ctas: int | None):
     def body(p, r, w):
         x, res = p, r
         for _ in range(calls):  # each call's normed output is the next call's partial
             if impl == "ffi":
                 from jax_tokenweave import _ffi
 
-                x, res = _ffi.allreduce_rmsnorm(x, res, w, axis_name="tp", mesh=mesh, algo=algo)
+                x, res = _ffi.allreduce_rmsnorm(x, res, w, axis_name="tp", mesh=mesh, algo=algo,
+                                                num_ctas=num_ctas)
             else:
                 x, res = ops.allreduce_rmsnorm(x, res, w, axis_name="tp", impl=impl)
         return x, res
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="tokens T")
     ap.add_argument("--hidden", type=int, default=8192, help="hidden size H (bf16)")
     ap.add_argument("--algo", default="auto", help="fused kernel variant")
+    ap.add_argument("--ctas", type=int, nargs="+", default=[0],
+                    help="fused kernel CTA counts to profile (0: the policy table's)")
     ap.add_argument("--calls", type=int, default=16, help="calls per jitted chain")
     ap.add_argument("--iters", type=int, default=20, help="profiled chain runs")
     ap.add_argument("--out", type=Path, default=None, help="folder for JSON + markdown")
@@ -81,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         n, h = args.tp, args.hidden
         part = jnp.asarray(rng.standard_normal((n * tokens, h)), jnp.bfloat16)
         w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), jnp.float32)
-        for impl in ("xla", "ffi"):
+        for impl, ctas in [("xla", 0)] + [("ffi", c) for c in args.ctas]:
             rows_res = tokens if impl == "xla" else ops.rows_per_rank(tokens, n)
             res = jnp.asarray(rng.standard_normal((n * rows_res, h)), jnp.bfloat16)
-            per = profile(_chain(mesh, impl, args.calls, args.algo), (part, res, w), args.iters)
+            fn = _chain(mesh, impl, args.calls, args.algo, ctas or None)
+            per = profile(fn, (part, res, w), args.iters)
             calls = args.iters * args.calls
             by_dev = collections.defaultdict(float)
             by_name = collections.defaultdict(float)
@@ -93,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
                 by_name[name] += us / calls / max(1, n)
             total = statistics.median(by_dev.values()) if by_dev else float("nan")
             top = sorted(by_name.items(), key=lambda kv: -kv[1])[:4]
-            rows.append(dict(tokens=tokens, mode=impl, us_per_call=total,
+            mode = impl if impl == "xla" else f"ffi:{ctas or 'policy'}"
+            rows.append(dict(tokens=tokens, mode=mode, us_per_call=total,
                              kernels={k: round(v, 2) for k, v in top}))
-            lines.append(f"| {tokens} | {impl} | {total:.2f} | " +
-                         "; ".join(f"{k[:48]} {v:.2f}" for k, v in top) + " |")
+            lines.append(f"| {tokens} | {mode} | {total:.2f} | " +
+                         "; ".join(f"{k[:40]} {v:.2f}" for k, v in top) + " |")
             print(lines[-1], flush=True)
     print("\n".join(lines))
     if args.out is not None:

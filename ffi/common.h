@@ -10,7 +10,8 @@
 namespace tokenweave {
 
 constexpr int kMaxRanks = 8;      // largest group (tensor-parallel axis) size
-constexpr int kMaxCtas = 32;      // largest grid of the fused kernel
+constexpr int kMaxCtas = 32;      // largest grid of the barrier kernels (per-block flags)
+constexpr int kMaxOneShotCtas = 128;  // largest grid of the one-shot kernel (no flags)
 constexpr int kMinCtas = 1;
 constexpr int kThreads = 512;     // threads per block
 constexpr int kMaxHidden = 16384;

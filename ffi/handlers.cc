@@ -87,10 +87,11 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
   if (slot < 0 || slot >= opt.num_slots)
     return Invalid("slot " + std::to_string(slot) + " out of range [0, " +
                    std::to_string(opt.num_slots) + ")");
-  if (num_ctas < kMinCtas || num_ctas > kMaxCtas)
-    return Invalid("num_ctas must be in [" + std::to_string(kMinCtas) + ", " +
-                   std::to_string(kMaxCtas) + "], got " + std::to_string(num_ctas));
   if (algo < 1 || algo > 3) return Invalid("algo must be 1 (two-shot), 2 (one-shot) or 3 (direct)");
+  const int max_ctas = algo == static_cast<int>(Algo::kOneShot) ? kMaxOneShotCtas : kMaxCtas;
+  if (num_ctas < kMinCtas || num_ctas > max_ctas)
+    return Invalid("num_ctas must be in [" + std::to_string(kMinCtas) + ", " +
+                   std::to_string(max_ctas) + "] for this algo, got " + std::to_string(num_ctas));
   for (const void* p : {partial.untyped_data(), residual.untyped_data(), weight.untyped_data(),
                         normed.untyped_data(), residual_out.untyped_data()})
     if (!Aligned(p)) return Invalid("buffers must be 16-byte aligned");

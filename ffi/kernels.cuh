@@ -148,13 +148,18 @@ struct CallState {
 // The previous call on this slot has completed (stream order), so plain loads see its update.
 __device__ __forceinline__ CallState BeginCall(const KernelParams& p) {
   __shared__ CallState s;
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0) {  // independent loads, all in flight at once
     SlotControl* c = p.ctl[p.rank];
-    s.epoch = LdVolatile(&c->epoch) + 1;
-    s.oneshot_calls = LdVolatile(&c->oneshot_calls);
-    s.oneshot_clear = LdVolatile(&c->oneshot_used[(s.oneshot_calls + kLamportBuffers - 1) %
-                                                  kLamportBuffers]);
-    s.abort = LdVolatile(&p.rank_ctl[p.rank]->failed) != 0;
+    const uint32_t epoch = LdVolatile(&c->epoch), calls = LdVolatile(&c->oneshot_calls);
+    uint32_t used[kLamportBuffers];
+#pragma unroll
+    for (int b = 0; b < kLamportBuffers; ++b) used[b] = LdVolatile(&c->oneshot_used[b]);
+    const uint32_t failed = LdVolatile(&p.rank_ctl[p.rank]->failed);
+    s.epoch = epoch + 1;
+    s.oneshot_calls = calls;
+    const uint32_t prev = (calls + kLamportBuffers - 1) % kLamportBuffers;
+    s.oneshot_clear = prev == 0 ? used[0] : (prev == 1 ? used[1] : used[2]);
+    s.abort = failed != 0;
     if (blockIdx.x == 0) StVolatile(&c->entered, s.epoch);
   }
   __syncthreads();

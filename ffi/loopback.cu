@@ -68,7 +68,7 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
   const int64_t es = req.dtype == DType::kF32 ? 4 : 2, rb = h * es;
   if (t < 1 || h < 8 || h % 8 != 0 || h > kMaxHidden || req.slots < 1 ||
       req.slots > comm->options().num_slots || req.calls < 1 || req.num_ctas < kMinCtas ||
-      req.num_ctas > kMaxCtas)
+      req.num_ctas > (req.algo == Algo::kOneShot ? kMaxOneShotCtas : kMaxCtas))
     throw std::runtime_error("jax-tokenweave loopback: bad request");
   if (static_cast<int64_t>(req.partial.size()) != n * t * rb ||
       static_cast<int64_t>(req.residual.size()) != n * q * rb ||

@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant_
   for (int row = own_real + blockIdx.x * kGroups + group; row < q; row += gridDim.x * kGroups)
     CopyRow<kGroup>(residual + row * rb, residual_out + row * rb, vpr);
 
-  if (__syncthreads_or(!ok || GroupFailed(p))) return PoisonOwnRows<T, kGroup>(p, own_real);
+  if (__syncthreads_or(!ok || (threadIdx.x == 0 && GroupFailed(p))))
+    return PoisonOwnRows<T, kGroup>(p, own_real);
   EndCall(p, call, (n - 1) * seg);
 }
 

@@ -48,6 +48,46 @@ __device__ __forceinline__ void FusedRow(const KernelParams& p, LoadSum load_sum
                                          char* stage, Emit emit, float* red, int group) {
   constexpr int kN = Vec<T>::kN;
   const int vpr = p.hidden / kN, lane = threadIdx.x % kGroup;
+  if (vpr <= kGroup * kU) {  // the row fits in registers: one pass, nothing staged in memory
+    float4 w[kU][kN / 4];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)  // weight loads first, in flight with the sources'
+      if (lane + u * kGroup < vpr)
+#pragma unroll
+        for (int i = 0; i < kN / 4; ++i)
+          w[u][i] = __ldg(reinterpret_cast<const float4*>(p.weight + (lane + u * kGroup) * kN) + i);
+    float acc[kU][kN];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int i = 0; i < kN; ++i) acc[u][i] = 0.f;
+    load_sum(lane, acc);
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int v = lane + u * kGroup;
+      if (v < vpr) {
+        const uint4 rounded = PackRound<T>(acc[u]);
+        if (res_out != nullptr) St(res_out + v * 16, rounded);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
+      }
+    }
+    const float inv =
+        rsqrtf(GroupSum<kGroup>(ss, red, group) / static_cast<float>(p.hidden) + p.eps);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int v = lane + u * kGroup;
+      if (v < vpr) {
+        float f[kN];
+        const float* wf = reinterpret_cast<const float*>(w[u]);
+#pragma unroll
+        for (int i = 0; i < kN; ++i) f[i] = acc[u][i] * inv * wf[i];
+        emit(v, PackRound<T>(f));
+      }
+    }
+    return;
+  }
   float ss = 0.f;
   for (int v0 = lane; v0 < vpr; v0 += kGroup * kU) {
     float acc[kU][kN];

@@ -32,5 +32,6 @@ def get() -> ModuleType:
 @functools.cache
 def limits() -> dict[str, Any]:
     """The kernel's limits as the extension defines them: ``max_ranks``, ``min_ctas``,
-    ``max_ctas``, ``max_hidden``, ``hidden_multiple``, ``threads``, ``oneshot_buffers``."""
+    ``max_ctas`` (barrier variants), ``max_oneshot_ctas``, ``max_hidden``, ``hidden_multiple``,
+    ``threads``, ``oneshot_buffers``."""
     return dict(get().limits())

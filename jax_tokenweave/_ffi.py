@@ -70,9 +70,9 @@ def unavailable_reason(mesh: Mesh | None, axis_name: str, dtype, shape, *,
 def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo):
     if num_ctas is not None:
         lim = _extension.limits()
-        if not lim["min_ctas"] <= int(num_ctas) <= lim["max_ctas"]:
-            raise ValueError(f"num_ctas must be in [{lim['min_ctas']}, {lim['max_ctas']}], "
-                             f"got {num_ctas}")
+        top = max(lim["max_ctas"], lim["max_oneshot_ctas"])
+        if not lim["min_ctas"] <= int(num_ctas) <= top:
+            raise ValueError(f"num_ctas must be in [{lim['min_ctas']}, {top}], got {num_ctas}")
     reason = comm.unavailable_reason(partial.dtype, partial.shape, num_ctas=num_ctas,
                                      slot=slot, algo=algo)
     if reason is not None:

@@ -160,8 +160,6 @@ def shape_reason(axis_size: int, dtype, shape, settings: CommSettings, *,
     if hidden % lim["hidden_multiple"] or hidden > lim["max_hidden"]:
         return (f"hidden size {hidden} is not a multiple of {lim['hidden_multiple']} at most "
                 f"{lim['max_hidden']} (the kernel moves 16-byte vectors)")
-    if num_ctas is not None and not lim["min_ctas"] <= num_ctas <= lim["max_ctas"]:
-        return f"num_ctas={num_ctas} is outside [{lim['min_ctas']}, {lim['max_ctas']}]"
     if not 0 <= slot < settings.num_slots:
         return f"slot {slot} is outside [0, {settings.num_slots}) (num_slots)"
     if settings.multimem and (why := multimem_refusal(settings)) is not None:
@@ -170,6 +168,9 @@ def shape_reason(axis_size: int, dtype, shape, settings: CommSettings, *,
         algo, _ = choose(axis_size, dtype, shape, settings, algo=algo, policy=policy)
     except RuntimeError as err:  # an explicit direct where direct cannot run
         return str(err)
+    top = lim["max_oneshot_ctas"] if algo == "one_shot" else lim["max_ctas"]
+    if num_ctas is not None and not lim["min_ctas"] <= num_ctas <= top:
+        return f"num_ctas={num_ctas} is outside [{lim['min_ctas']}, {top}] for algo={algo}"
     need = _extension.get().needed_bytes(algo, axis_size, tokens, hidden,
                                          jnp.dtype(dtype).itemsize, settings.multimem)
     have, what = ((settings.oneshot_bytes, "one-shot buffer (oneshot_mib)")

@@ -127,7 +127,9 @@ def test_shape_reasons(monkeypatch):
     assert "not supported" in reason(2, jnp.int32, (128, 8192), s)
     assert "multiple of 8" in reason(2, jnp.bfloat16, (128, 8190), s)
     assert "num_ctas=0" in reason(2, jnp.bfloat16, (128, 64), s, num_ctas=0)
-    assert "num_ctas=33" in reason(2, jnp.bfloat16, (128, 64), s, num_ctas=33)
+    assert "num_ctas=33" in reason(2, jnp.bfloat16, (128, 64), s, num_ctas=33, algo="direct")
+    assert reason(2, jnp.bfloat16, (128, 64), s, num_ctas=64, algo="one_shot") is None
+    assert "num_ctas=129" in reason(2, jnp.bfloat16, (128, 64), s, num_ctas=129)
     assert "slot 9" in reason(2, jnp.bfloat16, (128, 64), s, slot=9)
     assert "at most 8" in reason(16, jnp.bfloat16, (128, 64), s)
     small = CommSettings(workspace_mib=64, oneshot_mib=1)
