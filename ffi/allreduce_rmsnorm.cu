@@ -15,7 +15,7 @@
 // lazy loading (the default), a kernel's first launch can wait for the device to go idle,
 // which never happens while a fused kernel spins waiting for a peer.
 //
-// Sync state lives on the device (kernels.cuh: BeginCall/EndCall): the slot's epoch picks the
+// Sync state lives on the device (kernels.cuh: BeginCall): the slot's epoch picks the
 // data area's parity, so call k+1's pushes never land on what call k still reads. A wait that
 // expires marks the group failed and the kernel returns with NaN outputs (no trap).
 // Partials are summed in rank order 0..N-1 and then the residual, in every variant, so every
@@ -98,7 +98,6 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(const __grid_constant_
     s = p.data[r] + parity + ag + (PeerIndex(src, r, n) * q + row) * rb;
     d = normed + g * rb;
   });
-  EndCall(p, call);
 }
 
 template <typename T, int kMaxN>
@@ -162,7 +161,6 @@ __global__ void __launch_bounds__(kThreads) DirectKernel(const __grid_constant__
         red, group);
   }
   if (!Barrier(p, kStageBarrier1, call.epoch)) return PoisonOutputs<T>(p);
-  EndCall(p, call);
 }
 
 template <typename T, int kMaxN>

@@ -134,7 +134,7 @@ __host__ __device__ __forceinline__ int PeerIndex(int src, int dst, int n) {
   return (src - dst + n) % n - 1;
 }
 
-// ---- Per-call state, kept on the device ----
+// ---- Per-call state, kept on the device (advanced by the kernels, never by the host) ----
 
 // What every block of a call reads at its start (from this rank's SlotControl).
 struct CallState {
@@ -144,12 +144,16 @@ struct CallState {
   int abort;               // the group failed earlier: poison the outputs and return
 };
 
-// Reads the call state (all threads get it). Block 0 also records `entered` for diagnostics.
-// The previous call on this slot has completed (stream order), so plain loads see its update.
-__device__ __forceinline__ CallState BeginCall(const KernelParams& p) {
+// Reads the call state (all threads get it) and arrives: the last block of the call to arrive
+// advances the slot's epoch (and, for a one-shot call, its buffer rotation, recording
+// `oneshot_used` bytes for the next call to clear). Arriving at the start is safe: every block
+// has read the state before it arrives, and the next call on the slot starts only after this
+// kernel ends (stream order); it takes the atomic's round trip off the kernel's tail. Block 0
+// also records `entered` for the timeout report. `oneshot_used` < 0: not a one-shot call.
+__device__ __forceinline__ CallState BeginCall(const KernelParams& p, int64_t oneshot_used = -1) {
   __shared__ CallState s;
+  SlotControl* c = p.ctl[p.rank];
   if (threadIdx.x == 0) {  // independent loads, all in flight at once
-    SlotControl* c = p.ctl[p.rank];
     const uint32_t epoch = LdVolatile(&c->epoch), calls = LdVolatile(&c->oneshot_calls);
     uint32_t used[kLamportBuffers];
 #pragma unroll
@@ -163,28 +167,16 @@ __device__ __forceinline__ CallState BeginCall(const KernelParams& p) {
     if (blockIdx.x == 0) StVolatile(&c->entered, s.epoch);
   }
   __syncthreads();
-  return s;
-}
-
-// Ends a call: the last block to finish advances the slot's epoch (and, for a one-shot call,
-// its buffer rotation, recording `oneshot_used` bytes for the next call to clear).
-__device__ __forceinline__ void EndCall(const KernelParams& p, const CallState& s,
-                                        int64_t oneshot_used = -1) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    SlotControl* c = p.ctl[p.rank];
-    __threadfence();
-    if (atomicAdd(&c->arrived, 1u) == gridDim.x - 1) {
-      StVolatile(&c->arrived, 0);
-      if (oneshot_used >= 0) {
-        StVolatile(&c->oneshot_used[s.oneshot_calls % kLamportBuffers],
-                   static_cast<uint32_t>(oneshot_used));
-        StVolatile(&c->oneshot_calls, s.oneshot_calls + 1);
-      }
-      StVolatile(&c->epoch, s.epoch);
-      __threadfence();
+  if (threadIdx.x == 0 && atomicAdd(&c->arrived, 1u) == gridDim.x - 1) {
+    StVolatile(&c->arrived, 0);
+    if (oneshot_used >= 0) {
+      StVolatile(&c->oneshot_used[s.oneshot_calls % kLamportBuffers],
+                 static_cast<uint32_t>(oneshot_used));
+      StVolatile(&c->oneshot_calls, s.oneshot_calls + 1);
     }
+    StVolatile(&c->epoch, s.epoch);
   }
+  return s;
 }
 
 __device__ __forceinline__ bool GroupFailed(const KernelParams& p) {

@@ -117,7 +117,6 @@ __global__ void __launch_bounds__(kThreads) MultimemKernel(const __grid_constant
     s = own + out_area + i * rb;
     d = normed + i * rb;
   });
-  EndCall(p, call);
 }
 
 }  // namespace multimem

@@ -57,8 +57,12 @@ __device__ __forceinline__ void PollSum(const KernelParams& p, float (*acc)[Vec<
       if (s < ns && v0 + u * kGroup < vpr) AddVec<T>(acc[u], x[s][u]);
 }
 
+// Vectors per source per thread: 512-thread rows hold H=8192 bf16 in registers with 2, 256-
+// thread rows with 4 (one pass, kernels.cuh FusedRow), at up to 4 and 2 ranks.
 template <int kMaxN, int kGroup>
-constexpr int kOneShotU = kGroup == kThreads ? (kMaxN <= 4 ? 2 : 1) : (kMaxN <= 2 ? 2 : kURows<kMaxN>);
+constexpr int kOneShotU = kGroup == kThreads ? (kMaxN <= 4 ? 2 : 1)
+                          : kGroup == 256    ? (kMaxN <= 2 ? 4 : (kMaxN <= 4 ? 2 : 1))
+                                             : (kMaxN <= 2 ? 2 : kURows<kMaxN>);
 
 // Writes NaN into the rows this block's group owns in (c) and (d) below: the same partition,
 // so a failed call leaves NaN in every output element (only the owner writes an element, and
@@ -83,16 +87,16 @@ __device__ __forceinline__ void PoisonOwnRows(const KernelParams& p, int own_rea
 template <typename T, int kMaxN, int kGroup>
 __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant__ KernelParams p) {
   __shared__ float red[kThreads / 32];
-  const CallState call = BeginCall(p);
+  const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens;
+  const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
+  const int64_t seg = static_cast<int64_t>(tokens + q) * rb;
+  const CallState call = BeginCall(p, (n - 1) * seg);
   constexpr int kGroups = kThreads / kGroup;
   constexpr int kU = kOneShotU<kMaxN, kGroup>;
   const int group = threadIdx.x / kGroup;
-  const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens;
   const int own_real = max(0, min(q, tokens - r * q));  // own residual rows below T
   if (call.abort) return PoisonOwnRows<T, kGroup>(p, own_real);
   const int vpr = p.hidden / Vec<T>::kN;
-  const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
-  const int64_t seg = static_cast<int64_t>(tokens + q) * rb;
   const uint32_t buf = call.oneshot_calls % kLamportBuffers;
   const uint32_t prev = (call.oneshot_calls + kLamportBuffers - 1) % kLamportBuffers;
   const char* partial = static_cast<const char*>(p.partial);
@@ -153,16 +157,18 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant_
   for (int row = own_real + blockIdx.x * kGroups + group; row < q; row += gridDim.x * kGroups)
     CopyRow<kGroup>(residual + row * rb, residual_out + row * rb, vpr);
 
-  if (__syncthreads_or(!ok || (threadIdx.x == 0 && GroupFailed(p))))
-    return PoisonOwnRows<T, kGroup>(p, own_real);
-  EndCall(p, call, (n - 1) * seg);
+  // Only a block whose own wait failed lacks data; every other block's rows are complete.
+  if (__syncthreads_or(!ok)) PoisonOwnRows<T, kGroup>(p, own_real);
 }
 
 template <typename T, int kMaxN>
 void LaunchN(const KernelParams& p, int num_ctas, cudaStream_t stream) {
-  // Rows of 512 threads while 128-thread rows would leave blocks idle (decode sizes).
-  if (p.tokens < 4 * num_ctas)
+  // The widest rows that still give every row its own group (decode sizes): a row's reduce
+  // and norm are latency-bound, so rows in parallel beat rows in sequence.
+  if (p.tokens <= num_ctas)
     OneShotKernel<T, kMaxN, kThreads><<<num_ctas, kThreads, 0, stream>>>(p);
+  else if (p.tokens <= 2 * num_ctas)
+    OneShotKernel<T, kMaxN, 256><<<num_ctas, kThreads, 0, stream>>>(p);
   else
     OneShotKernel<T, kMaxN, 128><<<num_ctas, kThreads, 0, stream>>>(p);
 }
@@ -185,6 +191,9 @@ cudaError_t PreloadFor() {
       reinterpret_cast<const void*>(OneShotKernel<T, 2, 128>),
       reinterpret_cast<const void*>(OneShotKernel<T, 4, 128>),
       reinterpret_cast<const void*>(OneShotKernel<T, 8, 128>),
+      reinterpret_cast<const void*>(OneShotKernel<T, 2, 256>),
+      reinterpret_cast<const void*>(OneShotKernel<T, 4, 256>),
+      reinterpret_cast<const void*>(OneShotKernel<T, 8, 256>),
       reinterpret_cast<const void*>(OneShotKernel<T, 2, kThreads>),
       reinterpret_cast<const void*>(OneShotKernel<T, 4, kThreads>),
       reinterpret_cast<const void*>(OneShotKernel<T, 8, kThreads>)};
