@@ -495,7 +495,7 @@ def from_pretrained(path: str, mesh: Mesh, dtype: Any = None, *, axis_name: str 
     import jax.numpy as jnp
     from flax import nnx
 
-    from jax_tokenweave.layers import named_params
+    from jax_tokenweave.params import named_params, param_spec
 
     info = load_hf_config(path)
     if model_cls is None:
@@ -517,7 +517,7 @@ def from_pretrained(path: str, mesh: Mesh, dtype: Any = None, *, axis_name: str 
         if tuple(abstract.shape) != src.target_shape():
             raise CheckpointError(f"internal: {name} has shape {abstract.shape}, the checkpoint "
                                   f"mapping gives {src.target_shape()}")
-        param.set_value(load_sharded(ckpt, src, mesh, param.tp_spec, abstract.dtype))
+        param.set_value(load_sharded(ckpt, src, mesh, param_spec(param), abstract.dtype))
     model.hf_info = info
     return model
 

@@ -2,7 +2,7 @@
 
 Covers Llama 3, Qwen2 (``qkv_bias``) and Mixtral (``num_experts``) shapes.
 
-Parameters (global shapes; names as ``load_weights`` / ``layers.named_params`` spell them):
+Parameters (global shapes; names as ``load_weights`` / ``params.named_params`` spell them):
 
 ==================== ========== ===================== ========================================
 name                 shape      sharding              Hugging Face tensor
@@ -33,15 +33,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.layers import (
-    Comm,
-    Schedule,
-    WeaveDecoder,
-    load_weights,
-    make_param,
-    numpy_weights,
-    reference_decoder,
-)
+from jax_tokenweave.layers import Comm, Schedule, WeaveDecoder, reference_decoder
+from jax_tokenweave.params import load_weights, make_param, numpy_weights
 from jax_tokenweave.split import BatchPlan
 
 
@@ -68,7 +61,7 @@ class LlamaModel(nnx.Module):
                                       1 / np.sqrt(h))
 
     def load_weights(self, weights: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Set weights from full arrays by name (module docstring); see ``layers.load_weights``."""
+        """Set weights from full arrays by name (module docstring); see ``params.load_weights``."""
         load_weights(self, self.mesh, weights, strict=strict)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:

@@ -25,7 +25,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave import ops
-from jax_tokenweave.layers import WeaveDecoder, param_specs
+from jax_tokenweave.layers import WeaveDecoder
+from jax_tokenweave.params import partition_specs
 from jax_tokenweave.serving.kv_cache import KVCache, decode_attention, write_prompts
 from jax_tokenweave.serving.sampling import sample
 from jax_tokenweave.split import BatchPlan
@@ -116,7 +117,7 @@ def decoder_step(decoder: WeaveDecoder, hidden: jax.Array, positions: jax.Array,
 
     kv_spec = P(None, None, None, axis, None)
     fn = jax.shard_map(per_rank, mesh=mesh,
-                       in_specs=(param_specs(decoder), P(), P(), kv_spec, kv_spec),
+                       in_specs=(partition_specs(decoder), P(), P(), kv_spec, kv_spec),
                        out_specs=(P(), kv_spec, kv_spec), check_vma=False)
     return fn(state, hidden, positions, k_cache, v_cache)
 
