@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
+
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-
 from jax_tokenweave.serving import Engine, ServingConfig, count_compilations, sample
 from jax_tokenweave.serving.buckets import batch_bucket, length_bucket, next_pow2
 from jax_tokenweave.split import plan_batch
