@@ -1,11 +1,14 @@
 """Package hygiene: no import cycles between the package's modules (imports inside functions
-included), and every third-party import declared in ``pyproject.toml``."""
+included), every third-party import declared in ``pyproject.toml``, and importing any module
+changes no global state."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import json
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -100,3 +103,27 @@ def test_every_third_party_import_is_declared():
             allowed = core | (plot if top == "matplotlib" else set())
             assert declared & allowed, f"{name} imports {top}, not declared in pyproject.toml"
 
+
+def test_importing_any_module_changes_no_global_state():
+    """In a fresh interpreter: importing every module leaves ``os.environ`` and JAX's config as
+    they were, and initialises no JAX backend."""
+    script = """
+import importlib, json, os, sys
+import jax
+from jax._src import xla_bridge
+env, cpus = dict(os.environ), jax.config.jax_num_cpu_devices
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
+print(json.dumps({"changed": changed, "cpus": [cpus, jax.config.jax_num_cpu_devices],
+                  "backends": xla_bridge.backends_are_initialized()}))
+"""
+    names = sorted(modules())
+    assert "jax_tokenweave.bench" in names and "jax_tokenweave.benchmarking" in names
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(names)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["changed"] == [], f"importing changed environment variables {report['changed']}"
+    assert report["cpus"][0] == report["cpus"][1]
+    assert not report["backends"], "importing the package initialised a JAX backend"
