@@ -143,12 +143,6 @@ class DecoderLayer(nnx.Module):
         """RMSNorm with ``input_layernorm`` (local, no communication): [T, H] -> [T, H]."""
         return ops.rms_norm(x, self.input_layernorm[...], self.config.rms_norm_eps)
 
-    def post_norm(self, x: jax.Array) -> jax.Array:
-        """RMSNorm with ``post_attention_layernorm`` (local): [T, H] -> [T, H]."""
-        return ops.rms_norm(x, self.post_attention_layernorm[...], self.config.rms_norm_eps)
-
-    post_attention_norm = post_norm
-
     def qkv(self, x_normed: jax.Array,
             positions: jax.Array | np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Local heads: ``x_normed`` [T, H], ``positions`` [T] -> q [T, Nq/N, D],
@@ -354,8 +348,9 @@ def _baseline(dec: WeaveDecoder, hidden: jax.Array, batch: BatchPlan,
     return x, kvs
 
 
-def _own_rows(x: jax.Array, axis_name: str) -> jax.Array:
-    """This rank's ``ceil(T/N)`` rows of ``x`` [T, H] (zero rows past T)."""
+def own_rows(x: jax.Array, axis_name: str) -> jax.Array:
+    """Per rank: this rank's ``ceil(T/N)`` rows of ``x`` [T, H] (zero rows past T), the
+    token-sharded residual layout of ``ops.allreduce_rmsnorm``."""
     n = jax.lax.axis_size(axis_name)
     rows = ops.rows_per_rank(x.shape[0], n)
     padded = jnp.pad(x, ((0, rows * n - x.shape[0]), (0, 0)))
@@ -409,7 +404,7 @@ def _weave(dec: WeaveDecoder, hidden: jax.Array, batch: BatchPlan, comm: str,
 
     positions = [h.positions() for h in halves]
     inputs = [hidden[h.start:h.end] for h in halves]
-    residual = [_own_rows(x, axis) for x in inputs]
+    residual = [own_rows(x, axis) for x in inputs]
     x = [dec.layers[0].input_norm(xh) for xh in inputs]
     pending: list[Any] = [None] * len(halves)
 
