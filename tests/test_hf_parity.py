@@ -70,10 +70,10 @@ def test_parity(reference, cpu_mesh, kind, tp):
         rel = np.abs(got - want).max() / np.abs(want).max()
         assert rel < 1e-4, (schedule, rel)
 
-    # Greedy generation: weave prefill (forced split) and baseline prefill.
+    # Greedy generation: weave (prefill forced to split, token-sharded decode) and baseline.
     for schedule, force in (("weave", True), ("baseline", False)):
         engine = Engine(model, ServingConfig(max_batch=4, max_seq_len=64, schedule=schedule,
-                                             force_split=force, decode_impl="auto"))
+                                             force_split=force))
         assert engine.plan(4, 16).split == force
         got = engine.generate(ref["gen_prompts"], NEW_TOKENS, eos_token_ids=())
         assert got == ref["gens"], schedule
