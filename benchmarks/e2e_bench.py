@@ -77,12 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=list(DECODE_MODES), metavar="MODE", help="decode modes to run")
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill sweep")
     p.add_argument("--no-decode", action="store_true", help="skip the decode sweep")
-    p.add_argument("--warmup", type=bm.nonnegative_int, default=2,
-                   help="untimed calls per mode and batch")
-    p.add_argument("--iters", type=bm.positive_int, default=10,
-                   help="timed calls per mode and batch (the median is reported)")
-    p.add_argument("--dtype", choices=tuple(bm.DTYPES), default="bfloat16",
-                   help="parameter and activation dtype")
+    bm.add_run_options(p, warmup=2, iters=10, unit="mode and batch")
     p.add_argument("--seed", type=bm.nonnegative_int, help="random seed (default: fresh)")
     p.add_argument("--time-budget", type=bm.positive_float, metavar="SECONDS",
                    help="start no new measurement after this many seconds (default: no limit)")

@@ -58,12 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"[{tuning.MIN_CTAS}, {tuning.MAX_CTAS}]")
     p.add_argument("--offsets", type=int, nargs="+", default=list(OFFSETS),
                    help="split offsets from the midpoint to try (tokens)")
-    p.add_argument("--warmup", type=bm.nonnegative_int, default=2,
-                   help="untimed calls per candidate")
-    p.add_argument("--iters", type=bm.positive_int, default=10,
-                   help="timed calls per candidate (the median is kept)")
-    p.add_argument("--dtype", choices=tuple(bm.DTYPES), default="bfloat16",
-                   help="parameter and activation dtype")
+    bm.add_run_options(p, warmup=2, iters=10, unit="candidate")
     p.add_argument("--time-budget", type=bm.positive_float, default=600.0, metavar="SECONDS",
                    help="start no new measurement after this many seconds")
     p.add_argument("--out", type=Path, metavar="JSON",

@@ -249,17 +249,21 @@ def environment(devices: Sequence[jax.Device], command: Sequence[str]) -> dict[s
 
 # ------------------------------------------------------------------------------ arguments ---
 
+def _number(text: str, kind: type, minimum: float, strict: bool = False) -> Any:
+    """``kind(text)``, which must be ``>= minimum`` (``> minimum`` if ``strict``) and finite."""
+    try:
+        value = kind(text)
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+    if not (value > minimum if strict else value >= minimum) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be {'>' if strict else '>='} {minimum}")
+    return value
+
+
 def positive_ints(text: str) -> list[int]:
     """``"2048,8192"`` or ``"2048"`` -> ints >= 1 (an ``argparse`` type)."""
-    values = []
-    for part in text.replace(",", " ").split():
-        try:
-            value = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not an integer") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-        values.append(value)
+    values = [_number(part, int, 1) for part in text.replace(",", " ").split()]
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
@@ -275,24 +279,23 @@ def positive_int(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     """One int >= 0 (an ``argparse`` type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
+    return _number(text, int, 0)
 
 
 def positive_float(text: str) -> float:
-    """One finite float > 0 (an ``argparse`` type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
+    """One finite float > 0 (an ``argparse`` type; NaN is refused)."""
+    return _number(text, float, 0, strict=True)
+
+
+def add_run_options(parser: argparse.ArgumentParser, *, warmup: int, iters: int,
+                    unit: str) -> None:
+    """``--warmup``, ``--iters`` and ``--dtype``, as the benchmark scripts share them."""
+    parser.add_argument("--warmup", type=nonnegative_int, default=warmup,
+                        help=f"untimed calls per {unit}")
+    parser.add_argument("--iters", type=positive_int, default=iters,
+                        help=f"timed calls per {unit} (the median is reported)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
+                        help="parameter and activation dtype")
 
 
 class Flatten(argparse.Action):
