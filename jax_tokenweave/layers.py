@@ -89,7 +89,7 @@ from jax_tokenweave.params import (
 from jax_tokenweave.split import BatchPlan, Half, plan_batch
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
-Schedule = Literal["weave", "baseline", "nocomm"]
+Schedule = Literal["baseline", "weave", "nocomm"]
 Comm = Literal["auto", "xla", "ffi"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 COMMS: tuple[str, ...] = get_args(Comm)
