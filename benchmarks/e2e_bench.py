@@ -1,20 +1,25 @@
 """End-to-end benchmark: prefill and decode-batch latency of the decoder stack, per mode.
 
-Prefill modes (``MODES``), each the layer stack on a packed batch of requests:
+Modes are named as everywhere in this project (``jax_tokenweave.benchmarking``): the schedule,
+and for ``weave`` the comm that does its reductions, plus ``-nosplit`` where the batch is kept
+whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requests:
 
 - ``baseline``: XLA ``psum`` all-reduce, replicated residual (what a plain JAX TP model does);
-- ``fused-no-split``: the weave schedule with the fused kernel but no token split;
-- ``weave-xla``: the weave schedule with XLA ReduceScatter -> norm -> AllGather (``xla_rsag``);
+- ``weave-ffi-nosplit``: the weave schedule with the fused kernel but no token split;
+- ``weave-xla``: the weave schedule with XLA ReduceScatter -> norm -> AllGather;
 - ``weave-ffi``: the weave schedule with the fused CUDA kernel (TokenWeave proper);
 - ``nocomm``: every collective dropped (not the model's output; the floor).
 
-Decode batches (``DECODE_MODES``) are ``n`` requests of one token each, never split: the layer
-stack without a KV cache, i.e. the GEMMs and the communication of one decode step (attention
-over past tokens is not included). Modes that cannot run here (no CUDA extension, too few
-devices) are reported as skipped with the reason. ``--time-budget`` bounds the run: work not
-started by then is reported as skipped.
+Decode batches (``DECODE_MODES``: ``baseline``, ``weave-ffi``, ``weave-xla``, ``nocomm``) are
+``n`` requests of one token each (below the split threshold, so never split): the layer stack
+without a KV cache, i.e. the GEMMs and the communication of one decode step (attention over past
+tokens is not included). Modes that cannot run here (no CUDA extension, too few devices) are
+reported as skipped with the reason. ``--time-budget`` bounds the run: work not started by then
+is reported as skipped. With no GPU it runs on 8 virtual CPU devices, whose timings say nothing
+about GPU overlap.
 
-Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` into ``--out``. Example (4 GPUs)::
+Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` (unless ``--no-plot``) into ``--out``.
+Example (4 GPUs)::
 
     python benchmarks/e2e_bench.py --out results/ --models llama3-70b --tp 4 2
 """
@@ -22,7 +27,6 @@ Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` into ``--out``. Example (4 GPUs)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import signal
@@ -33,91 +37,70 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jax_tokenweave import bench  # first: sets the virtual CPU device flag before JAX starts
-
-# isort: split
 import jax
 
+from jax_tokenweave import benchmarking as bm
 from jax_tokenweave import timing
+from jax_tokenweave.benchmarking import Mode
 
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """One way of running the stack: schedule, communication and whether the batch may split."""
-
-    schedule: str
-    comm: str
-    split: bool | None  # None: plan_batch decides (split at >= threshold tokens)
-    reference: bool = False  # compared against baseline (nocomm's output is not the model's)
-
-    @property
-    def needs_ffi(self) -> bool:
-        return self.comm == "ffi"
-
-
-MODES: dict[str, Mode] = {
-    "baseline": Mode("baseline", "auto", None),
-    "fused-no-split": Mode("weave", "ffi", False, reference=True),
-    "weave-xla": Mode("weave", "xla", None, reference=True),
-    "weave-ffi": Mode("weave", "ffi", None, reference=True),
-    "nocomm": Mode("nocomm", "auto", None),
-}
-DECODE_MODES: dict[str, Mode] = {
-    "baseline": Mode("baseline", "auto", False),
-    "fused": Mode("weave", "ffi", False, reference=True),
-    "xla-rsag": Mode("weave", "xla", False, reference=True),
-    "nocomm": Mode("nocomm", "auto", False),
-}
+MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("baseline"), Mode("weave", "ffi", split=False), Mode("weave", "xla"),
+    Mode("weave", "ffi"), Mode("nocomm"))}
+DECODE_MODES: dict[str, Mode] = {m.name: m for m in (
+    Mode("baseline"), Mode("weave", "ffi"), Mode("weave", "xla"), Mode("nocomm"))}
 MODELS = ("llama3-70b", "qwen2.5-72b", "mixtral-8x22b")
 TOKENS = (1024, 2048, 4096, 8192, 16384)
 DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
 TPS = (2, 4)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Command-line options; see ``--help``."""
-    p = argparse.ArgumentParser(
-        prog="e2e_bench.py", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ints = bench._positive_ints
-    p.add_argument("--out", type=Path, required=True, help="folder for e2e.json/.md/.png")
-    p.add_argument("--models", nargs="+", default=list(MODELS), help="model config names")
-    p.add_argument("--layers", type=bench._positive_int, default=8, help="decoder layers")
-    p.add_argument("--tp", type=ints, nargs="+", default=[list(TPS)],
-                   help="tensor-parallel degrees, run in this order")
-    p.add_argument("--tokens", type=ints, nargs="+", default=[list(TOKENS)],
-                   help="prefill batch sizes (tokens)")
-    p.add_argument("--request-len", type=bench._positive_int, default=1024,
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser; see ``--help``."""
+    p = argparse.ArgumentParser(prog="e2e_bench.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=bm.HelpFormatter)
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="folder for e2e.json, e2e.md and e2e.png")
+    p.add_argument("--models", nargs="+", default=list(MODELS), metavar="MODEL",
+                   help=f"model config names, {bm.config_names_help()}")
+    p.add_argument("--layers", type=bm.positive_int, default=8, help="decoder layers to stack")
+    p.add_argument("--tp", type=bm.positive_ints, nargs="+", action=bm.Flatten,
+                   default=list(TPS), help="tensor-parallel degrees, run in this order")
+    p.add_argument("--tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,
+                   default=list(TOKENS), help="prefill batch sizes in tokens")
+    p.add_argument("--request-len", type=bm.positive_int, default=1024,
                    help="tokens per prefill request")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
-                   help="prefill modes")
-    p.add_argument("--decode-tokens", type=ints, nargs="+", default=[list(DECODE_TOKENS)],
-                   help="decode batch sizes (one token per request)")
+                   metavar="MODE", help="prefill modes to run")
+    p.add_argument("--decode-tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,
+                   default=list(DECODE_TOKENS), help="decode batch sizes (one token per request)")
     p.add_argument("--decode-modes", nargs="+", default=list(DECODE_MODES),
-                   choices=list(DECODE_MODES), help="decode modes")
+                   choices=list(DECODE_MODES), metavar="MODE", help="decode modes to run")
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill sweep")
     p.add_argument("--no-decode", action="store_true", help="skip the decode sweep")
-    p.add_argument("--warmup", type=bench._nonnegative_int, default=2)
-    p.add_argument("--iters", type=bench._positive_int, default=10)
-    p.add_argument("--dtype", choices=tuple(bench.DTYPES), default="bfloat16")
-    p.add_argument("--seed", type=bench._nonnegative_int, default=None,
-                   help="random seed (default: fresh)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="start no new measurement after this many seconds")
+    bm.add_run_options(p, warmup=2, iters=10, unit="mode and batch")
+    p.add_argument("--seed", type=bm.nonnegative_int, help="random seed (default: fresh)")
+    p.add_argument("--time-budget", type=bm.positive_float, metavar="SECONDS",
+                   help="start no new measurement after this many seconds (default: no limit)")
     p.add_argument("--replot", type=Path, metavar="JSON",
                    help="only redraw the markdown and plot from an earlier e2e.json")
+    p.add_argument("--no-plot", action="store_true",
+                   help="write no e2e.png (the plot needs matplotlib: the plot extra)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the options (``parser.error`` before any work on bad ones)."""
+    p = build_parser()
     args = p.parse_args(argv)
-    for name in ("tp", "tokens", "decode_tokens"):
-        setattr(args, name, list(dict.fromkeys(v for group in getattr(args, name) for v in group)))
-    if args.time_budget is not None and args.time_budget <= 0:
-        p.error(f"--time-budget must be > 0, got {args.time_budget}")
     from jax_tokenweave.models.configs import get_config
 
     for model in args.models:
         try:
             get_config(model)
-        except (KeyError, ValueError) as err:
+        except ValueError as err:
             p.error(f"--models: unknown model {model!r}: {err}")
+    if not args.no_plot and (hint := bm.matplotlib_missing()):
+        p.error(f"the plot {hint} (or pass --no-plot)")
     return args
 
 
@@ -126,9 +109,9 @@ class Runner:
 
     def __init__(self, args: argparse.Namespace, devices: Sequence[jax.Device]) -> None:
         self.args, self.devices = args, devices
-        self.dtype = bench.DTYPES[args.dtype]
-        self.tol = bench.TOLERANCE[args.dtype]
-        self.seed = args.seed if args.seed is not None else bench.resolve_seed()
+        self.dtype = bm.DTYPES[args.dtype]
+        self.tol = bm.TOLERANCE[args.dtype]
+        self.seed = args.seed if args.seed is not None else bm.resolve_seed()
         self.start = time.perf_counter()
         self.records: list[dict[str, Any]] = []
 
@@ -154,7 +137,7 @@ class Runner:
                 self.run_model(model, tp, work)
 
     def run_model(self, model: str, tp: int, work: list[tuple]) -> None:
-        config = bench.load_config(model, self.args.layers)
+        config = bm.load_config(model, self.args.layers)
         reason = None
         if tp > len(self.devices):
             reason = f"TP={tp} needs {tp} devices, this machine has {len(self.devices)}"
@@ -169,9 +152,9 @@ class Runner:
             for kind, tokens, _, modes, _ in work:
                 self.skip(_base(kind, model, tp, tokens), modes, reason)
             return
-        mesh = bench.make_mesh(self.devices, tp)
+        mesh = bm.make_mesh(self.devices, tp)
         print(f"== {model} x{config.num_layers} layers, TP={tp}", flush=True)
-        decoder = bench.build_decoder(config, mesh, self.dtype, self.seed)
+        decoder = bm.build_decoder(config, mesh, self.dtype, self.seed)
         try:
             for i, (kind, tokens, table, modes, request_len) in enumerate(work):
                 base = _base(kind, model, tp, tokens)
@@ -189,10 +172,10 @@ class Runner:
                   index: int) -> None:
         """Compile, check against baseline and time every mode for one batch."""
         tokens, tp = base["tokens"], base["tp"]
-        lengths = bench.request_lengths(tokens, request_len)
-        hidden = bench.random_hidden(tokens, config.hidden_size, self.dtype, mesh,
+        lengths = bm.request_lengths(tokens, request_len)
+        hidden = bm.random_hidden(tokens, config.hidden_size, self.dtype, mesh,
                                      self.seed + 1 + index)
-        ffi_reason = bench.ffi_unavailable(mesh, self.dtype, (tokens, config.hidden_size))
+        ffi_reason = bm.ffi_unavailable(mesh, self.dtype, (tokens, config.hidden_size))
         fns, info = {}, {}
         for name in dict.fromkeys(["baseline", *modes]):
             mode = table[name]
@@ -200,8 +183,8 @@ class Runner:
                 info[name] = {"status": "skipped", "reason": f"ffi unavailable: {ffi_reason}"}
                 continue
             try:
-                plan = bench.make_plan(config, base["model"], lengths, tp, split=mode.split)
-                fns[name], seconds = bench.compile_forward(
+                plan = bm.make_plan(config, base["model"], lengths, tp, split=mode.split)
+                fns[name], seconds, _ = bm.compile_forward(
                     decoder, plan, hidden, schedule=mode.schedule, comm=mode.comm)
                 info[name] = {"status": "ok", "compile_s": seconds, "split": plan.split,
                               "half_lengths": [h.length for h in plan.halves]}
@@ -330,14 +313,15 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def write_outputs(report: dict[str, Any], out: Path) -> None:
-    """``e2e.json``, ``e2e.md`` and (where anything ran) ``e2e.png`` in ``out``."""
+def write_outputs(report: dict[str, Any], out: Path, plot: bool = True) -> None:
+    """``e2e.json``, ``e2e.md`` and (with ``plot``, where anything ran) ``e2e.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "e2e.md").write_text(to_markdown(report) + "\n")
-    plotted = write_plot(report, out / "e2e.png")
-    print(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}" + (f", {out / 'e2e.png'}" if plotted
-                                                           else " (nothing ran: no plot)"))
+    wrote = [out / "e2e.json", out / "e2e.md"]
+    if plot and write_plot(report, out / "e2e.png"):
+        wrote.append(out / "e2e.png")
+    print("wrote " + ", ".join(map(str, wrote)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -346,27 +330,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot:
         report = json.loads(args.replot.read_text())
-        write_outputs(report, args.out)
+        write_outputs(report, args.out, plot=not args.no_plot)
         return 0
-    _, devices = bench.platform_devices()
+    platform, devices = bm.start_devices()
     runner = Runner(args, devices)
     # A `timeout` kill (SIGTERM) still writes what was measured: SystemExit runs `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         runner.run_all()
     finally:
-        env = bench.environment(devices, argv)
-        env["command"] = " ".join(["python", "benchmarks/e2e_bench.py", *argv])
-        config = {k: v for k, v in vars(args).items() if k not in ("out", "replot")}
+        env = bm.environment(devices, ["benchmarks/e2e_bench.py", *argv])
+        config = {k: v for k, v in vars(args).items() if k not in ("out", "replot", "no_plot")}
         config.update(seed=runner.seed, tolerance=runner.tol,
                       wall_s=round(time.perf_counter() - runner.start, 1))
         report = {"environment": env, "config": config, "records": runner.records}
-        write_outputs(report, args.out)
+        write_outputs(report, args.out, plot=not args.no_plot)
     counts: dict[str, int] = {}
     for r in runner.records:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     print("records: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
     print(to_markdown(report))
+    if platform == "cpu":
+        print(bm.CPU_NOTE)
     return 1 if counts.get("mismatch") else 0
 
 

@@ -48,13 +48,13 @@ if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
 fi
 
 # Run outside the checkout so that Python imports the installed package (with its compiled
-# extension and jax_tokenweave.models), not the source folder.
+# extension), not the source folder.
 cd "$OUT"
 python3 -c "
-from jax_tokenweave import _ffi, bench
+from jax_tokenweave import _ffi, benchmarking
 import jax, jax.numpy as jnp
 devs = jax.devices()
-mesh = bench.make_mesh(devs, len(devs))
+mesh = benchmarking.make_mesh(devs, len(devs))
 print('ffi:', _ffi.unavailable_reason(mesh, 'tp', jnp.bfloat16, (8192, 8192)) or 'available')
 " 2>&1 | tee "$OUT/ffi.txt" || true
 

@@ -28,13 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jax_tokenweave import bench  # first: sets the virtual CPU device flag before JAX starts
-
-# isort: split
-import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from jax_tokenweave import benchmarking as bm
 from jax_tokenweave import hlo_check, timing, tuning
 from jax_tokenweave.layers import ffi_unavailable
 from jax_tokenweave.split import PAD_MULTIPLE, midpoint, plan_batch
@@ -44,62 +40,68 @@ CTAS = (4, 8, 16, 32)
 OFFSETS = (-256, -128, 0, 128, 256)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser; see ``--help``."""
     p = argparse.ArgumentParser(prog="tune.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="llama3-70b", help="model config name")
-    p.add_argument("--tp", type=bench._positive_int, default=2)
-    p.add_argument("--tokens", type=bench._positive_ints, nargs="+", default=[[2048, 8192]])
-    p.add_argument("--layers", type=bench._positive_int, default=4, help="decoder layers")
-    p.add_argument("--request-len", type=bench._positive_int, default=1024)
-    p.add_argument("--ctas", type=bench._positive_ints, nargs="+", default=[list(CTAS)])
-    p.add_argument("--offsets", type=int, nargs="+", default=list(OFFSETS))
-    p.add_argument("--warmup", type=bench._nonnegative_int, default=2)
-    p.add_argument("--iters", type=bench._positive_int, default=10)
-    p.add_argument("--dtype", choices=tuple(bench.DTYPES), default="bfloat16")
-    p.add_argument("--time-budget", type=float, default=600.0, metavar="SECONDS")
-    p.add_argument("--out", type=Path, default=None, help="table JSON to write")
+                                formatter_class=bm.HelpFormatter)
+    p.add_argument("--model", default="llama3-70b",
+                   help=f"model config name, {bm.config_names_help()}")
+    p.add_argument("--tp", type=bm.positive_int, default=2, help="tensor-parallel degree")
+    p.add_argument("--tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,
+                   default=[2048, 8192], help="batch sizes in tokens to tune")
+    p.add_argument("--layers", type=bm.positive_int, default=4, help="decoder layers to stack")
+    p.add_argument("--request-len", type=bm.positive_int, default=1024,
+                   help="tokens per request packed into the batch")
+    p.add_argument("--ctas", type=bm.positive_ints, nargs="+", action=bm.Flatten,
+                   default=list(CTAS),
+                   help=f"CTA counts of the fused kernel to try, each in "
+                        f"[{tuning.MIN_CTAS}, {tuning.MAX_CTAS}]")
+    p.add_argument("--offsets", type=int, nargs="+", default=list(OFFSETS),
+                   help="split offsets from the midpoint to try (tokens)")
+    bm.add_run_options(p, warmup=2, iters=10, unit="candidate")
+    p.add_argument("--time-budget", type=bm.positive_float, default=600.0, metavar="SECONDS",
+                   help="start no new measurement after this many seconds")
+    p.add_argument("--out", type=Path, metavar="JSON",
+                   help="tuning table to write (default: print only)")
     p.add_argument("--merge", action="store_true", help="add to the table already at --out")
-    p.add_argument("--seed", type=bench._nonnegative_int, default=0)
+    p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="random seed")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the options (``parser.error`` on bad ones)."""
+    p = build_parser()
     args = p.parse_args(argv)
-    args.tokens = list(dict.fromkeys(v for g in args.tokens for v in g))
-    args.ctas = list(dict.fromkeys(v for g in args.ctas for v in g))
     for c in args.ctas:
         if not tuning.MIN_CTAS <= c <= tuning.MAX_CTAS:
             p.error(f"--ctas: {c} is outside [{tuning.MIN_CTAS}, {tuning.MAX_CTAS}]")
+    from jax_tokenweave.models.configs import config_names
+
+    if args.model not in config_names():
+        p.error(f"--model: unknown model {args.model!r}; {bm.config_names_help()}")
     return args
-
-
-def _compile(decoder: Any, plan: Any, hidden: jax.Array, **kwargs: Any):
-    graphdef, state = nnx.split(decoder)
-
-    def forward(state: Any, x: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, state)(x, plan, **kwargs)
-
-    compiled = jax.jit(forward).lower(state, hidden).compile()
-    return (lambda: compiled(state, hidden)), compiled.as_text()
 
 
 def skip_reason(args: argparse.Namespace) -> tuple[str | None, Any]:
     """Why nothing can be tuned here (None where it can) and the mesh."""
-    platform, devices = bench.platform_devices()
+    platform, devices = bm.platform_devices()
     if platform != "gpu":
         return "no CUDA GPUs: the fused kernel runs only on GPUs", None
     if len(devices) < args.tp:
         return f"TP={args.tp} needs {args.tp} GPUs, this machine has {len(devices)}", None
-    mesh = bench.make_mesh(devices, args.tp)
+    mesh = bm.make_mesh(devices, args.tp)
     return None, mesh
 
 
 def tune_tokens(args, config, mesh, decoder, tokens: int, deadline: float):
     """Measure every (offset, CTAs) for one token count; returns (best entry, info) or None."""
-    dtype = bench.DTYPES[args.dtype]
-    lengths = bench.request_lengths(tokens, args.request_len)
-    hidden = bench.random_hidden(tokens, config.hidden_size, dtype, mesh, args.seed + tokens)
-    base_run, _ = _compile(decoder, bench.make_plan(config, args.model, lengths, args.tp),
-                           hidden, schedule="baseline")
+    dtype = bm.DTYPES[args.dtype]
+    lengths = bm.request_lengths(tokens, args.request_len)
+    hidden = bm.random_hidden(tokens, config.hidden_size, dtype, mesh, args.seed + tokens)
+    base_run, _, _ = bm.compile_forward(
+        decoder, bm.make_plan(config, args.model, lengths, args.tp), hidden, schedule="baseline")
     reference = base_run().astype(jnp.float32)
-    tol = bench.TOLERANCE[args.dtype]
+    tol = bm.TOLERANCE[args.dtype]
     results: dict[tuple[int | None, int, int | None], float] = {}
 
     def measure(plan, entries: Sequence[TuneEntry]) -> None:
@@ -111,7 +113,8 @@ def tune_tokens(args, config, mesh, decoder, tokens: int, deadline: float):
         for e in entries:
             if time.perf_counter() > deadline:
                 break
-            run, text = _compile(decoder, plan, hidden, schedule="weave", comm="ffi", tuning=e)
+            run, _, text = bm.compile_forward(decoder, plan, hidden, schedule="weave", comm="ffi",
+                                              tuning=e)
             if not shown:
                 problems = hlo_check.overlap_problems(text)
                 print(f"   offset {plan.offset} halves {plan.half_lengths}: overlap "
@@ -131,7 +134,7 @@ def tune_tokens(args, config, mesh, decoder, tokens: int, deadline: float):
                 print(f"   offset {plan.offset:5d} ctas {e.num_ctas:2d} first "
                       f"{e.first_num_ctas or e.num_ctas:2d}: {ms:.3f} ms", flush=True)
 
-    default_plan = bench.make_plan(config, args.model, lengths, args.tp, split=True)
+    default_plan = bm.make_plan(config, args.model, lengths, args.tp, split=True)
     measure(default_plan, [tuning.DEFAULT_ENTRY])
     default_key = (default_plan.offset, tuning.DEFAULT_ENTRY.num_ctas,
                    tuning.DEFAULT_ENTRY.first_num_ctas)
@@ -161,14 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why is not None:
         print(f"tune.py: skipped: {why}")
         return 0
-    config = bench.load_config(args.model, args.layers)
+    config = bm.load_config(args.model, args.layers)
     config.check_tensor_parallel(args.tp)
     deadline = time.perf_counter() + args.time_budget
     table: dict = {}
     if args.merge and args.out is not None and args.out.exists():
         table = dict(tuning.load(args.out))
     extra: dict = {}
-    decoder = bench.build_decoder(config, mesh, bench.DTYPES[args.dtype], args.seed)
+    decoder = bm.build_decoder(config, mesh, bm.DTYPES[args.dtype], args.seed)
     print(f"== {args.model} x{config.num_layers} layers, TP={args.tp} (midpoint padding "
           f"{PAD_MULTIPLE})", flush=True)
     try:

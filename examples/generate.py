@@ -13,7 +13,6 @@ devices.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -37,17 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-devices", type=int, default=0,
                         help="fake this many CPU devices (set before JAX starts)")
     args = parser.parse_args(argv)
-    if args.cpu_devices:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.cpu_devices}")
 
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
 
-    from jax_tokenweave import hf
+    from jax_tokenweave import from_pretrained
     from jax_tokenweave.serving import Engine, ServingConfig
+
+    if args.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)  # before JAX's first use
 
     tokenizer = None
     if args.prompt:
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tp {args.tp} needs {args.tp} devices, have {len(devices)}")
     mesh = Mesh(np.array(devices[:args.tp]), ("tp",))
     start = time.perf_counter()
-    model = hf.from_pretrained(args.checkpoint, mesh, getattr(jnp, args.dtype))
+    model = from_pretrained(args.checkpoint, mesh, getattr(jnp, args.dtype))
     print(f"loaded {model.hf_info.model_type} in {time.perf_counter() - start:.1f}s "
           f"(TP {args.tp}, {args.dtype})", file=sys.stderr)
 

@@ -1,13 +1,15 @@
 """TokenWeave for JAX: overlap tensor-parallel communication with compute in LLM inference.
 
-The public names below load lazily, so ``import jax_tokenweave`` does not import JAX (the main
-job, ``python -m jax_tokenweave.bench``, sets XLA flags before JAX is imported).
+The public names below load lazily, so ``import jax_tokenweave`` imports neither JAX nor Flax;
+importing any module of the package changes no global state (environment, JAX config).
 
 - ``allreduce_rmsnorm`` (``jax_tokenweave.ops``): fused all-reduce + residual add + RMSNorm.
 - ``plan_batch``, ``BatchPlan`` (``jax_tokenweave.split``): wave-aware token split planning.
 - ``WeaveDecoder`` (``jax_tokenweave.layers``): the tensor-parallel decoder stack and schedules.
 - ``DecoderConfig``, ``RopeScaling`` (``jax_tokenweave.config``), ``get_config``
   (``jax_tokenweave.models.configs``): model shapes.
+- ``from_pretrained`` (``jax_tokenweave.models.auto``): a Hugging Face checkpoint directory ->
+  the model class its ``model_type`` is registered to, each device reading only its shards.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "DecoderConfig": "jax_tokenweave.config",
     "RopeScaling": "jax_tokenweave.config",
     "get_config": "jax_tokenweave.models.configs",
+    "from_pretrained": "jax_tokenweave.models.auto",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -2,66 +2,61 @@
 
 ``python -m jax_tokenweave.bench`` builds a tensor-parallel ``WeaveDecoder`` with random weights,
 checks that the ``weave`` schedule computes what ``baseline`` does, then times ``baseline``
-(XLA ``psum``), ``weave`` (TokenWeave: split + fused RS-norm-AG) and ``nocomm`` (no collectives:
-the floor) the same way in one run and prints their median latencies and ratios.
+(XLA ``psum``), ``weave`` (TokenWeave: split + fused RS-norm-AG, its reductions done by
+``--comm``) and ``nocomm`` (no collectives: the floor) the same way in one run and prints their
+median latencies and ratios.
 
 On GPUs it defaults to Llama-3-70B shapes, 4 layers, TP = number of GPUs, 2048 and 8192 tokens
-in requests of 1024; with no GPU it runs the ``tiny`` config on 8 virtual CPU devices (the XLA
-flag for them is set here, before JAX is imported, only where no NVIDIA GPU is visible).
+in requests of 1024; with no GPU it runs the ``tiny`` config on 8 virtual CPU devices (asked for
+in :func:`main` through ``jax.config``; importing this module sets nothing). CPU timings say
+nothing about GPU overlap: the run checks the schedules and the tooling, not the speed-up.
 ``--help`` lists the options; ``--json``/``--plot`` save the results.
 """
 
 from __future__ import annotations
 
-import glob
-import importlib.util
-import os
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import jax
+import numpy as np
 
-def _cuda_visible() -> bool:
-    """Cheap, subprocess-free guess whether JAX will see a CUDA GPU (device nodes + plugin)."""
-    if os.environ.get("JAX_PLATFORMS", "").strip().lower() in ("cpu",):
-        return False
-    if not glob.glob("/dev/nvidia[0-9]*"):
-        return False
-    for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin",
-                 "jax_cuda12_plugin"):
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return True
-        except (ImportError, ValueError):
-            continue
-    return False
+from jax_tokenweave import timing
+from jax_tokenweave.benchmarking import (
+    COMMS,
+    CPU_DEVICES,
+    CPU_NOTE,
+    DTYPES,
+    SCHEDULES,
+    TOLERANCE,
+    Flatten,
+    HelpFormatter,
+    build_decoder,
+    compile_forward,
+    config_names_help,
+    environment,
+    ffi_unavailable,
+    git_commit,  # noqa: F401 (benchmarks/kernel_bench.py imports it from here)
+    load_config,
+    make_mesh,
+    make_plan,
+    matplotlib_missing,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    positive_ints,
+    random_hidden,
+    request_lengths,
+    resolve_seed,
+    start_devices,
+)
 
-
-CPU_DEVICES = 8
-_FLAG = "--xla_force_host_platform_device_count"
-if not _cuda_visible() and _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}={CPU_DEVICES}".strip()
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import platform as _platform  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-
-from jax_tokenweave import timing  # noqa: E402
-
-SCHEDULES = ("baseline", "weave", "nocomm")
-COMMS = ("auto", "xla", "ffi")
-DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
-# Relative (Frobenius) error allowed between weave and baseline outputs, by dtype.
-TOLERANCE = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 1e-4}
+PROG = "python -m jax_tokenweave.bench"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,186 +75,14 @@ GPU_DEFAULTS = Defaults("llama3-70b", 4, (2048, 8192), 1024, warmup=3, iters=20)
 CPU_DEFAULTS = Defaults("tiny", 2, (1024, 2048, 4096), 256, warmup=3, iters=20)
 
 
-# ----------------------------------------------------------------------------------- set-up ---
-
-def platform_devices() -> tuple[str, list[jax.Device]]:
-    """``("gpu", GPUs)`` where JAX has CUDA devices, else ``("cpu", CPU devices)``."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if gpus:
-        return "gpu", gpus
-    return "cpu", jax.devices("cpu")
-
-
-def make_mesh(devices: Sequence[jax.Device], tp: int, axis_name: str = "tp") -> Mesh:
-    """A 1-D mesh over the first ``tp`` devices (axis type Auto, see docs/ARCHITECTURE.md)."""
-    if not 1 <= tp <= len(devices):
-        raise ValueError(f"tp={tp} needs 1..{len(devices)} devices; this machine has "
-                         f"{len(devices)}")
-    return Mesh(np.array(list(devices)[:tp]), (axis_name,))
-
-
-def load_config(model: str, layers: int | None) -> Any:
-    """The named ``DecoderConfig``, with ``num_layers`` replaced when ``layers`` is given."""
-    from jax_tokenweave.models.configs import get_config
-
-    config = get_config(model)
-    if layers is not None:
-        config = dataclasses.replace(config, num_layers=layers)
-    return config
-
-
-def request_lengths(tokens: int, request_len: int) -> tuple[int, ...]:
-    """``tokens`` packed as requests of ``request_len`` (the last one shorter if need be)."""
-    if tokens < 1 or request_len < 1:
-        raise ValueError(f"need tokens >= 1 and request_len >= 1, got {tokens}, {request_len}")
-    full, rest = divmod(tokens, request_len)
-    return (request_len,) * full + ((rest,) if rest else ())
-
-
-def make_plan(config: Any, model: str, lengths: Sequence[int], tp: int, *,
-              threshold: int | None = None, split: bool | None = None) -> Any:
-    """``split.plan_batch`` with the wave model of ``config``'s gate/up GEMM at TP ``tp``."""
-    from jax_tokenweave import split as split_mod
-
-    kwargs: dict[str, Any] = {"tp": tp, "split": split, "model": model,
-                              "wave": split_mod.WaveModel.from_config(config, tp)}
-    if threshold is not None:
-        kwargs["threshold"] = threshold
-    return split_mod.plan_batch(tuple(lengths), **kwargs)
-
-
-def build_decoder(config: Any, mesh: Mesh, dtype: Any, seed: int) -> Any:
-    """A ``WeaveDecoder`` with fresh random weights (``nnx.Rngs(seed)``)."""
-    from flax import nnx
-
-    from jax_tokenweave.layers import WeaveDecoder
-
-    return WeaveDecoder(config, mesh, dtype=dtype, rngs=nnx.Rngs(seed))
-
-
-def random_hidden(num_tokens: int, hidden: int, dtype: Any, mesh: Mesh, seed: int) -> jax.Array:
-    """Random normal hidden states ``[T, H]``, replicated over ``mesh``."""
-    x = jax.random.normal(jax.random.key(seed), (num_tokens, hidden), jnp.float32).astype(dtype)
-    return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-
-
-def resolve_seed() -> int:
-    """A fresh random seed from the OS (recorded in the results so a run can be replayed)."""
-    return int(np.random.SeedSequence().entropy % (2**31))
-
-
-def ffi_unavailable(mesh: Mesh, dtype: Any, shape: tuple[int, int],
-                    axis_name: str = "tp") -> str | None:
-    """Why ``comm="ffi"`` cannot run for this mesh, dtype and ``[T, H]`` (None where it can)."""
-    from jax_tokenweave import _ffi
-
-    return _ffi.unavailable_reason(mesh, axis_name, jnp.dtype(dtype), tuple(shape))
-
-
-def compile_forward(decoder: Any, plan: Any, hidden: jax.Array, *, schedule: str,
-                    comm: str = "auto") -> tuple[Callable[[], jax.Array], float]:
-    """Compile ``decoder(hidden, plan, schedule=, comm=)``; returns ``(run, compile seconds)``.
-
-    ``run()`` calls the compiled executable on ``hidden`` (asynchronously, like any JAX call).
-    """
-    import time
-
-    from flax import nnx
-
-    graphdef, state = nnx.split(decoder)
-
-    def forward(state: Any, x: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, state)(x, plan, schedule=schedule, comm=comm)
-
-    start = time.perf_counter()
-    compiled = jax.jit(forward).lower(state, hidden).compile()
-    seconds = time.perf_counter() - start
-    return (lambda: compiled(state, hidden)), seconds
-
-
-# ------------------------------------------------------------------------------ environment ---
-
-def git_commit() -> str | None:
-    """``HEAD`` of the source checkout (``+dirty`` if modified), or None outside one.
-
-    ``JAX_TOKENWEAVE_COMMIT`` wins where set: copies without ``.git`` (a GPU machine's) name the
-    commit they were made from that way.
-    """
-    if os.environ.get("JAX_TOKENWEAVE_COMMIT"):
-        return os.environ["JAX_TOKENWEAVE_COMMIT"]
-    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
-        if not (root / ".git").exists():
-            continue
-        try:
-            head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True,
-                                  capture_output=True, text=True, timeout=10).stdout.strip()
-            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"],
-                                   check=True, capture_output=True, text=True,
-                                   timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return head + ("+dirty" if dirty else "")
-    return None
-
-
-def environment(devices: Sequence[jax.Device], argv: Sequence[str]) -> dict[str, Any]:
-    """What the results were measured on: devices, versions, date, commit, command line."""
-    import flax
-
-    import jax_tokenweave
-
-    return {
-        "platform": devices[0].platform,
-        "device_kind": devices[0].device_kind,
-        "num_devices": len(devices),
-        "jax_version": jax.__version__,
-        "flax_version": flax.__version__,
-        "jax_tokenweave_version": jax_tokenweave.__version__,
-        "python": _platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-        "command": " ".join([Path(sys.executable).name, "-m", "jax_tokenweave.bench", *argv]),
-        "env": {k: os.environ[k] for k in sorted(os.environ)
-                if k.startswith(("XLA_", "JAX_TOKENWEAVE_", "NCCL_"))},
-    }
+def _per_platform(field: str) -> str:
+    gpu, cpu = getattr(GPU_DEFAULTS, field), getattr(CPU_DEFAULTS, field)
+    show = lambda v: " ".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return f"(default: {show(gpu)})" if gpu == cpu else \
+        f"(default: {show(gpu)} on GPUs, {show(cpu)} on CPUs)"
 
 
 # ------------------------------------------------------------------------------- arguments ---
-
-def _positive_ints(text: str) -> list[int]:
-    values = []
-    for part in text.replace(",", " ").split():
-        try:
-            value = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not an integer") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-        values.append(value)
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
-
-
-def _positive_int(text: str) -> int:
-    values = _positive_ints(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
-    return values[0]
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
 
 def _schedules(text: str) -> list[str]:
     names = [s for s in text.replace(",", " ").split() if s]
@@ -272,33 +95,47 @@ def _schedules(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The main job's command-line parser (defaults of None are filled in per platform)."""
+    from jax_tokenweave.split import DEFAULT_THRESHOLD
+
     p = argparse.ArgumentParser(
-        prog="python -m jax_tokenweave.bench",
+        prog=PROG, formatter_class=HelpFormatter,
         description="Time TokenWeave's schedules (baseline / weave / nocomm) side by side. "
                     f"Defaults on GPUs: {GPU_DEFAULTS.model}, {GPU_DEFAULTS.layers} layers, "
-                    f"TP = number of GPUs, tokens {list(GPU_DEFAULTS.tokens)}; with no GPU: "
-                    f"{CPU_DEFAULTS.model} on {CPU_DEVICES} virtual CPU devices.")
-    p.add_argument("--model", help="model config name (jax_tokenweave.models.configs)")
-    p.add_argument("--layers", type=_positive_int, help="decoder layers to stack")
-    p.add_argument("--tp", type=_positive_int, help="tensor-parallel degree (default: all devices)")
-    p.add_argument("--tokens", type=_positive_ints, nargs="+",
-                   help="batch sizes in tokens, e.g. --tokens 2048 8192 (or 2048,8192)")
-    p.add_argument("--request-len", type=_positive_int,
-                   help="tokens per request packed into the batch")
+                    f"TP = number of GPUs; with no GPU: {CPU_DEFAULTS.model} on {CPU_DEVICES} "
+                    "virtual CPU devices (CPU timings say nothing about GPU overlap).")
+    p.add_argument("--model", help=f"model config name, {config_names_help()} "
+                                   + _per_platform("model"))
+    p.add_argument("--layers", type=positive_int,
+                   help="decoder layers to stack " + _per_platform("layers"))
+    p.add_argument("--tp", type=positive_int,
+                   help="tensor-parallel degree (default: all devices)")
+    p.add_argument("--tokens", type=positive_ints, nargs="+", action=Flatten,
+                   help="batch sizes in tokens, e.g. --tokens 2048 8192 (or 2048,8192) "
+                        + _per_platform("tokens"))
+    p.add_argument("--request-len", type=positive_int,
+                   help="tokens per request packed into the batch " + _per_platform("request_len"))
     p.add_argument("--comm", choices=COMMS, default="auto",
-                   help="communication of the weave schedule (default: auto)")
-    p.add_argument("--schedules", type=_schedules, nargs="+",
-                   help=f"schedules to time (default: all of {', '.join(SCHEDULES)})")
-    p.add_argument("--split-threshold", type=_positive_int,
-                   help="split batches of at least this many tokens (default: split.py's)")
-    p.add_argument("--warmup", type=_nonnegative_int, help="untimed calls per schedule")
-    p.add_argument("--iters", type=_positive_int, help="timed calls per schedule")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16")
-    p.add_argument("--tol", type=float,
-                   help="max relative error of weave vs baseline (default: by dtype)")
-    p.add_argument("--seed", type=_nonnegative_int, help="random seed (default: fresh)")
+                   help="how the weave schedule's reductions are done: xla (reduce-scatter, "
+                        "norm, all-gather), ffi (the fused CUDA kernel) or auto (ffi where it "
+                        "can run, else xla)")
+    p.add_argument("--schedules", type=_schedules, nargs="+", action=Flatten,
+                   help=f"schedules to time (default: {' '.join(SCHEDULES)})")
+    p.add_argument("--split-threshold", type=positive_int,
+                   help=f"split batches of at least this many tokens in two halves "
+                        f"(default: {DEFAULT_THRESHOLD})")
+    p.add_argument("--warmup", type=nonnegative_int,
+                   help="untimed calls per schedule " + _per_platform("warmup"))
+    p.add_argument("--iters", type=positive_int,
+                   help="timed calls per schedule " + _per_platform("iters"))
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
+                   help="parameter and activation dtype")
+    p.add_argument("--tol", type=positive_float,
+                   help="max relative error of weave vs baseline (default: by dtype, "
+                        + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()) + ")")
+    p.add_argument("--seed", type=nonnegative_int, help="random seed (default: fresh)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", type=Path, metavar="PATH", help="write a bar chart (PNG)")
+    p.add_argument("--plot", type=Path, metavar="PATH",
+                   help="write a bar chart (PNG; needs matplotlib: the plot extra)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -310,16 +147,12 @@ def resolve_args(args: argparse.Namespace, platform: str, num_devices: int,
     args.model = args.model or d.model
     args.layers = args.layers or d.layers
     args.tp = args.tp or num_devices
-    args.tokens = sorted({t for group in args.tokens for t in group}) if args.tokens \
-        else list(d.tokens)
+    args.tokens = sorted(args.tokens) if args.tokens else list(d.tokens)
     args.request_len = args.request_len or d.request_len
     args.warmup = d.warmup if args.warmup is None else args.warmup
     args.iters = args.iters or d.iters
-    args.schedules = list(dict.fromkeys(s for g in args.schedules for s in g)) \
-        if args.schedules else list(SCHEDULES)
+    args.schedules = args.schedules or list(SCHEDULES)
     args.tol = TOLERANCE[args.dtype] if args.tol is None else args.tol
-    if args.tol <= 0:
-        parser.error(f"--tol must be > 0, got {args.tol}")
     if args.tp > num_devices:
         parser.error(f"--tp {args.tp} needs {args.tp} devices; this machine has {num_devices} "
                      f"{platform.upper()} device(s)")
@@ -351,7 +184,7 @@ def run(args: argparse.Namespace, devices: Sequence[jax.Device],
         reason = ffi_unavailable(mesh, dtype, (tokens, config.hidden_size))
         if args.comm == "ffi" and "weave" in args.schedules and reason is not None:
             parser.error(f"--comm ffi is unavailable for {tokens} tokens here: {reason}")
-        comm_used[tokens] = ("ffi" if reason is None else f"xla_rsag ({reason})") \
+        comm_used[tokens] = ("ffi" if reason is None else f"xla (ffi unavailable: {reason})") \
             if args.comm == "auto" else args.comm
     decoder = build_decoder(config, mesh, dtype, args.seed)
     verify = "weave" in args.schedules
@@ -372,8 +205,8 @@ def run(args: argparse.Namespace, devices: Sequence[jax.Device],
             for name in names:
                 bar.set_description(f"T={tokens} compile {name}")
                 comm = args.comm if name == "weave" else "auto"
-                fns[name], compile_s[name] = compile_forward(decoder, plan, hidden,
-                                                             schedule=name, comm=comm)
+                fns[name], compile_s[name], _ = compile_forward(decoder, plan, hidden,
+                                                                schedule=name, comm=comm)
             rel_err = None
             if verify:
                 bar.set_description(f"T={tokens} verify")
@@ -389,7 +222,8 @@ def run(args: argparse.Namespace, devices: Sequence[jax.Device],
             del fns
     finally:
         bar.close()
-    return {"environment": environment(devices, args.argv), "config": _config_dict(args),
+    return {"environment": environment(devices, ["-m", "jax_tokenweave.bench", *args.argv]),
+            "config": _config_dict(args),
             "results": results}
 
 
@@ -504,7 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
-    platform, devices = platform_devices()
+    if args.plot and (hint := matplotlib_missing()):
+        parser.error(f"--plot {hint}")
+    platform, devices = start_devices()
     resolve_args(args, platform, len(devices), parser)
     try:
         report = run(args, devices, parser)
@@ -520,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(report))
     print("speedup = baseline / schedule (higher is better); weave/nocomm = 1.00 when all "
           "communication is hidden")
+    if platform == "cpu":
+        print(CPU_NOTE)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

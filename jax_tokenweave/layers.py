@@ -23,9 +23,9 @@ name                        shape          sharding              Hugging Face Ll
 =========================== ============== ===================== =============================
 
 ``WeaveDecoder`` names them ``layers.{i}.<name>`` (``layers.{i}.moe.router`` etc.) plus
-``final_norm`` [H]; :func:`named_params` lists them, :func:`load_weights` sets them from full
-arrays with the right ``NamedSharding``. Each Param carries its ``PartitionSpec`` as the metadata
-attribute ``tp_spec``.
+``final_norm`` [H]; ``params.named_params`` lists them, ``params.load_weights`` sets them from full
+arrays with the right ``NamedSharding``. Each Param carries its ``PartitionSpec`` as Flax sharding
+metadata (``nnx.get_partition_spec(nnx.state(decoder))`` gives the specs of this table).
 
 Schedules of ``WeaveDecoder.__call__`` (``comm`` picks the communication of ``weave``):
 
@@ -65,118 +65,35 @@ Schedules of ``WeaveDecoder.__call__`` (``comm`` picks the communication of ``we
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave import attention as attn_lib
 from jax_tokenweave import ops
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.moe import MoE, reference_moe
+from jax_tokenweave.params import (
+    ParamSpec,
+    load_weights,
+    make_param,
+    make_params,
+    partition_specs,
+)
 from jax_tokenweave.split import BatchPlan, Half, plan_batch
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
-Schedule = Literal["weave", "baseline", "nocomm"]
+Schedule = Literal["baseline", "weave", "nocomm"]
 Comm = Literal["auto", "xla", "ffi"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 COMMS: tuple[str, ...] = get_args(Comm)
 _COMM_IMPL = {"xla": "xla_rsag", "ffi": "ffi"}
-
-
-# ---------------------------------------------------------------------------- parameters ----
-
-ParamSpec = tuple[tuple[int, ...], P, float | None]
-"""``(global shape, PartitionSpec, std)`` of a parameter; ``std=None`` means ones (norms)."""
-
-
-@functools.lru_cache(maxsize=128)
-def _init_fn(specs: tuple[tuple[str, ParamSpec], ...], dtype: jnp.dtype,
-             mesh: Mesh) -> Callable[[jax.Array], dict[str, jax.Array]]:
-    """One jitted initialiser for a group of parameters (compiled once per shapes/mesh/dtype)."""
-    shardings = {name: NamedSharding(mesh, spec) for name, (_, spec, _) in specs}
-
-    def init(key: jax.Array) -> dict[str, jax.Array]:
-        keys = jax.random.split(key, len(specs))
-        out = {}
-        for k, (name, (shape, _, std)) in zip(keys, specs, strict=True):
-            if std is None:
-                out[name] = jnp.ones(shape, dtype)
-            else:
-                out[name] = (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
-        return out
-
-    return jax.jit(init, out_shardings=shardings)
-
-
-def make_params(rngs: nnx.Rngs, specs: Mapping[str, ParamSpec], dtype: jnp.dtype,
-                mesh: Mesh) -> dict[str, nnx.Param]:
-    """``nnx.Param``s created directly with ``NamedSharding(mesh, spec)`` by one jitted call.
-
-    ``specs``: ``{name: (shape, spec, std)}``; ``std=None``: ones, else normal(0, std). Each
-    Param keeps its spec as the metadata attribute ``tp_spec``.
-    """
-    frozen = tuple((name, (tuple(shape), spec, None if std is None else float(std)))
-                   for name, (shape, spec, std) in specs.items())
-    values = _init_fn(frozen, jnp.dtype(dtype), mesh)(rngs.params())
-    return {name: nnx.Param(values[name], tp_spec=spec)
-            for name, (_, spec, _) in specs.items()}
-
-
-def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, mesh: Mesh,
-               spec: P, std: float | None) -> nnx.Param:
-    """A single parameter (see :func:`make_params`)."""
-    return make_params(rngs, {"p": (shape, spec, std)}, dtype, mesh)["p"]
-
-
-def named_params(module: nnx.Module) -> dict[str, nnx.Param]:
-    """``{dotted name: Param}`` of a module, e.g. ``"layers.0.q_proj"``."""
-    flat = nnx.to_flat_state(nnx.state(module, nnx.Param))
-    return {".".join(str(p) for p in path): var for path, var in flat}
-
-
-def param_specs(module: nnx.Module) -> Any:
-    """The module's Param state with each leaf replaced by its ``PartitionSpec`` (``tp_spec``)."""
-    return jax.tree.map(lambda v: v.tp_spec, nnx.state(module, nnx.Param),
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def load_weights(module: nnx.Module, mesh: Mesh, weights: Mapping[str, Any], *,
-                 strict: bool = True) -> None:
-    """Set Params from full (global) arrays, placed with ``NamedSharding(mesh, tp_spec)``.
-
-    ``weights``: ``{dotted name: array}`` (NumPy or ``jax.Array``), names as :func:`named_params`.
-    Each array must have the Param's global shape; it is cast to the Param's dtype. Unknown
-    names raise ``ValueError``; with ``strict``, so do missing ones.
-    """
-    params = named_params(module)
-    unknown = sorted(set(weights) - set(params))
-    if unknown:
-        raise ValueError(f"unknown parameter names {unknown}; known: {sorted(params)}")
-    missing = sorted(set(params) - set(weights))
-    if strict and missing:
-        raise ValueError(f"missing parameters {missing}")
-    for name, array in weights.items():
-        param = params[name]
-        old = param[...]
-        if tuple(array.shape) != tuple(old.shape):
-            raise ValueError(f"{name}: expected shape {tuple(old.shape)}, got {array.shape}")
-        sharding = NamedSharding(mesh, param.tp_spec)
-        if isinstance(array, jax.Array):
-            value = jax.device_put(array.astype(old.dtype), sharding)
-        else:
-            value = jax.device_put(np.asarray(array).astype(old.dtype), sharding)
-        param.set_value(value)
-
-
-def numpy_weights(module: nnx.Module) -> dict[str, np.ndarray]:
-    """``{dotted name: full NumPy array}`` (gathers the shards; for tests and references)."""
-    return {name: np.asarray(jax.device_get(p[...])) for name, p in named_params(module).items()}
 
 
 # ------------------------------------------------------------------------------- the layer ----
@@ -225,12 +142,6 @@ class DecoderLayer(nnx.Module):
     def input_norm(self, x: jax.Array) -> jax.Array:
         """RMSNorm with ``input_layernorm`` (local, no communication): [T, H] -> [T, H]."""
         return ops.rms_norm(x, self.input_layernorm[...], self.config.rms_norm_eps)
-
-    def post_norm(self, x: jax.Array) -> jax.Array:
-        """RMSNorm with ``post_attention_layernorm`` (local): [T, H] -> [T, H]."""
-        return ops.rms_norm(x, self.post_attention_layernorm[...], self.config.rms_norm_eps)
-
-    post_attention_norm = post_norm
 
     def qkv(self, x_normed: jax.Array,
             positions: jax.Array | np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -322,7 +233,7 @@ class WeaveDecoder(nnx.Module):
                                  self.config.hidden_size, entry)
                     if schedule == "weave" else "xla")
         graphdef, state = nnx.split(self)
-        specs = param_specs(self)
+        specs = partition_specs(self)
         axis = self.axis_name
 
         def per_rank(state: Any, x: jax.Array) -> Any:
@@ -437,8 +348,9 @@ def _baseline(dec: WeaveDecoder, hidden: jax.Array, batch: BatchPlan,
     return x, kvs
 
 
-def _own_rows(x: jax.Array, axis_name: str) -> jax.Array:
-    """This rank's ``ceil(T/N)`` rows of ``x`` [T, H] (zero rows past T)."""
+def own_rows(x: jax.Array, axis_name: str) -> jax.Array:
+    """Per rank: this rank's ``ceil(T/N)`` rows of ``x`` [T, H] (zero rows past T), the
+    token-sharded residual layout of ``ops.allreduce_rmsnorm``."""
     n = jax.lax.axis_size(axis_name)
     rows = ops.rows_per_rank(x.shape[0], n)
     padded = jnp.pad(x, ((0, rows * n - x.shape[0]), (0, 0)))
@@ -492,7 +404,7 @@ def _weave(dec: WeaveDecoder, hidden: jax.Array, batch: BatchPlan, comm: str,
 
     positions = [h.positions() for h in halves]
     inputs = [hidden[h.start:h.end] for h in halves]
-    residual = [_own_rows(x, axis) for x in inputs]
+    residual = [own_rows(x, axis) for x in inputs]
     x = [dec.layers[0].input_norm(xh) for xh in inputs]
     pending: list[Any] = [None] * len(halves)
 
@@ -563,7 +475,7 @@ def reference_decoder(weights: Mapping[str, np.ndarray], config: DecoderConfig,
                       prefix: str = "") -> np.ndarray:
     """Float64 single-device, unsharded reference of ``WeaveDecoder`` (any schedule but nocomm).
 
-    ``weights``: full arrays named as :func:`named_params` (with ``prefix`` prepended, e.g.
+    ``weights``: full arrays named as ``params.named_params`` (with ``prefix`` prepended, e.g.
     ``"decoder."``); ``hidden``: [T, H]. Returns the final-normed hidden states [T, H].
     """
     w = {k[len(prefix):]: np.asarray(v, np.float64) for k, v in weights.items()

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.params import make_params
 
 
 def router_weights(x: jax.Array, router: jax.Array, top_k: int) -> jax.Array:
@@ -63,8 +64,6 @@ class MoE(nnx.Module):
 
     def __init__(self, config: DecoderConfig, mesh: Mesh, *, axis_name: str = "tp",
                  dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs) -> None:
-        from jax_tokenweave.layers import make_params
-
         e, h, f = config.num_experts, config.hidden_size, config.intermediate_size
         if e <= 0:
             raise ValueError(f"MoE needs config.num_experts > 0, got {e}")

@@ -265,11 +265,6 @@ class BatchPlan:
         """Tokens per half."""
         return tuple(h.length for h in self.halves)
 
-    @property
-    def request_starts(self) -> tuple[int, ...]:
-        """Global index of each request's first token."""
-        return tuple(int(s) for s in np.cumsum((0, *self.request_lengths[:-1])))
-
     def positions(self) -> np.ndarray:
         """int32 ``[T]``: each token's position inside its request."""
         lengths = np.asarray(self.request_lengths, np.int64)

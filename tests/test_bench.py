@@ -1,4 +1,5 @@
-"""The main job (``python -m jax_tokenweave.bench``), its timing helper and the e2e driver."""
+"""The main job (``python -m jax_tokenweave.bench``), its helpers, the e2e driver and tune.py:
+runs, device set-up without import side effects, and their command lines."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from jax_tokenweave import bench, timing
+from jax_tokenweave import benchmarking as bm
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny settings: 1 layer, a batch of 96 tokens in requests of 40 (one request is cut by the
@@ -68,11 +70,11 @@ def test_rel_error():
 # ------------------------------------------------------------------------------- main job ---
 
 def test_request_lengths():
-    assert bench.request_lengths(96, 40) == (40, 40, 16)
-    assert bench.request_lengths(80, 40) == (40, 40)
-    assert bench.request_lengths(10, 40) == (10,)
+    assert bm.request_lengths(96, 40) == (40, 40, 16)
+    assert bm.request_lengths(80, 40) == (40, 40)
+    assert bm.request_lengths(10, 40) == (10,)
     with pytest.raises(ValueError):
-        bench.request_lengths(0, 40)
+        bm.request_lengths(0, 40)
 
 
 def test_main_job_in_process(tmp_path, capsys):
@@ -80,8 +82,9 @@ def test_main_job_in_process(tmp_path, capsys):
     assert bench.main([*TINY, "--tokens", "96,64", "--json", str(out), "--seed", "7"]) == 0
     text = capsys.readouterr().out
     assert "speedup weave" in text and "relative error" in text
+    assert bm.CPU_NOTE in text  # CPU timings say nothing about GPU overlap
     report = json.loads(out.read_text())
-    assert report["config"]["schedules"] == list(bench.SCHEDULES)
+    assert report["config"]["schedules"] == list(bm.SCHEDULES)
     assert report["config"]["tokens"] == [64, 96]
     assert report["config"]["seed"] == 7
     env = report["environment"]
@@ -119,10 +122,11 @@ def test_main_job_subprocess_uses_eight_cpu_devices(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["environment"]["num_devices"] == bench.CPU_DEVICES
-    assert report["config"]["tp"] == bench.CPU_DEVICES
-    assert set(report["results"][0]["schedules"]) == set(bench.SCHEDULES)
+    assert report["environment"]["num_devices"] == bm.CPU_DEVICES
+    assert report["config"]["tp"] == bm.CPU_DEVICES
+    assert set(report["results"][0]["schedules"]) == set(bm.SCHEDULES)
     assert plot.stat().st_size > 0
+    assert bm.CPU_NOTE in proc.stdout
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -136,12 +140,13 @@ def test_main_job_subprocess_uses_eight_cpu_devices(tmp_path):
     (["--tp", "64"], "needs 64 devices"),
     (["--tp", "3"], "not divisible"),
     (["--model", "no-such-model"], "no-such-model"),
-    (["--tol", "0"], "--tol must be > 0"),
+    (["--tol", "0"], "must be > 0"),
+    (["--tol", "nan"], "must be > 0"),
     (["--comm", "ffi", "--tokens", "64"], "--comm ffi is unavailable"),
 ])
 def test_argument_errors_are_clear(argv, message, capsys):
-    if "ffi" in argv and bench.ffi_unavailable(bench.make_mesh(bench.platform_devices()[1], 8),
-                                               bench.DTYPES["bfloat16"], (64, 64)) is None:
+    if "ffi" in argv and bm.ffi_unavailable(bm.make_mesh(bm.platform_devices()[1], 8),
+                                            bm.DTYPES["bfloat16"], (64, 64)) is None:
         pytest.skip("the fused kernel is available here")
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--model", "tiny", *argv] if "--model" not in argv else argv)
@@ -167,12 +172,17 @@ class _FakePlan:
 
 # ------------------------------------------------------------------------------ e2e bench ---
 
-def _load_e2e():
-    spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e_bench.py")
+def _load_script(name: str):
+    """``benchmarks/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _load_e2e():
+    return _load_script("e2e_bench")
 
 
 def test_e2e_bench_runs_and_skips_unavailable_modes(tmp_path):
@@ -184,12 +194,13 @@ def test_e2e_bench_runs_and_skips_unavailable_modes(tmp_path):
     report = json.loads((tmp_path / "e2e.json").read_text())
     recs = {(r["kind"], r["tp"], r["tokens"], r["mode"]): r for r in report["records"]}
     assert len(recs) == len(e2e.MODES) * 2 + len(e2e.DECODE_MODES) * 2
-    ffi_ok = bench.ffi_unavailable(bench.make_mesh(bench.platform_devices()[1], 2),
-                                   bench.DTYPES["bfloat16"], (64, 64)) is None
+    ffi_ok = bm.ffi_unavailable(bm.make_mesh(bm.platform_devices()[1], 2),
+                                bm.DTYPES["bfloat16"], (64, 64)) is None
     for mode in ("baseline", "weave-xla", "nocomm"):
         assert recs[("prefill", 2, 64, mode)]["status"] == "ok", recs[("prefill", 2, 64, mode)]
+        assert recs[("decode", 2, 4, mode)]["status"] == "ok", recs[("decode", 2, 4, mode)]
     if not ffi_ok:
-        for mode in ("weave-ffi", "fused-no-split"):
+        for mode in ("weave-ffi", "weave-ffi-nosplit"):
             r = recs[("prefill", 2, 64, mode)]
             assert r["status"] == "skipped" and "ffi unavailable" in r["reason"]
     assert recs[("decode", 2, 4, "baseline")]["status"] == "ok"
@@ -207,9 +218,102 @@ def test_e2e_bench_time_budget_and_bad_args(tmp_path, capsys):
     assert "unknown model" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         e2e.main(["--out", str(tmp_path), "--time-budget", "0"])
-    assert "--time-budget must be > 0" in capsys.readouterr().err
+    assert "--time-budget: 0.0 must be > 0" in capsys.readouterr().err
     assert e2e.main(["--out", str(tmp_path), "--models", "tiny", "--tp", "2", "--tokens", "64",
                      "--decode-tokens", "4", "--time-budget", "1e-9"]) == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     assert report["records"] and all(r["status"] == "skipped" and "time budget" in r["reason"]
                                      for r in report["records"])
+
+
+# -------------------------------------------------------------------------- command lines ---
+
+SCRIPTS = {"bench": ["-m", "jax_tokenweave.bench"], "e2e_bench": ["benchmarks/e2e_bench.py"],
+           "tune": ["benchmarks/tune.py"]}
+
+
+def _parsers():
+    return {"bench": bench.build_parser(), "e2e_bench": _load_script("e2e_bench").build_parser(),
+            "tune": _load_script("tune").build_parser()}
+
+
+@pytest.mark.parametrize(("script", "shown"), [
+    ("bench", "(default: 2048 8192 on GPUs, 1024 2048 4096 on CPUs)"),
+    ("e2e_bench", "(default: 2 4)"), ("tune", "(default: 2048 8192)")])
+def test_help_shows_real_defaults(script, shown):
+    from jax_tokenweave.models.configs import config_names
+
+    proc = subprocess.run([sys.executable, *SCRIPTS[script], "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = " ".join(proc.stdout.split())  # undo argparse's line wrapping
+    assert "[[" not in text and "default: None" not in text and "default: False" not in text
+    assert shown in text
+    assert all(name in text for name in config_names())  # --model(s) lists the configs
+
+
+def test_every_option_has_help_and_required_ones_no_default():
+    for script, parser in _parsers().items():
+        for action in parser._actions:
+            assert action.help, (script, action.option_strings)
+            if action.required:
+                assert "default" not in parser.formatter_class("x")._get_help_string(action)
+
+
+def test_modes_use_one_vocabulary():
+    """The benchmarks name modes with the main job's words: schedule, then weave's comm."""
+    e2e = _load_script("e2e_bench")
+    assert {a.dest: a.choices for a in bench.build_parser()._actions}["comm"] == bm.COMMS
+    for table in (e2e.MODES, e2e.DECODE_MODES):
+        for name, mode in table.items():
+            assert name == mode.name and mode.schedule in bm.SCHEDULES and mode.comm in bm.COMMS
+            schedule, *rest = name.split("-")
+            assert schedule in bm.SCHEDULES and (not rest or rest[0] in bm.COMMS)
+    assert set(e2e.MODES) == {"baseline", "weave-ffi-nosplit", "weave-xla", "weave-ffi", "nocomm"}
+    assert set(e2e.DECODE_MODES) == {"baseline", "weave-ffi", "weave-xla", "nocomm"}
+
+
+def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    monkeypatch.setattr(bench, "run", lambda *a: pytest.fail("ran without matplotlib"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([*TINY, "--plot", str(tmp_path / "p.png")])
+    assert exit_info.value.code == 2
+    assert "pip install 'jax-tokenweave[plot]'" in capsys.readouterr().err
+
+    e2e = _load_script("e2e_bench")
+    argv = ["--out", str(tmp_path), "--models", "tiny", "--tp", "2", "--tokens", "64",
+            "--decode-tokens", "4", "--time-budget", "1e-9"]
+    with pytest.raises(SystemExit):
+        e2e.main(argv)
+    err = capsys.readouterr().err
+    assert "jax-tokenweave[plot]" in err and "--no-plot" in err
+    assert not (tmp_path / "e2e.json").exists()
+    assert e2e.main([*argv, "--no-plot"]) == 0
+    assert (tmp_path / "e2e.json").exists() and not (tmp_path / "e2e.png").exists()
+
+
+def test_cpu_devices_when_jax_started_first(tmp_path):
+    """The main job called after JAX started (with its default of one CPU device): it says so,
+    and runs on the device there is."""
+    out = tmp_path / "bench.json"
+    script = ("import sys, jax; jax.devices()\n"
+              "from jax_tokenweave import bench; sys.exit(bench.main(sys.argv[1:]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-c", script, *TINY, "--tokens", "96", "--json",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "started before 8 virtual CPU devices" in proc.stderr
+    assert "the 1 CPU device(s)" in proc.stderr
+    assert json.loads(out.read_text())["config"]["tp"] == 1
+
+
+def test_use_cpu_devices_keeps_the_users_choice(monkeypatch):
+    """conftest chose the device count with the XLA flag: the helper changes nothing."""
+    import jax
+
+    assert "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setattr(jax.config, "update", lambda *a: pytest.fail("changed JAX's config"))
+    assert bm.use_cpu_devices() is None

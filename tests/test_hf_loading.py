@@ -12,7 +12,7 @@ import pytest
 from hf_testutil import hf_config, import_or_skip, make_hf_model, save_checkpoint
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave import hf
+from jax_tokenweave import from_pretrained, hf
 from jax_tokenweave.config import RopeScaling
 
 import_or_skip("torch")                     # make_hf_model builds the checkpoints with torch
@@ -234,16 +234,18 @@ def _rewrite_without(path: str, victim: str) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])
 def test_from_pretrained_weights(ckpts, cpu_mesh, kind):
-    from jax_tokenweave.layers import named_params
+    from jax_tokenweave.models import MODEL_CLASSES
+    from jax_tokenweave.params import named_params, param_spec
 
-    model = hf.from_pretrained(ckpts[kind], cpu_mesh(4), np.float32)
+    model = from_pretrained(ckpts[kind], cpu_mesh(4), np.float32)
+    assert type(model) is MODEL_CLASSES[kind]
     ref = _all_tensors(ckpts[kind])
     params = named_params(model)
     np.testing.assert_array_equal(np.asarray(params["embed"].get_value()),
                                   ref["model.embed_tokens.weight"])
     q = params["decoder.layers.1.q_proj"].get_value()
     np.testing.assert_array_equal(np.asarray(q), ref["model.layers.1.self_attn.q_proj.weight"].T)
-    assert q.sharding.spec == params["decoder.layers.1.q_proj"].tp_spec
+    assert q.sharding.spec == param_spec(params["decoder.layers.1.q_proj"]) == P(None, "tp")
     if kind == "llama":
         assert "lm_head" not in params  # tied
     if kind == "qwen2":
@@ -259,7 +261,7 @@ def test_from_pretrained_missing_key(ckpts, cpu_mesh, tmp_path):
     path = _copy(ckpts["qwen2"], tmp_path / "c")
     _rewrite_without(path, "model.layers.1.self_attn.v_proj.bias")
     with pytest.raises(hf.CheckpointError, match=r"missing tensors: .*layers\.1\.self_attn\.v_"):
-        hf.from_pretrained(path, cpu_mesh(2), np.float32)
+        from_pretrained(path, cpu_mesh(2), np.float32)
 
 
 def test_from_pretrained_untied_without_lm_head(ckpts, cpu_mesh, tmp_path):
@@ -270,7 +272,7 @@ def test_from_pretrained_untied_without_lm_head(ckpts, cpu_mesh, tmp_path):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f)
     with pytest.raises(hf.CheckpointError, match=r"missing tensors: lm_head\.weight"):
-        hf.from_pretrained(path, cpu_mesh(1), np.float32)
+        from_pretrained(path, cpu_mesh(1), np.float32)
 
 
 def test_from_pretrained_wrong_shape(ckpts, cpu_mesh, tmp_path):
@@ -282,19 +284,19 @@ def test_from_pretrained_wrong_shape(ckpts, cpu_mesh, tmp_path):
         json.dump(raw, f)
     with pytest.raises(hf.CheckpointError, match=r"wrong shape.*w1\.weight: \(128, 64\), "
                                                  r"expected \(96, 64\)"):
-        hf.from_pretrained(path, cpu_mesh(2), np.float32)
+        from_pretrained(path, cpu_mesh(2), np.float32)
 
 
 def test_from_pretrained_truncated_and_bad_tp(ckpts, cpu_mesh, tmp_path):
     with pytest.raises(ValueError, match="num_kv_heads=4 is not divisible"):
-        hf.from_pretrained(ckpts["llama"], cpu_mesh(8), np.float32)
+        from_pretrained(ckpts["llama"], cpu_mesh(8), np.float32)
     path = _copy(ckpts["mixtral"], tmp_path / "c")
     victim = os.path.join(path, sorted(f for f in os.listdir(path)
                                        if f.endswith(".safetensors"))[-1])
     with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) // 2)
     with pytest.raises(hf.CheckpointError, match="truncated"):
-        hf.from_pretrained(path, cpu_mesh(2), np.float32)
+        from_pretrained(path, cpu_mesh(2), np.float32)
 
 
 def test_from_pretrained_warns_unused(ckpts, cpu_mesh, tmp_path):
@@ -310,7 +312,7 @@ def test_from_pretrained_warns_unused(ckpts, cpu_mesh, tmp_path):
     with open(index_path, "w") as f:
         json.dump(index, f)
     with pytest.warns(UserWarning, match=r"not used by the model: model\.extra\.weight"):
-        hf.from_pretrained(path, cpu_mesh(1), np.float32)
+        from_pretrained(path, cpu_mesh(1), np.float32)
 
 
 def test_example_script(ckpts, capsys):

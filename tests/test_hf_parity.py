@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from hf_testutil import KINDS, import_or_skip, make_hf_model, save_checkpoint
 
-from jax_tokenweave import hf
+from jax_tokenweave import from_pretrained
 from jax_tokenweave.serving import Engine, ServingConfig
 from jax_tokenweave.split import plan_batch
 
@@ -50,7 +50,7 @@ def reference(tmp_path_factory):
 def test_parity(reference, cpu_mesh, kind, tp):
     ref = reference[kind]
     mesh = cpu_mesh(tp)
-    model = hf.from_pretrained(ref["path"], mesh, jnp.float32)
+    model = from_pretrained(ref["path"], mesh, jnp.float32)
     assert type(model).__name__ == {"llama": "LlamaModel", "qwen2": "Qwen2Model",
                                     "mixtral": "MixtralModel"}[kind]
 
@@ -70,10 +70,10 @@ def test_parity(reference, cpu_mesh, kind, tp):
         rel = np.abs(got - want).max() / np.abs(want).max()
         assert rel < 1e-4, (schedule, rel)
 
-    # Greedy generation: weave prefill (forced split) and baseline prefill.
+    # Greedy generation: weave (prefill forced to split, token-sharded decode) and baseline.
     for schedule, force in (("weave", True), ("baseline", False)):
         engine = Engine(model, ServingConfig(max_batch=4, max_seq_len=64, schedule=schedule,
-                                             force_split=force, decode_impl="auto"))
+                                             force_split=force))
         assert engine.plan(4, 16).split == force
         got = engine.generate(ref["gen_prompts"], NEW_TOKENS, eos_token_ids=())
         assert got == ref["gens"], schedule

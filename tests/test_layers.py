@@ -9,18 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax_tokenweave.models.configs import get_config
 from testutil import build_decoder as build
 from testutil import rel_err
 
 from jax_tokenweave import attention as A
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.layers import (
-    WeaveDecoder,
-    named_params,
-    numpy_weights,
-    reference_decoder,
-)
+from jax_tokenweave.layers import WeaveDecoder, reference_decoder
+from jax_tokenweave.models.configs import get_config
+from jax_tokenweave.params import named_params, numpy_weights
 from jax_tokenweave.split import plan_batch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

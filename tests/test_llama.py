@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax_tokenweave.models.configs import CONFIGS, config_names, get_config
-from jax_tokenweave.models.llama import LlamaModel, reference_logits
 from testutil import rel_err
 
-from jax_tokenweave.layers import named_params
+from jax_tokenweave.models.configs import CONFIGS, config_names, get_config
+from jax_tokenweave.models.llama import LlamaModel, reference_logits
+from jax_tokenweave.params import named_params
 from jax_tokenweave.split import plan_batch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -1,5 +1,5 @@
 """Serving loop: sampling, EOS / max-token stops, weave prefill of a cut request, static shapes
-(no recompilation over a stream of requests) and input errors."""
+(no recompilation over a stream of requests), decode schedules and input errors."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
+
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-
-from jax_tokenweave.serving import Engine, ServingConfig, count_compilations, sample
+from jax_tokenweave.serving import Engine, ServingConfig, count_compilations, generate, sample
 from jax_tokenweave.serving.buckets import batch_bucket, length_bucket, next_pow2
 from jax_tokenweave.split import plan_batch
 
@@ -87,6 +87,9 @@ def test_eos_and_max_tokens(engine, rng):
         stop = f.index(eos) + 1 if eos in f else len(f)
         assert c == f[:stop]
     assert engine.generate(prompts, 1, eos_token_ids=()) == [f[:1] for f in full]
+    # one id, as Hugging Face's eos_token_id may be, means the same as a list of it
+    assert engine.generate(prompts, 12, eos_token_ids=eos) == cut
+    assert engine.generate(prompts, 12, eos_token_ids=np.int64(eos)) == cut
 
 
 def test_sampling_seeded(engine, rng):
@@ -106,7 +109,7 @@ def test_weave_split_cutting_a_prompt(model, engine, rng):
         engine.generate(prompts, 16, eos_token_ids=())
 
 
-def test_more_prompts_than_slots(engine, rng):
+def test_more_prompts_than_cache_rows(engine, rng):
     prompts = _prompts(rng, (3, 5, 8, 2, 6, 9))
     together = engine.generate(prompts, 6, eos_token_ids=())
     alone = [engine.generate([p], 6, eos_token_ids=())[0] for p in prompts]
@@ -128,7 +131,7 @@ def test_no_recompilation_after_warmup(engine, rng):
 
 
 def test_no_recompilation_with_weave_split_prefill(rng):
-    """TP 4, weave threshold 32 (padded prefill tokens), 2 slots: the counted stream mixes
+    """TP 4, weave threshold 32 (padded prefill tokens), 2 cache rows: the counted stream mixes
     prefills that split cutting a prompt (1 x 32), split at a prompt boundary (2 x 16, 2 x 32)
     and do not split (1 x 16), within one ``generate`` call too; nothing compiles after the
     warm-up."""
@@ -163,14 +166,60 @@ def test_compile_counter_counts():
     assert counter.count == 2
 
 
-def test_input_errors(engine):
-    with pytest.raises(ValueError, match="empty"):
-        engine.generate([[1, 2], []], 4)
-    with pytest.raises(ValueError, match="outside"):
-        engine.generate([[1, 256]], 4)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        engine.generate([[1] * 40], 30)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        engine.generate([[1]], 0)
-    with pytest.raises(ValueError, match="schedule"):
-        ServingConfig(schedule="nocomm")
+def test_decode_schedules_agree(model, engine, rng):
+    """Decode with the weave schedule (token-sharded residual, comm xla) and with baseline
+    (psum, replicated residual) give the same greedy tokens."""
+    prompts = _prompts(rng, (5, 11))
+    baseline = Engine(model, ServingConfig(max_batch=4, max_seq_len=64, comm="xla",
+                                           decode_schedule="baseline"))
+    assert baseline.decode_schedule == "baseline" and engine.decode_schedule == "weave"
+    assert baseline.generate(prompts, 8, eos_token_ids=()) == \
+        engine.generate(prompts, 8, eos_token_ids=())
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda e, m: e.generate([], 4), "no prompts"),
+    (lambda e, m: generate(m, [], 4), "no prompts"),
+    (lambda e, m: e.generate([[1, 2], []], 4), "prompt 1 is empty"),
+    (lambda e, m: e.generate([[1, 256]], 4), "outside"),
+    (lambda e, m: e.generate([[1.7, 2.2]], 4), "prompt 0's token id must be an integer"),
+    (lambda e, m: e.generate([[True, 2]], 4), "token id must be an integer"),
+    (lambda e, m: e.generate([1, 2, 3], 4), "prompt 0 must be a sequence of token ids"),
+    (lambda e, m: e.generate("hello", 4), "sequence of token-id sequences"),
+    (lambda e, m: e.generate([[1] * 40], 30), "max_seq_len"),
+    (lambda e, m: e.generate([[1]], 0), "max_new_tokens must be >= 1"),
+    (lambda e, m: e.generate([[1]], 2.5), "max_new_tokens must be an integer"),
+    (lambda e, m: e.generate([[1]], None), "max_new_tokens must be an integer"),
+    (lambda e, m: generate(m, [[1]], 2.5), "max_new_tokens must be an integer"),
+    (lambda e, m: e.generate([[1]], 4, temperature=float("nan")), "temperature"),
+    (lambda e, m: e.generate([[1]], 4, temperature=float("inf")), "temperature"),
+    (lambda e, m: e.generate([[1]], 4, temperature=-1.0), "temperature"),
+    (lambda e, m: e.generate([[1]], 4, temperature="hot"), "temperature"),
+    (lambda e, m: e.generate([[1]], 4, temperature=1.0, top_p=0.0), "top_p"),
+    (lambda e, m: e.generate([[1]], 4, temperature=1.0, top_p=1.5), "top_p"),
+    (lambda e, m: e.generate([[1]], 4, temperature=1.0, top_p=float("nan")), "top_p"),
+    (lambda e, m: e.generate([[1]], 4, eos_token_ids="x"), "eos_token_ids"),
+    (lambda e, m: e.generate([[1]], 4, eos_token_ids=[1.5]), "eos token id"),
+    (lambda e, m: e.generate([[1]], 4, seed=0.5), "seed"),
+    (lambda e, m: Engine(m, {"max_batch": 2}), "ServingConfig"),
+])
+def test_input_errors(model, engine, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(engine, model)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"max_batch": 0}, "max_batch must be >= 1"),
+    ({"max_batch": 2.5}, "max_batch must be an integer"),
+    ({"max_seq_len": "64"}, "max_seq_len must be an integer"),
+    ({"min_prompt_bucket": 0}, "min_prompt_bucket"),
+    ({"min_prompt_bucket": 32, "max_seq_len": 16}, "no prompt would fit"),
+    ({"weave_threshold": 0}, "weave_threshold"),
+    ({"schedule": "nocomm"}, "schedule"),
+    ({"decode_schedule": "nocomm"}, "decode_schedule"),
+    ({"comm": "nccl"}, "comm"),
+    ({"force_split": "yes"}, "force_split"),
+])
+def test_serving_config_checked_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ServingConfig(**kwargs)

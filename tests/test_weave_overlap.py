@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax_tokenweave.models.configs import get_config
 from testutil import build_decoder, rel_err
 
 from jax_tokenweave import _ffi, hlo_check, ops, tuning
 from jax_tokenweave.comm import Communicator
 from jax_tokenweave.layers import resolve_comm
+from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.split import plan_batch
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 

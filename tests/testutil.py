@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_tokenweave.layers import WeaveDecoder, named_params
+from jax_tokenweave.layers import WeaveDecoder
+from jax_tokenweave.params import named_params
 
 
 def build_decoder(config, mesh, dtype, rng: np.random.Generator) -> WeaveDecoder:

@@ -1,22 +1,25 @@
 """The two jitted serving steps: ``prefill`` (prompts -> cache + first token) and ``decode``.
 
 Both are pure functions of ``(model state, cache, ...)`` with static shapes; the engine
-(``serving.engine``) jits them once per shape bucket and donates the cache.
+(``serving.engine``) jits them once per shape bucket and donates the cache. Both take a
+``schedule`` (``weave`` or ``baseline``) and a ``comm`` (``auto``, ``xla``, ``ffi``), the words
+``WeaveDecoder`` uses.
 
 * Prefill: ``P`` prompts, each padded at its end to the bucket length ``Lb``, packed back to
   back (``P * Lb`` tokens) and laid out as ``plan_batch([Lb] * P)``: the weave schedule splits
   the batch when it has at least ``weave_threshold`` tokens (or always/never when forced). The
   padding sits after each prompt's real tokens, so causal attention keeps it out of the real
-  tokens' results; its K/V land in cache rows the decode mask hides until they are overwritten.
-* Decode: one token per slot, ``B`` slots; no split. Per layer: q/k/v of the new token, its K/V
-  written into the cache at its position, attention over the slot's cache rows ``0..position``,
-  then the fused ``allreduce_rmsnorm`` (``decode_impl``: ``auto``/``xla_rsag`` with the residual
-  token-sharded, ``ceil(B/N)`` rows per rank, or ``xla`` = all-reduce with it replicated).
+  tokens' results; its K/V land in cache positions the decode mask hides until overwritten.
+* Decode: one token per cache row, ``B`` rows; no split. Per layer: q/k/v of the new token, its
+  K/V written into the cache at its position, attention over the row's positions
+  ``0..position``, then ``allreduce_rmsnorm``: ``weave`` keeps the residual token-sharded
+  (``ceil(B/N)`` rows per rank) and reduces with ``comm`` (``xla``: reduce-scatter, norm,
+  all-gather; ``ffi``: the fused kernel; ``auto``: ffi where it can run); ``baseline`` is
+  all-reduce (psum) with the residual replicated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,25 +28,37 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave import ops
-from jax_tokenweave.layers import WeaveDecoder, param_specs
-from jax_tokenweave.serving.kv_cache import KVCache, decode_attention, write_prompts
+from jax_tokenweave.layers import COMMS, WeaveDecoder, own_rows
+from jax_tokenweave.params import partition_specs
+from jax_tokenweave.serving.kv_cache import KVCache, cache_spec, decode_attention, write_prompts
 from jax_tokenweave.serving.sampling import sample
 from jax_tokenweave.split import BatchPlan
 
-DECODE_IMPLS = ("auto", "xla_rsag", "xla")
+SERVING_SCHEDULES = ("weave", "baseline")
+_WEAVE_IMPL = {"auto": "auto", "xla": "xla_rsag", "ffi": "ffi"}
+
+
+def decode_impl(schedule: str, comm: str) -> str:
+    """The ``ops.allreduce_rmsnorm`` impl of a decode step: ``baseline`` -> ``xla`` (psum,
+    replicated residual); ``weave`` -> ``comm``'s token-sharded impl."""
+    if schedule not in SERVING_SCHEDULES:
+        raise ValueError(f"schedule must be one of {SERVING_SCHEDULES}, got {schedule!r}")
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    return "xla" if schedule == "baseline" else _WEAVE_IMPL[comm]
 
 
 def prefill(model: Any, cache: KVCache, tokens: jax.Array, last_index: jax.Array,
-            slots: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
+            rows: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
             plan: BatchPlan, schedule: str, comm: str) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Run ``P`` padded prompts, fill their cache slots, sample each one's first new token.
+    """Run ``P`` padded prompts, fill their cache rows, sample each one's first new token.
 
     Args:
       model: a causal LM with ``decoder`` (``WeaveDecoder``), ``embed_tokens(tokens)`` and
         ``logits(hidden)`` (``models.llama.LlamaModel``).
       tokens: int32 [P, Lb], each prompt padded at its end.
       last_index: int32 [P], index of each prompt's last real token (its length - 1).
-      slots: int32 [P], cache slot per prompt; ``>= cache.num_slots`` for padding prompts.
+      rows: int32 [P], cache row per prompt; ``>= cache.num_rows`` for padding prompts.
       plan: ``plan_batch([Lb] * P, ...)``.
 
     Returns:
@@ -54,7 +69,7 @@ def prefill(model: Any, cache: KVCache, tokens: jax.Array, last_index: jax.Array
     out, kvs = model.decoder(hidden, plan, schedule=schedule, comm=comm, return_kv=True)
     for i, (k, v) in enumerate(kvs):
         cache = write_prompts(cache, i, k.reshape(p, lb, *k.shape[1:]),
-                              v.reshape(p, lb, *v.shape[1:]), slots)
+                              v.reshape(p, lb, *v.shape[1:]), rows)
     last = out.reshape(p, lb, -1)[jnp.arange(p), last_index]
     logits = model.logits(last)
     return sample(logits, key, temperature, top_p), logits, cache
@@ -62,29 +77,29 @@ def prefill(model: Any, cache: KVCache, tokens: jax.Array, last_index: jax.Array
 
 def decode(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array,
            key: jax.Array, temperature: jax.Array, top_p: jax.Array, *,
-           impl: str = "auto") -> tuple[jax.Array, jax.Array, KVCache]:
-    """One new token for each of the ``B`` slots.
+           schedule: str = "weave", comm: str = "auto") -> tuple[jax.Array, jax.Array, KVCache]:
+    """One new token for each of the ``B`` cache rows.
 
-    ``tokens`` int32 [B] (each slot's latest token), ``positions`` int32 [B] (its position:
-    the slot's length before this token). Returns ``(next int32 [B], logits [B, V], cache)``.
-    Slots not in use may hold anything; their outputs are meaningless and harmless.
+    ``tokens`` int32 [B] (each row's latest token), ``positions`` int32 [B] (its position: the
+    row's sequence length before this token). Returns ``(next int32 [B], logits [B, V],
+    cache)``. Rows not in use may hold anything; their outputs are meaningless and harmless.
     """
     hidden = model.embed_tokens(tokens)
-    x, k, v = decoder_step(model.decoder, hidden, positions, cache.k, cache.v, impl=impl)
+    x, k, v = decoder_step(model.decoder, hidden, positions, cache.k, cache.v,
+                           schedule=schedule, comm=comm)
     logits = model.logits(x)
     return sample(logits, key, temperature, top_p), logits, KVCache(k, v)
 
 
 def decoder_step(decoder: WeaveDecoder, hidden: jax.Array, positions: jax.Array,
-                 k_cache: jax.Array, v_cache: jax.Array, *,
-                 impl: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The decoder stack on one token per slot, reading and extending the cache.
+                 k_cache: jax.Array, v_cache: jax.Array, *, schedule: str = "weave",
+                 comm: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decoder stack on one token per cache row, reading and extending the cache.
 
     ``hidden`` [B, H] replicated, ``positions`` int32 [B], caches [L, B, S, KVH, D] sharded over
     KVH. Returns the final-normed hidden [B, H] (replicated) and the updated caches.
     """
-    if impl not in DECODE_IMPLS:
-        raise ValueError(f"decode impl must be one of {DECODE_IMPLS}, got {impl!r}")
+    impl = decode_impl(schedule, comm)
     graphdef, state = nnx.split(decoder)
     axis = decoder.axis_name
     eps = decoder.config.rms_norm_eps
@@ -95,12 +110,12 @@ def decoder_step(decoder: WeaveDecoder, hidden: jax.Array, positions: jax.Array,
         dec = nnx.merge(graphdef, state)
         layers = list(dec.layers)
         rows = jnp.arange(x.shape[0])
-        residual = x if impl == "xla" else _own_rows(x, axis)
+        residual = x if impl == "xla" else own_rows(x, axis)
         h = layers[0].input_norm(x)
 
-        def reduce(partial: jax.Array, res: jax.Array, w: jax.Array, slot: int):
+        def reduce(partial: jax.Array, res: jax.Array, w: jax.Array):
             return ops.allreduce_rmsnorm(partial, res, w, axis_name=axis, eps=eps, impl=impl,
-                                         mesh=mesh, slot=slot)
+                                         mesh=mesh)
 
         for i, layer in enumerate(layers):
             q, k, v = layer.qkv(h, pos)
@@ -108,25 +123,15 @@ def decoder_step(decoder: WeaveDecoder, hidden: jax.Array, positions: jax.Array,
             vc = vc.at[i, rows, pos].set(v.astype(vc.dtype))
             attn = decode_attention(q, kc[i], vc[i], pos)
             h, residual = reduce(layer.attention_out(attn.reshape(q.shape)), residual,
-                                 layer.post_attention_layernorm[...], 0)
+                                 layer.post_attention_layernorm[...])
             w_next = layers[i + 1].input_layernorm[...] if i + 1 < len(layers) \
                 else dec.final_norm[...]
-            h, residual = reduce(layer.mlp(h), residual, w_next, 0)
+            h, residual = reduce(layer.mlp(h), residual, w_next)
         return h, kc, vc
 
-    kv_spec = P(None, None, None, axis, None)
+    kv_spec = cache_spec(axis)
     fn = jax.shard_map(per_rank, mesh=mesh,
-                       in_specs=(param_specs(decoder), P(), P(), kv_spec, kv_spec),
+                       in_specs=(partition_specs(decoder), P(), P(), kv_spec, kv_spec),
                        out_specs=(P(), kv_spec, kv_spec), check_vma=False)
     return fn(state, hidden, positions, k_cache, v_cache)
 
-
-def _own_rows(x: jax.Array, axis_name: str) -> jax.Array:
-    """This rank's ``ceil(T/N)`` rows of ``x`` [T, H], zero rows past T (token-sharded)."""
-    n = jax.lax.axis_size(axis_name)
-    rows = ops.rows_per_rank(x.shape[0], n)
-    padded = jnp.pad(x, ((0, rows * n - x.shape[0]), (0, 0)))
-    return jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(axis_name) * rows, rows, 0)
-
-
-StepFn = Callable[..., tuple[jax.Array, jax.Array, KVCache]]

@@ -2,7 +2,7 @@
 
 Covers Llama 3, Qwen2 (``qkv_bias``) and Mixtral (``num_experts``) shapes.
 
-Parameters (global shapes; names as ``load_weights`` / ``layers.named_params`` spell them):
+Parameters (global shapes; names as ``load_weights`` / ``params.named_params`` spell them):
 
 ==================== ========== ===================== ========================================
 name                 shape      sharding              Hugging Face tensor
@@ -33,15 +33,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.layers import (
-    Comm,
-    Schedule,
-    WeaveDecoder,
-    load_weights,
-    make_param,
-    numpy_weights,
-    reference_decoder,
-)
+from jax_tokenweave.hf.loading import load_pretrained
+from jax_tokenweave.layers import Comm, Schedule, WeaveDecoder, reference_decoder
+from jax_tokenweave.params import load_weights, make_param, numpy_weights
 from jax_tokenweave.split import BatchPlan
 
 
@@ -67,8 +61,17 @@ class LlamaModel(nnx.Module):
             self.lm_head = make_param(rngs, (h, v), dtype, mesh, P(None, axis_name),
                                       1 / np.sqrt(h))
 
+    @classmethod
+    def from_pretrained(cls, path: str, mesh: Mesh, dtype: Any = None, *,
+                        axis_name: str = "tp") -> Any:
+        """This class with the weights of the Hugging Face checkpoint directory ``path``, each
+        device reading only its shards (``jax_tokenweave.hf.loading.load_pretrained``; ``dtype``
+        floating point, default bfloat16). ``jax_tokenweave.from_pretrained`` picks the class
+        from the checkpoint's ``model_type`` instead."""
+        return load_pretrained(cls, path, mesh, dtype, axis_name=axis_name)
+
     def load_weights(self, weights: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Set weights from full arrays by name (module docstring); see ``layers.load_weights``."""
+        """Set weights from full arrays by name (module docstring); see ``params.load_weights``."""
         load_weights(self, self.mesh, weights, strict=strict)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:

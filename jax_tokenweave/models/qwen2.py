@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax_tokenweave.models.llama import LlamaModel
-
 from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.models.llama import LlamaModel
 
 
 class Qwen2Model(LlamaModel):
@@ -21,11 +20,3 @@ class Qwen2Model(LlamaModel):
         if not config.qkv_bias or config.num_experts:
             raise ValueError("Qwen2Model needs config.qkv_bias=True and num_experts=0")
         super().__init__(config, *args, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, path: str, mesh: Any, dtype: Any = None,
-                        **kwargs: Any) -> Qwen2Model:
-        """Load a Hugging Face Qwen2 checkpoint directory (``jax_tokenweave.hf``)."""
-        from jax_tokenweave import hf
-
-        return hf.from_pretrained(path, mesh, dtype, model_cls=cls, **kwargs)

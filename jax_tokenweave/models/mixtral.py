@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax_tokenweave.models.llama import LlamaModel
-
 from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.models.llama import LlamaModel
 
 
 class MixtralModel(LlamaModel):
@@ -21,11 +20,3 @@ class MixtralModel(LlamaModel):
         if config.num_experts <= 0:
             raise ValueError("MixtralModel needs config.num_experts > 0")
         super().__init__(config, *args, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, path: str, mesh: Any, dtype: Any = None,
-                        **kwargs: Any) -> MixtralModel:
-        """Load a Hugging Face Mixtral checkpoint directory (``jax_tokenweave.hf``)."""
-        from jax_tokenweave import hf
-
-        return hf.from_pretrained(path, mesh, dtype, model_cls=cls, **kwargs)

@@ -1,0 +1,329 @@
+"""Helpers shared by the main job (``jax_tokenweave.bench``) and ``benchmarks/*.py``.
+
+Importing this module sets nothing (no environment variable, no JAX config). The virtual CPU
+devices of a CPU run are asked for by :func:`use_cpu_devices`, which the entry points call first
+thing in ``main``, before JAX's backends start.
+
+Mode names, the same everywhere: a schedule (``baseline``, ``weave``, ``nocomm``) and, for
+``weave``, the comm that does its reductions (``auto``, ``xla``, ``ffi``); a benchmark mode is
+named ``baseline``, ``nocomm`` or ``weave-<comm>``, plus ``-nosplit`` where the batch is kept whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform as _platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_tokenweave.layers import COMMS as COMMS  # re-exported: the vocabulary of modes
+from jax_tokenweave.layers import SCHEDULES as SCHEDULES
+from jax_tokenweave.layers import WeaveDecoder
+
+CPU_DEVICES = 8
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+# Relative (Frobenius) error allowed between weave and baseline outputs, by dtype.
+TOLERANCE = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 1e-4}
+PLOT_HINT = "needs matplotlib: pip install 'jax-tokenweave[plot]'"
+CPU_NOTE = ("note: these are CPU timings. The virtual CPU devices share one host and its memory, "
+            "so they say nothing about overlapping GPU communication with compute; run on GPUs "
+            "to measure TokenWeave.")
+_XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One way of running the stack: schedule, comm, and whether the batch may split."""
+
+    schedule: str
+    comm: str = "auto"
+    split: bool | None = None  # None: plan_batch decides (split at >= threshold tokens)
+
+    @property
+    def name(self) -> str:
+        """``baseline`` / ``nocomm`` / ``weave-<comm>`` (+ ``-nosplit``): the module docstring."""
+        if self.schedule != "weave":
+            return self.schedule
+        return f"weave-{self.comm}" + ("-nosplit" if self.split is False else "")
+
+    @property
+    def needs_ffi(self) -> bool:
+        return self.schedule == "weave" and self.comm == "ffi"
+
+    @property
+    def reference(self) -> bool:
+        """Compared against baseline (nocomm's output is not the model's)."""
+        return self.schedule == "weave"
+
+
+# ------------------------------------------------------------------------------- set-up ---
+
+def use_cpu_devices(count: int = CPU_DEVICES) -> str | None:
+    """Ask JAX for ``count`` virtual CPU devices (``jax.config`` ``jax_num_cpu_devices``).
+
+    Leaves a number the user chose (``JAX_NUM_CPU_DEVICES`` or the XLA flag) alone. Call it before
+    JAX's backends start; where they already have, with another number of CPU devices, returns
+    a message saying so (the run then uses the devices there are), else None.
+    """
+    if jax.config.jax_num_cpu_devices >= 0 or _XLA_DEVICE_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return None
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        have = len(jax.devices("cpu"))
+        if have != count:
+            return (f"JAX's backends started before {count} virtual CPU devices could be asked "
+                    f"for; using the {have} CPU device(s) there are (run in a fresh process, or "
+                    f"set JAX_NUM_CPU_DEVICES={count})")
+    return None
+
+
+def start_devices(count: int = CPU_DEVICES) -> tuple[str, list[jax.Device]]:
+    """An entry point's first JAX call: :func:`use_cpu_devices` (its note printed to stderr),
+    then :func:`platform_devices`."""
+    note = use_cpu_devices(count)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return platform_devices()
+
+
+def matplotlib_missing() -> str | None:
+    """:data:`PLOT_HINT` where matplotlib cannot be imported, else None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return PLOT_HINT
+    return None
+
+
+def platform_devices() -> tuple[str, list[jax.Device]]:
+    """``("gpu", GPUs)`` where JAX has CUDA devices, else ``("cpu", CPU devices)``."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if gpus:
+        return "gpu", gpus
+    return "cpu", jax.devices("cpu")
+
+
+def make_mesh(devices: Sequence[jax.Device], tp: int, axis_name: str = "tp") -> Mesh:
+    """A 1-D mesh over the first ``tp`` devices (axis type Auto, see docs/ARCHITECTURE.md)."""
+    if not 1 <= tp <= len(devices):
+        raise ValueError(f"tp={tp} needs 1..{len(devices)} devices; this machine has "
+                         f"{len(devices)}")
+    return Mesh(np.array(list(devices)[:tp]), (axis_name,))
+
+
+def load_config(model: str, layers: int | None) -> Any:
+    """The named ``DecoderConfig``, with ``num_layers`` replaced when ``layers`` is given."""
+    from jax_tokenweave.models.configs import get_config
+
+    config = get_config(model)
+    if layers is not None:
+        config = dataclasses.replace(config, num_layers=layers)
+    return config
+
+
+def request_lengths(tokens: int, request_len: int) -> tuple[int, ...]:
+    """``tokens`` packed as requests of ``request_len`` (the last one shorter if need be)."""
+    if tokens < 1 or request_len < 1:
+        raise ValueError(f"need tokens >= 1 and request_len >= 1, got {tokens}, {request_len}")
+    full, rest = divmod(tokens, request_len)
+    return (request_len,) * full + ((rest,) if rest else ())
+
+
+def make_plan(config: Any, model: str, lengths: Sequence[int], tp: int, *,
+              threshold: int | None = None, split: bool | None = None) -> Any:
+    """``split.plan_batch`` with the wave model of ``config``'s gate/up GEMM at TP ``tp``."""
+    from jax_tokenweave import split as split_mod
+
+    kwargs: dict[str, Any] = {"tp": tp, "split": split, "model": model,
+                              "wave": split_mod.WaveModel.from_config(config, tp)}
+    if threshold is not None:
+        kwargs["threshold"] = threshold
+    return split_mod.plan_batch(tuple(lengths), **kwargs)
+
+
+def build_decoder(config: Any, mesh: Mesh, dtype: Any, seed: int) -> Any:
+    """A ``WeaveDecoder`` with fresh random weights (``nnx.Rngs(seed)``)."""
+    return WeaveDecoder(config, mesh, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def random_hidden(num_tokens: int, hidden: int, dtype: Any, mesh: Mesh, seed: int) -> jax.Array:
+    """Random normal hidden states ``[T, H]``, replicated over ``mesh``."""
+    x = jax.random.normal(jax.random.key(seed), (num_tokens, hidden), jnp.float32).astype(dtype)
+    return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+
+
+def resolve_seed() -> int:
+    """A fresh random seed from the OS (recorded in the results so a run can be replayed)."""
+    return int(np.random.SeedSequence().entropy % (2**31))
+
+
+def ffi_unavailable(mesh: Mesh, dtype: Any, shape: tuple[int, int],
+                    axis_name: str = "tp") -> str | None:
+    """Why ``comm="ffi"`` cannot run for this mesh, dtype and ``[T, H]`` (None where it can)."""
+    from jax_tokenweave import _ffi
+
+    return _ffi.unavailable_reason(mesh, axis_name, jnp.dtype(dtype), tuple(shape))
+
+
+def compile_forward(decoder: Any, plan: Any, hidden: jax.Array,
+                    **kwargs: Any) -> tuple[Callable[[], jax.Array], float, str]:
+    """Compile ``decoder(hidden, plan, **kwargs)`` (``schedule=``, ``comm=``, ``tuning=``).
+
+    Returns ``(run, compile seconds, compiled HLO text)``; ``run()`` calls the executable on
+    ``hidden`` (asynchronously, like any JAX call).
+    """
+    graphdef, state = nnx.split(decoder)
+
+    def forward(state: Any, x: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, state)(x, plan, **kwargs)
+
+    start = time.perf_counter()
+    compiled = jax.jit(forward).lower(state, hidden).compile()
+    seconds = time.perf_counter() - start
+    return (lambda: compiled(state, hidden)), seconds, compiled.as_text()
+
+
+# --------------------------------------------------------------------------- environment ---
+
+def git_commit() -> str | None:
+    """``HEAD`` of the source checkout (``+dirty`` if modified), or None outside one.
+
+    ``JAX_TOKENWEAVE_COMMIT`` wins where set: copies without ``.git`` (a GPU machine's) name the
+    commit they were made from that way.
+    """
+    if os.environ.get("JAX_TOKENWEAVE_COMMIT"):
+        return os.environ["JAX_TOKENWEAVE_COMMIT"]
+    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
+        if not (root / ".git").exists():
+            continue
+        try:
+            head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True,
+                                  capture_output=True, text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"],
+                                   check=True, capture_output=True, text=True,
+                                   timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return head + ("+dirty" if dirty else "")
+    return None
+
+
+def environment(devices: Sequence[jax.Device], command: Sequence[str]) -> dict[str, Any]:
+    """What the results were measured on: devices, versions, date, commit, command line."""
+    import flax
+
+    import jax_tokenweave
+
+    return {
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "num_devices": len(devices),
+        "jax_version": jax.__version__,
+        "flax_version": flax.__version__,
+        "jax_tokenweave_version": jax_tokenweave.__version__,
+        "python": _platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "command": " ".join([Path(sys.executable).name, *command]),
+        "env": {k: os.environ[k] for k in sorted(os.environ)
+                if k.startswith(("XLA_", "JAX_", "NCCL_"))},
+    }
+
+
+# ------------------------------------------------------------------------------ arguments ---
+
+def _number(text: str, kind: type, minimum: float, strict: bool = False) -> Any:
+    """``kind(text)``, which must be ``>= minimum`` (``> minimum`` if ``strict``) and finite."""
+    try:
+        value = kind(text)
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+    if not (value > minimum if strict else value >= minimum) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be {'>' if strict else '>='} {minimum}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """``"2048,8192"`` or ``"2048"`` -> ints >= 1 (an ``argparse`` type)."""
+    values = [_number(part, int, 1) for part in text.replace(",", " ").split()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """One int >= 1 (an ``argparse`` type)."""
+    values = positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
+    return values[0]
+
+
+def nonnegative_int(text: str) -> int:
+    """One int >= 0 (an ``argparse`` type)."""
+    return _number(text, int, 0)
+
+
+def positive_float(text: str) -> float:
+    """One finite float > 0 (an ``argparse`` type; NaN is refused)."""
+    return _number(text, float, 0, strict=True)
+
+
+def add_run_options(parser: argparse.ArgumentParser, *, warmup: int, iters: int,
+                    unit: str) -> None:
+    """``--warmup``, ``--iters`` and ``--dtype``, as the benchmark scripts share them."""
+    parser.add_argument("--warmup", type=nonnegative_int, default=warmup,
+                        help=f"untimed calls per {unit}")
+    parser.add_argument("--iters", type=positive_int, default=iters,
+                        help=f"timed calls per {unit} (the median is reported)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
+                        help="parameter and activation dtype")
+
+
+class Flatten(argparse.Action):
+    """For ``nargs="+"`` options whose type returns lists (:func:`positive_ints`):
+    ``--tp 2 4`` or ``--tp 2,4`` -> ``[2, 4]``, repeats dropped, order kept."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        flat = [v for group in values for v in (group if isinstance(group, list) else [group])]
+        setattr(namespace, self.dest, list(dict.fromkeys(flat)))
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each option's default as it is typed (``2 4``, not ``[2, 4]``), and no
+    default for required options, flags, or options whose default is None (their help says)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (action.required or action.nargs == 0 or default is None
+                or default is argparse.SUPPRESS or "default" in text):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else default
+        return f"{text} (default: {str(shown).replace('%', '%%')})"
+
+
+def config_names_help() -> str:
+    """``"one of: tiny, tiny-moe, ..."`` for ``--model`` helps."""
+    from jax_tokenweave.models.configs import config_names
+
+    return "one of: " + ", ".join(config_names())

@@ -1,0 +1,50 @@
+"""Hugging Face checkpoints: ``config.json`` mapping, per-device safetensors reads, loading.
+
+- ``hf.config``: ``load_hf_config``, ``decoder_config_from_hf``, ``HFModelInfo``.
+- ``hf.reader``: ``SafetensorsCheckpoint``, ``Source``, ``load_sharded`` (each device reads only
+  its block of each tensor, through ``safetensors.safe_open``).
+- ``hf.loading``: ``hf_sources`` (tensor name mapping), ``load_pretrained(model_cls, path, ...)``.
+- ``hf.errors``: ``CheckpointError`` (names the file at fault), ``UnsupportedConfigError``.
+
+To load a checkpoint with the model class its ``model_type`` is registered to, use
+``jax_tokenweave.from_pretrained`` (``jax_tokenweave.models.auto``).
+"""
+
+from jax_tokenweave.hf.config import (
+    SUPPORTED_MODEL_TYPES,
+    HFModelInfo,
+    decoder_config_from_hf,
+    load_hf_config,
+    read_json,
+)
+from jax_tokenweave.hf.errors import CheckpointError, UnsupportedConfigError
+from jax_tokenweave.hf.loading import check_checkpoint, hf_sources, load_pretrained
+from jax_tokenweave.hf.reader import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    SafetensorsCheckpoint,
+    Source,
+    TensorInfo,
+    check_source,
+    load_sharded,
+)
+
+__all__ = [
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "SUPPORTED_MODEL_TYPES",
+    "CheckpointError",
+    "HFModelInfo",
+    "SafetensorsCheckpoint",
+    "Source",
+    "TensorInfo",
+    "UnsupportedConfigError",
+    "check_checkpoint",
+    "check_source",
+    "decoder_config_from_hf",
+    "hf_sources",
+    "load_hf_config",
+    "load_pretrained",
+    "load_sharded",
+    "read_json",
+]

@@ -1,0 +1,188 @@
+"""Per-device reads of safetensors checkpoints (the ``safetensors`` library's ``safe_open``).
+
+A checkpoint directory holds ``model.safetensors``, or sharded ``model-0000i-of-0000n.safetensors``
+files with ``model.safetensors.index.json`` (tensor name -> file). :func:`load_sharded` builds a
+``jax.Array`` with ``jax.make_array_from_callback`` and a ``NamedSharding``: the callback runs once
+per addressable device with that device's block of the global shape and reads only that block
+(``safe_open(file, framework="numpy").get_slice(name)[a:b, ...]``), so no host ever materialises a
+full copy of a sharded tensor. bfloat16 and float8 slices come back as ``ml_dtypes`` arrays.
+
+Hugging Face linear weights are ``[out, in]``; a :class:`Source` with ``transpose=True`` yields
+the ``[in, out]`` layout, slicing the file in the transposed order, so a column-parallel weight's
+shard is a block of rows of the stored tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with NumPy, as safetensors needs)
+import numpy as np
+import safetensors
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_tokenweave.hf.config import read_json
+from jax_tokenweave.hf.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its file, safetensors dtype name (e.g. ``"BF16"``) and shape."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _open(path: str) -> Any:
+    """``safe_open(path, framework="numpy")``; a corrupt file raises :class:`CheckpointError`."""
+    try:
+        return safetensors.safe_open(path, framework="numpy")
+    except (safetensors.SafetensorError, OSError) as e:
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file (truncated or corrupt): {e}") from e
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a checkpoint directory (single file or sharded with an index).
+
+    Opening reads only the headers; :meth:`read` reads a block of one tensor from its file.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        index_path = os.path.join(path, INDEX_FILE)
+        if os.path.isfile(index_path):
+            weight_map = read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(f, str) and f == os.path.basename(f) for f in weight_map.values()):
+                raise CheckpointError(
+                    f"{index_path} needs a 'weight_map' of tensor name -> file name in {path}")
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+            weight_map, files = None, [SINGLE_FILE]
+        else:
+            raise CheckpointError(
+                f"{path}: no safetensors weights ({INDEX_FILE} or {SINGLE_FILE}) found")
+        self.tensors: dict[str, TensorInfo] = {}
+        self._handles: dict[str, Any] = {}
+        for name in files:
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                raise CheckpointError(f"missing shard file {file} (listed in {INDEX_FILE})")
+            handle = self._handles[file] = _open(file)
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+                block = handle.get_slice(key)
+                self.tensors[key] = TensorInfo(file, block.get_dtype(),
+                                               tuple(int(d) for d in block.get_shape()))
+        if weight_map is not None:
+            absent = [k for k, f in weight_map.items()
+                      if k not in self.tensors or os.path.basename(self.tensors[k].file) != f]
+            if absent:
+                raise CheckpointError(
+                    f"{path}: tensors listed in {INDEX_FILE} are missing from their files: "
+                    f"{few(absent)}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        """The :class:`TensorInfo` of ``name``; :class:`CheckpointError` if absent."""
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path}: checkpoint has no tensor {name!r}")
+        return self.tensors[name]
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> np.ndarray:
+        """``tensor[index]`` (basic slices, step 1) as a NumPy array; only that block is read."""
+        info = self.info(name)
+        index = tuple(index) + (slice(None),) * (len(info.shape) - len(index))
+        try:
+            return np.asarray(self._handles[info.file].get_slice(name)[index])
+        except (safetensors.SafetensorError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{info.file}: cannot read tensor {name!r} "
+                                  f"({info.dtype} {list(info.shape)}): {e}") from e
+
+
+def few(names: Sequence[str], n: int = 5) -> str:
+    """The first ``n`` names, comma-separated, with a count of the rest."""
+    more = f" (and {len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """How a target array is made from checkpoint tensors.
+
+    ``names``: one name, or a tuple of names stacked along a new leading axis (e.g. the experts
+    of a MoE layer). ``transpose``: reverse the last two axes of each stored tensor (HF
+    ``[out, in]`` -> ``[in, out]``). ``shape``: the stored shape each name must have.
+    """
+
+    names: str | tuple[str, ...]
+    shape: tuple[int, ...]
+    transpose: bool = False
+
+    @property
+    def stacked(self) -> bool:
+        return isinstance(self.names, tuple)
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        return self.names if self.stacked else (self.names,)
+
+    def target_shape(self) -> tuple[int, ...]:
+        shape = self.shape[:-2] + self.shape[-2:][::-1] if self.transpose else self.shape
+        return (len(self.names), *shape) if self.stacked else shape
+
+
+def check_source(ckpt: SafetensorsCheckpoint, src: Source) -> None:
+    """Raise :class:`CheckpointError` unless every tensor of ``src`` exists with its shape."""
+    missing = [n for n in src.all_names if n not in ckpt]
+    if missing:
+        raise CheckpointError(f"{ckpt.path}: missing tensors: {few(missing)}")
+    for n in src.all_names:
+        got = ckpt.info(n).shape
+        if got != src.shape:
+            raise CheckpointError(
+                f"{ckpt.path}: tensor {n!r} has shape {got}, the config implies {src.shape}")
+
+
+def _read_target_slice(ckpt: SafetensorsCheckpoint, src: Source,
+                       index: tuple[slice, ...]) -> np.ndarray:
+    """The block ``target[index]`` of the target array described by ``src``."""
+    index = tuple(index) + (slice(None),) * (len(src.target_shape()) - len(index))
+    if src.stacked:
+        picks = range(len(src.names))[index[0]]
+        return np.stack([_read_target_slice(ckpt, Source(src.names[i], src.shape, src.transpose),
+                                            index[1:]) for i in picks])
+    if src.transpose:
+        stored = (*index[:-2], index[-1], index[-2])
+        return np.swapaxes(ckpt.read(src.names, stored), -1, -2)
+    return ckpt.read(src.names, index)
+
+
+def load_sharded(ckpt: SafetensorsCheckpoint, src: Source, mesh: Mesh, spec: PartitionSpec,
+                 dtype: Any) -> jax.Array:
+    """A ``jax.Array`` of ``src.target_shape()`` sharded as ``NamedSharding(mesh, spec)``.
+
+    Each addressable device's callback reads only its own block from the file (devices with the
+    same block, e.g. replicas, share one read). The result is cast to ``dtype`` on the host.
+    """
+    check_source(ckpt, src)
+    cache: dict[tuple, np.ndarray] = {}
+
+    def callback(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in cache:
+            cache[key] = np.ascontiguousarray(
+                _read_target_slice(ckpt, src, index).astype(dtype, copy=False))
+        return cache[key]
+
+    return jax.make_array_from_callback(src.target_shape(), NamedSharding(mesh, spec), callback)

@@ -1,0 +1,129 @@
+"""Package hygiene: no import cycles between the package's modules (imports inside functions
+included), every third-party import declared in ``pyproject.toml``, and importing any module
+changes no global state."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jax_tokenweave"
+
+
+def modules() -> dict[str, Path]:
+    """``{dotted module name: file}`` of every Python module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imported(path: Path, known: set[str] = frozenset()) -> list[str]:
+    """Every module an ``import`` / ``from ... import`` anywhere in ``path`` names
+    (``from pkg import name`` is ``pkg.name`` where that is one of the ``known`` modules)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names += [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
+                      else node.module for a in node.names]
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Edges module -> package module it imports (its own parent packages left out: Python
+    imports those first anyway)."""
+    mods = modules()
+    return {name: {m for m in _imported(path, set(mods))
+                   if m in mods and m != name and not name.startswith(m + ".")}
+            for name, path in mods.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "jax_tokenweave.moe" not in graph["jax_tokenweave.params"]
+    assert graph["jax_tokenweave.models.auto"] >= {"jax_tokenweave.models.llama"}
+    assert not any(m.startswith("jax_tokenweave.models") for m in
+                   set().union(*(graph[m] for m in graph if m.startswith("jax_tokenweave.hf"))))
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def _requirement_name(req: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_every_third_party_import_is_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {_requirement_name(r) for r in project["dependencies"]}
+    plot = {_requirement_name(r) for r in project["optional-dependencies"]["plot"]}
+    dists = importlib.metadata.packages_distributions()
+    for name, path in modules().items():
+        for imported in _imported(path):
+            top = imported.split(".")[0]
+            if top in sys.stdlib_module_names or top == "jax_tokenweave" or top == "__future__":
+                continue
+            declared = {d.lower().replace("_", "-") for d in dists.get(top, [top])}
+            allowed = core | (plot if top == "matplotlib" else set())
+            assert declared & allowed, f"{name} imports {top}, not declared in pyproject.toml"
+
+
+def test_importing_any_module_changes_no_global_state():
+    """In a fresh interpreter: importing every module leaves ``os.environ`` and JAX's config as
+    they were, and initialises no JAX backend."""
+    script = """
+import importlib, json, os, sys
+import jax
+from jax._src import xla_bridge
+env, cpus = dict(os.environ), jax.config.jax_num_cpu_devices
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+changed = sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))
+print(json.dumps({"changed": changed, "cpus": [cpus, jax.config.jax_num_cpu_devices],
+                  "backends": xla_bridge.backends_are_initialized()}))
+"""
+    names = sorted(modules())
+    assert "jax_tokenweave.bench" in names and "jax_tokenweave.benchmarking" in names
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(names)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["changed"] == [], f"importing changed environment variables {report['changed']}"
+    assert report["cpus"][0] == report["cpus"][1]
+    assert not report["backends"], "importing the package initialised a JAX backend"
