@@ -45,6 +45,7 @@ __all__ = [
     "FORMAT",
     "MAX_CTAS",
     "MIN_CTAS",
+    "POLICY_ENTRY",
     "TuneEntry",
     "TuneTable",
     "from_json",
@@ -74,17 +75,17 @@ class TuneEntry:
     """How to run one batch size (module docstring). Hashable: a valid static ``jit`` argument."""
 
     offset: int | None
-    num_ctas: int
+    num_ctas: int | None
     first_num_ctas: int | None = None
 
     def __post_init__(self) -> None:
         if self.offset is not None and not _is_int(self.offset):
             raise ValueError(f"offset must be an int or None, got {self.offset!r}")
-        _check_ctas("num_ctas", self.num_ctas)
-        if self.first_num_ctas is not None:
-            _check_ctas("first_num_ctas", self.first_num_ctas)
+        for name in ("num_ctas", "first_num_ctas"):
+            if getattr(self, name) is not None:
+                _check_ctas(name, getattr(self, name))
 
-    def ctas(self, first: bool) -> int:
+    def ctas(self, first: bool) -> int | None:
         """CTAs of a fused call: ``first_num_ctas`` for the stack's first one, else ``num_ctas``."""
         if first and self.first_num_ctas is not None:
             return self.first_num_ctas
@@ -96,6 +97,9 @@ TuneTable = Mapping[tuple[str, int, int], TuneEntry]
 
 DEFAULT_ENTRY = TuneEntry(offset=None, num_ctas=16, first_num_ctas=8)
 """Used where a table has nothing for a (model, tp) at or below the token count."""
+
+POLICY_ENTRY = TuneEntry(offset=None, num_ctas=None)
+"""No CTA counts of its own: every fused call takes the kernel policy's (``kernel_policy``)."""
 
 DEFAULT_TABLE: TuneTable = MappingProxyType({})
 """Built-in measured entries: none yet (run ``benchmarks/tune.py`` on the target machine)."""

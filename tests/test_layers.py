@@ -9,15 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from testutil import FakeKernel, rel_err
 from testutil import build_decoder as build
-from testutil import rel_err
 
 from jax_tokenweave import attention as A
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.layers import WeaveDecoder, reference_decoder
+from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.params import named_params, numpy_weights
 from jax_tokenweave.split import plan_batch
+from jax_tokenweave.testing.reference import reference_decoder
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -158,6 +159,78 @@ def test_return_kv_and_nocomm(cpu_mesh, rng):
     (nocomm,) = forward(dec, batch, (("nocomm", "auto"),))(hidden)
     assert nocomm.shape == hidden.shape
     assert rel_err(nocomm, np.asarray(b_out, np.float64)) > 1e-2
+
+
+# Every configuration of the one layer loop (stack.run_stack): (schedule, comm, fake reducer).
+# The fused kernel's two configurations run with pure-JAX stand-ins injected as reducers.
+LOOP_CONFIGS = [("baseline", "xla", None), ("weave", "xla", None), ("weave", "ffi", "overlap"),
+                ("weave", "ffi-sync", "sync"), ("nocomm", "xla", None), ("weave", "local", None)]
+NOT_THE_MODEL = {"nocomm", "local"}
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_every_loop_configuration_against_reference(cpu_mesh, rng, tp):
+    """Model-computing configurations match the float64 reference at TP 1 and 4; the comm-free
+    ones (nocomm, weave-local) match it at TP 1 only (nothing to communicate) and differ at 4."""
+    config, mesh = get_config("tiny"), cpu_mesh(tp)
+    lengths = (5, 9, 3)
+    batch = plan_batch(lengths, tp=tp, split=True)
+    assert batch.cut_request is not None
+    dec = build(config, mesh, jnp.float32, rng)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
+                         jnp.float32)
+    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    fake = FakeKernel()
+    graphdef, state = nnx.split(dec)
+
+    def run(state, hidden):
+        model = nnx.merge(graphdef, state)
+        return [model(hidden, batch, schedule=s, comm=c,
+                      reducer=getattr(fake, f) if f else None) for s, c, f in LOOP_CONFIGS]
+
+    outs = jax.jit(run)(state, hidden)
+    fake.check_protocol()
+    assert {op for op, _, _ in fake.log} == {"start", "done", "sync"}
+    for (schedule, comm, _), out in zip(LOOP_CONFIGS, outs, strict=True):
+        err = rel_err(out, want)
+        if tp > 1 and {schedule, comm} & NOT_THE_MODEL:
+            assert err > 1e-2, (schedule, comm, err)
+        else:
+            assert err < 1e-5, (schedule, comm, err)
+
+
+def test_decode_step_against_reference(cpu_mesh, rng):
+    """The decode configuration of the loop (one half of B rows, the KV cache's attention): the
+    last token of each prompt, decoded on a cache filled by a prefill of the others, equals the
+    float64 reference's last row, for both decode reducers."""
+    from jax_tokenweave.serving.kv_cache import init_cache, write_prompts
+    from jax_tokenweave.serving.steps import decoder_step
+
+    config, tp = get_config("tiny"), 2
+    mesh = cpu_mesh(tp)
+    dec = build(config, mesh, jnp.float32, rng)
+    lengths, lb = (6, 3), 8
+    prompts = [rng.standard_normal((n, config.hidden_size)) for n in lengths]
+    w = numpy_weights(dec)
+    cache = init_cache(config, mesh, len(lengths), 16, jnp.float32)
+    padded = np.zeros((len(lengths) * lb, config.hidden_size))
+    for i, p in enumerate(prompts):
+        padded[i * lb:i * lb + len(p) - 1] = p[:-1]
+    plan = plan_batch([lb] * len(lengths), tp=tp, split=True)
+    _, kvs = dec(jnp.asarray(padded, jnp.float32), plan, schedule="weave", comm="xla",
+                 return_kv=True)
+    rows = jnp.arange(len(lengths))
+    for i, (k, v) in enumerate(kvs):
+        cache = write_prompts(cache, i, k.reshape(len(lengths), lb, *k.shape[1:]),
+                              v.reshape(len(lengths), lb, *v.shape[1:]), rows)
+    last = jnp.asarray(np.stack([p[-1] for p in prompts]), jnp.float32)
+    positions = jnp.asarray([n - 1 for n in lengths], jnp.int32)
+    want = np.stack([reference_decoder(w, config, p, (len(p),))[-1] for p in prompts])
+    for schedule in ("weave", "baseline"):
+        out, k_cache, _ = decoder_step(dec, last, positions, cache.k, cache.v,
+                                       schedule=schedule, comm="xla")
+        assert rel_err(out, want) < 1e-5, schedule
+        assert k_cache.shape == cache.k.shape
 
 
 def test_ffi_unavailable_on_cpu(cpu_mesh, rng):

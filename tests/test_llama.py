@@ -10,9 +10,10 @@ from flax import nnx
 from testutil import rel_err
 
 from jax_tokenweave.models.configs import CONFIGS, config_names, get_config
-from jax_tokenweave.models.llama import LlamaModel, reference_logits
+from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.params import named_params
 from jax_tokenweave.split import plan_batch
+from jax_tokenweave.testing.reference import reference_logits
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 

@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from testutil import build_decoder, rel_err
+from testutil import FakeKernel, build_decoder, rel_err
 
-from jax_tokenweave import _ffi, hlo_check, ops, tuning
+from jax_tokenweave import _ffi, hlo_check, reducers, tuning
 from jax_tokenweave.comm import Communicator
-from jax_tokenweave.layers import resolve_comm
 from jax_tokenweave.models.configs import get_config
+from jax_tokenweave.schedules import configure, resolve_comm
 from jax_tokenweave.split import plan_batch
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
@@ -234,55 +234,12 @@ def test_ffi_refused_on_cpu_and_auto_falls_back(cpu_mesh, rng):
     dec(hidden, batch, schedule="baseline", comm="ffi")
 
 
-class FakeKernel:
-    """Pure-JAX stand-ins for the kernel's entry points that record the call protocol."""
-
-    def __init__(self, monkeypatch):
-        self.log: list[tuple[str, int, int | None]] = []
-        monkeypatch.setattr(_ffi, "unavailable_reason", lambda *a, **k: None)
-        monkeypatch.setattr(_ffi, "allreduce_rmsnorm", self.sync)
-        monkeypatch.setattr(_ffi, "allreduce_rmsnorm_start", self.start)
-        monkeypatch.setattr(_ffi, "allreduce_rmsnorm_done", self.done)
-
-    @staticmethod
-    def _math(partial, residual, weight, axis_name, eps):
-        n = jax.lax.axis_size(axis_name)
-        return ops._xla_rsag(partial, residual, weight, axis_name, n, eps)
-
-    def sync(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None,
-             slot=0, algo="auto"):
-        self.log.append(("sync", slot, num_ctas))
-        return self._math(partial, residual, weight, axis_name, eps)
-
-    def start(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None,
-              slot=0, algo="auto"):
-        self.log.append(("start", slot, num_ctas))
-        normed, res = self._math(partial, residual, weight, axis_name, eps)
-        return _ffi.Pending(normed, res, partial, residual, weight.astype(jnp.float32))
-
-    def done(self, pending, *, axis_name, mesh, slot=0):
-        self.log.append(("done", slot, None))
-        return pending.normed, pending.residual_out
-
-    def check_protocol(self):
-        """Every start's slot is free, every done's slot is in flight, nothing left over."""
-        inflight: set[int] = set()
-        for op, slot, _ in self.log:
-            if op == "start":
-                assert slot not in inflight, self.log
-                inflight.add(slot)
-            elif op == "done":
-                assert slot in inflight, self.log
-                inflight.remove(slot)
-        assert not inflight, self.log
-
-
 @pytest.mark.parametrize(("lengths", "offset", "tp"), [
     ((5, 9, 3), -120, 4),      # halves 8 + 9, request 1 cut by the split
     ((3, 11, 7, 2), None, 8),  # T=23: not divisible by TP
 ])
-def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, monkeypatch, lengths, offset, tp):
-    fake = FakeKernel(monkeypatch)
+def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, lengths, offset, tp):
+    fake = FakeKernel()
     config, mesh = get_config("tiny", num_layers=3), cpu_mesh(tp)
     batch = plan_batch(lengths, tp=tp, split=True, offset=offset)
     assert batch.split and batch.cut_request is not None
@@ -291,8 +248,8 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, monkeypatch, length
                          jnp.float32)
     entry = TuneEntry(None, 12, 4)
     ffi, xla, base = _run(dec, batch, hidden, [
-        dict(schedule="weave", comm="ffi", tuning=entry), dict(schedule="weave", comm="xla"),
-        dict(schedule="baseline")])
+        dict(schedule="weave", comm="ffi", tuning=entry, reducer=fake.overlap),
+        dict(schedule="weave", comm="xla"), dict(schedule="baseline")])
     for out in (ffi, xla):
         np.testing.assert_allclose(np.asarray(out), np.asarray(base), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(ffi), np.asarray(xla), rtol=1e-6, atol=1e-6)
@@ -306,21 +263,51 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, monkeypatch, length
     assert [(op, s) for op, s, _ in fake.log] == want
     ctas = [c for op, _, c in fake.log if op == "start"]
     assert ctas == [4] + [12] * (4 * n - 1)
-    # comm="auto" takes the (faked) kernel too
+    # without tuning=, the default entry's CTA counts
     fake.log.clear()
-    (auto,) = _run(dec, batch, hidden, [dict(schedule="weave", comm="auto")])
-    np.testing.assert_allclose(np.asarray(auto), np.asarray(ffi), rtol=1e-6, atol=1e-6)
+    (again,) = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi",
+                                              reducer=fake.overlap)])
+    np.testing.assert_allclose(np.asarray(again), np.asarray(ffi), rtol=1e-6, atol=1e-6)
     assert [c for op, _, c in fake.log if op == "start"] == [8] + [16] * (4 * n - 1)
 
 
-def test_unsplit_ffi_is_synchronous(cpu_mesh, rng, monkeypatch):
-    fake = FakeKernel(monkeypatch)
+def test_comm_resolution_and_configuration(cpu_mesh, monkeypatch):
+    """Which reducer each (schedule, comm) configures, and ``auto``'s choice."""
+    mesh, hidden = cpu_mesh(2), get_config("tiny").hidden_size
+    split, whole = plan_batch((5, 9), split=True), plan_batch((5, 9), split=False)
+    want = {("baseline", "xla", split): (1, reducers.Psum),
+            ("nocomm", "xla", split): (1, reducers.Local),
+            ("weave", "local", split): (2, reducers.LocalSharded),
+            ("weave", "ffi", split): (2, reducers.Overlap),
+            ("weave", "xla", split): (2, reducers.Sharded),
+            ("weave", "ffi-sync", split): (2, reducers.Sharded),
+            ("weave", "ffi", whole): (1, reducers.Sharded)}
+    ctx = reducers.ReduceContext("tp", mesh, 1e-6)
+    for (schedule, comm, batch), (halves, cls) in want.items():
+        got_halves, factory = configure(schedule, comm, batch)
+        reducer = factory(ctx)
+        assert len(got_halves) == halves and type(reducer) is cls, (schedule, comm)
+    assert configure("weave", "ffi-sync", split)[1](ctx).impl == "ffi"
+    assert configure("weave", "xla", split)[1](ctx).impl == "xla_rsag"
+    with pytest.raises(ValueError, match="resolved"):
+        configure("weave", "auto", split)
+    assert resolve_comm("auto", mesh, "tp", jnp.float32, split, hidden) == "xla"   # CPU
+    with pytest.raises(RuntimeError, match="comm='ffi-sync' is unavailable"):
+        resolve_comm("ffi-sync", mesh, "tp", jnp.float32, split, hidden)
+    assert resolve_comm("local", mesh, "tp", jnp.float32, split, hidden) == "local"
+    monkeypatch.setattr(_ffi, "unavailable_reason", lambda *a, **k: None)
+    assert resolve_comm("auto", mesh, "tp", jnp.float32, split, hidden) == "ffi"
+    assert resolve_comm("ffi-sync", mesh, "tp", jnp.float32, split, hidden) == "ffi-sync"
+
+
+def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
+    fake = FakeKernel()
     config, mesh = get_config("tiny"), cpu_mesh(2)
     batch = plan_batch((5, 4), tp=2, split=False)
     dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
-    ffi, base = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi"),
+    ffi, base = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.sync),
                                           dict(schedule="baseline")])
     np.testing.assert_allclose(np.asarray(ffi), np.asarray(base), rtol=1e-4, atol=1e-4)
     assert fake.log == [("sync", 0, 8)] + [("sync", 0, 16)] * (2 * config.num_layers - 1)
