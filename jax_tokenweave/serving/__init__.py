@@ -1,8 +1,10 @@
 """Serving: continuous batching with chunked prefill over a paged KV cache, woven steps.
 
+- ``LLM`` (``serving.llm``): the user API: a checkpoint directory (or a model) and its
+  tokenizer; ``generate``, ``stream``, ``astream``.
 - ``SamplingParams`` (``serving.sampling_params``): per-request sampling and stopping.
-- ``LLMEngine``, ``EngineConfig`` (``serving.engine``, ``serving.config``): the engine:
-  ``add_request`` / ``step`` / ``abort``.
+- ``LLMEngine``, ``EngineConfig`` (``serving.engine``, ``serving.config``): the engine under
+  ``LLM``: ``add_request`` / ``step`` / ``abort``.
 - ``RequestOutput``, ``StreamDelta``, ``TokenLogprob`` (``serving.outputs``): results.
 - ``serving.scheduler`` (continuous batching), ``serving.blocks`` (block allocator,
   ``OutOfBlocksError``), ``serving.paged_cache``, ``serving.paged_attention``,
@@ -15,8 +17,9 @@ from jax_tokenweave.serving.blocks import OutOfBlocksError
 from jax_tokenweave.serving.compile_count import count_compilations
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine, generate
+from jax_tokenweave.serving.llm import LLM
 from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta, TokenLogprob
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
-__all__ = ["EngineConfig", "LLMEngine", "OutOfBlocksError", "RequestOutput",
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "OutOfBlocksError", "RequestOutput",
            "SamplingParams", "StreamDelta", "TokenLogprob", "count_compilations", "generate"]
