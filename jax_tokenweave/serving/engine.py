@@ -15,8 +15,10 @@ requests compiles nothing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -258,15 +260,18 @@ class LLMEngine:
         return [batch_lib.make_layout(d, r, cfg, self.model_config, self.tp)
                 for d in decodes for r in ladder if r >= max(d, tile) and r - d <= budget - d]
 
-    def warmup(self) -> int:
-        """Compile every layout (each run once on padding only: nothing is written). Returns
-        how many."""
-        layouts = self.layouts()
-        for layout in layouts:
-            arrays = batch_lib.pack_padding(layout, self.config)
-            jax.block_until_ready(self._run(layout, arrays))
-        return len(layouts)
-
+    def warmup(self, workers: int | None = None) -> int:
+        """Compile every layout (traced one after the other, compiled by ``workers`` threads,
+        default one per CPU); afterwards no step compiles. Returns how many layouts."""
+        cfg = self.config
+        lowered = [jitted_step.lower(
+            self._state, self.cache, batch_lib.pack_padding(layout, cfg),
+            graphdef=self._graphdef, layout=layout, schedule=cfg.schedule, comm=cfg.comm,
+            key_chunk=cfg.key_chunk, num_logprobs=cfg.max_logprobs, tuning=cfg.tuning)
+            for layout in self.layouts()]
+        with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+            list(pool.map(lambda program: program.compile(), lowered))
+        return len(lowered)
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
