@@ -36,9 +36,10 @@ def test_paged_attention_matches_dense(rng, tile):
     starts = [0, 5, 11] if tile == 4 else [0, 9, 15]
     positions = np.concatenate([np.arange(s, s + tile) for s in starts]).astype(np.int32)
     q = rng.standard_normal((3 * tile, HQ, D)).astype(np.float32)
-    got = paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
-                          jnp.asarray(tables[:, :width]), jnp.asarray(positions), tile=tile,
-                          key_chunk=8)
+    got, k_back, _ = paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
+                                     jnp.asarray(tables[:, :width]), jnp.asarray(positions),
+                                     tile=tile, key_chunk=8)
+    np.testing.assert_array_equal(np.asarray(k_back), k_cache)
     flat_k = k_cache[tables].reshape(3, width * BS, KVH, D)
     flat_v = v_cache[tables].reshape(3, width * BS, KVH, D)
     group = np.repeat(np.arange(3), tile)
@@ -49,8 +50,9 @@ def test_paged_attention_matches_dense(rng, tile):
 
 def test_padding_rows_stay_finite():
     zeros = jnp.zeros((NB, BS, KVH, D), jnp.float32)
-    out = paged_attention(jnp.ones((2, HQ, D)), zeros, zeros, jnp.zeros((2, 2), jnp.int32),
-                          jnp.zeros(2, jnp.int32), tile=1, key_chunk=8)
+    out, _, _ = paged_attention(jnp.ones((2, HQ, D)), zeros, zeros,
+                                jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32), tile=1,
+                                key_chunk=8)
     assert np.isfinite(np.asarray(out)).all()
 
 

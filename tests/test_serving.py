@@ -6,6 +6,7 @@ arrivals, admission under a full cache, input errors, and a failed request besid
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,9 @@ from jax_tokenweave.serving import (
     count_compilations,
     generate,
 )
+from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving.sampling import sample
+from jax_tokenweave.serving.step import jitted_step
 from jax_tokenweave.testing.reference import reference_logits
 
 # 32-row steps in tiles of 8 (buckets 8/16/32 rows, decode segments of 0/8 rows): few programs.
@@ -90,6 +93,24 @@ def test_greedy_matches_reference_with_arrivals_and_chunks(rng, cpu_mesh, tp, sc
         assert engine.stats.split_steps > 0 and engine.stats.cut_steps > 0
     else:
         assert engine.stats.split_steps == 0
+
+
+@pytest.mark.parametrize("schedule", ["weave", "baseline"])
+def test_step_updates_the_cache_in_place(model, schedule):
+    """The compiled step writes the paged cache in place: no copy of a whole cache buffer,
+    also where the split makes half B write the buffer half A's attention read."""
+    engine = LLMEngine(model, dataclasses.replace(CFG, schedule=schedule))
+    layout = batch_lib.make_layout(8, 32, engine.config, engine.model_config, engine.tp)
+    assert layout.plan.split == (schedule == "weave")
+    cfg = engine.config
+    text = jitted_step.lower(
+        engine._state, engine.cache, batch_lib.pack_padding(layout, cfg),
+        graphdef=engine._graphdef, layout=layout, schedule=schedule, comm=cfg.comm,
+        key_chunk=cfg.key_chunk, num_logprobs=cfg.max_logprobs, tuning=None).compile().as_text()
+    shape = f"f32[{cfg.num_blocks},{cfg.block_size},{engine.model_config.num_kv_heads // 2},"
+    copies = [line for line in text.splitlines()
+              if re.search(rf"= {re.escape(shape)}\d+\]\S* copy\(", line)]
+    assert text.count(shape) > 0 and copies == []
 
 
 def test_stream_of_deltas_equals_final_output(model, rng):

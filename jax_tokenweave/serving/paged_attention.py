@@ -14,6 +14,13 @@ kv head ``h // (Hq / KVH)``).
 
 A request cut by the weave split: half A writes its rows' K/V, then half B's rows of the same
 request read them from the cache (same layer), so no prefix has to be passed around.
+
+In place: the cache buffers go write (A) -> read loop (A) -> write (B) -> read loop (B) as one
+chain of values: each read loop carries the caches through its state and hands them on (an
+``optimization_barrier`` in the body keeps XLA from seeing a mere pass-through and forwarding the
+loop's input to the next write, which would make the read and the write overlap and XLA copy
+the whole cache per layer and half; ``tests/test_serving.py`` checks the compiled step for such
+copies).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from jax_tokenweave.split import Half
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
                     positions: jax.Array, *, tile: int, key_chunk: int,
-                    scale: float | None = None) -> jax.Array:
+                    scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal attention of query groups over their requests' paged K/V (module docstring).
 
     Args:
@@ -40,7 +47,9 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
       positions: int32 [G * tile], each row's position in its request.
       tile: rows per group; key_chunk: keys per loop step (a multiple of BS).
     Returns:
-      [G * tile, Hq, D] in q's dtype.
+      ``(out [G * tile, Hq, D] in q's dtype, k_cache, v_cache)``: the caches come back
+      unchanged, threaded through the key loop; write the next K/V into *these* (module
+      docstring: so XLA updates the cache in place).
     """
     rows, hq, d = q.shape
     _, bs, kvh, _ = k_cache.shape
@@ -54,7 +63,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
     stat_shape = (groups, tile, kvh, hq // kvh)
 
     def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        m, total, acc = carry
+        m, total, acc, k_cache, v_cache = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, c * per_chunk, per_chunk, axis=1)
         keys = k_cache[blocks].reshape(groups, key_chunk, kvh, d)
         values = v_cache[blocks].reshape(groups, key_chunk, kvh, d)
@@ -70,14 +79,17 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
         acc = acc * correction[..., None] + jnp.einsum(
             "ntkgc,nckd->ntkgd", p.astype(v_cache.dtype), values,
             preferred_element_type=jnp.float32)
-        return m_new, total, acc
+        # Not a pass-through: XLA would forward it and see the loop's read beside a later
+        # write of the same buffer (module docstring).
+        k_cache, v_cache = jax.lax.optimization_barrier((k_cache, v_cache))
+        return m_new, total, acc, k_cache, v_cache
 
     init = (jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
-            jnp.zeros((*stat_shape, d), jnp.float32))
+            jnp.zeros((*stat_shape, d), jnp.float32), k_cache, v_cache)
     num_chunks = jnp.max(positions) // key_chunk + 1
-    _, total, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    _, total, acc, k_cache, v_cache = jax.lax.fori_loop(0, num_chunks, body, init)
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
-    return out.reshape(rows, hq, d).astype(q.dtype)
+    return out.reshape(rows, hq, d).astype(q.dtype), k_cache, v_cache
 
 
 class PagedAttention:
@@ -111,8 +123,10 @@ class PagedAttention:
             if (a - d) % size or (b - a) % size:
                 raise ValueError(f"rows [{a}, {b}) cut a tile of {size} rows")
             groups = (b - a) // size
-            parts.append(paged_attention(
+            out, self.k[layer], self.v[layer] = paged_attention(
                 q[a - lo:b - lo], self.k[layer], self.v[layer],
                 self.tables[first_group:first_group + groups], self.positions[a:b],
-                tile=size, key_chunk=self.key_chunk))
+                tile=size, key_chunk=self.key_chunk)
+            parts.append(out)
         return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
