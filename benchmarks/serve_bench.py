@@ -16,10 +16,9 @@ are counted and reported. Writes ``serve.json``, ``serve.md``
 and ``serve.png`` (``--no-plot`` to skip it; the plot needs matplotlib, the ``plot`` extra).
 With no GPU it runs the tiny config on 8 virtual CPU devices (timings say nothing about GPUs).
 
-The GPU target (2 x H200, TP 2, Llama-3.3-70B shapes, 8 layers)::
+The GPU target (2 x H200, TP 2, Llama-3.3-70B shapes, 8 layers), install included::
 
-    python benchmarks/serve_bench.py --model llama3-70b --layers 8 --tp 2 \\
-        --out benchmarks/results/<date>-h200x2/serve
+    OUT=benchmarks/results/<date>-h200x2/serve bash benchmarks/gpu_serve.sh
 """
 
 from __future__ import annotations
