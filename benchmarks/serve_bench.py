@@ -39,6 +39,8 @@ from jax_tokenweave import benchmarking as bm
 
 WORKLOADS = ("all-at-once", "poisson")
 SCHEDULES = ("weave", "baseline")
+ENGINE_OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "prefill_tile", "block_size",
+                  "key_chunk", "split_threshold")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,18 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engines to compare")
     p.add_argument("--comm", choices=bm.COMMS, default="auto",
                    help="the weave engine's reductions (auto: the fused kernel where it runs)")
-    p.add_argument("--max-num-batched-tokens", type=bm.positive_int, default=8192,
-                   help="token budget of a step")
-    p.add_argument("--max-num-seqs", type=bm.positive_int, default=256,
-                   help="requests running at once")
-    p.add_argument("--prefill-tile", type=bm.positive_int, default=64,
-                   help="rows per prompt-chunk attention tile")
-    p.add_argument("--block-size", type=bm.positive_int, default=16,
-                   help="positions per KV cache block")
-    p.add_argument("--key-chunk", type=bm.positive_int, default=512,
-                   help="keys per step of the attention loop")
-    p.add_argument("--split-threshold", type=bm.positive_int, default=1024,
-                   help="steps of at least this many rows are woven")
+    bm.add_engine_options(p, ENGINE_OPTIONS)
     p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="workload and weights seed")
     p.add_argument("--no-plot", action="store_true",
                    help="write no serve.png (the plot needs matplotlib: the plot extra)")
@@ -171,10 +162,8 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
     longest = args.prompt_len[1] + args.output_len[1]
     per_request = -(-longest // args.block_size)
     engine_config = EngineConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=longest, block_size=args.block_size, key_chunk=args.key_chunk,
-        num_blocks=per_request * min(args.num_requests, args.max_num_seqs),
-        prefill_tile=args.prefill_tile, split_threshold=args.split_threshold, comm=args.comm,
+        **bm.engine_options(args, ENGINE_OPTIONS), max_model_len=longest,
+        num_blocks=per_request * min(args.num_requests, args.max_num_seqs), comm=args.comm,
         max_logprobs=0, seed=args.seed)
     runs: dict[str, dict[str, Any]] = {w: {} for w in args.workloads}
     for schedule in args.schedules:

@@ -298,6 +298,34 @@ def add_run_options(parser: argparse.ArgumentParser, *, warmup: int, iters: int,
                         help="parameter and activation dtype")
 
 
+ENGINE_OPTIONS: dict[str, str] = {
+    "max_num_batched_tokens": "token budget of a serving step (rows, padding included)",
+    "max_num_seqs": "requests running at once",
+    "max_model_len": "positions per request (prompt + new tokens)",
+    "num_blocks": "KV cache blocks",
+    "block_size": "positions per KV cache block",
+    "prefill_tile": "rows per prompt-chunk attention tile (a power of two)",
+    "key_chunk": "keys per step of the attention loop",
+    "split_threshold": "steps of at least this many rows are woven (split in two halves)",
+}
+"""The ``serving.EngineConfig`` sizes the command lines take (``--max-num-seqs`` ...), with help."""
+
+
+def add_engine_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """``--<name>`` options for these ``ENGINE_OPTIONS``, defaulting to ``EngineConfig``'s."""
+    from jax_tokenweave.serving.config import EngineConfig
+
+    defaults = EngineConfig()
+    for name in names:
+        parser.add_argument("--" + name.replace("_", "-"), type=positive_int,
+                            default=getattr(defaults, name), help=ENGINE_OPTIONS[name])
+
+
+def engine_options(args: argparse.Namespace, names: Sequence[str]) -> dict[str, int]:
+    """The values of :func:`add_engine_options`' options, by ``EngineConfig`` field."""
+    return {name: getattr(args, name) for name in names}
+
+
 class Flatten(argparse.Action):
     """For ``nargs="+"`` options whose type returns lists (:func:`positive_ints`):
     ``--tp 2 4`` or ``--tp 2,4`` -> ``[2, 4]``, repeats dropped, order kept."""

@@ -21,8 +21,7 @@ from jax_tokenweave import benchmarking as bm
 from jax_tokenweave.serving.config import SERVING_SCHEDULES, EngineConfig
 
 PROG = "python -m jax_tokenweave.generate"
-_ENGINE_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
-                   "block_size", "prefill_tile", "key_chunk", "split_threshold")
+_ENGINE_OPTIONS = tuple(bm.ENGINE_OPTIONS)
 
 
 def token_ids(text: str) -> list[int]:
@@ -57,9 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weave (TokenWeave) or baseline (plain TP)")
     p.add_argument("--comm", choices=bm.COMMS, default=defaults.comm,
                    help="weave's reductions: the fused kernel (ffi), XLA, or auto")
-    for name in _ENGINE_OPTIONS:
-        p.add_argument("--" + name.replace("_", "-"), type=bm.positive_int,
-                       default=getattr(defaults, name), help=f"EngineConfig.{name}")
+    bm.add_engine_options(p, _ENGINE_OPTIONS)
     p.add_argument("--cpu-devices", type=bm.positive_int,
                    help="virtual CPU devices to ask for (CPU-only hosts)")
     return p
@@ -82,9 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens,
                                 stop=tuple(args.stop))
-        engine = {name: getattr(args, name) for name in _ENGINE_OPTIONS}
         config = dataclasses.replace(EngineConfig(), schedule=args.schedule, comm=args.comm,
-                                     **engine)
+                                     **bm.engine_options(args, _ENGINE_OPTIONS))
     except ValueError as err:
         parser.error(str(err))
     start = time.perf_counter()

@@ -147,6 +147,13 @@ class LLM:
             if aqueue is not None:
                 aqueue.put_nowait(d)
 
+    def _close(self, request_id: str) -> None:
+        """A stream's end: stop routing, abort the request if it still runs, forget it."""
+        self._sync.pop(request_id, None)
+        self._async.pop(request_id, None)
+        self.engine.abort(request_id)
+        self.engine.release(request_id)
+
     def _finished(self, request_id: str) -> bool:
         return self.engine.output(request_id).finished
 
@@ -183,9 +190,7 @@ class LLM:
                 if delta.finished:
                     return
         finally:
-            self._sync.pop(rid, None)
-            self.engine.abort(rid)
-            self.engine.release(rid)
+            self._close(rid)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None
                       ) -> AsyncIterator[StreamDelta]:
@@ -206,9 +211,7 @@ class LLM:
                 if delta.finished:
                     return
         finally:
-            self._async.pop(rid, None)
-            self.engine.abort(rid)
-            self.engine.release(rid)
+            self._close(rid)
 
     async def _drive(self) -> None:
         try:
