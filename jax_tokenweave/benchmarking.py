@@ -147,15 +147,15 @@ def request_lengths(tokens: int, request_len: int) -> tuple[int, ...]:
 
 
 def make_plan(config: Any, model: str, lengths: Sequence[int], tp: int, *,
-              threshold: int | None = None, split: bool | None = None) -> Any:
-    """``split.plan_batch`` with the wave model of ``config``'s gate/up GEMM at TP ``tp``."""
-    from jax_tokenweave import split as split_mod
+              threshold: int | None = None, split: bool | None = None,
+              table: Any = None) -> Any:
+    """``split.plan_batch`` as the library plans a batch of ``model`` (the tuning table's rows
+    for its name, else the wildcard rows; ``table`` default: the shipped one), with ``config``'s
+    work-balance rule and wave model; ``threshold``/``split`` override the table's decision."""
+    from jax_tokenweave.split import plan_batch
 
-    kwargs: dict[str, Any] = {"tp": tp, "split": split, "model": model,
-                              "wave": split_mod.WaveModel.from_config(config, tp)}
-    if threshold is not None:
-        kwargs["threshold"] = threshold
-    return split_mod.plan_batch(tuple(lengths), **kwargs)
+    return plan_batch(tuple(lengths), tp=tp, split=split, model=model, config=config,
+                      threshold=threshold, table=table)
 
 
 def build_decoder(config: Any, mesh: Mesh, dtype: Any, seed: int) -> Any:

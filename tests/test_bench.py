@@ -239,7 +239,7 @@ def _parsers():
 
 @pytest.mark.parametrize(("script", "shown"), [
     ("bench", "(default: 2048 8192 on GPUs, 1024 2048 4096 on CPUs)"),
-    ("e2e_bench", "(default: 2 4)"), ("tune", "(default: 2048 8192)")])
+    ("e2e_bench", "(default: 2 4)"), ("tune", "(default: 1024 2048 4096 8192 16384)")])
 def test_help_shows_real_defaults(script, shown):
     from jax_tokenweave.models.configs import config_names
 
@@ -317,3 +317,36 @@ def test_use_cpu_devices_keeps_the_users_choice(monkeypatch):
     assert "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     monkeypatch.setattr(jax.config, "update", lambda *a: pytest.fail("changed JAX's config"))
     assert bm.use_cpu_devices() is None
+
+
+# ------------------------------------------------------------------------------- tune.py ---
+
+def test_tune_decides_entries_and_threshold():
+    """The tuner's rule: each token count's fastest candidate, the best split's offset, and the
+    threshold from which the split wins at every larger count."""
+    from jax_tokenweave.tuning import TuneEntry
+
+    tune = _load_script("tune")
+    times = {
+        1024: {(False, 0, 32): 10.0, (False, 0, None): 11.0, (True, 0, 16): 10.5},
+        2048: {(False, 0, 32): 20.0, (True, 128, 16): 19.0, (True, 0, 16): 19.5},   # split wins
+        4096: {(False, 0, 32): 40.0, (True, 0, 32): 41.0, (True, -128, 16): 40.5},  # loses
+        8192: {(False, 0, 32): 80.0, (True, 0, 16): 76.0},
+        16384: {(False, 0, 32): 160.0, (True, 256, 8): 150.0},
+    }
+    entries, threshold = tune.decide(times, 1024)
+    assert threshold == 8192             # 2048 won, but 4096 lost again
+    assert entries[1024] == TuneEntry(None, 32) and entries[2048] == TuneEntry(128, 16)
+    assert entries[4096] == TuneEntry(-128, 32)    # unsplit CTAs, the best split's offset
+    assert entries[16384] == TuneEntry(256, 8)
+    assert tune.decide({t: times[t] for t in (8192, 16384)}, 1024)[1] == 1024   # wins all
+    assert tune.decide({t: times[t] for t in (8192, 16384)}, 9000)[1] == 8192
+    assert tune.decide({1024: times[1024]}, 512)[1] == 1025                    # never wins
+
+
+def test_tune_skips_without_gpus(capsys):
+    tune = _load_script("tune")
+    if bm.platform_devices()[0] == "gpu":
+        pytest.skip("GPUs present: tune.py would run")
+    assert tune.main(["--model", "tiny", "--tp", "2"]) == 0
+    assert "skipped: no CUDA GPUs" in capsys.readouterr().out
