@@ -32,7 +32,6 @@ import json
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,7 @@ from typing import Any
 import jax
 
 from jax_tokenweave import benchmarking as bm
-from jax_tokenweave import timing
-from jax_tokenweave.benchmarking import Mode
+from jax_tokenweave.modes import Mode, measure
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("baseline"), Mode("weave", "ffi", split=False), Mode("weave", "xla"),
@@ -174,52 +172,20 @@ class Runner:
         tokens, tp = base["tokens"], base["tp"]
         lengths = bm.request_lengths(tokens, request_len)
         hidden = bm.random_hidden(tokens, config.hidden_size, self.dtype, mesh,
-                                     self.seed + 1 + index)
-        ffi_reason = bm.ffi_unavailable(mesh, self.dtype, (tokens, config.hidden_size))
-        fns, info = {}, {}
-        for name in dict.fromkeys(["baseline", *modes]):
-            mode = table[name]
-            if mode.needs_ffi and ffi_reason is not None:
-                info[name] = {"status": "skipped", "reason": f"ffi unavailable: {ffi_reason}"}
-                continue
-            try:
-                plan = bm.make_plan(config, base["model"], lengths, tp, split=mode.split)
-                fns[name], seconds, _ = bm.compile_forward(
-                    decoder, plan, hidden, schedule=mode.schedule, comm=mode.comm)
-                info[name] = {"status": "ok", "compile_s": seconds, "split": plan.split,
-                              "half_lengths": [h.length for h in plan.halves]}
-            except Exception as err:  # a mode that fails must not end the sweep
-                info[name] = {"status": "error", "reason": _one_line(err)}
-                traceback.print_exc(limit=3)
-        reference = fns["baseline"]() if "baseline" in fns else None
-        for name in list(fns):
-            if not table[name].reference or reference is None:
-                continue
-            err = timing.rel_error(fns[name](), reference)
-            info[name]["rel_err"] = err
-            if not err <= self.tol:
-                info[name].update(status="mismatch",
-                                  reason=f"relative error {err:.3g} vs baseline > {self.tol}")
-                del fns[name]
-        del reference
-        timed = {n: fns[n] for n in modes if n in fns}
-        if timed:
-            label = f"{base['kind']} {base['model']} TP={tp} T={tokens}"
-            print(f"   {label}: timing {', '.join(timed)}", flush=True)
-            stats = timing.benchmark(timed, warmup=self.args.warmup, iters=self.args.iters)
-            for name, s in stats.items():
-                info[name].update(s.summary())
+                                  self.seed + 1 + index)
+        print(f"   {base['kind']} {base['model']} TP={tp} T={tokens}: {', '.join(modes)}",
+              flush=True)
+        info = measure(decoder, config, base["model"], lengths, hidden,
+                       {name: table[name] for name in modes}, tol=self.tol,
+                       warmup=self.args.warmup, iters=self.args.iters,
+                       ffi_reason=bm.ffi_unavailable(mesh, self.dtype,
+                                                     (tokens, config.hidden_size)))
         for name in modes:
             self.records.append({**base, "mode": name, **info[name]})
 
 
 def _base(kind: str, model: str, tp: int, tokens: int) -> dict[str, Any]:
     return {"kind": kind, "model": model, "tp": tp, "tokens": tokens}
-
-
-def _one_line(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}".strip().splitlines()
-    return text[0][:300] if text else type(err).__name__
 
 
 # ---------------------------------------------------------------------------------- output ---
