@@ -19,9 +19,10 @@ each model's, :func:`signature`), so a checkpoint loaded from Hugging Face match
 config it has the shapes of.
 
 The shipped table (``tuning.json``; its ``meta`` cites the measurements) holds, for TP=2:
-``*`` threshold 4096 (split only from 4096 tokens up) and 32 CTAs below it, 16 from 4096 up;
-``llama3-70b`` from 8192 tokens offset 0 (the rule's point: the midpoint for its measured
-batches of 1024-token requests) and 16 CTAs throughout. No other TP degree was measured.
+``*`` threshold 4096 (split only from 4096 tokens up), 32 CTAs from 1024 tokens (unsplit), 16
+from 4096 (split), the default entry below 1024; ``llama3-70b`` from 8192 tokens offset 0 (the
+rule's point: the midpoint for its measured batches of 1024-token requests) and 16 CTAs. No
+other TP degree was measured.
 
 JSON format (:func:`to_json` / :func:`from_json`; format ``/1``, entries only, is read too)::
 

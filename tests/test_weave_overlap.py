@@ -216,9 +216,11 @@ def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
     np.testing.assert_allclose(np.asarray(ffi), np.asarray(base), rtol=1e-4, atol=1e-4)
     calls = 2 * config.num_layers
     assert fake.log == [("sync", 0, 8)] + [("sync", 0, 16)] * (calls - 1)
-    # without tuning=, the plan's entry of the shipped table: at TP=2 and 9 tokens the kernel
-    # policy's CTA counts (None)
-    assert batch.tuning == tuning.lookup(None, 2, 9) and batch.tuning.num_ctas is None
+    # without tuning=, the plan's entry: here a table whose entry leaves the CTAs to the
+    # kernel policy (None)
+    table = tuning.TuneTable({("*", 2, 1): tuning.POLICY_ENTRY})
+    batch = plan_batch((5, 4), tp=2, split=False, table=table)
+    assert batch.tuning == tuning.POLICY_ENTRY
     fake.log.clear()
     _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.sync)])
     assert fake.log == [("sync", 0, None)] * calls
