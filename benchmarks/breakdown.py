@@ -80,11 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time weave-ffi with each of these CTA counts (weave-ffi@<n>; "
                         "default: none, the tuning table's counts only)")
     bm.add_run_options(p, warmup=2, iters=7, unit="mode and batch")
-    p.add_argument("--seed", type=bm.nonnegative_int, help="random seed (default: fresh)")
-    p.add_argument("--time-budget", type=bm.positive_float, metavar="SECONDS",
-                   help="start no new batch after this many seconds (default: no limit)")
-    p.add_argument("--no-plot", action="store_true",
-                   help="write no breakdown.png (the plot needs matplotlib: the plot extra)")
+    bm.add_sweep_options(p, plot="breakdown.png")
     return p
 
 

@@ -76,13 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill sweep")
     p.add_argument("--no-decode", action="store_true", help="skip the decode sweep")
     bm.add_run_options(p, warmup=2, iters=10, unit="mode and batch")
-    p.add_argument("--seed", type=bm.nonnegative_int, help="random seed (default: fresh)")
-    p.add_argument("--time-budget", type=bm.positive_float, metavar="SECONDS",
-                   help="start no new measurement after this many seconds (default: no limit)")
+    bm.add_sweep_options(p, plot="e2e.png")
     p.add_argument("--replot", type=Path, metavar="JSON",
                    help="only redraw the markdown and plot from an earlier e2e.json")
-    p.add_argument("--no-plot", action="store_true",
-                   help="write no e2e.png (the plot needs matplotlib: the plot extra)")
     return p
 
 

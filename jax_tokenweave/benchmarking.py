@@ -245,6 +245,17 @@ def add_run_options(parser: argparse.ArgumentParser, *, warmup: int, iters: int,
                         help="parameter and activation dtype")
 
 
+def add_sweep_options(parser: argparse.ArgumentParser, *, plot: str) -> None:
+    """``--seed``, ``--time-budget`` and ``--no-plot`` (of the ``plot`` file), as the sweeping
+    benchmark scripts share them."""
+    parser.add_argument("--seed", type=nonnegative_int, help="random seed (default: fresh)")
+    parser.add_argument("--time-budget", type=positive_float, metavar="SECONDS",
+                        help="start no new measurement after this many seconds (default: no "
+                             "limit)")
+    parser.add_argument("--no-plot", action="store_true",
+                        help=f"write no {plot} (the plot needs matplotlib: the plot extra)")
+
+
 class Flatten(argparse.Action):
     """For ``nargs="+"`` options whose type returns lists (:func:`positive_ints`):
     ``--tp 2 4`` or ``--tp 2,4`` -> ``[2, 4]``, repeats dropped, order kept."""
