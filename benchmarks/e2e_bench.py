@@ -10,6 +10,10 @@ whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requ
 - ``weave-ffi``: the weave schedule with the fused CUDA kernel (TokenWeave proper);
 - ``nocomm``: every collective dropped (not the model's output; the floor).
 
+The weave modes split where the shipped tuning table says (at TP=2 from 4096 tokens; see
+``jax_tokenweave.tuning``) and use its CTA counts: what the library does by default. To see the
+split's own costs at every size, ``benchmarks/breakdown.py`` forces the split.
+
 Decode batches (``DECODE_MODES``: ``baseline``, ``weave-ffi``, ``weave-xla``, ``nocomm``) are
 ``n`` requests of one token each (below the split threshold, so never split): the layer stack
 without a KV cache, i.e. the GEMMs and the communication of one decode step (attention over past
