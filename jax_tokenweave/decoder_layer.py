@@ -1,21 +1,29 @@
 """One Llama-style decoder layer: its sharded parameters and its per-rank compute pieces.
 
-Parameters (global shapes, ``[in, out]`` layout = transpose of a torch ``Linear``):
+Parameters (global shapes, ``[in, out]`` layout = transpose of a torch ``Linear``; the fused
+ones are rank-blocked, see :mod:`jax_tokenweave.fused`: sharded ``P(None, "tp")`` each rank holds
+exactly its own heads / columns of every part):
 
-=========================== ============== ===================== =============================
-name                        shape          sharding              Hugging Face Llama tensor
-=========================== ============== ===================== =============================
-``input_layernorm``         [H]            replicated            ``input_layernorm.weight``
-``q_proj``                  [H, Nq*D]      ``P(None, "tp")``     ``self_attn.q_proj.weight``.T
-``k_proj`` / ``v_proj``     [H, Nkv*D]     ``P(None, "tp")``     ``self_attn.k/v_proj.weight``.T
-``q_bias`` (qkv_bias only)  [Nq*D]         ``P("tp")``           ``self_attn.q_proj.bias``
-``k_bias``/``v_bias``       [Nkv*D]        ``P("tp")``           ``self_attn.k/v_proj.bias``
-``o_proj``                  [Nq*D, H]      ``P("tp", None)``     ``self_attn.o_proj.weight``.T
-``post_attention_layernorm`` [H]           replicated            ``post_attention_layernorm...``
-``gate_proj``/``up_proj``   [H, F]         ``P(None, "tp")``     ``mlp.gate/up_proj.weight``.T
-``down_proj``               [F, H]         ``P("tp", None)``     ``mlp.down_proj.weight``.T
-``moe.*`` (num_experts > 0) see ``jax_tokenweave.moe``
-=========================== ============== ===================== =============================
+=========================== ================= ================== =================================
+name                        shape             sharding           Hugging Face Llama tensors
+=========================== ================= ================== =================================
+``input_layernorm``         [H]               replicated         ``input_layernorm.weight``
+``qkv_proj``                [H, (Nq+2Nkv)*D]  ``P(None, "tp")``  ``self_attn.{q,k,v}_proj.weight``.T
+                                                                 fused per rank
+``qkv_bias`` (qkv_bias)     [(Nq+2Nkv)*D]     ``P("tp")``        ``self_attn.{q,k,v}_proj.bias``
+``o_proj``                  [Nq*D, H]         ``P("tp", None)``  ``self_attn.o_proj.weight``.T
+``post_attention_layernorm`` [H]              replicated         ``post_attention_layernorm...``
+``gate_up_proj``            [H, 2F]           ``P(None, "tp")``  ``mlp.{gate,up}_proj.weight``.T
+                                                                 fused per rank
+``down_proj``               [F, H]            ``P("tp", None)``  ``mlp.down_proj.weight``.T
+``moe.*`` (num_experts > 0) see ``jax_tokenweave.moe`` (experts unfused)
+=========================== ================= ================== =================================
+
+One GEMM computes a rank's q, k and v (vLLM's and MaxText's ``qkv_proj``), one its gate and up:
+fewer, larger GEMMs for every schedule, which matters most for the split's half-size GEMMs.
+The logical parts (``q_proj`` [H, Nq*D], ``k_proj``/``v_proj`` [H, Nkv*D], ``gate_proj``/
+``up_proj`` [H, F], biases) are what ``params.logical_weights`` returns and what
+``params.load_weights`` accepts in place of the fused names.
 
 The methods are per-rank pieces: pure functions of per-rank arrays, called on a layer whose
 Params hold the *local* shards (``nnx.merge`` of the layer's graph with the local state inside
@@ -62,18 +70,14 @@ class DecoderLayer(nnx.Module):
         col, row, rep = P(None, axis_name), P(axis_name, None), P()
         specs: dict[str, ParamSpec] = {
             "input_layernorm": ((h,), rep, None),
-            "q_proj": ((h, nq), col, 1 / np.sqrt(h)),
-            "k_proj": ((h, nkv), col, 1 / np.sqrt(h)),
-            "v_proj": ((h, nkv), col, 1 / np.sqrt(h)),
+            "qkv_proj": ((h, nq + 2 * nkv), col, 1 / np.sqrt(h)),
             "o_proj": ((nq, h), row, 1 / np.sqrt(nq)),
             "post_attention_layernorm": ((h,), rep, None),
         }
         if config.qkv_bias:
-            specs.update(q_bias=((nq,), P(axis_name), 0.5), k_bias=((nkv,), P(axis_name), 0.5),
-                         v_bias=((nkv,), P(axis_name), 0.5))
+            specs["qkv_bias"] = ((nq + 2 * nkv,), P(axis_name), 0.5)
         if config.num_experts == 0:
-            specs.update(gate_proj=((h, f), col, 1 / np.sqrt(h)),
-                         up_proj=((h, f), col, 1 / np.sqrt(h)),
+            specs.update(gate_up_proj=((h, 2 * f), col, 1 / np.sqrt(h)),
                          down_proj=((f, h), row, 1 / np.sqrt(f)))
         for name, param in make_params(rngs, specs, dtype, mesh).items():
             setattr(self, name, param)
@@ -88,15 +92,17 @@ class DecoderLayer(nnx.Module):
     def qkv(self, x_normed: jax.Array,
             positions: jax.Array | np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Local heads: ``x_normed`` [T, H], ``positions`` [T] -> q [T, Nq/N, D],
-        k, v [T, Nkv/N, D]; RoPE applied to q and k."""
-        d = self.config.head_dim
-        q = jnp.dot(x_normed, self.q_proj[...])
-        k = jnp.dot(x_normed, self.k_proj[...])
-        v = jnp.dot(x_normed, self.v_proj[...])
-        if self.config.qkv_bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        t = x_normed.shape[0]
-        q, k, v = (a.reshape(t, -1, d) for a in (q, k, v))
+        k, v [T, Nkv/N, D]; RoPE applied to q and k. One GEMM with the local ``qkv_proj``
+        block ``[q_r | k_r | v_r]``."""
+        c = self.config
+        qkv = jnp.dot(x_normed, self.qkv_proj[...])
+        if c.qkv_bias:
+            qkv = qkv + self.qkv_bias[...]
+        heads = qkv.shape[-1] // c.head_dim                   # local q + k + v heads
+        nq = heads * c.num_heads // (c.num_heads + 2 * c.num_kv_heads)
+        nkv = (heads - nq) // 2
+        qkv = qkv.reshape(qkv.shape[0], heads, c.head_dim)
+        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
         inv_freq = inv_frequencies(self.config)
         return attn_lib.apply_rope(q, positions, inv_freq), \
             attn_lib.apply_rope(k, positions, inv_freq), v
@@ -106,9 +112,10 @@ class DecoderLayer(nnx.Module):
         return jnp.dot(attn.reshape(attn.shape[0], -1), self.o_proj[...])
 
     def mlp(self, x_normed: jax.Array) -> jax.Array:
-        """SwiGLU (or MoE) on [T, H] replicated -> partial [T, H] (sum over ranks)."""
+        """SwiGLU (or MoE) on [T, H] replicated -> partial [T, H] (sum over ranks); one GEMM
+        with the local ``gate_up_proj`` block ``[gate_r | up_r]``."""
         if self.config.num_experts > 0:
             return self.moe(x_normed)
-        gate = jnp.dot(x_normed, self.gate_proj[...])
-        up = jnp.dot(x_normed, self.up_proj[...])
-        return jnp.dot(jax.nn.silu(gate) * up, self.down_proj[...])
+        gate_up = jnp.dot(x_normed, self.gate_up_proj[...])
+        f = gate_up.shape[-1] // 2
+        return jnp.dot(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], self.down_proj[...])

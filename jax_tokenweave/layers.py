@@ -25,7 +25,7 @@ from the shipped table, see ``jax_tokenweave.tuning``) unless ``tuning=`` overri
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +35,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave import attention as attn_lib
+from jax_tokenweave import tuning as tuning_lib
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.decoder_layer import DecoderLayer
 from jax_tokenweave.params import load_weights, make_param, partition_specs
@@ -51,7 +52,7 @@ from jax_tokenweave.schedules import (
     ffi_unavailable,
     resolve_comm,
 )
-from jax_tokenweave.split import BatchPlan
+from jax_tokenweave.split import BatchPlan, plan_batch
 from jax_tokenweave.stack import PrefillAttention, concat, run_stack
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
@@ -92,6 +93,12 @@ class WeaveDecoder(nnx.Module):
         """Set weights from full arrays named as ``params.named_params`` (see ``load_weights``)."""
         load_weights(self, self.mesh, weights, strict=strict)
 
+    def plan(self, request_lengths: Sequence[int], **kwargs: Any) -> BatchPlan:
+        """``split.plan_batch`` for this decoder: its TP degree and config (so the shipped
+        tuning table's rows for its shapes, and the work-balance split rule); ``kwargs`` as
+        ``plan_batch`` takes them (``split=``, ``threshold=``, ``offset=``, ``table=`` ...)."""
+        return plan_batch(request_lengths, tp=self.tp, config=self.config, **kwargs)
+
     def context(self, tuning: TuneEntry = DEFAULT_ENTRY) -> ReduceContext:
         """The reducers' context of this decoder (axis, mesh, eps) with ``tuning``'s CTAs."""
         return ReduceContext(self.axis_name, self.mesh, self.config.rms_norm_eps, tuning)
@@ -112,7 +119,8 @@ class WeaveDecoder(nnx.Module):
         check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, comm)
         if tuning is not None and not isinstance(tuning, TuneEntry):
             raise ValueError(f"tuning must be a tuning.TuneEntry or None, got {type(tuning)}")
-        entry = DEFAULT_ENTRY if tuning is None else tuning
+        entry = tuning or batch.tuning or tuning_lib.lookup(
+            tuning_lib.model_name(self.config), self.tp, batch.num_tokens)
         resolved = (resolve_comm(comm, self.mesh, self.axis_name, self.dtype, batch,
                                  self.config.hidden_size, entry)
                     if schedule == "weave" and reducer is None else "xla")

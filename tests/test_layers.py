@@ -16,7 +16,7 @@ from jax_tokenweave import attention as A
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.params import named_params, numpy_weights
+from jax_tokenweave.params import logical_weights, named_params
 from jax_tokenweave.split import plan_batch
 from jax_tokenweave.testing.reference import reference_decoder
 
@@ -70,7 +70,7 @@ def test_weave_baseline_reference(cpu_mesh, rng, name, tp, lengths, threshold, d
     batch = plan_batch(lengths, tp=tp, threshold=threshold)
     dec = build(config, mesh, dtype, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), dtype)
-    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     schedules = (("weave", "xla"), ("baseline", "xla"))
     if tp == 8 and dtype == jnp.float32 and name == "tiny":
         schedules += (("weave", "auto"),)                 # auto = xla_rsag on CPU
@@ -95,7 +95,7 @@ def test_random_ragged_batch(cpu_mesh, rng):
     dec = build(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
-    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     for out in forward(dec, batch)(hidden):
         assert rel_err(out, want) < 1e-5
 
@@ -124,7 +124,7 @@ def test_default_threshold_split(cpu_mesh, rng):
     dec = build(config, cpu_mesh(tp), jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
-    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     weave, baseline = forward(dec, batch)(hidden)
     for out in (weave, baseline):
         assert out.shape == hidden.shape and out.sharding.is_fully_replicated
@@ -148,7 +148,7 @@ def test_return_kv_and_nocomm(cpu_mesh, rng):
         for a, b in ((wk, bk), (wv, bv)):
             assert rel_err(a, np.asarray(b, np.float64)) < 1e-5
     # layer 0's keys: RoPE(input_norm(hidden) @ k_proj)
-    w = numpy_weights(dec)
+    w = logical_weights(dec)
     h = np.asarray(hidden, np.float64)
     x = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + config.rms_norm_eps)
     x = x * w["layers.0.input_layernorm"]
@@ -179,7 +179,7 @@ def test_every_loop_configuration_against_reference(cpu_mesh, rng, tp):
     dec = build(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
-    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     fake = FakeKernel()
     graphdef, state = nnx.split(dec)
 
@@ -260,15 +260,15 @@ def test_weights_sharded_as_documented(cpu_mesh, rng):
     params = named_params(dec)
     d = config.head_dim
     expect = {
-        "layers.0.q_proj": ((64, 16 * d), (64, 4 * d)),
-        "layers.0.k_proj": ((64, 8 * d), (64, 2 * d)),
-        "layers.0.q_bias": ((16 * d,), (4 * d,)),
+        "layers.0.qkv_proj": ((64, 32 * d), (64, 8 * d)),        # 16 q + 8 k + 8 v heads
+        "layers.0.qkv_bias": ((32 * d,), (8 * d,)),
         "layers.0.o_proj": ((16 * d, 64), (4 * d, 64)),
-        "layers.0.gate_proj": ((64, 128), (64, 32)),
+        "layers.0.gate_up_proj": ((64, 256), (64, 64)),
         "layers.0.down_proj": ((128, 64), (32, 64)),
         "layers.0.input_layernorm": ((64,), (64,)),
         "final_norm": ((64,), (64,)),
     }
+    assert not {"layers.0.q_proj", "layers.0.gate_proj"} & set(params)
     for name, (global_shape, shard_shape) in expect.items():
         value = params[name][...]
         assert value.shape == global_shape, name
@@ -280,3 +280,32 @@ def test_weights_sharded_as_documented(cpu_mesh, rng):
         dec.load_weights({"final_norm": np.zeros(3)}, strict=False)
     with pytest.raises(ValueError, match="missing"):
         dec.load_weights({"final_norm": np.zeros(64)})
+    with pytest.raises(ValueError, match=r"layers\.0\.v_proj'\] missing"):
+        dec.load_weights({"layers.0.q_proj": np.zeros((64, 16 * d)),
+                          "layers.0.k_proj": np.zeros((64, 8 * d))}, strict=False)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fused_projections_are_rank_blocked(cpu_mesh, rng, tp):
+    """Loading the logical q/k/v and gate/up weights fuses them so that each rank's shard of
+    qkv_proj / qkv_bias / gate_up_proj is exactly [its q | its k | its v] (resp. [gate | up]),
+    and logical_weights gives them back unchanged."""
+    config, mesh = get_config("tiny-qwen", num_layers=1), cpu_mesh(tp)
+    dec = build(config, mesh, jnp.float32, rng)
+    logical = {n: rng.standard_normal(v.shape).astype(np.float32)
+               for n, v in logical_weights(dec).items()}
+    dec.load_weights(logical)
+    back = logical_weights(dec)
+    assert set(back) == set(logical)
+    for name, value in logical.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+    p = "layers.0."
+    params = named_params(dec)
+    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                         ("qkv_bias", ("q_bias", "k_bias", "v_bias")),
+                         ("gate_up_proj", ("gate_proj", "up_proj"))):
+        shards = params[p + fused][...].addressable_shards
+        assert len(shards) == tp
+        for r, shard in enumerate(sorted(shards, key=lambda s: s.index[-1].start or 0)):
+            own = [np.split(logical[p + part], tp, axis=-1)[r] for part in parts]
+            np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate(own, -1))

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
+from jax_tokenweave.params import logical_weights
 from jax_tokenweave.serving import (
     EngineConfig,
     LLMEngine,
@@ -39,11 +40,6 @@ CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, bl
 def model():
     mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("tp",))
     return LlamaModel(get_config("tiny"), mesh, dtype=jnp.float32, rngs=nnx.Rngs(3))
-
-
-@pytest.fixture(scope="module")
-def weights(model):
-    return model.numpy_weights()
 
 
 def reference_greedy(weights, config, prompt, n):
@@ -79,7 +75,7 @@ def test_greedy_matches_reference_with_arrivals_and_chunks(rng, cpu_mesh, tp):
     # 45 tokens need two 32-row steps; 21 arrives while the first decodes; 3 comes late.
     arrivals = {0: prompts(rng, (45, 6)), 2: prompts(rng, (21,)), 5: prompts(rng, (3,))}
     outs = run_with_arrivals(engine, arrivals, SamplingParams(max_tokens=8, logprobs=3))
-    weights = model.numpy_weights()
+    weights = logical_weights(model)
     for out, prompt in zip(outs, [p for s in sorted(arrivals) for p in arrivals[s]],
                            strict=True):
         want, lps = reference_greedy(weights, config, prompt, 8)

@@ -1,15 +1,13 @@
-"""The weave schedule with the fused kernel's start/done pair (comm="ffi"), its tuning table and
-the compiled-HLO overlap checker.
+"""The weave schedule with the fused kernel's start/done pair (comm="ffi") and the compiled-HLO
+overlap checker.
 
-CPU: tuning.py; hlo_check on synthetic HLO; comm="ffi" refused / "auto" falling back; the
+CPU: hlo_check on synthetic HLO; comm="ffi" refused / "auto" falling back; the
 overlapped schedule with pure-JAX stand-ins for the kernel (values == baseline, slot protocol,
 CTA counts); the ordering by data, read from the jaxpr of the real start/done calls.
 GPU (>= 2 peer GPUs): weave-ffi == baseline in bf16, and the overlap present in compiled HLO.
 """
 
 from __future__ import annotations
-
-import json
 
 import jax
 import jax.numpy as jnp
@@ -24,100 +22,6 @@ from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.schedules import configure, resolve_comm
 from jax_tokenweave.split import plan_batch
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
-
-# ------------------------------------------------------------------------------- tuning ---
-
-
-def test_tune_entry_and_defaults():
-    assert TuneEntry(offset=None, num_ctas=16, first_num_ctas=8) == DEFAULT_ENTRY
-    assert DEFAULT_ENTRY.ctas(True) == 8 and DEFAULT_ENTRY.ctas(False) == 16
-    assert TuneEntry(0, 4).ctas(True) == 4
-    hash(TuneEntry(-128, 32, 2))
-    for bad in (dict(offset=None, num_ctas=0), dict(offset=None, num_ctas=33),
-                dict(offset=None, num_ctas=8.0), dict(offset=1.5, num_ctas=8),
-                dict(offset=None, num_ctas=8, first_num_ctas=64),
-                dict(offset=None, num_ctas=True)):
-        with pytest.raises(ValueError):
-            TuneEntry(**bad)
-
-
-def test_lookup_nearest_at_or_below():
-    table = {("m", 4, 1024): TuneEntry(0, 8), ("m", 4, 4096): TuneEntry(-128, 16, 8),
-             ("m", 2, 2048): TuneEntry(128, 32), ("other", 4, 512): TuneEntry(256, 4)}
-    assert tuning.lookup("m", 4, 1024, table) == TuneEntry(0, 8)
-    assert tuning.lookup("m", 4, 4095, table) == TuneEntry(0, 8)
-    assert tuning.lookup("m", 4, 4096, table) == TuneEntry(-128, 16, 8)
-    assert tuning.lookup("m", 4, 100000, table) == TuneEntry(-128, 16, 8)
-    assert tuning.lookup("m", 4, 1023, table) == DEFAULT_ENTRY       # below the smallest
-    assert tuning.lookup("m", 8, 4096, table) == DEFAULT_ENTRY       # other TP
-    assert tuning.lookup("nope", 4, 4096, table) == DEFAULT_ENTRY
-    assert tuning.lookup("m", 4, 4096) == DEFAULT_ENTRY              # DEFAULT_TABLE is empty
-    mine = TuneEntry(None, 2)
-    assert tuning.lookup("m", 1, 5, table, default=mine) is mine
-    for bad in (("", 4, 8), ("m", 0, 8), ("m", 4, 0), ("m", 4, 8.0), (None, 4, 8)):
-        with pytest.raises(ValueError):
-            tuning.lookup(*bad, table)
-    assert tuning.offsets(table) == {("m", 4, 1024): 0, ("m", 4, 4096): -128,
-                                     ("m", 2, 2048): 128, ("other", 4, 512): 256}
-
-
-def test_json_round_trip(tmp_path):
-    table = {("llama3-70b", 4, 8192): TuneEntry(-128, 16, 8),
-             ("llama3-70b", 4, 2048): TuneEntry(None, 8),
-             ("qwen2.5-72b", 2, 4096): TuneEntry(256, 32, None)}
-    path = tmp_path / "tune.json"
-    tuning.save(table, path, extra={("llama3-70b", 4, 8192): {"latency_ms": 1.5}})
-    data = json.loads(path.read_text())
-    assert data["format"] == tuning.FORMAT and len(data["entries"]) == 3
-    assert data["entries"][1]["latency_ms"] == 1.5   # sorted: (llama3-70b, 4, 2048) first
-    assert tuning.load(path) == table
-    assert tuning.from_json(tuning.to_json({})) == {}
-
-
-@pytest.mark.parametrize(("data", "match"), [
-    ([], "format"),
-    ({"format": "v0", "entries": []}, "format"),
-    ({"format": tuning.FORMAT}, "entries"),
-    ({"format": tuning.FORMAT, "entries": [1]}, "not an object"),
-    ({"format": tuning.FORMAT, "entries": [{"model": "m", "tp": 2, "tokens": 8}]}, "num_ctas"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 64}]}, r"\[1, 32\]"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": "2", "tokens": 8, "num_ctas": 8}]}, "tp"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8, "offset": "x"}]},
-     "offset"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8}] * 2}, "duplicate"),
-])
-def test_json_bad_input(tmp_path, data, match):
-    with pytest.raises(ValueError, match=match):
-        tuning.from_json(data)
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=match):
-        tuning.load(path)
-
-
-def test_load_invalid_json(tmp_path):
-    path = tmp_path / "t.json"
-    path.write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
-        tuning.load(path)
-
-
-def test_plan_batch_from_table():
-    lengths = (700, 900, 500)   # T = 2100, midpoint 1152
-    table = {("m", 4, 2048): TuneEntry(-256, 16)}
-    assert tuning.plan_batch(lengths, model="m", tp=4, table=table).offset == -256
-    assert tuning.plan_batch(lengths, model="m", tp=4, table=table, offset=0).offset == 0
-    default = plan_batch(lengths, tp=4, model="m")
-    assert tuning.plan_batch(lengths, model="m", tp=2, table=table) == default
-    # an offset that would empty a half falls back to the split module's rule
-    far = {("m", 4, 16): TuneEntry(-500, 16)}
-    assert tuning.plan_batch((10, 10), model="m", tp=4, table=far, split=True) == \
-        plan_batch((10, 10), tp=4, model="m", split=True)
-
 
 # ------------------------------------------------------------------------- HLO checker ---
 
@@ -307,10 +211,19 @@ def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
     dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
-    ffi, base = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.sync),
-                                          dict(schedule="baseline")])
+    ffi, base = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.sync,
+                                               tuning=DEFAULT_ENTRY), dict(schedule="baseline")])
     np.testing.assert_allclose(np.asarray(ffi), np.asarray(base), rtol=1e-4, atol=1e-4)
-    assert fake.log == [("sync", 0, 8)] + [("sync", 0, 16)] * (2 * config.num_layers - 1)
+    calls = 2 * config.num_layers
+    assert fake.log == [("sync", 0, 8)] + [("sync", 0, 16)] * (calls - 1)
+    # without tuning=, the plan's entry: here a table whose entry leaves the CTAs to the
+    # kernel policy (None)
+    table = tuning.TuneTable({("*", 2, 1): tuning.POLICY_ENTRY})
+    batch = plan_batch((5, 4), tp=2, split=False, table=table)
+    assert batch.tuning == tuning.POLICY_ENTRY
+    fake.log.clear()
+    _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.sync)])
+    assert fake.log == [("sync", 0, None)] * calls
 
 
 # ------------------------------------------------------- ordering by data, in the jaxpr ---

@@ -16,9 +16,12 @@ chunk segment is one group (a tile never holds two requests). ``tables [D + (R -
 table_width]``. Padding rows have position 0, a zero block table and the out-of-range cache
 slot ``num_blocks * block_size`` (their K/V writes are dropped); their outputs are ignored.
 
-The layout is static (a ``jit`` argument); its split comes from ``split.plan_batch([R])`` with
-the wave model of the model's shapes, moved to a tile boundary where needed so the two halves
-cut no tile.
+The layout is static (a ``jit`` argument); its split comes from ``split.plan_batch([R])``: the
+split threshold (``EngineConfig.split_threshold``, default the tuning table's for the model and
+TP degree), the wave rule of the model's shapes plus the table's offset, moved to a tile
+boundary where needed so the two halves cut no tile. The requests inside a step change from
+step to step, so the work-balance rule (which needs the request lengths) is not used; the
+plan's ``tuning`` entry (the fused kernel's CTA counts) is the table's for ``R`` tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import functools
 import jax
 import numpy as np
 
+from jax_tokenweave import tuning
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.serving.buckets import decode_rows, step_rows
 from jax_tokenweave.serving.config import EngineConfig
@@ -76,13 +80,15 @@ def make_layout(decode: int, rows: int, cfg: EngineConfig, model: DecoderConfig,
                 tp: int) -> StepLayout:
     """The layout of a step of ``rows`` rows whose decode segment has ``decode`` rows."""
     tile = cfg.prefill_tile
-    split = cfg.schedule == "weave" and rows >= cfg.split_threshold and rows >= 2 * tile
+    name = tuning.model_name(model)
+    split = None if cfg.schedule == "weave" and rows >= 2 * tile else False
     offset = cfg.tuning.offset if cfg.tuning is not None else None
-    wave = WaveModel.from_config(model, tp)
-    plan = plan_batch([rows], tp=tp, split=split, wave=wave, offset=offset)
+    kwargs = dict(tp=tp, model=name, wave=WaveModel.from_config(model, tp))
+    plan = plan_batch([rows], threshold=cfg.split_threshold, split=split, offset=offset,
+                      **kwargs)
     if plan.split and plan.halves[1].start % tile:
         first = min(max(round(plan.halves[1].start / tile) * tile, tile), rows - tile)
-        plan = plan_batch([rows], tp=tp, split=True, offset=first - midpoint(rows))
+        plan = plan_batch([rows], split=True, offset=first - midpoint(rows), **kwargs)
     samples = min(cfg.max_num_seqs, decode + (rows - decode) // tile)
     return StepLayout(decode, rows, tile, samples, plan)
 

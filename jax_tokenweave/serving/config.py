@@ -32,9 +32,10 @@ class EngineConfig:
     Schedule: ``schedule`` ``"weave"`` (TokenWeave: steps of at least ``split_threshold`` rows
     are split in two wave-aware halves and overlapped; smaller steps run unsplit with the
     token-sharded residual and the fused kernel where it runs) or ``"baseline"`` (plain TP,
-    psum); ``comm``: weave's reductions (``auto``, ``xla``, ``ffi``); ``tuning``: the fused
-    kernel's CTA counts and the split offset (None: ``tuning.DEFAULT_ENTRY`` for split steps,
-    the kernel policy's for unsplit ones).
+    psum); ``split_threshold`` None: the tuning table's for the model and TP degree
+    (``jax_tokenweave.tuning``); ``comm``: weave's reductions (``auto``, ``xla``, ``ffi``);
+    ``tuning``: the fused kernel's CTA counts and the split offset for every step (None: the
+    tuning table's entry for the step's size).
 
     ``max_logprobs``: the most top log-probabilities a request may ask for. ``seed``: seeds the
     requests that bring none.
@@ -49,7 +50,7 @@ class EngineConfig:
     key_chunk: int = 512
     schedule: str = "weave"
     comm: str = "auto"
-    split_threshold: int = 1024
+    split_threshold: int | None = None
     tuning: TuneEntry | None = None
     max_logprobs: int = 20
     seed: int = 0
@@ -59,7 +60,8 @@ class EngineConfig:
                               ("max_model_len", 2), ("block_size", 1), ("num_blocks", 1),
                               ("prefill_tile", 1), ("key_chunk", 1), ("split_threshold", 2),
                               ("max_logprobs", 0), ("seed", 0)):
-            checks.at_least(getattr(self, name), minimum, f"EngineConfig.{name}")
+            if name != "split_threshold" or self.split_threshold is not None:
+                checks.at_least(getattr(self, name), minimum, f"EngineConfig.{name}")
         tile = self.prefill_tile
         if tile & (tile - 1):
             raise ValueError(f"EngineConfig.prefill_tile must be a power of two, got {tile}")

@@ -37,7 +37,7 @@ from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
 from jax_tokenweave.stack import run_stack
-from jax_tokenweave.tuning import DEFAULT_ENTRY, POLICY_ENTRY, TuneEntry
+from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
 
 @jax.tree_util.register_dataclass
@@ -53,11 +53,9 @@ class StepOutputs:
 
 
 def tuning_entry(layout: StepLayout, tuning: TuneEntry | None) -> TuneEntry:
-    """The fused kernel's CTA counts: ``tuning``, else the default entry for a split step and
-    the kernel policy's for an unsplit one."""
-    if tuning is not None:
-        return tuning
-    return DEFAULT_ENTRY if layout.plan.split else POLICY_ENTRY
+    """The fused kernel's CTA counts: ``tuning``, else the tuning table's entry of the layout's
+    plan (as ``WeaveDecoder`` takes it), else the default entry."""
+    return tuning or layout.plan.tuning or DEFAULT_ENTRY
 
 
 def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays,
