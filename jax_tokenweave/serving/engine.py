@@ -157,18 +157,21 @@ class LLMEngine:
 
     def output(self, request_id: str) -> RequestOutput:
         """The request's output so far (final once it finished)."""
-        t = self._tracked[request_id]
-        return RequestOutput(request_id, t.prompt_text, list(t.seq.prompt), list(t.seq.output),
-                             None if t.text is None else t.text.text, t.seq.finish_reason,
-                             None if t.logprobs is None else list(t.logprobs), t.metrics)
+        with self._lock:
+            t = self._tracked[request_id]
+            return RequestOutput(request_id, t.prompt_text, list(t.seq.prompt),
+                                 list(t.seq.output), None if t.text is None else t.text.text,
+                                 t.seq.finish_reason,
+                                 None if t.logprobs is None else list(t.logprobs), t.metrics)
 
     def release(self, request_id: str) -> RequestOutput:
         """:meth:`output` of a finished request, then forget it."""
-        out = self.output(request_id)
-        if not out.finished:
-            raise ValueError(f"request {request_id!r} has not finished")
-        del self._tracked[request_id]
-        return out
+        with self._lock:
+            out = self.output(request_id)
+            if not out.finished:
+                raise ValueError(f"request {request_id!r} has not finished")
+            del self._tracked[request_id]
+            return out
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
