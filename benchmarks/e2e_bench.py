@@ -10,6 +10,10 @@ whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requ
 - ``weave-ffi``: the weave schedule with the fused CUDA kernel (TokenWeave proper);
 - ``nocomm``: every collective dropped (not the model's output; the floor).
 
+The weave modes split where the shipped tuning table says (at TP=2 from 4096 tokens; see
+``jax_tokenweave.tuning``) and use its CTA counts: what the library does by default. To see the
+split's own costs at every size, ``benchmarks/breakdown.py`` forces the split.
+
 Decode batches (``DECODE_MODES``: ``baseline``, ``weave-ffi``, ``weave-xla``, ``nocomm``) are
 ``n`` requests of one token each (below the split threshold, so never split): the layer stack
 without a KV cache, i.e. the GEMMs and the communication of one decode step (attention over past
@@ -32,7 +36,6 @@ import json
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,8 +43,7 @@ from typing import Any
 import jax
 
 from jax_tokenweave import benchmarking as bm
-from jax_tokenweave import timing
-from jax_tokenweave.benchmarking import Mode
+from jax_tokenweave.modes import Mode, measure
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("baseline"), Mode("weave", "ffi", split=False), Mode("weave", "xla"),
@@ -78,13 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill sweep")
     p.add_argument("--no-decode", action="store_true", help="skip the decode sweep")
     bm.add_run_options(p, warmup=2, iters=10, unit="mode and batch")
-    p.add_argument("--seed", type=bm.nonnegative_int, help="random seed (default: fresh)")
-    p.add_argument("--time-budget", type=bm.positive_float, metavar="SECONDS",
-                   help="start no new measurement after this many seconds (default: no limit)")
+    bm.add_sweep_options(p, plot="e2e.png")
     p.add_argument("--replot", type=Path, metavar="JSON",
                    help="only redraw the markdown and plot from an earlier e2e.json")
-    p.add_argument("--no-plot", action="store_true",
-                   help="write no e2e.png (the plot needs matplotlib: the plot extra)")
     return p
 
 
@@ -174,52 +172,20 @@ class Runner:
         tokens, tp = base["tokens"], base["tp"]
         lengths = bm.request_lengths(tokens, request_len)
         hidden = bm.random_hidden(tokens, config.hidden_size, self.dtype, mesh,
-                                     self.seed + 1 + index)
-        ffi_reason = bm.ffi_unavailable(mesh, self.dtype, (tokens, config.hidden_size))
-        fns, info = {}, {}
-        for name in dict.fromkeys(["baseline", *modes]):
-            mode = table[name]
-            if mode.needs_ffi and ffi_reason is not None:
-                info[name] = {"status": "skipped", "reason": f"ffi unavailable: {ffi_reason}"}
-                continue
-            try:
-                plan = bm.make_plan(config, base["model"], lengths, tp, split=mode.split)
-                fns[name], seconds, _ = bm.compile_forward(
-                    decoder, plan, hidden, schedule=mode.schedule, comm=mode.comm)
-                info[name] = {"status": "ok", "compile_s": seconds, "split": plan.split,
-                              "half_lengths": [h.length for h in plan.halves]}
-            except Exception as err:  # a mode that fails must not end the sweep
-                info[name] = {"status": "error", "reason": _one_line(err)}
-                traceback.print_exc(limit=3)
-        reference = fns["baseline"]() if "baseline" in fns else None
-        for name in list(fns):
-            if not table[name].reference or reference is None:
-                continue
-            err = timing.rel_error(fns[name](), reference)
-            info[name]["rel_err"] = err
-            if not err <= self.tol:
-                info[name].update(status="mismatch",
-                                  reason=f"relative error {err:.3g} vs baseline > {self.tol}")
-                del fns[name]
-        del reference
-        timed = {n: fns[n] for n in modes if n in fns}
-        if timed:
-            label = f"{base['kind']} {base['model']} TP={tp} T={tokens}"
-            print(f"   {label}: timing {', '.join(timed)}", flush=True)
-            stats = timing.benchmark(timed, warmup=self.args.warmup, iters=self.args.iters)
-            for name, s in stats.items():
-                info[name].update(s.summary())
+                                  self.seed + 1 + index)
+        print(f"   {base['kind']} {base['model']} TP={tp} T={tokens}: {', '.join(modes)}",
+              flush=True)
+        info = measure(decoder, config, base["model"], lengths, hidden,
+                       {name: table[name] for name in modes}, tol=self.tol,
+                       warmup=self.args.warmup, iters=self.args.iters,
+                       ffi_reason=bm.ffi_unavailable(mesh, self.dtype,
+                                                     (tokens, config.hidden_size)))
         for name in modes:
             self.records.append({**base, "mode": name, **info[name]})
 
 
 def _base(kind: str, model: str, tp: int, tokens: int) -> dict[str, Any]:
     return {"kind": kind, "model": model, "tp": tp, "tokens": tokens}
-
-
-def _one_line(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}".strip().splitlines()
-    return text[0][:300] if text else type(err).__name__
 
 
 # ---------------------------------------------------------------------------------- output ---

@@ -1,21 +1,22 @@
-"""Tune the weave-ffi schedule: CTA count x split offset per (model, TP, tokens); write the table.
+"""Regenerate the tuning table: per token count the fused kernel's CTA counts and the split
+offset correction, and per (model, TP) the split threshold; write the table the library reads.
 
-For each token count, every split offset (from the midpoint; offsets that empty a half are left
-out) and every CTA count, compiles ``WeaveDecoder(schedule="weave", comm="ffi",
-tuning=TuneEntry(offset, num_ctas))`` on a packed batch, checks its output against the baseline
-schedule, times it (``jax_tokenweave.timing.benchmark``: warm-up calls, then the median of
-``--iters`` timed calls, the CTA variants of one offset interleaved), and keeps the fastest. The
-default entry (16 CTAs, 8 for the first call, the split module's offset) is timed beside them
-as the reference. For each offset it also prints the compiled HLO's overlap check
-(``jax_tokenweave.hlo_check``). The result is a ``jax_tokenweave.tuning`` JSON table (with
-``latency_ms``, ``default_ms`` and every candidate's median as informational keys); ``--merge``
-adds to an existing one.
+For each token count it times, the same way in one process (``jax_tokenweave.timing``: warm-up
+calls, then the median of ``--iters`` interleaved timed calls), the baseline schedule, the weave
+schedule unsplit with the fused kernel (``--ctas``, and the kernel policy's count) and the weave
+schedule split (``--offsets`` corrections to the planner's split point x ``--ctas``), each
+output checked against the baseline. The entry of a token count is the fastest candidate; the
+threshold is the smallest measured token count from which the split wins at every larger one
+(:func:`decide`). For each offset it also prints the compiled HLO's overlap check
+(``jax_tokenweave.hlo_check``). Rows are written for ``--model`` and ``--tp`` (with the model's
+shapes, so configs of the same shapes find them) into a ``jax_tokenweave.tuning`` JSON table;
+``--merge`` adds them to the table already at ``--out``, e.g. the shipped one::
+
+    python benchmarks/tune.py --model llama3-70b --tp 2 --tokens 1024 2048 4096 8192 16384 \\
+        --layers 8 --out jax_tokenweave/tuning.json --merge
 
 Without GPUs (or where the fused kernel cannot run) it prints why and exits 0, writing nothing.
-``--time-budget`` bounds the run: no new measurement starts after it. Example (2 GPUs)::
-
-    python benchmarks/tune.py --model llama3-70b --tp 2 --tokens 2048 8192 --layers 4 \\
-        --out benchmarks/results/tune.json
+``--time-budget`` bounds the run: no new measurement starts after it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import argparse
 import gc
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,12 @@ import jax.numpy as jnp
 
 from jax_tokenweave import benchmarking as bm
 from jax_tokenweave import hlo_check, timing, tuning
-from jax_tokenweave.layers import ffi_unavailable
-from jax_tokenweave.split import PAD_MULTIPLE, midpoint, plan_batch
-from jax_tokenweave.tuning import TuneEntry
+from jax_tokenweave.schedules import ffi_unavailable
+from jax_tokenweave.tuning import TuneEntry, TuneTable
 
-CTAS = (4, 8, 16, 32)
+CTAS = (8, 16, 32)
 OFFSETS = (-256, -128, 0, 128, 256)
+TOKENS = (1024, 2048, 4096, 8192, 16384)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"model config name, {bm.config_names_help()}")
     p.add_argument("--tp", type=bm.positive_int, default=2, help="tensor-parallel degree")
     p.add_argument("--tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,
-                   default=[2048, 8192], help="batch sizes in tokens to tune")
-    p.add_argument("--layers", type=bm.positive_int, default=4, help="decoder layers to stack")
+                   default=list(TOKENS), help="batch sizes in tokens to tune")
+    p.add_argument("--layers", type=bm.positive_int, default=8, help="decoder layers to stack")
     p.add_argument("--request-len", type=bm.positive_int, default=1024,
                    help="tokens per request packed into the batch")
     p.add_argument("--ctas", type=bm.positive_ints, nargs="+", action=bm.Flatten,
@@ -57,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"CTA counts of the fused kernel to try, each in "
                         f"[{tuning.MIN_CTAS}, {tuning.MAX_CTAS}]")
     p.add_argument("--offsets", type=int, nargs="+", default=list(OFFSETS),
-                   help="split offsets from the midpoint to try (tokens)")
-    bm.add_run_options(p, warmup=2, iters=10, unit="candidate")
-    p.add_argument("--time-budget", type=bm.positive_float, default=600.0, metavar="SECONDS",
+                   help="corrections (tokens) to the planner's split point to try")
+    bm.add_run_options(p, warmup=2, iters=7, unit="candidate")
+    p.add_argument("--time-budget", type=bm.positive_float, default=900.0, metavar="SECONDS",
                    help="start no new measurement after this many seconds")
     p.add_argument("--out", type=Path, metavar="JSON",
                    help="tuning table to write (default: print only)")
@@ -89,73 +90,88 @@ def skip_reason(args: argparse.Namespace) -> tuple[str | None, Any]:
         return "no CUDA GPUs: the fused kernel runs only on GPUs", None
     if len(devices) < args.tp:
         return f"TP={args.tp} needs {args.tp} GPUs, this machine has {len(devices)}", None
-    mesh = bm.make_mesh(devices, args.tp)
-    return None, mesh
+    return None, bm.make_mesh(devices, args.tp)
 
 
-def tune_tokens(args, config, mesh, decoder, tokens: int, deadline: float):
-    """Measure every (offset, CTAs) for one token count; returns (best entry, info) or None."""
+Candidate = tuple[bool, int, int | None]
+"""``(split, offset correction, CTAs)`` of one measured configuration (CTAs None: policy)."""
+
+
+def decide(times: Mapping[int, Mapping[Candidate, float]],
+           current_threshold: int) -> tuple[dict[int, TuneEntry], int]:
+    """Entries and threshold from the medians ``times[tokens][candidate]`` (ms).
+
+    Per token count, the entry holds the fastest candidate's CTAs (split or not) and the best
+    split candidate's offset. The threshold is the smallest measured token count from which the
+    best split beats the best unsplit candidate at it and at every larger measured count;
+    where the split wins at every count, ``min(current_threshold, smallest count)``; where it
+    wins at the largest count nowhere, one more than the largest count.
+    """
+    entries: dict[int, TuneEntry] = {}
+    wins: dict[int, bool] = {}
+    for tokens, cands in sorted(times.items()):
+        split = {c: t for c, t in cands.items() if c[0]}
+        whole = {c: t for c, t in cands.items() if not c[0]}
+        best = min(cands, key=cands.__getitem__)
+        offset = min(split, key=split.__getitem__)[1] if split else None
+        entries[tokens] = TuneEntry(offset or None, best[2])
+        wins[tokens] = bool(split) and (not whole or min(split.values()) < min(whole.values()))
+    counts = sorted(wins)
+    if not counts:
+        return entries, current_threshold
+    threshold = max(counts) + 1
+    for tokens in reversed(counts):
+        if not wins[tokens]:
+            break
+        threshold = tokens
+    if threshold == counts[0]:
+        threshold = min(current_threshold, threshold)
+    return entries, threshold
+
+
+def tune_tokens(args, config, mesh, decoder, tokens: int,
+                deadline: float) -> dict[Candidate, float]:
+    """Median ms of every candidate for one token count (those checked against baseline)."""
     dtype = bm.DTYPES[args.dtype]
     lengths = bm.request_lengths(tokens, args.request_len)
     hidden = bm.random_hidden(tokens, config.hidden_size, dtype, mesh, args.seed + tokens)
-    base_run, _, _ = bm.compile_forward(
-        decoder, bm.make_plan(config, args.model, lengths, args.tp), hidden, schedule="baseline")
+    key = (args.model, args.tp, tokens)
+    base_plan = bm.make_plan(config, args.model, lengths, args.tp, split=False)
+    base_run, _, _ = bm.compile_forward(decoder, base_plan, hidden, schedule="baseline")
     reference = base_run().astype(jnp.float32)
-    tol = bm.TOLERANCE[args.dtype]
-    results: dict[tuple[int | None, int, int | None], float] = {}
-
-    def measure(plan, entries: Sequence[TuneEntry]) -> None:
-        why = ffi_unavailable(mesh, "tp", dtype, plan, config.hidden_size)
-        if why is not None:
-            print(f"   offset {plan.offset}: skipped: {why}", flush=True)
-            return
-        fns, shown = {}, False
-        for e in entries:
-            if time.perf_counter() > deadline:
-                break
-            run, _, text = bm.compile_forward(decoder, plan, hidden, schedule="weave", comm="ffi",
-                                              tuning=e)
-            if not shown:
-                problems = hlo_check.overlap_problems(text)
-                print(f"   offset {plan.offset} halves {plan.half_lengths}: overlap "
-                      f"{'ok' if not problems else '; '.join(problems)}", flush=True)
-                shown = True
-            err = timing.rel_error(run().astype(jnp.float32), reference)
-            if not err <= tol:
-                print(f"   {e}: relative error {err:.3g} > {tol}: rejected", flush=True)
+    fns: dict[str, Any] = {"baseline": base_run}
+    names: dict[str, Candidate] = {}
+    for split in (False, True):
+        for offset in (args.offsets if split else [0]):
+            table = TuneTable({key: TuneEntry(offset, None)})
+            plan = bm.make_plan(config, args.model, lengths, args.tp, split=split, table=table)
+            if (why := ffi_unavailable(mesh, "tp", dtype, plan, config.hidden_size)) is not None:
+                print(f"   split={split} offset {offset}: skipped: {why}", flush=True)
                 continue
-            fns[e] = run
-        if fns:
-            stats = timing.benchmark({str(k): f for k, f in fns.items()}, warmup=args.warmup,
-                                     iters=args.iters)
-            for e in fns:
-                ms = stats[str(e)].median_ms
-                results[(plan.offset, e.num_ctas, e.first_num_ctas)] = ms
-                print(f"   offset {plan.offset:5d} ctas {e.num_ctas:2d} first "
-                      f"{e.first_num_ctas or e.num_ctas:2d}: {ms:.3f} ms", flush=True)
-
-    default_plan = bm.make_plan(config, args.model, lengths, args.tp, split=True)
-    measure(default_plan, [tuning.DEFAULT_ENTRY])
-    default_key = (default_plan.offset, tuning.DEFAULT_ENTRY.num_ctas,
-                   tuning.DEFAULT_ENTRY.first_num_ctas)
-    lo, hi = 1 - midpoint(tokens), tokens - 1 - midpoint(tokens)
-    for offset in args.offsets:
-        if time.perf_counter() > deadline:
-            print("   time budget exhausted", flush=True)
-            break
-        if not lo <= offset <= hi:
-            print(f"   offset {offset}: leaves a half empty (T={tokens}), skipped", flush=True)
-            continue
-        plan = plan_batch(lengths, tp=args.tp, split=True, offset=offset)
-        measure(plan, [TuneEntry(offset, c) for c in args.ctas])
-    if not results:
-        return None
-    (offset, ctas, first), ms = min(results.items(), key=lambda kv: kv[1])
-    entry = TuneEntry(offset, ctas, first)
-    info = {"latency_ms": ms, "default_ms": results.get(default_key),
-            "candidates": [{"offset": o, "num_ctas": c, "first_num_ctas": f, "median_ms": t}
-                           for (o, c, f), t in sorted(results.items(), key=lambda kv: kv[1])]}
-    return entry, info
+            shown = False
+            for ctas in [*args.ctas, None]:
+                if time.perf_counter() > deadline:
+                    break
+                run, _, text = bm.compile_forward(decoder, plan, hidden, schedule="weave",
+                                                  comm="ffi", tuning=TuneEntry(None, ctas))
+                if split and not shown:
+                    problems = hlo_check.overlap_problems(text)
+                    print(f"   halves {plan.half_lengths}: overlap "
+                          f"{'ok' if not problems else '; '.join(problems)}", flush=True)
+                    shown = True
+                err = timing.rel_error(run().astype(jnp.float32), reference)
+                if not err <= bm.TOLERANCE[args.dtype]:
+                    print(f"   split={split} offset {offset} ctas {ctas}: relative error "
+                          f"{err:.3g}: rejected", flush=True)
+                    continue
+                name = f"split={split} offset={offset} ctas={ctas}"
+                fns[name], names[name] = run, (split, offset, ctas)
+    stats = timing.benchmark(fns, warmup=args.warmup, iters=args.iters)
+    base = stats["baseline"].median_ms
+    for name in fns:
+        ms = stats[name].median_ms
+        print(f"   {name:38s} {ms:9.3f} ms  ({base / ms:.3f}x baseline)", flush=True)
+    return {names[n]: stats[n].median_ms for n in names}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,36 +183,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = bm.load_config(args.model, args.layers)
     config.check_tensor_parallel(args.tp)
     deadline = time.perf_counter() + args.time_budget
-    table: dict = {}
-    if args.merge and args.out is not None and args.out.exists():
-        table = dict(tuning.load(args.out))
-    extra: dict = {}
+    old = tuning.load(args.out) if args.merge and args.out and args.out.exists() else TuneTable()
     decoder = bm.build_decoder(config, mesh, bm.DTYPES[args.dtype], args.seed)
-    print(f"== {args.model} x{config.num_layers} layers, TP={args.tp} (midpoint padding "
-          f"{PAD_MULTIPLE})", flush=True)
+    print(f"== {args.model} x{config.num_layers} layers, TP={args.tp}", flush=True)
+    times: dict[int, dict[Candidate, float]] = {}
     try:
-        for tokens in args.tokens:
+        for tokens in sorted(args.tokens):
             if time.perf_counter() > deadline:
                 print(f"T={tokens}: time budget exhausted, skipped", flush=True)
                 continue
             print(f"-- T={tokens}", flush=True)
-            found = tune_tokens(args, config, mesh, decoder, tokens, deadline)
-            if found is None:
-                print(f"T={tokens}: nothing measured", flush=True)
-                continue
-            entry, info = found
-            key = (args.model, args.tp, tokens)
-            table[key], extra[key] = entry, info
-            default = info["default_ms"]
-            default = "not measured" if default is None else f"{default:.3f} ms"
-            print(f"T={tokens}: best {entry} {info['latency_ms']:.3f} ms (default entry "
-                  f"{default})", flush=True)
+            if found := tune_tokens(args, config, mesh, decoder, tokens, deadline):
+                times[tokens] = found
     finally:
         del decoder
         gc.collect()
-    if args.out is not None and extra:
+    entries, threshold = decide(times, old.threshold(args.model, args.tp))
+    for tokens, entry in entries.items():
+        print(f"T={tokens}: {entry}")
+    print(f"split threshold of {args.model} at TP={args.tp}: {threshold}")
+    if args.out is not None and entries:
+        new = TuneTable({(args.model, args.tp, t): e for t, e in entries.items()},
+                        {(args.model, args.tp): threshold},
+                        {args.model: tuning.signature(config)},
+                        {f"tune {args.model} tp{args.tp}": bm.environment(
+                            bm.platform_devices()[1], ["benchmarks/tune.py", *(argv or [])])})
+        extra = {(args.model, args.tp, t): {"candidates_ms": {str(c): ms for c, ms in
+                                                              sorted(times[t].items(), key=str)}}
+                 for t in entries}
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        tuning.save(table, args.out, extra=extra)
+        tuning.save(old.merged(new), args.out, extra=extra)
         print(f"wrote {args.out}")
     return 0
 

@@ -4,10 +4,10 @@
 
 Loads the checkpoint tensor-parallel over ``--tp`` devices (each device reads only its shard
 of each tensor), then serves the prompts with ``jax_tokenweave.serving.Engine``: a weave
-prefill (split in two halves when a batch has >= ``--weave-threshold`` tokens) and fused
-decode steps. Text needs the tokenizer files in the directory (``transformers`` installed);
-otherwise pass token ids with ``--ids 1,2,3``. On a CPU-only host, ``--cpu-devices N`` fakes N
-devices.
+prefill (split in two halves when a batch has >= ``--weave-threshold`` tokens, by default the
+tuning table's threshold) and fused decode steps. Text needs the tokenizer files in the
+directory (``transformers`` installed); otherwise pass token ids with ``--ids 1,2,3``. On a
+CPU-only host, ``--cpu-devices N`` fakes N devices.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--schedule", default="weave", choices=["weave", "baseline"])
-    parser.add_argument("--weave-threshold", type=int, default=1024)
+    parser.add_argument("--weave-threshold", type=int, default=None,
+                        help="split prefills of at least this many tokens (default: the "
+                             "tuning table's)")
     parser.add_argument("--cpu-devices", type=int, default=0,
                         help="fake this many CPU devices (set before JAX starts)")
     args = parser.parse_args(argv)

@@ -160,10 +160,15 @@ def _group_pieces(pieces: Sequence[PieceLike]) -> dict[int, list[int]]:
     return groups
 
 
+def _adjacent(starts: Sequence[int], length: int) -> bool:
+    """Whether pieces of ``length`` rows starting at ``starts`` follow each other."""
+    return all(s == starts[0] + i * length for i, s in enumerate(starts))
+
+
 def _stack_rows(x: jax.Array, starts: Sequence[int], length: int) -> jax.Array:
     """[n, length, ...] from rows ``[s, s+length)`` of x for each start: a reshape if adjacent."""
     n = len(starts)
-    if all(s == starts[0] + i * length for i, s in enumerate(starts)):
+    if _adjacent(starts, length):
         return x[starts[0]:starts[0] + n * length].reshape((n, length, *x.shape[1:]))
     return jnp.stack([x[s:s + length] for s in starts])
 
@@ -197,19 +202,22 @@ def ragged_attention(
     _check_attention_inputs(q, k, v, pieces, origin)
     prefix = dict(prefix or {})
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    outputs: list[jax.Array | None] = [None] * len(pieces)
+    blocks: list[tuple[int, jax.Array]] = []      # (first row, output rows), in any order
     for length, indices in _group_pieces(pieces).items():
         starts = [pieces[i].start - origin for i in indices]
         out = _sdpa(_stack_rows(q, starts, length), _stack_rows(k, starts, length),
                     _stack_rows(v, starts, length), scale=scale, is_causal=True, mask=None,
                     implementation=implementation)
-        for j, index in enumerate(indices):
-            outputs[index] = out[j]
-    for index, piece in enumerate(pieces):
+        if _adjacent(starts, length):  # one block: no slicing apart and joining back
+            blocks.append((starts[0], out.reshape(len(starts) * length, *out.shape[2:])))
+        else:
+            blocks.extend(zip(starts, out, strict=True))
+    for piece in pieces:
         if piece.position > 0:
-            outputs[index] = _prefix_piece_attention(q, k, v, piece, origin, prefix, scale,
-                                                     implementation)
-    return jnp.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+            blocks.append((piece.start - origin, _prefix_piece_attention(
+                q, k, v, piece, origin, prefix, scale, implementation)))
+    blocks.sort(key=lambda block: block[0])
+    return jnp.concatenate([b for _, b in blocks], axis=0) if len(blocks) > 1 else blocks[0][1]
 
 
 def _prefix_piece_attention(q: jax.Array, k: jax.Array, v: jax.Array, piece: PieceLike,

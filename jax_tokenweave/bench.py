@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_tokenweave import timing
+from jax_tokenweave import timing, tuning
 from jax_tokenweave.benchmarking import (
     COMMS,
     CPU_DEVICES,
@@ -95,8 +95,6 @@ def _schedules(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The main job's command-line parser (defaults of None are filled in per platform)."""
-    from jax_tokenweave.split import DEFAULT_THRESHOLD
-
     p = argparse.ArgumentParser(
         prog=PROG, formatter_class=HelpFormatter,
         description="Time TokenWeave's schedules (baseline / weave / nocomm) side by side. "
@@ -121,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", type=_schedules, nargs="+", action=Flatten,
                    help=f"schedules to time (default: {' '.join(SCHEDULES)})")
     p.add_argument("--split-threshold", type=positive_int,
-                   help=f"split batches of at least this many tokens in two halves "
-                        f"(default: {DEFAULT_THRESHOLD})")
+                   help="split batches of at least this many tokens in two halves (default: "
+                        "the shipped tuning table's: "
+                        f"{tuning.shipped().describe_thresholds()})")
     p.add_argument("--warmup", type=nonnegative_int,
                    help="untimed calls per schedule " + _per_platform("warmup"))
     p.add_argument("--iters", type=positive_int,
@@ -247,7 +246,9 @@ def _result(tokens: int, lengths: Sequence[int], plan: Any, rel_err: float | Non
     return {
         "tokens": tokens, "num_requests": len(lengths), "request_lengths": list(lengths),
         "split": bool(plan.split), "half_lengths": [h.length for h in plan.halves],
-        "split_offset": plan.offset, "weave_comm": comm, "rel_err_weave_vs_baseline": rel_err,
+        "split_offset": plan.offset, "weave_comm": comm,
+        "tuning": dataclasses.asdict(plan.tuning) if getattr(plan, "tuning", None) else None,
+        "rel_err_weave_vs_baseline": rel_err,
         "compile_s": compile_s, "schedules": {n: s.summary() for n, s in stats.items()},
         "ratios": ratios,
     }

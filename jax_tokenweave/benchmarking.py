@@ -18,8 +18,7 @@ import os
 import platform as _platform
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_tokenweave.layers import COMMS as COMMS  # re-exported: the vocabulary of modes
 from jax_tokenweave.layers import SCHEDULES as SCHEDULES
 from jax_tokenweave.layers import WeaveDecoder
+from jax_tokenweave.modes import Mode as Mode  # re-exported: the benchmarks' mode vocabulary
+from jax_tokenweave.modes import compile_forward as compile_forward
+from jax_tokenweave.modes import make_plan as make_plan
 
 CPU_DEVICES = 8
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -42,31 +44,6 @@ CPU_NOTE = ("note: these are CPU timings. The virtual CPU devices share one host
             "so they say nothing about overlapping GPU communication with compute; run on GPUs "
             "to measure TokenWeave.")
 _XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """One way of running the stack: schedule, comm, and whether the batch may split."""
-
-    schedule: str
-    comm: str = "auto"
-    split: bool | None = None  # None: plan_batch decides (split at >= threshold tokens)
-
-    @property
-    def name(self) -> str:
-        """``baseline`` / ``nocomm`` / ``weave-<comm>`` (+ ``-nosplit``): the module docstring."""
-        if self.schedule != "weave":
-            return self.schedule
-        return f"weave-{self.comm}" + ("-nosplit" if self.split is False else "")
-
-    @property
-    def needs_ffi(self) -> bool:
-        return self.schedule == "weave" and self.comm == "ffi"
-
-    @property
-    def reference(self) -> bool:
-        """Compared against baseline (nocomm's output is not the model's)."""
-        return self.schedule == "weave"
 
 
 # ------------------------------------------------------------------------------- set-up ---
@@ -146,18 +123,6 @@ def request_lengths(tokens: int, request_len: int) -> tuple[int, ...]:
     return (request_len,) * full + ((rest,) if rest else ())
 
 
-def make_plan(config: Any, model: str, lengths: Sequence[int], tp: int, *,
-              threshold: int | None = None, split: bool | None = None) -> Any:
-    """``split.plan_batch`` with the wave model of ``config``'s gate/up GEMM at TP ``tp``."""
-    from jax_tokenweave import split as split_mod
-
-    kwargs: dict[str, Any] = {"tp": tp, "split": split, "model": model,
-                              "wave": split_mod.WaveModel.from_config(config, tp)}
-    if threshold is not None:
-        kwargs["threshold"] = threshold
-    return split_mod.plan_batch(tuple(lengths), **kwargs)
-
-
 def build_decoder(config: Any, mesh: Mesh, dtype: Any, seed: int) -> Any:
     """A ``WeaveDecoder`` with fresh random weights (``nnx.Rngs(seed)``)."""
     return WeaveDecoder(config, mesh, dtype=dtype, rngs=nnx.Rngs(seed))
@@ -180,24 +145,6 @@ def ffi_unavailable(mesh: Mesh, dtype: Any, shape: tuple[int, int],
     from jax_tokenweave import _ffi
 
     return _ffi.unavailable_reason(mesh, axis_name, jnp.dtype(dtype), tuple(shape))
-
-
-def compile_forward(decoder: Any, plan: Any, hidden: jax.Array,
-                    **kwargs: Any) -> tuple[Callable[[], jax.Array], float, str]:
-    """Compile ``decoder(hidden, plan, **kwargs)`` (``schedule=``, ``comm=``, ``tuning=``).
-
-    Returns ``(run, compile seconds, compiled HLO text)``; ``run()`` calls the executable on
-    ``hidden`` (asynchronously, like any JAX call).
-    """
-    graphdef, state = nnx.split(decoder)
-
-    def forward(state: Any, x: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, state)(x, plan, **kwargs)
-
-    start = time.perf_counter()
-    compiled = jax.jit(forward).lower(state, hidden).compile()
-    seconds = time.perf_counter() - start
-    return (lambda: compiled(state, hidden)), seconds, compiled.as_text()
 
 
 # --------------------------------------------------------------------------- environment ---
@@ -296,6 +243,17 @@ def add_run_options(parser: argparse.ArgumentParser, *, warmup: int, iters: int,
                         help=f"timed calls per {unit} (the median is reported)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
                         help="parameter and activation dtype")
+
+
+def add_sweep_options(parser: argparse.ArgumentParser, *, plot: str) -> None:
+    """``--seed``, ``--time-budget`` and ``--no-plot`` (of the ``plot`` file), as the sweeping
+    benchmark scripts share them."""
+    parser.add_argument("--seed", type=nonnegative_int, help="random seed (default: fresh)")
+    parser.add_argument("--time-budget", type=positive_float, metavar="SECONDS",
+                        help="start no new measurement after this many seconds (default: no "
+                             "limit)")
+    parser.add_argument("--no-plot", action="store_true",
+                        help=f"write no {plot} (the plot needs matplotlib: the plot extra)")
 
 
 class Flatten(argparse.Action):

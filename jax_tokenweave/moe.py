@@ -2,14 +2,18 @@
 
 Parameters (global shapes, ``[in, out]`` layout, i.e. the transpose of a torch ``Linear``):
 
-============== ============== ======================== ==========================================
-name           shape          sharding                 Mixtral (Hugging Face) tensor
-============== ============== ======================== ==========================================
-``router``     [H, E]         replicated               ``block_sparse_moe.gate.weight``.T
-``gate_proj``  [E, H, F]      ``P(None, None, "tp")``  ``experts.{e}.w1.weight``.T stacked over e
-``up_proj``    [E, H, F]      ``P(None, None, "tp")``  ``experts.{e}.w3.weight``.T stacked over e
-``down_proj``  [E, F, H]      ``P(None, "tp", None)``  ``experts.{e}.w2.weight``.T stacked over e
-============== ============== ======================== ==========================================
+================ ============== ======================== ========================================
+name             shape          sharding                 Mixtral (Hugging Face) tensor
+================ ============== ======================== ========================================
+``router``       [H, E]         replicated               ``block_sparse_moe.gate.weight``.T
+``gate_up_proj`` [E, H, 2F]     ``P(None, None, "tp")``  ``experts.{e}.w1`` / ``w3.weight``.T
+                                                         stacked over e, fused per rank
+``down_proj``    [E, F, H]      ``P(None, "tp", None)``  ``experts.{e}.w2.weight``.T stacked over e
+================ ============== ======================== ========================================
+
+``gate_up_proj`` is the experts' gate (w1) and up (w3) projections fused rank-blocked on the last
+axis, as the dense MLP's (``jax_tokenweave.fused``): one batched GEMM per rank; its logical parts
+are ``gate_proj`` / ``up_proj`` [E, H, F].
 
 Routing (as Mixtral): the top ``k`` router logits per token, softmax over those ``k`` (equal to
 Mixtral's softmax over all experts followed by renormalising the top ``k``). The router logits are
@@ -47,15 +51,17 @@ def router_weights(x: jax.Array, router: jax.Array, top_k: int) -> jax.Array:
     return jnp.einsum("tk,tke->te", top_weights, one_hot)
 
 
-def moe_partial(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array,
-                down: jax.Array, top_k: int) -> jax.Array:
+def moe_partial(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array,
+                top_k: int) -> jax.Array:
     """Per-rank partial MoE output ``[T, H]`` (sum over ranks = the MoE output).
 
-    ``x``: [T, H] replicated; ``gate``/``up``: [E, H, F/tp]; ``down``: [E, F/tp, H] (local).
+    ``x``: [T, H] replicated; ``gate_up``: [E, H, 2F/tp] (this rank's ``[gate | up]``);
+    ``down``: [E, F/tp, H] (local).
     """
     weights = router_weights(x, router, top_k).astype(x.dtype)          # [T, E]
-    h = jax.nn.silu(jnp.einsum("th,ehf->tef", x, gate)) * jnp.einsum("th,ehf->tef", x, up)
-    h = h * weights[:, :, None]
+    gate_up = jnp.einsum("th,ehf->tef", x, gate_up)
+    f = gate_up.shape[-1] // 2
+    h = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:] * weights[:, :, None]
     return jnp.einsum("tef,efh->th", h, down)
 
 
@@ -70,19 +76,17 @@ class MoE(nnx.Module):
         self.top_k = config.experts_per_token
         params = make_params(rngs, {
             "router": ((h, e), P(), 1 / np.sqrt(h)),
-            "gate_proj": ((e, h, f), P(None, None, axis_name), 1 / np.sqrt(h)),
-            "up_proj": ((e, h, f), P(None, None, axis_name), 1 / np.sqrt(h)),
+            "gate_up_proj": ((e, h, 2 * f), P(None, None, axis_name), 1 / np.sqrt(h)),
             "down_proj": ((e, f, h), P(None, axis_name, None), 1 / np.sqrt(f)),
         }, dtype, mesh)
         self.router = params["router"]
-        self.gate_proj = params["gate_proj"]
-        self.up_proj = params["up_proj"]
+        self.gate_up_proj = params["gate_up_proj"]
         self.down_proj = params["down_proj"]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Per rank (inside ``shard_map``): ``x`` [T, H] replicated -> partial [T, H]."""
-        return moe_partial(x, self.router[...], self.gate_proj[...], self.up_proj[...],
-                           self.down_proj[...], self.top_k)
+        return moe_partial(x, self.router[...], self.gate_up_proj[...], self.down_proj[...],
+                           self.top_k)
 
 
 def reference_moe(x: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.ndarray,

@@ -22,6 +22,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_tokenweave.fused import FUSED_PARAMS, PART_OF, fuse_weights, unfuse_weights
+
 ParamSpec = tuple[tuple[int, ...], P, float | None]
 """``(global shape, PartitionSpec, std)`` of a parameter; ``std=None`` means ones (norms)."""
 
@@ -94,11 +96,16 @@ def load_weights(module: nnx.Module, mesh: Mesh, weights: Mapping[str, Any], *,
                  strict: bool = True) -> None:
     """Set Params from full (global) arrays, placed with ``NamedSharding(mesh, param_spec)``.
 
-    ``weights``: ``{dotted name: array}`` (NumPy or ``jax.Array``), names as :func:`named_params`.
-    Each array must have the Param's global shape; it is cast to the Param's dtype. Unknown
-    names raise ``ValueError``; with ``strict``, so do missing ones.
+    ``weights``: ``{dotted name: array}`` (NumPy or ``jax.Array``), names as :func:`named_params`;
+    the logical parts of a fused parameter (``layers.0.q_proj``, ``k_proj``, ``v_proj``; see
+    ``jax_tokenweave.fused``) may stand in for it, all of a group together, and are fused for
+    the module's TP degree. Each array must have the Param's global shape; it is cast to the
+    Param's dtype. Unknown names raise ``ValueError``; with ``strict``, so do missing ones.
     """
     params = named_params(module)
+    tp = _fused_tp(params, mesh)
+    if tp is not None and any(n.rpartition(".")[2] in PART_OF for n in weights):
+        weights = fuse_weights(weights, tp)
     unknown = sorted(set(weights) - set(params))
     if unknown:
         raise ValueError(f"unknown parameter names {unknown}; known: {sorted(params)}")
@@ -121,3 +128,21 @@ def load_weights(module: nnx.Module, mesh: Mesh, weights: Mapping[str, Any], *,
 def numpy_weights(module: nnx.Module) -> dict[str, np.ndarray]:
     """``{dotted name: full NumPy array}`` (gathers the shards; for tests and references)."""
     return {name: np.asarray(jax.device_get(p[...])) for name, p in named_params(module).items()}
+
+
+def logical_weights(module: nnx.Module) -> dict[str, np.ndarray]:
+    """:func:`numpy_weights` with every fused parameter split into its logical parts
+    (``q_proj``, ``k_proj``, ...: the layout of Hugging Face checkpoints, independent of the TP
+    degree). ``module`` must have a ``config`` (``DecoderConfig``) and a ``mesh``."""
+    weights = numpy_weights(module)
+    tp = _fused_tp(named_params(module), module.mesh)
+    return weights if tp is None else unfuse_weights(weights, module.config, tp)
+
+
+def _fused_tp(params: Mapping[str, nnx.Param], mesh: Mesh) -> int | None:
+    """The TP degree the module's fused parameters are laid out for (None: it has none)."""
+    for name, param in params.items():
+        if name.rpartition(".")[2] in FUSED_PARAMS:
+            axis = param_spec(param)[-1]
+            return 1 if axis is None else mesh.shape[axis]
+    return None

@@ -8,8 +8,10 @@ half's compute. :func:`plan_batch` turns the request lengths into a :class:`Batc
 hashable value usable as a static ``jit`` argument.
 
 When to split
-    ``split=None`` (default) splits iff ``T >= threshold`` (default 1024); ``split=True`` forces a
-    split (needs ``T >= 2``); ``split=False`` never splits.
+    ``split=None`` (default) splits iff ``T >= threshold``; ``threshold=None`` (default) takes the
+    tuning table's for the model and TP degree (``jax_tokenweave.tuning``: 4096 at TP=2 where
+    measured, else the paper's 1024); ``split=True`` forces a split (needs ``T >= 2``);
+    ``split=False`` never splits.
 
 Where to split
     ``mid = round_up(T, 256) / 2`` and ``a = mid + offset``. Padding to 256 only defines the
@@ -17,12 +19,18 @@ Where to split
     tokens. The offset is, in order of precedence:
 
     1. the ``offset=`` argument of :func:`plan_batch`;
-    2. the override table entry ``(model, tp, T)`` (``model=`` and ``offsets=`` arguments,
-       :data:`DEFAULT_OFFSETS` when ``offsets`` is None; see :func:`tuned_offset`);
-    3. the wave rule, :func:`wave_offset`.
+    2. else the rule's split point plus the tuning table entry's ``offset`` for
+       ``(model, tp, T)``, a tuned correction (dropped where it would leave a half empty). The
+       rule, with a ``config`` (or ``cost``): work balance, ``cost.CostModel.balanced_split``
+       (the multiple of the tile next to where the halves' GEMM + causal attention work is
+       equal: the midpoint for uniform batches, more tokens in the first half when the split
+       cuts a long request); without: the wave rule, :func:`wave_offset`.
 
     An offset that leaves either half empty (``a`` outside ``[1, T-1]``) raises ``ValueError``.
     The offset applies only to a plan that splits; a plan that does not split has ``offset == 0``.
+
+The plan's ``tuning`` is the table's entry for ``(model, tp, T)``: the fused kernel's CTA counts
+``WeaveDecoder`` uses (and the offset above), so offset and CTAs come from one table.
 
 The wave rule (:class:`WaveModel`)
     A GEMM with ``M`` rows and ``gemm_n`` output columns runs
@@ -54,43 +62,33 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from jax_tokenweave import tuning as tuning_lib
+from jax_tokenweave.cost import CostModel
+from jax_tokenweave.tuning import DEFAULT_THRESHOLD, TuneEntry, TuneTable
 
 if TYPE_CHECKING:
     from jax_tokenweave.config import DecoderConfig
 
 __all__ = [
-    "DEFAULT_OFFSETS",
     "DEFAULT_THRESHOLD",
     "PAD_MULTIPLE",
     "BatchPlan",
     "Half",
-    "OffsetTable",
     "Piece",
     "WaveModel",
     "midpoint",
     "plan_batch",
     "round_up",
-    "tuned_offset",
     "wave_offset",
 ]
 
-DEFAULT_THRESHOLD = 1024
-"""Batches with at least this many tokens are split (``split=None``)."""
-
 PAD_MULTIPLE = 256
 """The token count is rounded up to a multiple of this to define the midpoint."""
-
-OffsetTable = Mapping[tuple[str, int, int], int]
-"""Override table: ``(model_name, tp, num_tokens) -> offset`` added to the midpoint."""
-
-DEFAULT_OFFSETS: dict[tuple[str, int, int], int] = {}
-"""Built-in tuned offsets, keyed ``(model_name, tp, num_tokens)``. Empty: no offsets measured
-on hardware are recorded yet, so plans use the wave rule unless a caller supplies a table.
-Model names are those of ``jax_tokenweave.models.configs`` (e.g. ``"llama3-70b"``)."""
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -174,17 +172,6 @@ def wave_offset(num_tokens: int, wave: WaveModel | None = None) -> int:
     return first - mid
 
 
-def tuned_offset(model: str, tp: int, num_tokens: int,
-                 table: OffsetTable | None = None) -> int | None:
-    """The override table's offset for ``(model, tp, num_tokens)``, or None if it has none.
-
-    ``table`` defaults to :data:`DEFAULT_OFFSETS`. Only exact token counts match.
-    """
-    table = DEFAULT_OFFSETS if table is None else table
-    value = table.get((model, tp, num_tokens))
-    return None if value is None else int(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """A run of consecutive tokens of one request inside one half."""
@@ -243,7 +230,8 @@ class BatchPlan:
     request_lengths: tuple[int, ...]
     num_tokens: int             # sum(request_lengths)
     halves: tuple[Half, ...]    # one (no split) or two (split); contiguous, covering [0, T)
-    offset: int                 # wave-aware offset applied to the midpoint (0 when not split)
+    offset: int                 # offset applied to the midpoint (0 when not split)
+    tuning: TuneEntry | None = None   # the tuning table's entry: the fused kernel's CTA counts
 
     @property
     def split(self) -> bool:
@@ -277,51 +265,67 @@ class BatchPlan:
                          self.request_lengths)
 
 
-def plan_batch(request_lengths: Sequence[int], *, tp: int = 1,
-               threshold: int = DEFAULT_THRESHOLD, wave: WaveModel | None = None,
-               offset: int | None = None, split: bool | None = None,
-               model: str | None = None, offsets: OffsetTable | None = None) -> BatchPlan:
-    """Plan the packed layout of a ragged batch and its wave-aware split (module docstring).
+def plan_batch(request_lengths: Sequence[int], *, tp: int = 1, threshold: int | None = None,
+               wave: WaveModel | None = None, offset: int | None = None,
+               split: bool | None = None, model: str | None = None,
+               config: DecoderConfig | None = None, table: TuneTable | None = None,
+               cost: CostModel | None = None) -> BatchPlan:
+    """Plan the packed layout of a ragged batch, its split and its tuning (module docstring).
 
-    ``request_lengths``: tokens per request, each an int >= 1. ``tp``: TP degree (keys the
-    override table). ``threshold``: split iff ``T >= threshold`` when ``split`` is None.
-    ``wave``: the wave model (default :class:`WaveModel()`). ``offset``: explicit offset from the
-    midpoint, wins over the table and the wave rule. ``model``/``offsets``: look the offset up in
-    the override table (``offsets`` defaults to :data:`DEFAULT_OFFSETS`). Raises ``ValueError``
-    on bad inputs and on an offset that leaves a half empty.
+    ``request_lengths``: tokens per request, each an int >= 1. ``tp``: TP degree.
+    ``threshold``: split iff ``T >= threshold`` when ``split`` is None (default: the table's).
+    ``wave``: the wave model (default: ``WaveModel.from_config(config, tp)`` with a config,
+    else :class:`WaveModel()`). ``offset``: explicit offset from the midpoint, wins over the
+    rule and the table. ``model``: the table's model name (default: the one ``config``'s
+    shapes match, else the wildcard rows). ``config``: the model's ``DecoderConfig``, for the
+    work-balance rule (``cost`` overrides its model). ``table``: the tuning table (default:
+    the shipped one). Raises ``ValueError`` on bad inputs and on an explicit offset that
+    leaves a half empty.
     """
     lengths = _check_lengths(request_lengths)
     if not _is_int(tp) or tp < 1:
         raise ValueError(f"tp must be an int >= 1, got {tp!r}")
-    if not _is_int(threshold) or threshold < 2:
+    if threshold is not None and (not _is_int(threshold) or threshold < 2):
         raise ValueError(f"threshold must be an int >= 2, got {threshold!r}")
     if split is not None and not isinstance(split, bool):
         raise ValueError(f"split must be None, True or False, got {split!r}")
     if offset is not None and not _is_int(offset):
         raise ValueError(f"offset must be an int or None, got {offset!r}")
+    table = tuning_lib.shipped() if table is None else table
+    if model is None and config is not None:
+        model = table.model_name(config)
     total = sum(lengths)
+    entry = table.entry(model, int(tp), total)
+    if threshold is None:
+        threshold = table.threshold(model, int(tp))
     do_split = total >= threshold if split is None else split
     if do_split and total < 2:
         raise ValueError(f"cannot split a batch of {total} token(s); a split needs at least 2")
 
     if not do_split:
         whole = Half(0, total, _pieces(lengths, 0, total))
-        return BatchPlan(lengths, total, (whole,), 0)
+        return BatchPlan(lengths, total, (whole,), 0, entry)
 
-    if offset is None and model is not None:
-        offset = tuned_offset(model, int(tp), total, offsets)
+    mid = midpoint(total)
     if offset is None:
-        offset = wave_offset(total, wave)
+        if wave is None and config is not None:
+            wave = WaveModel.from_config(config, int(tp))
+        if cost is None and config is not None:
+            cost = CostModel.from_config(config, int(tp), tile_m=(wave or WaveModel()).tile_m)
+        rule = (cost.balanced_split(lengths, waves=wave) if cost is not None
+                else mid + wave_offset(total, wave))
+        tuned = rule + (entry.offset or 0)
+        offset = (tuned if 1 <= tuned <= total - 1 else rule) - mid
     offset = int(offset)
-    first = midpoint(total) + offset
+    first = mid + offset
     if not 1 <= first <= total - 1:
         raise ValueError(
             f"offset {offset} puts the split at token {first} of {total} (midpoint "
-            f"{midpoint(total)}); both halves must be non-empty, so the offset must lie in "
-            f"[{1 - midpoint(total)}, {total - 1 - midpoint(total)}]")
+            f"{mid}); both halves must be non-empty, so the offset must lie in "
+            f"[{1 - mid}, {total - 1 - mid}]")
     halves = (Half(0, first, _pieces(lengths, 0, first)),
               Half(first, total - first, _pieces(lengths, first, total)))
-    return BatchPlan(lengths, total, halves, offset)
+    return BatchPlan(lengths, total, halves, offset, entry)
 
 
 def _is_int(value: object) -> bool:

@@ -1,63 +1,82 @@
-"""Per-(model, TP, tokens) tuning of the weave schedule: the fused kernel's CTA count and the split
-offset.
+"""The tuning table: per (model, TP) the split threshold, per (model, TP, tokens) the split offset
+and the fused kernel's CTA counts. One table, shipped with the package and read by
+``split.plan_batch`` (so by ``WeaveDecoder.plan``, the serving engine and the main job);
+``benchmarks/tune.py`` regenerates it.
 
-A :class:`TuneEntry` says how to run one batch size: ``num_ctas`` (thread blocks of the fused
-AllReduce + RMSNorm kernel, ``comm="ffi"`` only), ``first_num_ctas`` (the same for the stack's very
-first fused call, layer 0 half A; None = ``num_ctas``) and ``offset`` (the split offset from the
-midpoint, see :mod:`jax_tokenweave.split`; None = the split module's own rule). A table maps
-``(model, tp, num_tokens)`` to entries; :func:`lookup` takes the entry with the nearest token count
-at or below the batch's (a batch between two measured sizes uses the smaller one's settings) and
-:data:`DEFAULT_ENTRY` where the table has none for that model and TP.
+A :class:`TuneEntry` says how to run one batch size: ``offset`` (a tuned correction, in tokens,
+added to the split point the planner's rule picks, see :mod:`jax_tokenweave.split`; None or 0:
+the rule's point), ``num_ctas`` (thread
+blocks of each fused AllReduce + RMSNorm call; None = the kernel policy's count,
+``jax_tokenweave.kernel_policy``) and ``first_num_ctas`` (the same for the stack's very first
+fused call; None = ``num_ctas``). It applies to whatever the threshold decides for that size:
+split or not.
 
-Defaults (:data:`DEFAULT_ENTRY`): 16 CTAs (what the paper uses for its
-fused kernel), 8 for the stack's first fused call (layer 0, half A) as the paper does, offset
-None (the split module's wave rule). These are the paper's choices, not measured on this code:
-``benchmarks/tune.py`` measures and writes a table.
-:data:`DEFAULT_TABLE` is empty (no hardware measurements recorded yet).
+Lookups (:meth:`TuneTable.entry`, :meth:`TuneTable.threshold`): the rows of the model's own
+name, else those of the wildcard model ``"*"``; for entries, the one with the largest token count
+at or below the batch's; :data:`DEFAULT_ENTRY` / :data:`DEFAULT_THRESHOLD` (the paper's choices)
+where there is none. A ``DecoderConfig`` finds its name by its layer shapes (the table records
+each model's, :func:`signature`), so a checkpoint loaded from Hugging Face matches the named
+config it has the shapes of.
 
-JSON format (:func:`save` / :func:`load`)::
+The shipped table (``tuning.json``; its ``meta`` cites the measurements) holds, for TP=2:
+``*`` threshold 4096 (split only from 4096 tokens up), 32 CTAs from 1024 tokens (unsplit), 16
+from 4096 (split), the default entry below 1024; ``llama3-70b`` from 8192 tokens offset 0 (the
+rule's point: the midpoint for its measured batches of 1024-token requests) and 16 CTAs. No
+other TP degree was measured.
 
-    {"format": "jax-tokenweave-tuning/1",
-     "entries": [{"model": "llama3-70b", "tp": 4, "tokens": 8192,
-                  "num_ctas": 16, "first_num_ctas": 8, "offset": -128,
-                  "latency_ms": 12.3}, ...]}
+JSON format (:func:`to_json` / :func:`from_json`; format ``/1``, entries only, is read too)::
 
-``first_num_ctas`` and ``offset`` may be null or absent; other keys (``latency_ms`` ...) are
-informational and ignored by :func:`load`.
+    {"format": "jax-tokenweave-tuning/2", "meta": {...},
+     "models": {"llama3-70b": {"hidden_size": 8192, ...}},
+     "thresholds": [{"model": "*", "tp": 2, "split_threshold": 4096}],
+     "entries": [{"model": "llama3-70b", "tp": 2, "tokens": 8192, "num_ctas": 16,
+                  "first_num_ctas": null, "offset": 0, "latency_ms": 46.2}, ...]}
+
+Keys other than these (``latency_ms``, ``why`` ...) are informational and ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
-from jax_tokenweave import split as split_mod
-
 __all__ = [
+    "ANY_MODEL",
     "DEFAULT_ENTRY",
-    "DEFAULT_TABLE",
+    "DEFAULT_PATH",
+    "DEFAULT_THRESHOLD",
     "FORMAT",
     "MAX_CTAS",
     "MIN_CTAS",
+    "POLICY_ENTRY",
     "TuneEntry",
     "TuneTable",
     "from_json",
     "load",
     "lookup",
-    "offsets",
-    "plan_batch",
+    "model_name",
     "save",
+    "shipped",
+    "signature",
     "to_json",
 ]
 
-FORMAT = "jax-tokenweave-tuning/1"
+FORMAT = "jax-tokenweave-tuning/2"
+_OLD_FORMAT = "jax-tokenweave-tuning/1"
 MIN_CTAS, MAX_CTAS = 1, 32  # the extension's limits (tests/test_ffi.py pins them to limits())
+ANY_MODEL = "*"
+DEFAULT_THRESHOLD = 1024
+"""Split batches of at least this many tokens where the table has no threshold (the paper's)."""
+DEFAULT_PATH = Path(__file__).with_name("tuning.json")
+SIGNATURE_FIELDS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                    "num_experts", "qkv_bias")
+"""The ``DecoderConfig`` fields that identify a model's layer shapes (:func:`signature`)."""
 
 
 def _is_int(value: object) -> bool:
@@ -74,34 +93,39 @@ class TuneEntry:
     """How to run one batch size (module docstring). Hashable: a valid static ``jit`` argument."""
 
     offset: int | None
-    num_ctas: int
+    num_ctas: int | None
     first_num_ctas: int | None = None
 
     def __post_init__(self) -> None:
         if self.offset is not None and not _is_int(self.offset):
             raise ValueError(f"offset must be an int or None, got {self.offset!r}")
-        _check_ctas("num_ctas", self.num_ctas)
-        if self.first_num_ctas is not None:
-            _check_ctas("first_num_ctas", self.first_num_ctas)
+        for name in ("num_ctas", "first_num_ctas"):
+            if getattr(self, name) is not None:
+                _check_ctas(name, getattr(self, name))
 
-    def ctas(self, first: bool) -> int:
+    def ctas(self, first: bool) -> int | None:
         """CTAs of a fused call: ``first_num_ctas`` for the stack's first one, else ``num_ctas``."""
         if first and self.first_num_ctas is not None:
             return self.first_num_ctas
         return self.num_ctas
 
 
-TuneTable = Mapping[tuple[str, int, int], TuneEntry]
-"""``(model, tp, num_tokens) -> TuneEntry``."""
-
 DEFAULT_ENTRY = TuneEntry(offset=None, num_ctas=16, first_num_ctas=8)
-"""Used where a table has nothing for a (model, tp) at or below the token count."""
+"""Where a table has nothing for a (model, tp) at or below the token count: the paper's 16 CTAs,
+8 for the stack's first fused call, the planner's offset."""
 
-DEFAULT_TABLE: TuneTable = MappingProxyType({})
-"""Built-in measured entries: none yet (run ``benchmarks/tune.py`` on the target machine)."""
+POLICY_ENTRY = TuneEntry(offset=None, num_ctas=None)
+"""No CTA counts of its own: every fused call takes the kernel policy's (``kernel_policy``)."""
+
+Key = tuple[str, int, int]
 
 
-def _check_key(model: object, tp: object, num_tokens: object) -> None:
+def signature(config: Any) -> dict[str, Any]:
+    """The layer shapes of a ``DecoderConfig`` that identify a model (:data:`SIGNATURE_FIELDS`)."""
+    return {f: getattr(config, f) for f in SIGNATURE_FIELDS}
+
+
+def _check_key(model: object, tp: object, num_tokens: object = 1) -> None:
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string, got {model!r}")
     if not _is_int(tp) or tp < 1:
@@ -110,76 +134,136 @@ def _check_key(model: object, tp: object, num_tokens: object) -> None:
         raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
 
 
-def lookup(model: str, tp: int, num_tokens: int, table: TuneTable | None = None, *,
+@dataclasses.dataclass(frozen=True)
+class TuneTable:
+    """``entries``: ``(model, tp, tokens) -> TuneEntry``; ``thresholds``: ``(model, tp) ->``
+    split at this many tokens or more; ``models``: name -> :func:`signature`; ``meta``:
+    provenance and ``notes``: per entry, its informational keys (both kept through load/save,
+    ignored by lookups)."""
+
+    entries: Mapping[Key, TuneEntry] = dataclasses.field(default_factory=dict)
+    thresholds: Mapping[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+    models: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    notes: Mapping[Key, Mapping[str, Any]] = dataclasses.field(default_factory=dict,
+                                                               compare=False)
+
+    def __post_init__(self) -> None:
+        for key, entry in self.entries.items():
+            _check_key(*key)
+            if not isinstance(entry, TuneEntry):
+                raise ValueError(f"entry {key} must be a TuneEntry, got {type(entry).__name__}")
+        for (model, tp), value in self.thresholds.items():
+            _check_key(model, tp)
+            if not _is_int(value) or value < 2:
+                raise ValueError(f"threshold of {(model, tp)} must be an int >= 2, got {value!r}")
+
+    def entry(self, model: str | None, tp: int, num_tokens: int, *,
+              default: TuneEntry = DEFAULT_ENTRY) -> TuneEntry:
+        """The entry of ``model`` (else ``"*"``) and ``tp`` with the largest token count at or
+        below ``num_tokens``; ``default`` where there is none."""
+        model = ANY_MODEL if model is None else model
+        _check_key(model, tp, num_tokens)
+        for name in dict.fromkeys((model, ANY_MODEL)):
+            rows = [(t, e) for (m, p, t), e in self.entries.items()
+                    if m == name and p == tp and t <= num_tokens]
+            if rows:
+                return max(rows, key=lambda row: row[0])[1]
+        return default
+
+    def threshold(self, model: str | None, tp: int) -> int:
+        """The split threshold of ``model`` (else ``"*"``) at ``tp``; :data:`DEFAULT_THRESHOLD`
+        where the table has none."""
+        model = ANY_MODEL if model is None else model
+        _check_key(model, tp)
+        for name in (model, ANY_MODEL):
+            if (name, tp) in self.thresholds:
+                return self.thresholds[(name, tp)]
+        return DEFAULT_THRESHOLD
+
+    def model_name(self, config: Any) -> str | None:
+        """The name of the model whose recorded shapes are ``config``'s (None if none)."""
+        sig = signature(config)
+        return next((name for name, s in self.models.items() if dict(s) == sig), None)
+
+    def describe_thresholds(self) -> str:
+        """The thresholds in words, e.g. ``"4096 at TP=2 (any model); else 1024"``."""
+        rows = [f"{v} at TP={tp} ({'any model' if m == ANY_MODEL else m})"
+                for (m, tp), v in sorted(self.thresholds.items())]
+        return "; ".join([*rows, f"else {DEFAULT_THRESHOLD}"])
+
+    def merged(self, other: TuneTable) -> TuneTable:
+        """This table with ``other``'s rows added, replacing rows of the same keys."""
+        notes = {k: v for k, v in self.notes.items() if k not in other.entries}
+        return TuneTable({**self.entries, **other.entries}, {**self.thresholds, **other.thresholds},
+                         {**self.models, **other.models}, {**self.meta, **other.meta},
+                         {**notes, **other.notes})
+
+
+@functools.cache
+def shipped() -> TuneTable:
+    """The table shipped with the package (``tuning.json``, read once)."""
+    return load(DEFAULT_PATH)
+
+
+def lookup(model: str | None, tp: int, num_tokens: int, table: TuneTable | None = None, *,
            default: TuneEntry = DEFAULT_ENTRY) -> TuneEntry:
-    """The entry for ``(model, tp)`` with the largest token count ``<= num_tokens``; ``default``
-    where there is none. ``table`` defaults to :data:`DEFAULT_TABLE`."""
-    _check_key(model, tp, num_tokens)
-    table = DEFAULT_TABLE if table is None else table
-    best: tuple[int, TuneEntry] | None = None
-    for (m, t, tokens), entry in table.items():
-        if m == model and t == tp and tokens <= num_tokens and (best is None or tokens > best[0]):
-            best = (tokens, entry)
-    return default if best is None else best[1]
+    """:meth:`TuneTable.entry` of ``table`` (default: :func:`shipped`)."""
+    return (shipped() if table is None else table).entry(model, tp, num_tokens, default=default)
 
 
-def offsets(table: TuneTable) -> dict[tuple[str, int, int], int]:
-    """The table's offsets as ``split.plan_batch(offsets=...)`` takes them (exact token counts,
-    entries with ``offset=None`` left out)."""
-    return {key: e.offset for key, e in table.items() if e.offset is not None}
-
-
-def plan_batch(request_lengths: Sequence[int], *, model: str, tp: int,
-               table: TuneTable | None = None, **kwargs: Any) -> split_mod.BatchPlan:
-    """``split.plan_batch`` with the offset of :func:`lookup` (nearest token count at or below).
-
-    An explicit ``offset=`` in ``kwargs`` wins. A looked-up offset (possibly tuned for a smaller
-    token count) that would leave a half empty falls back to the split module's rule.
-    """
-    if kwargs.get("offset") is None:
-        entry = lookup(model, tp, sum(int(n) for n in request_lengths), table)
-        if entry.offset is not None:
-            try:
-                return split_mod.plan_batch(request_lengths, tp=tp, model=model,
-                                            **{**kwargs, "offset": entry.offset})
-            except ValueError:
-                pass
-    return split_mod.plan_batch(request_lengths, tp=tp, model=model, **kwargs)
+def model_name(config: Any, table: TuneTable | None = None) -> str | None:
+    """:meth:`TuneTable.model_name` of ``table`` (default: :func:`shipped`)."""
+    return (shipped() if table is None else table).model_name(config)
 
 
 # ------------------------------------------------------------------------------------ JSON ---
 
-def to_json(table: TuneTable, extra: Mapping[tuple[str, int, int], Mapping[str, Any]]
-            | None = None) -> dict[str, Any]:
-    """The JSON-ready dict of ``table`` (sorted); ``extra`` adds informational keys per entry."""
+_ENTRY_KEYS = ("model", "tp", "tokens", "num_ctas", "first_num_ctas", "offset")
+
+
+def to_json(table: TuneTable, extra: Mapping[Key, Mapping[str, Any]] | None = None
+            ) -> dict[str, Any]:
+    """The JSON-ready dict of ``table`` (rows sorted); its ``notes`` and ``extra`` add
+    informational keys per entry."""
     entries = []
-    for key in sorted(table):
-        model, tp, tokens = key
-        _check_key(model, tp, tokens)
-        e = table[key]
-        if not isinstance(e, TuneEntry):
-            raise ValueError(f"table[{key}] must be a TuneEntry, got {type(e).__name__}")
-        row = {"model": model, "tp": int(tp), "tokens": int(tokens), "num_ctas": e.num_ctas,
+    for key in sorted(table.entries):
+        e = table.entries[key]
+        row = {"model": key[0], "tp": int(key[1]), "tokens": int(key[2]), "num_ctas": e.num_ctas,
                "first_num_ctas": e.first_num_ctas, "offset": e.offset}
-        row.update({k: v for k, v in (extra or {}).get(key, {}).items() if k not in row})
+        info = {**table.notes.get(key, {}), **(extra or {}).get(key, {})}
+        row.update({k: v for k, v in info.items() if k not in row})
         entries.append(row)
-    return {"format": FORMAT, "entries": entries}
+    thresholds = [{"model": m, "tp": int(t), "split_threshold": int(v)}
+                  for (m, t), v in sorted(table.thresholds.items())]
+    return {"format": FORMAT, "meta": dict(table.meta),
+            "models": {k: dict(v) for k, v in sorted(table.models.items())},
+            "thresholds": thresholds, "entries": entries}
 
 
-def from_json(data: Any) -> dict[tuple[str, int, int], TuneEntry]:
-    """Parse :func:`to_json`'s dict; raises ``ValueError`` saying what is wrong."""
-    if not isinstance(data, Mapping) or data.get("format") != FORMAT:
-        raise ValueError(f"not a tuning table: expected a JSON object with format {FORMAT!r}")
-    rows = data.get("entries")
+def _rows(data: Mapping[str, Any], name: str, required: tuple[str, ...]) -> list[Mapping]:
+    rows = data.get(name, [])
     if not isinstance(rows, list):
-        raise ValueError("tuning table: 'entries' must be a list")
-    table: dict[tuple[str, int, int], TuneEntry] = {}
+        raise ValueError(f"tuning table: {name!r} must be a list")
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping):
-            raise ValueError(f"tuning table entry {i} is not an object")
-        missing = [k for k in ("model", "tp", "tokens", "num_ctas") if k not in row]
+            raise ValueError(f"tuning table {name} {i} is not an object")
+        missing = [k for k in required if k not in row]
         if missing:
-            raise ValueError(f"tuning table entry {i} lacks {missing}")
+            raise ValueError(f"tuning table {name} {i} lacks {missing}")
+    return rows
+
+
+def from_json(data: Any) -> TuneTable:
+    """Parse :func:`to_json`'s dict (or a format ``/1`` table); ``ValueError`` saying what is
+    wrong."""
+    if not isinstance(data, Mapping) or data.get("format") not in (FORMAT, _OLD_FORMAT):
+        raise ValueError(f"not a tuning table: expected a JSON object with format {FORMAT!r}")
+    if "entries" not in data:
+        raise ValueError("tuning table: 'entries' must be a list")
+    entries: dict[Key, TuneEntry] = {}
+    notes: dict[Key, dict[str, Any]] = {}
+    for i, row in enumerate(_rows(data, "entries", ("model", "tp", "tokens", "num_ctas"))):
         key = (row["model"], row["tp"], row["tokens"])
         try:
             _check_key(*key)
@@ -187,19 +271,33 @@ def from_json(data: Any) -> dict[tuple[str, int, int], TuneEntry]:
                               first_num_ctas=row.get("first_num_ctas"))
         except ValueError as err:
             raise ValueError(f"tuning table entry {i}: {err}") from None
-        if key in table:
+        if key in entries:
             raise ValueError(f"tuning table entry {i}: duplicate key {key}")
-        table[key] = entry
-    return table
+        entries[key] = entry
+        notes[key] = {k: v for k, v in row.items() if k not in _ENTRY_KEYS}
+    thresholds: dict[tuple[str, int], int] = {}
+    for i, row in enumerate(_rows(data, "thresholds", ("model", "tp", "split_threshold"))):
+        key = (row["model"], row["tp"])
+        if key in thresholds:
+            raise ValueError(f"tuning table threshold {i}: duplicate key {key}")
+        thresholds[key] = row["split_threshold"]
+    models = data.get("models", {})
+    if not isinstance(models, Mapping) or not all(isinstance(v, Mapping) for v in models.values()):
+        raise ValueError("tuning table: 'models' must map names to shape objects")
+    try:
+        return TuneTable(entries, thresholds, dict(models), dict(data.get("meta", {})),
+                         {k: v for k, v in notes.items() if v})
+    except ValueError as err:
+        raise ValueError(f"tuning table: {err}") from None
 
 
 def save(table: TuneTable, path: str | os.PathLike,
-         extra: Mapping[tuple[str, int, int], Mapping[str, Any]] | None = None) -> None:
+         extra: Mapping[Key, Mapping[str, Any]] | None = None) -> None:
     """Write ``table`` as JSON to ``path`` (see :func:`to_json`)."""
     Path(path).write_text(json.dumps(to_json(table, extra), indent=1) + "\n")
 
 
-def load(path: str | os.PathLike) -> dict[tuple[str, int, int], TuneEntry]:
+def load(path: str | os.PathLike) -> TuneTable:
     """Read a table written by :func:`save` (or ``benchmarks/tune.py``)."""
     try:
         data = json.loads(Path(path).read_text())

@@ -229,17 +229,19 @@ def test_e2e_bench_time_budget_and_bad_args(tmp_path, capsys):
 # -------------------------------------------------------------------------- command lines ---
 
 SCRIPTS = {"bench": ["-m", "jax_tokenweave.bench"], "e2e_bench": ["benchmarks/e2e_bench.py"],
-           "tune": ["benchmarks/tune.py"]}
+           "tune": ["benchmarks/tune.py"], "breakdown": ["benchmarks/breakdown.py"]}
 
 
 def _parsers():
     return {"bench": bench.build_parser(), "e2e_bench": _load_script("e2e_bench").build_parser(),
-            "tune": _load_script("tune").build_parser()}
+            "tune": _load_script("tune").build_parser(),
+            "breakdown": _load_script("breakdown").build_parser()}
 
 
 @pytest.mark.parametrize(("script", "shown"), [
     ("bench", "(default: 2048 8192 on GPUs, 1024 2048 4096 on CPUs)"),
-    ("e2e_bench", "(default: 2 4)"), ("tune", "(default: 2048 8192)")])
+    ("e2e_bench", "(default: 2 4)"), ("tune", "(default: 1024 2048 4096 8192 16384)"),
+    ("breakdown", "(default: 2048 4096 8192 16384 on GPUs, 128 256 on CPUs)")])
 def test_help_shows_real_defaults(script, shown):
     from jax_tokenweave.models.configs import config_names
 
@@ -270,6 +272,13 @@ def test_modes_use_one_vocabulary():
             schedule, *rest = name.split("-")
             assert schedule in bm.SCHEDULES and (not rest or rest[0] in bm.COMMS)
     assert set(e2e.MODES) == {"baseline", "weave-ffi-nosplit", "weave-xla", "weave-ffi", "nocomm"}
+    from jax_tokenweave.schedules import ALL_COMMS
+
+    breakdown = _load_script("breakdown")
+    for name, mode in breakdown.MODES.items():
+        assert name == mode.name and mode.schedule in bm.SCHEDULES and mode.comm in ALL_COMMS
+    assert set(breakdown.MODES) == {"baseline", "nocomm", "weave-local", "weave-ffi-sync",
+                                    "weave-xla", "weave-ffi", "weave-auto"}
     assert set(e2e.DECODE_MODES) == {"baseline", "weave-ffi", "weave-xla", "nocomm"}
 
 
@@ -317,3 +326,88 @@ def test_use_cpu_devices_keeps_the_users_choice(monkeypatch):
     assert "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     monkeypatch.setattr(jax.config, "update", lambda *a: pytest.fail("changed JAX's config"))
     assert bm.use_cpu_devices() is None
+
+
+# ------------------------------------------------------------------------------- tune.py ---
+
+def test_tune_decides_entries_and_threshold():
+    """The tuner's rule: each token count's fastest candidate, the best split's offset, and the
+    threshold from which the split wins at every larger count."""
+    from jax_tokenweave.tuning import TuneEntry
+
+    tune = _load_script("tune")
+    times = {
+        1024: {(False, 0, 32): 10.0, (False, 0, None): 11.0, (True, 0, 16): 10.5},
+        2048: {(False, 0, 32): 20.0, (True, 128, 16): 19.0, (True, 0, 16): 19.5},   # split wins
+        4096: {(False, 0, 32): 40.0, (True, 0, 32): 41.0, (True, -128, 16): 40.5},  # loses
+        8192: {(False, 0, 32): 80.0, (True, 0, 16): 76.0},
+        16384: {(False, 0, 32): 160.0, (True, 256, 8): 150.0},
+    }
+    entries, threshold = tune.decide(times, 1024)
+    assert threshold == 8192             # 2048 won, but 4096 lost again
+    assert entries[1024] == TuneEntry(None, 32) and entries[2048] == TuneEntry(128, 16)
+    assert entries[4096] == TuneEntry(-128, 32)    # unsplit CTAs, the best split's offset
+    assert entries[16384] == TuneEntry(256, 8)
+    assert tune.decide({t: times[t] for t in (8192, 16384)}, 1024)[1] == 1024   # wins all
+    assert tune.decide({t: times[t] for t in (8192, 16384)}, 9000)[1] == 8192
+    assert tune.decide({1024: times[1024]}, 512)[1] == 1025                    # never wins
+
+
+def test_tune_skips_without_gpus(capsys):
+    tune = _load_script("tune")
+    if bm.platform_devices()[0] == "gpu":
+        pytest.skip("GPUs present: tune.py would run")
+    assert tune.main(["--model", "tiny", "--tp", "2"]) == 0
+    assert "skipped: no CUDA GPUs" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- breakdown.py ---
+
+def test_breakdown_runs_on_cpu(tmp_path, capsys):
+    """The breakdown on 8 virtual CPU devices: every mode that can run here is measured and the
+    model-computing ones checked; the fused kernel's modes are skipped saying why."""
+    breakdown = _load_script("breakdown")
+    argv = ["--out", str(tmp_path), "--layers", "1", "--tp", "2", "--tokens", "96",
+            "--request-len", "40", "--warmup", "0", "--iters", "2", "--ctas", "8", "--seed", "3"]
+    assert breakdown.main(argv) == 0
+    report = json.loads((tmp_path / "breakdown.json").read_text())
+    assert report["config"]["model"] == "tiny" and report["config"]["tp"] == 2
+    (row,) = report["rows"]
+    cells = row["modes"]
+    assert set(cells) == set(breakdown.MODES) | {"weave-ffi@8"}
+    ffi_ok = bm.ffi_unavailable(bm.make_mesh(bm.platform_devices()[1], 2),
+                                bm.DTYPES["bfloat16"], (96, 64)) is None
+    for name in ("baseline", "nocomm", "weave-local", "weave-xla", "weave-auto"):
+        assert cells[name]["status"] == "ok", cells[name]
+        assert cells[name]["median_ms"] > 0 and cells[name]["iters"] == 2
+    for name in ("weave-local", "weave-xla"):
+        assert cells[name]["split"] and sum(cells[name]["half_lengths"]) == 96
+    assert cells["weave-xla"]["rel_err"] <= report["config"]["tolerance"]
+    assert "rel_err" not in cells["weave-local"] and "rel_err" not in cells["nocomm"]
+    if not ffi_ok:
+        for name in ("weave-ffi", "weave-ffi-sync", "weave-ffi@8"):
+            assert cells[name]["status"] == "skipped" and "ffi unavailable" in cells[name]["reason"]
+    d = row["derived"]
+    want = cells["weave-local"]["median_ms"] - cells["nocomm"]["median_ms"]
+    assert d["split_cost_ms"] == pytest.approx(want)
+    assert d["weave_auto_over_baseline"] == pytest.approx(
+        cells["weave-auto"]["median_ms"] / cells["baseline"]["median_ms"])
+    markdown = (tmp_path / "breakdown.md").read_text()
+    assert "| tokens | baseline | nocomm | weave-local |" in markdown
+    assert "split cost ms" in markdown
+    assert (tmp_path / "breakdown.png").stat().st_size > 0
+    assert bm.CPU_NOTE in capsys.readouterr().out
+
+
+def test_breakdown_derived_columns():
+    breakdown = _load_script("breakdown")
+    ok = lambda ms: {"status": "ok", "median_ms": ms}
+    cell = {"baseline": ok(99.12), "nocomm": ok(90.27), "weave-local": ok(92.62),
+            "weave-ffi-sync": ok(98.0), "weave-ffi": ok(95.63), "weave-auto": ok(95.63),
+            "weave-xla": {"status": "skipped"}}
+    d = breakdown.derived(cell)
+    assert d["split_cost_ms"] == pytest.approx(2.35) and d["exposed_comm_ms"] == pytest.approx(3.01)
+    assert d["overlap_gain_ms"] == pytest.approx(2.37)
+    assert d["gap_recovered"] == pytest.approx((99.12 - 95.63) / (99.12 - 90.27))
+    assert d["weave_ffi_over_nocomm"] == pytest.approx(95.63 / 90.27)
+    assert breakdown.derived({"baseline": ok(1.0)})["gap_recovered"] is None

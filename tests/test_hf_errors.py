@@ -19,7 +19,7 @@ from jax_tokenweave import from_pretrained, hf
 from jax_tokenweave.models import MODEL_CLASSES, register_model
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.params import named_params, numpy_weights
+from jax_tokenweave.params import logical_weights, named_params
 
 CONFIG = get_config("tiny", num_layers=1)
 HF_CONFIG = {  # config.json of CONFIG (tiny: llama3 rope scaling, untied)
@@ -32,7 +32,7 @@ HF_CONFIG = {  # config.json of CONFIG (tiny: llama3 rope scaling, untied)
 
 
 def write_checkpoint(path, weights: dict[str, np.ndarray], config: dict | None = None) -> str:
-    """``weights`` (our parameter names) saved as a Hugging Face bfloat16 checkpoint."""
+    """``weights`` (our logical parameter names) saved as a Hugging Face bfloat16 checkpoint."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -51,7 +51,7 @@ def write_checkpoint(path, weights: dict[str, np.ndarray], config: dict | None =
 def checkpoint(tmp_path_factory, cpu_mesh_module):
     model = LlamaModel(CONFIG, cpu_mesh_module, dtype=jnp.float32,
                        rngs=nnx.Rngs(int(np.random.SeedSequence().entropy % 2**31)))
-    weights = numpy_weights(model)
+    weights = logical_weights(model)
     return write_checkpoint(tmp_path_factory.mktemp("bf16"), weights), weights
 
 
@@ -67,11 +67,12 @@ def test_bfloat16_checkpoint_round_trip(checkpoint, cpu_mesh_module):
     path, weights = checkpoint
     model = from_pretrained(path, cpu_mesh_module, jnp.float32)
     assert type(model) is LlamaModel and model.hf_info.eos_token_ids == (7, 9)
-    got = named_params(model)
+    got = logical_weights(model)
     for name, want in weights.items():
         exact = np.asarray(want).astype(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(got[name][...]), exact, err_msg=name)
-    assert got["decoder.layers.0.q_proj"][...].addressable_shards[0].data.shape == (64, 32)
+    qkv = named_params(model)["decoder.layers.0.qkv_proj"][...]      # 16 + 8 + 8 heads of 8
+    assert qkv.addressable_shards[0].data.shape == (64, 64)
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, np.uint8, "bool", "no-such-dtype"])

@@ -123,6 +123,11 @@ def test_sharded_reads_match_and_read_only_own_slice(ckpts, cpu_mesh, tp, monkey
          np.stack([ref[n].T for n in experts])),
         (hf.Source("model.norm.weight", (64,)), P(), ref["model.norm.weight"]),  # replicated
     ]
+    parts = tuple(hf.Source(f"model.layers.0.self_attn.{x}_proj.weight", (64 if x == "q" else 32,
+                                                                          64), transpose=True)
+                  for x in "qkv")
+    fused_want = np.concatenate([np.concatenate([np.split(ref[p.names].T, tp, 1)[r]
+                                                 for p in parts], 1) for r in range(tp)], 1)
     for src, spec, want in cases:
         reads.clear()
         arr = hf.load_sharded(ckpt, src, mesh, spec, np.float32)
@@ -135,6 +140,12 @@ def test_sharded_reads_match_and_read_only_own_slice(ckpts, cpu_mesh, tp, monkey
         for _, shape in reads:  # every read is one device's slice, never the whole tensor
             assert int(np.prod(shape)) == (full // tp if sharded else full)
         assert len(reads) == (tp if sharded else 1) * (len(experts) if src.stacked else 1)
+    # q, k and v fused rank-blocked: each device reads its own rows of each of the three
+    reads.clear()
+    arr = hf.load_sharded(ckpt, hf.Fused(parts, tp), mesh, P(None, "tp"), np.float32)
+    np.testing.assert_array_equal(np.asarray(arr), fused_want)
+    assert sorted(reads) == sorted((p.names, (p.shape[0] // tp, 64)) for p in parts
+                                   for _ in range(tp))
 
 
 def test_dtype_cast(ckpts, cpu_mesh):
@@ -235,21 +246,26 @@ def _rewrite_without(path: str, victim: str) -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])
 def test_from_pretrained_weights(ckpts, cpu_mesh, kind):
     from jax_tokenweave.models import MODEL_CLASSES
-    from jax_tokenweave.params import named_params, param_spec
+    from jax_tokenweave.params import logical_weights, named_params, param_spec
 
     model = from_pretrained(ckpts[kind], cpu_mesh(4), np.float32)
     assert type(model) is MODEL_CLASSES[kind]
     ref = _all_tensors(ckpts[kind])
-    params = named_params(model)
+    params, logical = named_params(model), logical_weights(model)
     np.testing.assert_array_equal(np.asarray(params["embed"].get_value()),
                                   ref["model.embed_tokens.weight"])
-    q = params["decoder.layers.1.q_proj"].get_value()
-    np.testing.assert_array_equal(np.asarray(q), ref["model.layers.1.self_attn.q_proj.weight"].T)
-    assert q.sharding.spec == param_spec(params["decoder.layers.1.q_proj"]) == P(None, "tp")
+    attn = "model.layers.1.self_attn."
+    np.testing.assert_array_equal(logical["decoder.layers.1.q_proj"],
+                                  ref[attn + "q_proj.weight"].T)
+    qkv = params["decoder.layers.1.qkv_proj"].get_value()
+    assert qkv.sharding.spec == param_spec(params["decoder.layers.1.qkv_proj"]) == P(None, "tp")
+    for r, shard in enumerate(sorted(qkv.addressable_shards, key=lambda s: s.index[1].start)):
+        own = [np.split(ref[attn + f"{x}_proj.weight"].T, 4, axis=1)[r] for x in "qkv"]
+        np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate(own, 1))
     if kind == "llama":
         assert "lm_head" not in params  # tied
     if kind == "qwen2":
-        np.testing.assert_array_equal(np.asarray(params["decoder.layers.0.k_bias"].get_value()),
+        np.testing.assert_array_equal(logical["decoder.layers.0.k_bias"],
                                       ref["model.layers.0.self_attn.k_proj.bias"])
     if kind == "mixtral":
         w2 = np.asarray(params["decoder.layers.0.moe.down_proj"].get_value())

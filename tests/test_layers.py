@@ -9,15 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from testutil import FakeKernel, rel_err
 from testutil import build_decoder as build
-from testutil import rel_err
 
 from jax_tokenweave import attention as A
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.layers import WeaveDecoder, reference_decoder
+from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.params import named_params, numpy_weights
+from jax_tokenweave.params import logical_weights, named_params
 from jax_tokenweave.split import plan_batch
+from jax_tokenweave.testing.reference import reference_decoder
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -69,7 +70,7 @@ def test_weave_baseline_reference(cpu_mesh, rng, name, tp, lengths, threshold, d
     batch = plan_batch(lengths, tp=tp, threshold=threshold)
     dec = build(config, mesh, dtype, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), dtype)
-    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     schedules = (("weave", "xla"), ("baseline", "xla"))
     if tp == 8 and dtype == jnp.float32 and name == "tiny":
         schedules += (("weave", "auto"),)                 # auto = xla_rsag on CPU
@@ -94,7 +95,7 @@ def test_random_ragged_batch(cpu_mesh, rng):
     dec = build(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
-    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     for out in forward(dec, batch)(hidden):
         assert rel_err(out, want) < 1e-5
 
@@ -123,7 +124,7 @@ def test_default_threshold_split(cpu_mesh, rng):
     dec = build(config, cpu_mesh(tp), jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
-    want = reference_decoder(numpy_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     weave, baseline = forward(dec, batch)(hidden)
     for out in (weave, baseline):
         assert out.shape == hidden.shape and out.sharding.is_fully_replicated
@@ -147,7 +148,7 @@ def test_return_kv_and_nocomm(cpu_mesh, rng):
         for a, b in ((wk, bk), (wv, bv)):
             assert rel_err(a, np.asarray(b, np.float64)) < 1e-5
     # layer 0's keys: RoPE(input_norm(hidden) @ k_proj)
-    w = numpy_weights(dec)
+    w = logical_weights(dec)
     h = np.asarray(hidden, np.float64)
     x = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + config.rms_norm_eps)
     x = x * w["layers.0.input_layernorm"]
@@ -158,6 +159,78 @@ def test_return_kv_and_nocomm(cpu_mesh, rng):
     (nocomm,) = forward(dec, batch, (("nocomm", "auto"),))(hidden)
     assert nocomm.shape == hidden.shape
     assert rel_err(nocomm, np.asarray(b_out, np.float64)) > 1e-2
+
+
+# Every configuration of the one layer loop (stack.run_stack): (schedule, comm, fake reducer).
+# The fused kernel's two configurations run with pure-JAX stand-ins injected as reducers.
+LOOP_CONFIGS = [("baseline", "xla", None), ("weave", "xla", None), ("weave", "ffi", "overlap"),
+                ("weave", "ffi-sync", "sync"), ("nocomm", "xla", None), ("weave", "local", None)]
+NOT_THE_MODEL = {"nocomm", "local"}
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_every_loop_configuration_against_reference(cpu_mesh, rng, tp):
+    """Model-computing configurations match the float64 reference at TP 1 and 4; the comm-free
+    ones (nocomm, weave-local) match it at TP 1 only (nothing to communicate) and differ at 4."""
+    config, mesh = get_config("tiny"), cpu_mesh(tp)
+    lengths = (5, 9, 3)
+    batch = plan_batch(lengths, tp=tp, split=True)
+    assert batch.cut_request is not None
+    dec = build(config, mesh, jnp.float32, rng)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
+                         jnp.float32)
+    want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
+    fake = FakeKernel()
+    graphdef, state = nnx.split(dec)
+
+    def run(state, hidden):
+        model = nnx.merge(graphdef, state)
+        return [model(hidden, batch, schedule=s, comm=c,
+                      reducer=getattr(fake, f) if f else None) for s, c, f in LOOP_CONFIGS]
+
+    outs = jax.jit(run)(state, hidden)
+    fake.check_protocol()
+    assert {op for op, _, _ in fake.log} == {"start", "done", "sync"}
+    for (schedule, comm, _), out in zip(LOOP_CONFIGS, outs, strict=True):
+        err = rel_err(out, want)
+        if tp > 1 and {schedule, comm} & NOT_THE_MODEL:
+            assert err > 1e-2, (schedule, comm, err)
+        else:
+            assert err < 1e-5, (schedule, comm, err)
+
+
+def test_decode_step_against_reference(cpu_mesh, rng):
+    """The decode configuration of the loop (one half of B rows, the KV cache's attention): the
+    last token of each prompt, decoded on a cache filled by a prefill of the others, equals the
+    float64 reference's last row, for both decode reducers."""
+    from jax_tokenweave.serving.kv_cache import init_cache, write_prompts
+    from jax_tokenweave.serving.steps import decoder_step
+
+    config, tp = get_config("tiny"), 2
+    mesh = cpu_mesh(tp)
+    dec = build(config, mesh, jnp.float32, rng)
+    lengths, lb = (6, 3), 8
+    prompts = [rng.standard_normal((n, config.hidden_size)) for n in lengths]
+    w = logical_weights(dec)
+    cache = init_cache(config, mesh, len(lengths), 16, jnp.float32)
+    padded = np.zeros((len(lengths) * lb, config.hidden_size))
+    for i, p in enumerate(prompts):
+        padded[i * lb:i * lb + len(p) - 1] = p[:-1]
+    plan = plan_batch([lb] * len(lengths), tp=tp, split=True)
+    _, kvs = dec(jnp.asarray(padded, jnp.float32), plan, schedule="weave", comm="xla",
+                 return_kv=True)
+    rows = jnp.arange(len(lengths))
+    for i, (k, v) in enumerate(kvs):
+        cache = write_prompts(cache, i, k.reshape(len(lengths), lb, *k.shape[1:]),
+                              v.reshape(len(lengths), lb, *v.shape[1:]), rows)
+    last = jnp.asarray(np.stack([p[-1] for p in prompts]), jnp.float32)
+    positions = jnp.asarray([n - 1 for n in lengths], jnp.int32)
+    want = np.stack([reference_decoder(w, config, p, (len(p),))[-1] for p in prompts])
+    for schedule in ("weave", "baseline"):
+        out, k_cache, _ = decoder_step(dec, last, positions, cache.k, cache.v,
+                                       schedule=schedule, comm="xla")
+        assert rel_err(out, want) < 1e-5, schedule
+        assert k_cache.shape == cache.k.shape
 
 
 def test_ffi_unavailable_on_cpu(cpu_mesh, rng):
@@ -221,15 +294,15 @@ def test_weights_sharded_as_documented(cpu_mesh, rng):
     params = named_params(dec)
     d = config.head_dim
     expect = {
-        "layers.0.q_proj": ((64, 16 * d), (64, 4 * d)),
-        "layers.0.k_proj": ((64, 8 * d), (64, 2 * d)),
-        "layers.0.q_bias": ((16 * d,), (4 * d,)),
+        "layers.0.qkv_proj": ((64, 32 * d), (64, 8 * d)),        # 16 q + 8 k + 8 v heads
+        "layers.0.qkv_bias": ((32 * d,), (8 * d,)),
         "layers.0.o_proj": ((16 * d, 64), (4 * d, 64)),
-        "layers.0.gate_proj": ((64, 128), (64, 32)),
+        "layers.0.gate_up_proj": ((64, 256), (64, 64)),
         "layers.0.down_proj": ((128, 64), (32, 64)),
         "layers.0.input_layernorm": ((64,), (64,)),
         "final_norm": ((64,), (64,)),
     }
+    assert not {"layers.0.q_proj", "layers.0.gate_proj"} & set(params)
     for name, (global_shape, shard_shape) in expect.items():
         value = params[name][...]
         assert value.shape == global_shape, name
@@ -241,3 +314,32 @@ def test_weights_sharded_as_documented(cpu_mesh, rng):
         dec.load_weights({"final_norm": np.zeros(3)}, strict=False)
     with pytest.raises(ValueError, match="missing"):
         dec.load_weights({"final_norm": np.zeros(64)})
+    with pytest.raises(ValueError, match=r"layers\.0\.v_proj'\] missing"):
+        dec.load_weights({"layers.0.q_proj": np.zeros((64, 16 * d)),
+                          "layers.0.k_proj": np.zeros((64, 8 * d))}, strict=False)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_fused_projections_are_rank_blocked(cpu_mesh, rng, tp):
+    """Loading the logical q/k/v and gate/up weights fuses them so that each rank's shard of
+    qkv_proj / qkv_bias / gate_up_proj is exactly [its q | its k | its v] (resp. [gate | up]),
+    and logical_weights gives them back unchanged."""
+    config, mesh = get_config("tiny-qwen", num_layers=1), cpu_mesh(tp)
+    dec = build(config, mesh, jnp.float32, rng)
+    logical = {n: rng.standard_normal(v.shape).astype(np.float32)
+               for n, v in logical_weights(dec).items()}
+    dec.load_weights(logical)
+    back = logical_weights(dec)
+    assert set(back) == set(logical)
+    for name, value in logical.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+    p = "layers.0."
+    params = named_params(dec)
+    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                         ("qkv_bias", ("q_bias", "k_bias", "v_bias")),
+                         ("gate_up_proj", ("gate_proj", "up_proj"))):
+        shards = params[p + fused][...].addressable_shards
+        assert len(shards) == tp
+        for r, shard in enumerate(sorted(shards, key=lambda s: s.index[-1].start or 0)):
+            own = [np.split(logical[p + part], tp, axis=-1)[r] for part in parts]
+            np.testing.assert_array_equal(np.asarray(shard.data), np.concatenate(own, -1))

@@ -10,9 +10,10 @@ from flax import nnx
 from testutil import rel_err
 
 from jax_tokenweave.models.configs import CONFIGS, config_names, get_config
-from jax_tokenweave.models.llama import LlamaModel, reference_logits
-from jax_tokenweave.params import named_params
+from jax_tokenweave.models.llama import LlamaModel
+from jax_tokenweave.params import logical_weights, named_params
 from jax_tokenweave.split import plan_batch
+from jax_tokenweave.testing.reference import reference_logits
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -40,7 +41,7 @@ def test_logits_match_reference(cpu_mesh, rng, name, tp, lengths, dtype):
     batch = plan_batch(lengths, tp=tp, threshold=4)
     assert batch.split
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, batch.num_tokens), jnp.int32)
-    want = reference_logits(model.numpy_weights(), config, np.asarray(tokens), lengths)
+    want = reference_logits(logical_weights(model), config, np.asarray(tokens), lengths)
     weave, baseline = compiled(model, batch, ("weave", "baseline"), tokens)
     for logits in (weave, baseline):
         assert logits.shape == (batch.num_tokens, config.vocab_size)
@@ -52,8 +53,8 @@ def test_load_weights_places_shards(cpu_mesh, rng):
     config, mesh = get_config("tiny", num_layers=1), cpu_mesh(4)
     model = LlamaModel(config, mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
     params = named_params(model)
-    assert {"embed", "lm_head", "decoder.final_norm", "decoder.layers.0.q_proj",
-            "decoder.layers.0.down_proj"} <= set(params)
+    assert {"embed", "lm_head", "decoder.final_norm", "decoder.layers.0.qkv_proj",
+            "decoder.layers.0.gate_up_proj", "decoder.layers.0.down_proj"} <= set(params)
     new = {name: rng.standard_normal(p[...].shape).astype(np.float32)
            for name, p in params.items()}
     model.load_weights(new)

@@ -9,15 +9,14 @@ from hypothesis import strategies as st
 
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.split import (
-    DEFAULT_OFFSETS,
     BatchPlan,
     WaveModel,
     midpoint,
     plan_batch,
     round_up,
-    tuned_offset,
     wave_offset,
 )
+from jax_tokenweave.tuning import TuneEntry, TuneTable
 
 FAST = settings(max_examples=60, deadline=None)
 PAD_HALF = 256 // 2  # |midpoint - T/2| < 128
@@ -154,10 +153,10 @@ def test_explicit_offset_honoured(lengths, data):
     plan = plan_batch(lengths, offset=offset, split=True, wave=WaveModel(num_sms=7))
     assert plan.offset == offset and plan.halves[0].length == mid + offset
     check_layout(plan)
-    # An explicit offset also beats the override table.
-    table = {("m", 2, total): 1 - mid}
+    # An explicit offset also beats the tuning table's.
+    table = TuneTable({("m", 2, 1): TuneEntry(1 - mid, 8)})
     assert plan_batch(lengths, offset=offset, split=True, tp=2, model="m",
-                      offsets=table).offset == offset
+                      table=table).offset == offset
 
 
 @FAST
@@ -265,21 +264,47 @@ def test_wave_model_from_config():
         WaveModel(max_steps=-1)
 
 
-def test_override_table():
-    assert DEFAULT_OFFSETS == {} or all(len(k) == 3 for k in DEFAULT_OFFSETS)
-    table = {("llama3-70b", 8, 2048): 128}
-    assert tuned_offset("llama3-70b", 8, 2048, table) == 128
-    assert tuned_offset("llama3-70b", 4, 2048, table) is None
-    assert tuned_offset("llama3-70b", 8, 2049, table) is None
-    plan = plan_batch([2048], tp=8, model="llama3-70b", offsets=table)
-    assert plan.offset == 128 and plan.half_lengths == (1152, 896)
-    # No table entry: the wave rule.
-    assert plan_batch([2048], tp=4, model="llama3-70b", offsets=table).offset == 0
-    # A table offset that empties a half is refused too.
+def test_tuning_table_offset_threshold_and_ctas():
+    """One table: the plan's split threshold, offset correction and CTA counts all come from
+    it (its model's rows, else the wildcard rows)."""
+    table = TuneTable({("llama3-70b", 8, 2048): TuneEntry(128, 32, 4),
+                       ("*", 8, 1): TuneEntry(None, 12)},
+                      thresholds={("llama3-70b", 8): 2048, ("*", 8): 1500})
+    plan = plan_batch([2048], tp=8, model="llama3-70b", table=table)
+    assert plan.offset == 128 and plan.half_lengths == (1152, 896)   # wave rule's 0, + 128
+    assert plan.tuning == TuneEntry(128, 32, 4)
+    assert plan_batch([2047], tp=8, model="llama3-70b", table=table).tuning == TuneEntry(None, 12)
+    assert not plan_batch([2047], tp=8, model="llama3-70b", table=table).split
+    assert plan_batch([1500], tp=8, model="other", table=table).split    # wildcard threshold
+    assert not plan_batch([1499], tp=8, table=table).split
+    # No rows for TP 4: the paper's defaults (split from 1024 tokens, 16/8 CTAs, wave rule).
+    plan = plan_batch([2048], tp=4, model="llama3-70b", table=table)
+    assert plan.offset == 0 and plan.tuning == TuneEntry(None, 16, 8)
+    # A correction that would empty a half is dropped, an explicit one is refused.
+    far = TuneTable({("x", 8, 16): TuneEntry(1024, 8)})
+    assert plan_batch([16, 16], tp=8, model="x", table=far, split=True).half_lengths == (16, 16)
     with pytest.raises(ValueError, match="non-empty"):
-        plan_batch([2048], tp=8, model="x", offsets={("x", 8, 2048): 1024})
-    # Offsets only matter when the plan splits.
+        plan_batch([2048], tp=8, offset=1024)
+    # Offsets only matter when the plan splits; the unsplit plan still carries its CTAs.
     assert plan_batch([100], offset=5).offset == 0
+    assert plan_batch([100], tp=8, table=table).tuning == TuneEntry(None, 12)
+
+
+def test_shipped_table_rule():
+    """The shipped table at TP=2 (2 x H200 measurements): no split below 4096 tokens, the fused
+    kernel unsplit with 32 CTAs from 1024 tokens (the default 16/8 below), 16 CTAs split."""
+    from jax_tokenweave.models.configs import get_config
+
+    llama, qwen = get_config("llama3-70b", num_layers=8), get_config("qwen2.5-72b")
+    for config in (llama, qwen):
+        small = plan_batch([1024, 1024], tp=2, config=config)
+        assert not small.split and small.tuning.num_ctas == 32
+        assert plan_batch([1024] * 4, tp=2, config=config).split
+        assert plan_batch([100], tp=2, config=config).tuning == TuneEntry(None, 16, 8)
+    big = plan_batch([1024] * 8, tp=2, config=llama)
+    assert big.half_lengths == (4096, 4096) and big.tuning == TuneEntry(0, 16)
+    assert plan_batch([1024] * 8, tp=2, config=qwen).tuning == TuneEntry(None, 16)
+    assert plan_batch([1024] * 2, tp=4, config=llama).split   # TP 4: not measured, paper's 1024
 
 
 @pytest.mark.parametrize(("lengths", "kwargs", "message"), [

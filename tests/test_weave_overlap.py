@@ -1,7 +1,7 @@
-"""The weave schedule with the fused kernel's start/done pair (comm="ffi"), its tuning table and
-the compiled-HLO overlap checker.
+"""The weave schedule with the fused kernel's start/done pair (comm="ffi") and the compiled-HLO
+overlap checker.
 
-CPU: tuning.py; hlo_check on synthetic HLO; comm="ffi" refused / "auto" falling back; the
+CPU: hlo_check on synthetic HLO; comm="ffi" refused / "auto" falling back; the
 overlapped schedule with pure-JAX stand-ins for the kernel (values == baseline, slot protocol,
 CTA counts); the ordering by data, read from the jaxpr of the real start/done calls.
 GPU (>= 2 peer GPUs): weave-ffi == baseline in bf16, and the overlap present in compiled HLO.
@@ -9,115 +9,19 @@ GPU (>= 2 peer GPUs): weave-ffi == baseline in bf16, and the overlap present in 
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from testutil import build_decoder, rel_err
+from testutil import FakeKernel, build_decoder, rel_err
 
-from jax_tokenweave import _ffi, hlo_check, ops, tuning
+from jax_tokenweave import _ffi, hlo_check, reducers, tuning
 from jax_tokenweave.comm import Communicator
-from jax_tokenweave.layers import resolve_comm
 from jax_tokenweave.models.configs import get_config
+from jax_tokenweave.schedules import configure, resolve_comm
 from jax_tokenweave.split import plan_batch
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
-
-# ------------------------------------------------------------------------------- tuning ---
-
-
-def test_tune_entry_and_defaults():
-    assert TuneEntry(offset=None, num_ctas=16, first_num_ctas=8) == DEFAULT_ENTRY
-    assert DEFAULT_ENTRY.ctas(True) == 8 and DEFAULT_ENTRY.ctas(False) == 16
-    assert TuneEntry(0, 4).ctas(True) == 4
-    hash(TuneEntry(-128, 32, 2))
-    for bad in (dict(offset=None, num_ctas=0), dict(offset=None, num_ctas=33),
-                dict(offset=None, num_ctas=8.0), dict(offset=1.5, num_ctas=8),
-                dict(offset=None, num_ctas=8, first_num_ctas=64),
-                dict(offset=None, num_ctas=True)):
-        with pytest.raises(ValueError):
-            TuneEntry(**bad)
-
-
-def test_lookup_nearest_at_or_below():
-    table = {("m", 4, 1024): TuneEntry(0, 8), ("m", 4, 4096): TuneEntry(-128, 16, 8),
-             ("m", 2, 2048): TuneEntry(128, 32), ("other", 4, 512): TuneEntry(256, 4)}
-    assert tuning.lookup("m", 4, 1024, table) == TuneEntry(0, 8)
-    assert tuning.lookup("m", 4, 4095, table) == TuneEntry(0, 8)
-    assert tuning.lookup("m", 4, 4096, table) == TuneEntry(-128, 16, 8)
-    assert tuning.lookup("m", 4, 100000, table) == TuneEntry(-128, 16, 8)
-    assert tuning.lookup("m", 4, 1023, table) == DEFAULT_ENTRY       # below the smallest
-    assert tuning.lookup("m", 8, 4096, table) == DEFAULT_ENTRY       # other TP
-    assert tuning.lookup("nope", 4, 4096, table) == DEFAULT_ENTRY
-    assert tuning.lookup("m", 4, 4096) == DEFAULT_ENTRY              # DEFAULT_TABLE is empty
-    mine = TuneEntry(None, 2)
-    assert tuning.lookup("m", 1, 5, table, default=mine) is mine
-    for bad in (("", 4, 8), ("m", 0, 8), ("m", 4, 0), ("m", 4, 8.0), (None, 4, 8)):
-        with pytest.raises(ValueError):
-            tuning.lookup(*bad, table)
-    assert tuning.offsets(table) == {("m", 4, 1024): 0, ("m", 4, 4096): -128,
-                                     ("m", 2, 2048): 128, ("other", 4, 512): 256}
-
-
-def test_json_round_trip(tmp_path):
-    table = {("llama3-70b", 4, 8192): TuneEntry(-128, 16, 8),
-             ("llama3-70b", 4, 2048): TuneEntry(None, 8),
-             ("qwen2.5-72b", 2, 4096): TuneEntry(256, 32, None)}
-    path = tmp_path / "tune.json"
-    tuning.save(table, path, extra={("llama3-70b", 4, 8192): {"latency_ms": 1.5}})
-    data = json.loads(path.read_text())
-    assert data["format"] == tuning.FORMAT and len(data["entries"]) == 3
-    assert data["entries"][1]["latency_ms"] == 1.5   # sorted: (llama3-70b, 4, 2048) first
-    assert tuning.load(path) == table
-    assert tuning.from_json(tuning.to_json({})) == {}
-
-
-@pytest.mark.parametrize(("data", "match"), [
-    ([], "format"),
-    ({"format": "v0", "entries": []}, "format"),
-    ({"format": tuning.FORMAT}, "entries"),
-    ({"format": tuning.FORMAT, "entries": [1]}, "not an object"),
-    ({"format": tuning.FORMAT, "entries": [{"model": "m", "tp": 2, "tokens": 8}]}, "num_ctas"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 64}]}, r"\[1, 32\]"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": "2", "tokens": 8, "num_ctas": 8}]}, "tp"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8, "offset": "x"}]},
-     "offset"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8}] * 2}, "duplicate"),
-])
-def test_json_bad_input(tmp_path, data, match):
-    with pytest.raises(ValueError, match=match):
-        tuning.from_json(data)
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=match):
-        tuning.load(path)
-
-
-def test_load_invalid_json(tmp_path):
-    path = tmp_path / "t.json"
-    path.write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
-        tuning.load(path)
-
-
-def test_plan_batch_from_table():
-    lengths = (700, 900, 500)   # T = 2100, midpoint 1152
-    table = {("m", 4, 2048): TuneEntry(-256, 16)}
-    assert tuning.plan_batch(lengths, model="m", tp=4, table=table).offset == -256
-    assert tuning.plan_batch(lengths, model="m", tp=4, table=table, offset=0).offset == 0
-    default = plan_batch(lengths, tp=4, model="m")
-    assert tuning.plan_batch(lengths, model="m", tp=2, table=table) == default
-    # an offset that would empty a half falls back to the split module's rule
-    far = {("m", 4, 16): TuneEntry(-500, 16)}
-    assert tuning.plan_batch((10, 10), model="m", tp=4, table=far, split=True) == \
-        plan_batch((10, 10), tp=4, model="m", split=True)
-
 
 # ------------------------------------------------------------------------- HLO checker ---
 
@@ -234,55 +138,12 @@ def test_ffi_refused_on_cpu_and_auto_falls_back(cpu_mesh, rng):
     dec(hidden, batch, schedule="baseline", comm="ffi")
 
 
-class FakeKernel:
-    """Pure-JAX stand-ins for the kernel's entry points that record the call protocol."""
-
-    def __init__(self, monkeypatch):
-        self.log: list[tuple[str, int, int | None]] = []
-        monkeypatch.setattr(_ffi, "unavailable_reason", lambda *a, **k: None)
-        monkeypatch.setattr(_ffi, "allreduce_rmsnorm", self.sync)
-        monkeypatch.setattr(_ffi, "allreduce_rmsnorm_start", self.start)
-        monkeypatch.setattr(_ffi, "allreduce_rmsnorm_done", self.done)
-
-    @staticmethod
-    def _math(partial, residual, weight, axis_name, eps):
-        n = jax.lax.axis_size(axis_name)
-        return ops._xla_rsag(partial, residual, weight, axis_name, n, eps)
-
-    def sync(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None,
-             slot=0, algo="auto"):
-        self.log.append(("sync", slot, num_ctas))
-        return self._math(partial, residual, weight, axis_name, eps)
-
-    def start(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None,
-              slot=0, algo="auto"):
-        self.log.append(("start", slot, num_ctas))
-        normed, res = self._math(partial, residual, weight, axis_name, eps)
-        return _ffi.Pending(normed, res, partial, residual, weight.astype(jnp.float32))
-
-    def done(self, pending, *, axis_name, mesh, slot=0):
-        self.log.append(("done", slot, None))
-        return pending.normed, pending.residual_out
-
-    def check_protocol(self):
-        """Every start's slot is free, every done's slot is in flight, nothing left over."""
-        inflight: set[int] = set()
-        for op, slot, _ in self.log:
-            if op == "start":
-                assert slot not in inflight, self.log
-                inflight.add(slot)
-            elif op == "done":
-                assert slot in inflight, self.log
-                inflight.remove(slot)
-        assert not inflight, self.log
-
-
 @pytest.mark.parametrize(("lengths", "offset", "tp"), [
     ((5, 9, 3), -120, 4),      # halves 8 + 9, request 1 cut by the split
     ((3, 11, 7, 2), None, 8),  # T=23: not divisible by TP
 ])
-def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, monkeypatch, lengths, offset, tp):
-    fake = FakeKernel(monkeypatch)
+def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, lengths, offset, tp):
+    fake = FakeKernel()
     config, mesh = get_config("tiny", num_layers=3), cpu_mesh(tp)
     batch = plan_batch(lengths, tp=tp, split=True, offset=offset)
     assert batch.split and batch.cut_request is not None
@@ -291,8 +152,8 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, monkeypatch, length
                          jnp.float32)
     entry = TuneEntry(None, 12, 4)
     ffi, xla, base = _run(dec, batch, hidden, [
-        dict(schedule="weave", comm="ffi", tuning=entry), dict(schedule="weave", comm="xla"),
-        dict(schedule="baseline")])
+        dict(schedule="weave", comm="ffi", tuning=entry, reducer=fake.overlap),
+        dict(schedule="weave", comm="xla"), dict(schedule="baseline")])
     for out in (ffi, xla):
         np.testing.assert_allclose(np.asarray(out), np.asarray(base), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(ffi), np.asarray(xla), rtol=1e-6, atol=1e-6)
@@ -306,24 +167,63 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, monkeypatch, length
     assert [(op, s) for op, s, _ in fake.log] == want
     ctas = [c for op, _, c in fake.log if op == "start"]
     assert ctas == [4] + [12] * (4 * n - 1)
-    # comm="auto" takes the (faked) kernel too
+    # without tuning=, the default entry's CTA counts
     fake.log.clear()
-    (auto,) = _run(dec, batch, hidden, [dict(schedule="weave", comm="auto")])
-    np.testing.assert_allclose(np.asarray(auto), np.asarray(ffi), rtol=1e-6, atol=1e-6)
+    (again,) = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi",
+                                              reducer=fake.overlap)])
+    np.testing.assert_allclose(np.asarray(again), np.asarray(ffi), rtol=1e-6, atol=1e-6)
     assert [c for op, _, c in fake.log if op == "start"] == [8] + [16] * (4 * n - 1)
 
 
-def test_unsplit_ffi_is_synchronous(cpu_mesh, rng, monkeypatch):
-    fake = FakeKernel(monkeypatch)
+def test_comm_resolution_and_configuration(cpu_mesh, monkeypatch):
+    """Which reducer each (schedule, comm) configures, and ``auto``'s choice."""
+    mesh, hidden = cpu_mesh(2), get_config("tiny").hidden_size
+    split, whole = plan_batch((5, 9), split=True), plan_batch((5, 9), split=False)
+    want = {("baseline", "xla", split): (1, reducers.Psum),
+            ("nocomm", "xla", split): (1, reducers.Local),
+            ("weave", "local", split): (2, reducers.LocalSharded),
+            ("weave", "ffi", split): (2, reducers.Overlap),
+            ("weave", "xla", split): (2, reducers.Sharded),
+            ("weave", "ffi-sync", split): (2, reducers.Sharded),
+            ("weave", "ffi", whole): (1, reducers.Sharded)}
+    ctx = reducers.ReduceContext("tp", mesh, 1e-6)
+    for (schedule, comm, batch), (halves, cls) in want.items():
+        got_halves, factory = configure(schedule, comm, batch)
+        reducer = factory(ctx)
+        assert len(got_halves) == halves and type(reducer) is cls, (schedule, comm)
+    assert configure("weave", "ffi-sync", split)[1](ctx).impl == "ffi"
+    assert configure("weave", "xla", split)[1](ctx).impl == "xla_rsag"
+    with pytest.raises(ValueError, match="resolved"):
+        configure("weave", "auto", split)
+    assert resolve_comm("auto", mesh, "tp", jnp.float32, split, hidden) == "xla"   # CPU
+    with pytest.raises(RuntimeError, match="comm='ffi-sync' is unavailable"):
+        resolve_comm("ffi-sync", mesh, "tp", jnp.float32, split, hidden)
+    assert resolve_comm("local", mesh, "tp", jnp.float32, split, hidden) == "local"
+    monkeypatch.setattr(_ffi, "unavailable_reason", lambda *a, **k: None)
+    assert resolve_comm("auto", mesh, "tp", jnp.float32, split, hidden) == "ffi"
+    assert resolve_comm("ffi-sync", mesh, "tp", jnp.float32, split, hidden) == "ffi-sync"
+
+
+def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
+    fake = FakeKernel()
     config, mesh = get_config("tiny"), cpu_mesh(2)
     batch = plan_batch((5, 4), tp=2, split=False)
     dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
                          jnp.float32)
-    ffi, base = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi"),
-                                          dict(schedule="baseline")])
+    ffi, base = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.sync,
+                                               tuning=DEFAULT_ENTRY), dict(schedule="baseline")])
     np.testing.assert_allclose(np.asarray(ffi), np.asarray(base), rtol=1e-4, atol=1e-4)
-    assert fake.log == [("sync", 0, 8)] + [("sync", 0, 16)] * (2 * config.num_layers - 1)
+    calls = 2 * config.num_layers
+    assert fake.log == [("sync", 0, 8)] + [("sync", 0, 16)] * (calls - 1)
+    # without tuning=, the plan's entry: here a table whose entry leaves the CTAs to the
+    # kernel policy (None)
+    table = tuning.TuneTable({("*", 2, 1): tuning.POLICY_ENTRY})
+    batch = plan_batch((5, 4), tp=2, split=False, table=table)
+    assert batch.tuning == tuning.POLICY_ENTRY
+    fake.log.clear()
+    _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.sync)])
+    assert fake.log == [("sync", 0, None)] * calls
 
 
 # ------------------------------------------------------- ordering by data, in the jaxpr ---

@@ -1,5 +1,5 @@
 """Helpers shared by the tests: the relative error against a reference, a randomised
-``WeaveDecoder``."""
+``WeaveDecoder``, pure-JAX stand-ins for the fused kernel injected as reducers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_tokenweave import _ffi, ops, reducers
 from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.params import named_params
 
@@ -31,3 +32,47 @@ def rel_err(got, want) -> float:
     """``||got - want|| / ||want||`` in float64 (JAX arrays of any float dtype, or NumPy)."""
     got, want = _f64(got), _f64(want)
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+class FakeKernel:
+    """Pure-JAX stand-ins for the kernel's entry points, injected as reducers (no monkeypatching
+    of ``_ffi``): they record the call protocol."""
+
+    def __init__(self):
+        self.log: list[tuple[str, int, int | None]] = []
+        fake = self
+
+        class Sync(reducers.Sharded):
+            def combine(self, j, partial, residual, weight):
+                fake.log.append(("sync", j, self.next_ctas()))
+                return fake._math(partial, residual, weight, self.ctx.axis_name, self.ctx.eps)
+
+        self.sync = lambda ctx: Sync(ctx, "ffi")
+        self.overlap = lambda ctx: reducers.Overlap(ctx, start=self.start, done=self.done)
+
+    @staticmethod
+    def _math(partial, residual, weight, axis_name, eps):
+        n = jax.lax.axis_size(axis_name)
+        return ops._xla_rsag(partial, residual, weight, axis_name, n, eps)
+
+    def start(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None,
+              slot=0):
+        self.log.append(("start", slot, num_ctas))
+        normed, res = self._math(partial, residual, weight, axis_name, eps)
+        return _ffi.Pending(normed, res, partial, residual, weight.astype(jnp.float32))
+
+    def done(self, pending, *, axis_name, mesh, slot=0):
+        self.log.append(("done", slot, None))
+        return pending.normed, pending.residual_out
+
+    def check_protocol(self):
+        """Every start's slot is free, every done's slot is in flight, nothing left over."""
+        inflight: set[int] = set()
+        for op, slot, _ in self.log:
+            if op == "start":
+                assert slot not in inflight, self.log
+                inflight.add(slot)
+            elif op == "done":
+                assert slot in inflight, self.log
+                inflight.remove(slot)
+        assert not inflight, self.log

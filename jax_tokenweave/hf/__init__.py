@@ -3,7 +3,8 @@
 - ``hf.config``: ``load_hf_config``, ``decoder_config_from_hf``, ``HFModelInfo``.
 - ``hf.reader``: ``SafetensorsCheckpoint``, ``Source``, ``load_sharded`` (each device reads only
   its block of each tensor, through ``safetensors.safe_open``).
-- ``hf.loading``: ``hf_sources`` (tensor name mapping), ``load_pretrained(model_cls, path, ...)``.
+- ``hf.loading``: ``hf_sources`` (tensor name mapping), ``fused_sources`` (q/k/v and gate/up
+  read into the rank-blocked fused parameters), ``load_pretrained(model_cls, path, ...)``.
 - ``hf.errors``: ``CheckpointError`` (names the file at fault), ``UnsupportedConfigError``.
 
 To load a checkpoint with the model class its ``model_type`` is registered to, use
@@ -18,10 +19,16 @@ from jax_tokenweave.hf.config import (
     read_json,
 )
 from jax_tokenweave.hf.errors import CheckpointError, UnsupportedConfigError
-from jax_tokenweave.hf.loading import check_checkpoint, hf_sources, load_pretrained
+from jax_tokenweave.hf.loading import (
+    check_checkpoint,
+    fused_sources,
+    hf_sources,
+    load_pretrained,
+)
 from jax_tokenweave.hf.reader import (
     INDEX_FILE,
     SINGLE_FILE,
+    Fused,
     SafetensorsCheckpoint,
     Source,
     TensorInfo,
@@ -34,6 +41,7 @@ __all__ = [
     "SINGLE_FILE",
     "SUPPORTED_MODEL_TYPES",
     "CheckpointError",
+    "Fused",
     "HFModelInfo",
     "SafetensorsCheckpoint",
     "Source",
@@ -42,6 +50,7 @@ __all__ = [
     "check_checkpoint",
     "check_source",
     "decoder_config_from_hf",
+    "fused_sources",
     "hf_sources",
     "load_hf_config",
     "load_pretrained",

@@ -17,14 +17,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.fused import fuse_names
 from jax_tokenweave.hf.config import load_hf_config
 from jax_tokenweave.hf.errors import CheckpointError
-from jax_tokenweave.hf.reader import SafetensorsCheckpoint, Source, few, load_sharded
+from jax_tokenweave.hf.reader import Fused, SafetensorsCheckpoint, Source, few, load_sharded
 from jax_tokenweave.params import named_params, param_spec
 
 
 def hf_sources(config: DecoderConfig) -> dict[str, Source]:
-    """``{parameter name of LlamaModel: Source}`` for a Hugging Face Llama/Qwen2/Mixtral layout.
+    """``{logical parameter name of LlamaModel: Source}`` for a Hugging Face Llama/Qwen2/Mixtral
+    layout (``q_proj``, ``k_proj``, ... unfused: :func:`fused_sources` fuses them).
 
     The stored shapes follow from ``config`` (HF ``[out, in]`` linears, transposed on load);
     MoE experts ``experts.{e}.w1/w3/w2`` are stacked into ``[E, ...]`` arrays.
@@ -70,6 +72,13 @@ def hf_sources(config: DecoderConfig) -> dict[str, Source]:
                         p + "down_proj": Source(mlp + "down_proj.weight", (h, f),
                                                 transpose=True)})
     return out
+
+
+def fused_sources(sources: Mapping[str, Source], tp: int) -> dict[str, Source | Fused]:
+    """``sources`` (logical names) with each fused parameter's parts combined into one
+    :class:`~jax_tokenweave.hf.reader.Fused` source laid out for TP degree ``tp`` (the model's
+    parameter names: ``qkv_proj``, ``qkv_bias``, ``gate_up_proj``)."""
+    return fuse_names(sources, lambda _, parts: Fused(tuple(parts), tp))
 
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -131,10 +140,10 @@ def load_pretrained(model_cls: type, path: str, mesh: Mesh, dtype: Any = None, *
     dtype = float_dtype(dtype)
     info = load_hf_config(path)
     ckpt = SafetensorsCheckpoint(path)
-    sources = hf_sources(info.config)
-    check_checkpoint(ckpt, sources, info.config)
+    check_checkpoint(ckpt, hf_sources(info.config), info.config)
     model = nnx.eval_shape(lambda: model_cls(info.config, mesh, axis_name=axis_name,
                                              dtype=dtype, rngs=nnx.Rngs(0)))
+    sources = fused_sources(hf_sources(info.config), mesh.shape[axis_name])
     params = named_params(model)
     if set(params) != set(sources):
         raise CheckpointError(

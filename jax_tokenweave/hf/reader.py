@@ -25,6 +25,7 @@ import numpy as np
 import safetensors
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_tokenweave.fused import segments
 from jax_tokenweave.hf.config import read_json
 from jax_tokenweave.hf.errors import CheckpointError
 
@@ -142,8 +143,31 @@ class Source:
         return (len(self.names), *shape) if self.stacked else shape
 
 
-def check_source(ckpt: SafetensorsCheckpoint, src: Source) -> None:
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """A target whose last axis is the rank-blocked concatenation of ``parts``' last axes for
+    TP degree ``tp`` (``jax_tokenweave.fused``): a device's block of it reads only the matching
+    blocks of each part (for a ``P(None, "tp")`` shard, exactly its rank's rows of each stored
+    tensor)."""
+
+    parts: tuple[Source, ...]
+    tp: int
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        return tuple(n for p in self.parts for n in p.all_names)
+
+    def target_shape(self) -> tuple[int, ...]:
+        shapes = [p.target_shape() for p in self.parts]
+        return (*shapes[0][:-1], sum(s[-1] for s in shapes))
+
+
+def check_source(ckpt: SafetensorsCheckpoint, src: Source | Fused) -> None:
     """Raise :class:`CheckpointError` unless every tensor of ``src`` exists with its shape."""
+    if isinstance(src, Fused):
+        for part in src.parts:
+            check_source(ckpt, part)
+        return
     missing = [n for n in src.all_names if n not in ckpt]
     if missing:
         raise CheckpointError(f"{ckpt.path}: missing tensors: {few(missing)}")
@@ -154,10 +178,20 @@ def check_source(ckpt: SafetensorsCheckpoint, src: Source) -> None:
                 f"{ckpt.path}: tensor {n!r} has shape {got}, the config implies {src.shape}")
 
 
-def _read_target_slice(ckpt: SafetensorsCheckpoint, src: Source,
+def _read_target_slice(ckpt: SafetensorsCheckpoint, src: Source | Fused,
                        index: tuple[slice, ...]) -> np.ndarray:
     """The block ``target[index]`` of the target array described by ``src``."""
     index = tuple(index) + (slice(None),) * (len(src.target_shape()) - len(index))
+    if isinstance(src, Fused):
+        lo, hi, _ = index[-1].indices(src.target_shape()[-1])
+        blocks = []
+        for seg in segments([p.target_shape()[-1] for p in src.parts], src.tp):
+            a, b = max(lo, seg.fused_start), min(hi, seg.fused_start + seg.length)
+            if a < b:
+                start = seg.part_start + a - seg.fused_start
+                blocks.append(_read_target_slice(ckpt, src.parts[seg.part],
+                                                 (*index[:-1], slice(start, start + b - a))))
+        return np.concatenate(blocks, axis=-1)
     if src.stacked:
         picks = range(len(src.names))[index[0]]
         return np.stack([_read_target_slice(ckpt, Source(src.names[i], src.shape, src.transpose),
@@ -168,7 +202,7 @@ def _read_target_slice(ckpt: SafetensorsCheckpoint, src: Source,
     return ckpt.read(src.names, index)
 
 
-def load_sharded(ckpt: SafetensorsCheckpoint, src: Source, mesh: Mesh, spec: PartitionSpec,
+def load_sharded(ckpt: SafetensorsCheckpoint, src: Source | Fused, mesh: Mesh, spec: PartitionSpec,
                  dtype: Any) -> jax.Array:
     """A ``jax.Array`` of ``src.target_shape()`` sharded as ``NamedSharding(mesh, spec)``.
 

@@ -22,7 +22,7 @@ in float32 and all-gathered: ``[T, V]`` replicated. Token ids outside ``[0, V)``
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.hf.loading import load_pretrained
-from jax_tokenweave.layers import Comm, Schedule, WeaveDecoder, reference_decoder
+from jax_tokenweave.layers import Comm, Schedule, WeaveDecoder
 from jax_tokenweave.params import load_weights, make_param, numpy_weights
 from jax_tokenweave.split import BatchPlan
 
@@ -129,12 +129,3 @@ class LlamaModel(nnx.Module):
         """All weights as full NumPy arrays by name (gathers the shards)."""
         return numpy_weights(self)
 
-
-def reference_logits(weights: Mapping[str, np.ndarray], config: DecoderConfig,
-                     tokens: np.ndarray, request_lengths: Sequence[int]) -> np.ndarray:
-    """Float64 single-device reference of ``LlamaModel``: tokens [T] -> logits [T, V]."""
-    embed = np.asarray(weights["embed"], np.float64)
-    hidden = embed[np.asarray(tokens)]
-    out = reference_decoder(weights, config, hidden, tuple(request_lengths), prefix="decoder.")
-    head = embed.T if config.tie_word_embeddings else np.asarray(weights["lm_head"], np.float64)
-    return out @ head

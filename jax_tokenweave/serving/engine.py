@@ -46,8 +46,10 @@ class ServingConfig:
     ``schedule``: ``"weave"`` or ``"baseline"``, of prefill and (unless ``decode_schedule`` is
     set) of decode; ``comm``: how weave's reductions are done (``"auto"``, ``"xla"``, ``"ffi"``,
     see ``WeaveDecoder``). ``weave_threshold``: the weave schedule splits a prefill batch of at
-    least this many (padded) tokens in two halves; ``force_split``: True/False to always/never
-    split. ``decode_schedule``: the decode steps' schedule where it differs from ``schedule``.
+    least this many (padded) tokens in two halves (None: the shipped tuning table's for the
+    model's shapes and TP degree, ``jax_tokenweave.tuning``); ``force_split``: True/False to
+    always/never split. ``decode_schedule``: the decode steps' schedule where it differs from
+    ``schedule``.
     """
 
     max_batch: int = 8
@@ -55,14 +57,15 @@ class ServingConfig:
     min_prompt_bucket: int = 16
     schedule: str = "weave"
     comm: str = "auto"
-    weave_threshold: int = 1024
+    weave_threshold: int | None = None
     force_split: bool | None = None
     decode_schedule: str | None = None
 
     def __post_init__(self) -> None:
         for name, minimum in (("max_batch", 1), ("max_seq_len", 2), ("min_prompt_bucket", 1),
-                              ("weave_threshold", 1)):
-            checks.at_least(getattr(self, name), minimum, f"ServingConfig.{name}")
+                              ("weave_threshold", 2)):
+            if getattr(self, name) is not None or name != "weave_threshold":
+                checks.at_least(getattr(self, name), minimum, f"ServingConfig.{name}")
         if self.min_prompt_bucket > self.max_seq_len:
             raise ValueError(f"ServingConfig.min_prompt_bucket ({self.min_prompt_bucket}) "
                              f"exceeds max_seq_len ({self.max_seq_len}): no prompt would fit")
@@ -125,10 +128,12 @@ class Engine:
 
     # -- steps ----------------------------------------------------------------------------
     def plan(self, num_prompts: int, bucket: int) -> BatchPlan:
-        """The prefill ``BatchPlan`` of ``num_prompts`` prompts padded to ``bucket`` tokens."""
+        """The prefill ``BatchPlan`` of ``num_prompts`` prompts padded to ``bucket`` tokens: the
+        split and the fused kernel's CTAs from the shipped tuning table (``split.plan_batch``
+        with the model's config), unless ``weave_threshold`` / ``force_split`` say otherwise."""
         tp = self.mesh.shape[self.axis_name]
-        return plan_batch([bucket] * num_prompts, tp=tp, threshold=self.config.weave_threshold,
-                          split=self.config.force_split)
+        return plan_batch([bucket] * num_prompts, tp=tp, config=self.model_config,
+                          threshold=self.config.weave_threshold, split=self.config.force_split)
 
     def prefill(self, prompts: Sequence[Sequence[int]], rows: Sequence[int], key: jax.Array,
                 temperature: float = 0.0, top_p: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

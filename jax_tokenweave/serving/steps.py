@@ -27,12 +27,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave import ops
-from jax_tokenweave.layers import COMMS, WeaveDecoder, own_rows
+from jax_tokenweave import reducers
+from jax_tokenweave.layers import COMMS, WeaveDecoder
 from jax_tokenweave.params import partition_specs
 from jax_tokenweave.serving.kv_cache import KVCache, cache_spec, decode_attention, write_prompts
 from jax_tokenweave.serving.sampling import sample
 from jax_tokenweave.split import BatchPlan
+from jax_tokenweave.stack import run_stack
+from jax_tokenweave.tuning import POLICY_ENTRY
 
 SERVING_SCHEDULES = ("weave", "baseline")
 _WEAVE_IMPL = {"auto": "auto", "xla": "xla_rsag", "ffi": "ffi"}
@@ -91,47 +93,47 @@ def decode(model: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array,
     return sample(logits, key, temperature, top_p), logits, KVCache(k, v)
 
 
+class CacheAttention:
+    """The stack's attention function for decode (``stack.AttentionFn``), per rank: writes each
+    row's new K/V into the cache at its position, then attends over the row's positions
+    ``0..position``. ``k``, ``v``: the caches [L, B, S, KVH/N, D] (updated as layers run);
+    ``positions``: int32 [B]."""
+
+    def __init__(self, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> None:
+        self.k, self.v, self.positions = k_cache, v_cache, positions
+        self._rows = jnp.arange(positions.shape[0])
+
+    def __call__(self, layer: int, half: int, q: jax.Array, k: jax.Array,
+                 v: jax.Array) -> jax.Array:
+        rows, pos = self._rows, self.positions
+        self.k = self.k.at[layer, rows, pos].set(k.astype(self.k.dtype))
+        self.v = self.v.at[layer, rows, pos].set(v.astype(self.v.dtype))
+        return decode_attention(q, self.k[layer], self.v[layer], pos).reshape(q.shape)
+
+
 def decoder_step(decoder: WeaveDecoder, hidden: jax.Array, positions: jax.Array,
                  k_cache: jax.Array, v_cache: jax.Array, *, schedule: str = "weave",
                  comm: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The decoder stack on one token per cache row, reading and extending the cache.
+    """The decoder stack on one token per cache row, reading and extending the cache: the one
+    layer loop (``stack.run_stack``) with one half of ``B`` rows, :class:`CacheAttention` and
+    the reducer of :func:`decode_impl` (the fused kernel's CTAs: the kernel policy's).
 
     ``hidden`` [B, H] replicated, ``positions`` int32 [B], caches [L, B, S, KVH, D] sharded over
     KVH. Returns the final-normed hidden [B, H] (replicated) and the updated caches.
     """
     impl = decode_impl(schedule, comm)
+    factory = reducers.Psum if impl == "xla" else reducers.sharded(impl)
+    ctx = decoder.context(POLICY_ENTRY)
     graphdef, state = nnx.split(decoder)
-    axis = decoder.axis_name
-    eps = decoder.config.rms_norm_eps
-    mesh = decoder.mesh
 
     def per_rank(state: Any, x: jax.Array, pos: jax.Array, kc: jax.Array,
                  vc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        dec = nnx.merge(graphdef, state)
-        layers = list(dec.layers)
-        rows = jnp.arange(x.shape[0])
-        residual = x if impl == "xla" else own_rows(x, axis)
-        h = layers[0].input_norm(x)
+        attention = CacheAttention(kc, vc, pos)
+        (h,) = run_stack(nnx.merge(graphdef, state), [x], [pos], factory(ctx), attention)
+        return h, attention.k, attention.v
 
-        def reduce(partial: jax.Array, res: jax.Array, w: jax.Array):
-            return ops.allreduce_rmsnorm(partial, res, w, axis_name=axis, eps=eps, impl=impl,
-                                         mesh=mesh)
-
-        for i, layer in enumerate(layers):
-            q, k, v = layer.qkv(h, pos)
-            kc = kc.at[i, rows, pos].set(k.astype(kc.dtype))
-            vc = vc.at[i, rows, pos].set(v.astype(vc.dtype))
-            attn = decode_attention(q, kc[i], vc[i], pos)
-            h, residual = reduce(layer.attention_out(attn.reshape(q.shape)), residual,
-                                 layer.post_attention_layernorm[...])
-            w_next = layers[i + 1].input_layernorm[...] if i + 1 < len(layers) \
-                else dec.final_norm[...]
-            h, residual = reduce(layer.mlp(h), residual, w_next)
-        return h, kc, vc
-
-    kv_spec = cache_spec(axis)
-    fn = jax.shard_map(per_rank, mesh=mesh,
+    kv_spec = cache_spec(decoder.axis_name)
+    fn = jax.shard_map(per_rank, mesh=decoder.mesh,
                        in_specs=(partition_specs(decoder), P(), P(), kv_spec, kv_spec),
                        out_specs=(P(), kv_spec, kv_spec), check_vma=False)
     return fn(state, hidden, positions, k_cache, v_cache)
-

@@ -1,0 +1,127 @@
+"""The schedules of ``WeaveDecoder``: names, argument checks, and their configuration of the one
+layer loop (:mod:`jax_tokenweave.stack`): which halves, which reducer.
+
+``schedule`` is ``baseline`` (plain TP: psum, replicated residual, no split), ``weave``
+(TokenWeave: the plan's halves, token-sharded residual) or ``nocomm`` (``baseline`` with every
+collective removed: a timing floor, NOT the model's output). ``comm`` says how ``weave`` reduces:
+
+* ``xla``: ``ops`` impl ``xla_rsag`` (reduce-scatter, add + norm on own rows, all-gather);
+* ``ffi``: the fused kernel; with two halves as start/done pairs overlapped with the other
+  half's compute (``reducers.Overlap``), with one half synchronous;
+* ``auto``: ``ffi`` where ``_ffi.unavailable_reason`` is None for every half's ``[T_half, H]``
+  (its slot, the tuned CTA counts), else ``xla``; decided once per call at trace time;
+* ``ffi-sync`` (breakdown only): the fused kernel, synchronous, in the weave order: weave
+  without the overlap;
+* ``local`` (breakdown only, NOT the model's output): each collective replaced by a comm-free
+  stand-in (``reducers.LocalSharded``): the cost of splitting alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jax_tokenweave import reducers
+from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.split import BatchPlan, Half
+from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
+
+Schedule = Literal["baseline", "weave", "nocomm"]
+Comm = Literal["auto", "xla", "ffi", "ffi-sync", "local"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+COMMS: tuple[str, ...] = ("auto", "xla", "ffi")
+"""The comms that compute the model with the overlap where it can (serving, the main job)."""
+ALL_COMMS: tuple[str, ...] = get_args(Comm)
+"""``COMMS`` plus the breakdown's ablations ``ffi-sync`` and ``local``."""
+
+ReducerFactory = Callable[[reducers.ReduceContext], reducers.Reducer]
+
+
+def check_call(config: DecoderConfig, dtype: jnp.dtype, tp: int, hidden: Any, batch: Any,
+               schedule: str, comm: str) -> None:
+    """Validate ``WeaveDecoder.__call__``'s arguments; raise ``ValueError`` saying what is wrong."""
+    config.check_tensor_parallel(tp)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if comm not in ALL_COMMS:
+        raise ValueError(f"comm must be one of {ALL_COMMS}, got {comm!r}")
+    if not isinstance(batch, BatchPlan):
+        raise ValueError(f"batch must be a split.BatchPlan (see plan_batch), got {type(batch)}")
+    shape = tuple(getattr(hidden, "shape", ()))
+    if len(shape) != 2:
+        raise ValueError(f"hidden must be [tokens, hidden_size], got shape {shape}")
+    if shape[0] < 1:
+        raise ValueError("hidden has no tokens (empty batch)")
+    if shape[1] != config.hidden_size:
+        raise ValueError(f"hidden has width {shape[1]}, the config's hidden_size is "
+                         f"{config.hidden_size}")
+    if shape[0] != batch.num_tokens:
+        raise ValueError(f"hidden has {shape[0]} tokens but the batch's request lengths sum to "
+                         f"{batch.num_tokens}")
+    if not jnp.issubdtype(hidden.dtype, jnp.floating):
+        raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
+    if jnp.dtype(hidden.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"hidden dtype {hidden.dtype} differs from the model dtype {dtype}")
+
+
+def ffi_unavailable(mesh: Mesh, axis_name: str, dtype: Any, batch: BatchPlan, hidden_size: int,
+                    tuning: TuneEntry | None = None) -> str | None:
+    """Why the fused kernel cannot run this batch's weave schedule (None where it can): the
+    first half whose ``[T_half, H]`` call (its slot = half index, the tuned CTA counts) is
+    refused by ``_ffi.unavailable_reason``."""
+    from jax_tokenweave import _ffi
+
+    entry = DEFAULT_ENTRY if tuning is None else tuning
+    for j, half in enumerate(batch.halves):
+        for ctas in dict.fromkeys((entry.ctas(j == 0), entry.ctas(False))):
+            why = _ffi.unavailable_reason(mesh, axis_name, jnp.dtype(dtype),
+                                          (half.length, hidden_size), num_ctas=ctas, slot=j)
+            if why is not None:
+                return f"half {j} ([{half.length}, {hidden_size}]): {why}"
+    return None
+
+
+def resolve_comm(comm: str, mesh: Mesh, axis_name: str, dtype: Any, batch: BatchPlan,
+                 hidden_size: int, tuning: TuneEntry | None = None) -> str:
+    """The weave schedule's communication for this call: ``xla``, ``ffi``, ``ffi-sync`` or
+    ``local``. ``auto`` is ``ffi`` where :func:`ffi_unavailable` gives no reason, else ``xla``;
+    ``ffi`` and ``ffi-sync`` raise ``RuntimeError`` saying why where the kernel cannot run."""
+    if comm not in ALL_COMMS:
+        raise ValueError(f"comm must be one of {ALL_COMMS}, got {comm!r}")
+    if comm in ("xla", "local"):
+        return comm
+    why = ffi_unavailable(mesh, axis_name, dtype, batch, hidden_size, tuning)
+    if why is None:
+        return "ffi" if comm == "auto" else comm
+    if comm == "auto":
+        return "xla"
+    raise RuntimeError(f"comm={comm!r} is unavailable: {why} (use comm='auto' or 'xla')")
+
+
+def configure(schedule: str, comm: str, batch: BatchPlan) -> tuple[tuple[Half, ...],
+                                                                    ReducerFactory]:
+    """The halves and the reducer factory of ``schedule`` with a *resolved* ``comm``
+    (:func:`resolve_comm`; ignored by ``baseline`` and ``nocomm``)."""
+    if schedule in ("baseline", "nocomm"):
+        whole = batch if not batch.split else _unsplit(batch)
+        return whole.halves, reducers.Psum if schedule == "baseline" else reducers.Local
+    if schedule != "weave":
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    factories: dict[str, ReducerFactory] = {
+        "xla": reducers.sharded("xla_rsag"),
+        "ffi": reducers.Overlap if batch.split else reducers.sharded("ffi"),
+        "ffi-sync": reducers.sharded("ffi"),
+        "local": reducers.LocalSharded,
+    }
+    if comm not in factories:
+        raise ValueError(f"comm must be resolved to one of {tuple(factories)}, got {comm!r}")
+    return batch.halves, factories[comm]
+
+
+def _unsplit(batch: BatchPlan) -> BatchPlan:
+    from jax_tokenweave.split import plan_batch
+
+    return plan_batch(batch.request_lengths, split=False)

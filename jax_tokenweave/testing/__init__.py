@@ -1,0 +1,1 @@
+"""Float64 single-device references of the model, for tests and for checking a deployment."""
