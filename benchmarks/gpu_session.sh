@@ -5,8 +5,10 @@
 #
 #   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
-# Stages (in this order, each optional): build tests loopback profile kernel main e2e.
-# Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, PROFILE_ARGS, KERNEL_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
+# Stages (in this order, each optional): build tests loopback profile kernel smtax breakdown main
+# e2e.
+# Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, PROFILE_ARGS, KERNEL_ARGS, SMTAX_ARGS,
+# BREAKDOWN_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
 # T_KERNEL, T_MAIN, T_E2E (seconds); JAX_TOKENWEAVE_COMMIT names the
 # commit the copy was made from (the device machine gets no .git).
 # Never touches NCCL_NVLS_ENABLE and never sets JAX_TOKENWEAVE_MULTIMEM: no multicast here.
@@ -17,7 +19,9 @@ STAGES=${STAGES:-build tests kernel main}
 TESTS=${TESTS:-tests/test_ffi.py tests/test_loopback_gpu.py tests/test_cmdbuffer_gpu.py tests/test_ffi_gpu.py}
 LOOPBACK_ARGS=${LOOPBACK_ARGS:---ranks 2 4 8 --tokens 1 16 64 256}
 PROFILE_ARGS=${PROFILE_ARGS:---tokens 1 16 64 256}
-KERNEL_ARGS=${KERNEL_ARGS:---tp 2 4 --hidden 8192 --tokens 1 128 1024 4096 16384 --ctas 8 16 32 --reps 10}
+KERNEL_ARGS=${KERNEL_ARGS:---tp 2 4 --hidden 8192 --tokens 1 16 64 256 1024 4096 16384 --ctas 8 16 32 --algos one_shot direct two_shot --reps 10 --device-time}
+SMTAX_ARGS=${SMTAX_ARGS:---tokens 4096 8192 16384 --ctas 8 16 32}
+BREAKDOWN_ARGS=${BREAKDOWN_ARGS:---model llama3-70b --layers 8 --tokens 1024 2048 4096 8192 16384 --ctas 8 16 32}
 MAIN_ARGS=${MAIN_ARGS:---model llama3-70b --layers 4 --tokens 2048 8192 --comm xla --iters 10}
 E2E_ARGS=${E2E_ARGS:---models llama3-70b --tp 4 --tokens 2048 8192 --layers 8 --iters 5}
 W=$(mktemp -d)
@@ -77,6 +81,20 @@ if has kernel; then
   timeout ${T_KERNEL:-200} $PY "$repo/benchmarks/kernel_bench.py" --out "$W/kernel" $KERNEL_ARGS \
     > "$W/kernel.log" 2>&1 || status=$?
   cat "$W/kernel/kernel_bench.md" 2>/dev/null || tail -20 "$W/kernel.log"
+fi
+if has smtax; then
+  log "SM tax: $SMTAX_ARGS"
+  # shellcheck disable=SC2086
+  timeout ${T_SMTAX:-200} $PY "$repo/benchmarks/sm_tax.py" --out "$W/smtax" $SMTAX_ARGS \
+    > "$W/smtax.log" 2>&1 || status=$?
+  tail -12 "$W/smtax.log"
+fi
+if has breakdown; then
+  log "breakdown: $BREAKDOWN_ARGS"
+  # shellcheck disable=SC2086
+  timeout ${T_BREAKDOWN:-400} $PY "$repo/benchmarks/breakdown.py" --out "$W/breakdown" \
+    $BREAKDOWN_ARGS > "$W/breakdown.log" 2>&1 || status=$?
+  cat "$W/breakdown/breakdown.md" 2>/dev/null || tail -20 "$W/breakdown.log"
 fi
 if has main; then
   log "main job: $MAIN_ARGS"

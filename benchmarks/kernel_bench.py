@@ -7,8 +7,12 @@ hoisted out of the loop or merged with another by XLA); it is timed with ``block
 R repetitions after a warm-up, and the median time divided by K is reported as the device time
 per call (one dispatch per K calls, so dispatch is amortised; the same method for every impl).
 The ffi result is checked against
-``xla_rsag`` on fresh random inputs before timing. Bandwidth: ``busbw = 2 (N-1)/N * T*H*bytes /
-time`` (the all-reduce convention), and ``algbw = T*H*bytes / time``.
+``xla_rsag`` on fresh random inputs before timing. With ``--device-time`` each configuration is
+also profiled (torch.profiler: every kernel of the chain, per GPU, median over GPUs; see
+``profile_kernels.py``), and bandwidth uses that time. Bandwidth: ``busbw = 2 (N-1)/N *
+T*H*bytes / time`` (the all-reduce convention), and ``algbw = T*H*bytes / time``.
+``--write-policy PATH`` writes the size table ``auto`` reads (``jax_tokenweave/kernel_policy.json``
+format) from the fastest ffi variant and CTA count at each measured size.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernel --tokens 1 128 4096
 """
@@ -30,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jax_tokenweave import _ffi, ops
-from jax_tokenweave.bench import git_commit
+from jax_tokenweave.benchmarking import git_commit
+from jax_tokenweave.kernel_policy import KernelPolicy, PolicyRow
 
 
 def _fn(mesh, impl, iters, num_ctas, algo):
@@ -71,6 +76,10 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--time-budget", type=float, default=float("inf"), metavar="SECONDS",
                     help="start no new measurement after this many seconds")
+    ap.add_argument("--device-time", action="store_true",
+                    help="also profile device time per call (torch.profiler)")
+    ap.add_argument("--write-policy", default=None, metavar="PATH",
+                    help="write the size policy table from the fastest ffi rows")
     args = ap.parse_args()
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
@@ -117,15 +126,50 @@ def main():
             checked.add((tp, h, t, algo))
         nbytes = t * h * dtype.itemsize
         iters = 50 if nbytes <= 4 << 20 else 10
-        sec = _time(_fn(mesh, impl, iters, ctas, algo), (part, res, w), args.reps) / iters
-        rows.append(dict(tp=tp, hidden=h, tokens=t, impl=impl, num_ctas=ctas, algo=algo,
-                         dtype=str(dtype), us=sec * 1e6, algbw_gbs=nbytes / sec / 1e9,
-                         busbw_gbs=2 * (tp - 1) / tp * nbytes / sec / 1e9))
+        fn = _fn(mesh, impl, iters, ctas, algo)
+        sec = _time(fn, (part, res, w), args.reps) / iters
+        row = dict(tp=tp, hidden=h, tokens=t, impl=impl, num_ctas=ctas, algo=algo,
+                   dtype=str(dtype), us=sec * 1e6)
+        if args.device_time:
+            from profile_kernels import device_us_per_call
+
+            row["device_us"] = device_us_per_call(fn, (part, res, w), args.reps, iters)
+            sec = row["device_us"] / 1e6
+        row.update(algbw_gbs=nbytes / sec / 1e9, busbw_gbs=2 * (tp - 1) / tp * nbytes / sec / 1e9)
+        rows.append(row)
         tqdm.write(json.dumps(rows[-1]))
         with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:  # after every row
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     _markdown(args.out, meta, rows)
     _plot(args.out, rows)
+    if args.write_policy:
+        policy_from_rows(rows, meta).save(args.write_policy)
+        print(f"policy table written to {args.write_policy}")
+
+
+def _time_of(r) -> float:
+    return r.get("device_us", r["us"])
+
+
+def policy_from_rows(rows, meta) -> KernelPolicy:
+    """Per TP, for each measured message size (T*H*itemsize), the fastest ffi (algo, CTAs); the
+    largest size's choice covers every larger message."""
+    by_tp: dict[int, list[PolicyRow]] = {}
+    for tp in sorted({r["tp"] for r in rows if r["impl"] == "ffi"}):
+        best: dict[int, dict] = {}
+        for r in rows:
+            if r["impl"] != "ffi" or r["tp"] != tp:
+                continue
+            size = r["tokens"] * r["hidden"] * np.dtype(jnp.dtype(r["dtype"])).itemsize
+            if size not in best or _time_of(r) < _time_of(best[size]):
+                best[size] = r
+        sizes = sorted(best)
+        policy_rows = [PolicyRow(s, best[s]["algo"], best[s]["num_ctas"]) for s in sizes[:-1]]
+        last = best[sizes[-1]]
+        by_tp[tp] = (*policy_rows, PolicyRow(None, last["algo"], last["num_ctas"]))
+    source = (f"measured by benchmarks/kernel_bench.py on {meta['device']} x{meta['n_devices']}, "
+              f"{meta['date']}, commit {meta['commit']}: {meta['argv']}")
+    return KernelPolicy(by_tp, {"source": source, "generated": meta["date"][:10]})
 
 
 def _label(r):
@@ -138,7 +182,7 @@ def _best_ffi(rows):
     best = {}
     for r in rows:
         key = (r["tp"], r["hidden"], r["tokens"], _label(r))
-        if key not in best or r["us"] < best[key]["us"]:
+        if key not in best or _time_of(r) < _time_of(best[key]):
             best[key] = r
     return best
 
@@ -146,16 +190,17 @@ def _best_ffi(rows):
 def _markdown(out, meta, rows):
     lines = [f"# kernel_bench ({meta['device']} x{meta['n_devices']}, {meta['date']})", "",
              f"commit {meta['commit']}; jax {meta['jax']}", "", meta["method"], "",
-             "| TP | H | T | impl | CTAs | algo | us/call | busbw GB/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| TP | H | T | impl | CTAs | algo | us/call (wall) | us/call (device) | busbw GB/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        dev = f"{r['device_us']:.1f}" if "device_us" in r else "-"
         lines.append(f"| {r['tp']} | {r['hidden']} | {r['tokens']} | {r['impl']} | "
-                     f"{r['num_ctas'] or ''} | {r['algo'] or ''} | {r['us']:.1f} | "
+                     f"{r['num_ctas'] or ''} | {r['algo'] or ''} | {r['us']:.1f} | {dev} | "
                      f"{r['busbw_gbs']:.1f} |")
     lines += ["", "Best per impl:", "", "| TP | H | T | impl | us/call | CTAs |",
               "|---|---|---|---|---|---|"]
     for (tp, h, t, impl), r in sorted(_best_ffi(rows).items()):
-        lines.append(f"| {tp} | {h} | {t} | {impl} | {r['us']:.1f} | {r['num_ctas'] or ''} |")
+        lines.append(f"| {tp} | {h} | {t} | {impl} | {_time_of(r):.1f} | {r['num_ctas'] or ''} |")
     with open(os.path.join(out, "kernel_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines[-(len(_best_ffi(rows)) + 2):]))
@@ -172,7 +217,7 @@ def _plot(out, rows):
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for ax, (tp, h) in zip(axes[0], keys, strict=True):
         for impl in sorted({k[3] for k in best}):
-            pts = sorted((t, r["us"]) for (a, b, t, i), r in best.items()
+            pts = sorted((t, _time_of(r)) for (a, b, t, i), r in best.items()
                          if (a, b, i) == (tp, h, impl))
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=impl)

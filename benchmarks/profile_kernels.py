@@ -63,6 +63,15 @@ def profile(fn, args, iters: int) -> dict[str, list[float]]:
     return out
 
 
+def device_us_per_call(fn, args, iters: int, calls_per_run: int) -> float:
+    """Device time of one call: every kernel of ``iters`` runs of ``fn`` (``calls_per_run``
+    calls each), summed per GPU, median over GPUs."""
+    per_dev: dict[int, float] = collections.defaultdict(float)
+    for (dev, _), us in profile(fn, args, iters).items():
+        per_dev[dev] += us / (iters * calls_per_run)
+    return statistics.median(per_dev.values()) if per_dev else float("nan")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)

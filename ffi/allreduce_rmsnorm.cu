@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(const __grid_constant_
     for (int src = 0; src < kMaxN; ++src)
       if (src == n) rows[src] = res_in;
     rows[kMaxN] = res_in;
-    FusedRow<T, kGroup, kURows<kMaxN>>(
+    FusedRow<T, kGroup, kURows<kMaxN>, false>(
         p,
         [&](int v0, float (*acc)[Vec<T>::kN]) {
           LoadSum<T, kGroup, kMaxN + 1, kURows<kMaxN>>(acc, rows, n + 1, v0, vpr);
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) DirectKernel(const __grid_constant__
       if (src == n) rows[src] = res_in;
     rows[kMaxN] = res_in;
     char* own = static_cast<char*>(p.normed) + g * rb;
-    FusedRow<T, kGroup, kURows<kMaxN>>(
+    FusedRow<T, kGroup, kURows<kMaxN>, false>(
         p,
         [&](int v0, float (*acc)[Vec<T>::kN]) {
           LoadSum<T, kGroup, kMaxN + 1, kURows<kMaxN>>(acc, rows, n + 1, v0, vpr);

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) MultimemKernel(const __grid_constant
       CopyRow<kGroup>(res_in, residual_out + row * rb, vpr);
       continue;
     }
-    FusedRow<T, kGroup, kU>(
+    FusedRow<T, kGroup, kU, false>(
         p,
         [&](int v0, float (*acc)[Vec<T>::kN]) {
 #pragma unroll

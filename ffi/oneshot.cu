@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant_
       }
     rows[kMaxN] = res_row;
     from[kMaxN] = owner == r ? -1 : owner;
-    FusedRow<T, kGroup, kU>(
+    FusedRow<T, kGroup, kU, (kGroup >= 256)>(
         p,
         [&](int v0, float (*acc)[Vec<T>::kN]) {
           PollSum<T, kGroup, kMaxN + 1, kU>(p, acc, rows, from, n + 1, v0, vpr, call.epoch, ok);

@@ -38,77 +38,85 @@ __device__ __forceinline__ float GroupSum(float v, float* red, int group) {
   return s;
 }
 
+// One step of pass 1: acc = the sources of vectors v0 + u*kGroup (u < kU) via load_sum,
+// rounded to T (acc keeps the rounded values), written to res_out and stage (each if not
+// null). Returns the step's sum of squares.
+template <typename T, int kGroup, int kU, typename LoadSum>
+__device__ __forceinline__ float SumStep(LoadSum& load_sum, int v0, int vpr,
+                                         float (*acc)[Vec<T>::kN], char* res_out, char* stage) {
+  constexpr int kN = Vec<T>::kN;
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+#pragma unroll
+    for (int i = 0; i < kN; ++i) acc[u][i] = 0.f;
+  load_sum(v0, acc);
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int v = v0 + u * kGroup;
+    if (v < vpr) {
+      const uint4 rounded = PackRound<T>(acc[u]);
+      if (res_out != nullptr) St(res_out + v * 16, rounded);
+      if (stage != nullptr) St(stage + v * 16, rounded);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
+    }
+  }
+  return ss;
+}
+
+// The weights of vector v (kN floats).
+template <typename T>
+__device__ __forceinline__ void LoadWeights(const KernelParams& p, int v, float4* w) {
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kN / 4; ++i)
+    w[i] = __ldg(reinterpret_cast<const float4*>(p.weight + v * Vec<T>::kN) + i);
+}
+
+// emit(v, x * inv * w), rounded to T.
+template <typename T, typename Emit>
+__device__ __forceinline__ void EmitNormed(const float* x, const float4* w, float inv, int v,
+                                           Emit& emit) {
+  float f[Vec<T>::kN];
+  const float* wf = reinterpret_cast<const float*>(w);
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kN; ++i) f[i] = x[i] * inv * wf[i];
+  emit(v, PackRound<T>(f));
+}
+
 // One row, by one group of kGroup threads, kU vectors per thread per step. load_sum(v0, acc)
 // adds vectors v0 + u*kGroup (u < kU) of the partials + residual into acc[u]. Pass 1 rounds the
-// sum to T, writes it to res_out (if not null) and stages it in the thread's own `stage`
-// locations (the normed row, overwritten in pass 2 by the same thread); pass 2 normalises and
-// hands each normed vector to emit(v, o).
-template <typename T, int kGroup, int kU, typename LoadSum, typename Emit>
+// sum to T and writes it to res_out (if not null); pass 2 normalises and hands each normed
+// vector to emit(v, o). A row that fits in one step stays in registers (weights loaded with the
+// sources) when kOnePass; otherwise, or when it is longer, it is staged in the thread's own
+// `stage` locations (the normed row, which pass 2 overwrites in the same thread). kOnePass costs
+// registers: the 128-thread row kernels, which rarely fit a row in one step, leave it off.
+template <typename T, int kGroup, int kU, bool kOnePass, typename LoadSum, typename Emit>
 __device__ __forceinline__ void FusedRow(const KernelParams& p, LoadSum load_sum, char* res_out,
                                          char* stage, Emit emit, float* red, int group) {
   constexpr int kN = Vec<T>::kN;
   const int vpr = p.hidden / kN, lane = threadIdx.x % kGroup;
-  if (vpr <= kGroup * kU) {  // the row fits in registers: one pass, nothing staged in memory
+  auto norm = [&](float ss) {
+    return rsqrtf(GroupSum<kGroup>(ss, red, group) / static_cast<float>(p.hidden) + p.eps);
+  };
+  if (kOnePass && vpr <= kGroup * kU) {  // one pass, nothing staged in memory
     float4 w[kU][kN / 4];
 #pragma unroll
-    for (int u = 0; u < kU; ++u)  // weight loads first, in flight with the sources'
-      if (lane + u * kGroup < vpr)
-#pragma unroll
-        for (int i = 0; i < kN / 4; ++i)
-          w[u][i] = __ldg(reinterpret_cast<const float4*>(p.weight + (lane + u * kGroup) * kN) + i);
+    for (int u = 0; u < kU; ++u)  // in flight with the sources' loads
+      if (lane + u * kGroup < vpr) LoadWeights<T>(p, lane + u * kGroup, w[u]);
     float acc[kU][kN];
+    const float inv = norm(SumStep<T, kGroup, kU>(load_sum, lane, vpr, acc, res_out, nullptr));
 #pragma unroll
     for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int i = 0; i < kN; ++i) acc[u][i] = 0.f;
-    load_sum(lane, acc);
-    float ss = 0.f;
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int v = lane + u * kGroup;
-      if (v < vpr) {
-        const uint4 rounded = PackRound<T>(acc[u]);
-        if (res_out != nullptr) St(res_out + v * 16, rounded);
-#pragma unroll
-        for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
-      }
-    }
-    const float inv =
-        rsqrtf(GroupSum<kGroup>(ss, red, group) / static_cast<float>(p.hidden) + p.eps);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int v = lane + u * kGroup;
-      if (v < vpr) {
-        float f[kN];
-        const float* wf = reinterpret_cast<const float*>(w[u]);
-#pragma unroll
-        for (int i = 0; i < kN; ++i) f[i] = acc[u][i] * inv * wf[i];
-        emit(v, PackRound<T>(f));
-      }
-    }
+      if (lane + u * kGroup < vpr) EmitNormed<T>(acc[u], w[u], inv, lane + u * kGroup, emit);
     return;
   }
   float ss = 0.f;
   for (int v0 = lane; v0 < vpr; v0 += kGroup * kU) {
     float acc[kU][kN];
-#pragma unroll
-    for (int u = 0; u < kU; ++u)
-#pragma unroll
-      for (int i = 0; i < kN; ++i) acc[u][i] = 0.f;
-    load_sum(v0, acc);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int v = v0 + u * kGroup;
-      if (v < vpr) {
-        const uint4 rounded = PackRound<T>(acc[u]);
-        if (res_out != nullptr) St(res_out + v * 16, rounded);
-        St(stage + v * 16, rounded);
-#pragma unroll
-        for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
-      }
-    }
+    ss += SumStep<T, kGroup, kU>(load_sum, v0, vpr, acc, res_out, stage);
   }
-  const float inv = rsqrtf(GroupSum<kGroup>(ss, red, group) / static_cast<float>(p.hidden) + p.eps);
+  const float inv = norm(ss);
   for (int v0 = lane; v0 < vpr; v0 += kGroup * kU) {
     uint4 x[kU];
     float4 w[kU][kN / 4];
@@ -117,21 +125,18 @@ __device__ __forceinline__ void FusedRow(const KernelParams& p, LoadSum load_sum
       const int v = v0 + u * kGroup;
       if (v < vpr) {
         x[u] = *reinterpret_cast<const uint4*>(stage + v * 16);  // own pass-1 store
-        const float4* wp = reinterpret_cast<const float4*>(p.weight + v * kN);
-#pragma unroll
-        for (int i = 0; i < kN / 4; ++i) w[u][i] = __ldg(wp + i);
+        LoadWeights<T>(p, v, w[u]);
       }
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int v = v0 + u * kGroup;
       if (v < vpr) {
-        float f[kN];
+        float xf[kN];
         const T* e = reinterpret_cast<const T*>(&x[u]);
-        const float* wf = reinterpret_cast<const float*>(w[u]);
 #pragma unroll
-        for (int i = 0; i < kN; ++i) f[i] = ToF(e[i]) * inv * wf[i];
-        emit(v, PackRound<T>(f));
+        for (int i = 0; i < kN; ++i) xf[i] = ToF(e[i]);
+        EmitNormed<T>(xf, w[u], inv, v, emit);
       }
     }
   }

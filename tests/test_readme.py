@@ -109,7 +109,7 @@ def test_docs_name_the_same_main_job():
 
     assert "python -m jax_tokenweave.bench" in (bench.__doc__ or "")
     assert bench.build_parser().prog == "python -m jax_tokenweave.bench"
-    gpu_script = (ROOT / "benchmarks" / "gpu_e2e.sh").read_text()
+    gpu_script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
     assert "-m jax_tokenweave.bench" in gpu_script
 
 
