@@ -5,8 +5,8 @@
 #
 #   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
-# Stages (in this order, each optional): build tests loopback profile ncu kernel smtax breakdown
-# main e2e.
+# Stages (in this order, each optional): build tests loopback profile ncu fixedcost kernel smtax
+# breakdown main e2e.
 # Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, PROFILE_ARGS, NCU_TOKENS, KERNEL_ARGS,
 # SMTAX_ARGS,
 # BREAKDOWN_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
@@ -94,6 +94,13 @@ if has ncu; then
     grep -E '"(Duration|Elapsed Cycles|Registers Per Thread|Achieved Occupancy)"' \
       "$rep.details.csv" | cut -d, -f12- | head -8
   done
+fi
+if has fixedcost; then
+  log "fixed cost of the fused kernel's ingredients (benchmarks/fixed_cost)"
+  nvcc -O3 -std=c++17 -arch=sm_90a -I "$repo/ffi" "$repo/benchmarks/fixed_cost/fixed_cost.cu" \
+    -o "$W/fixed_cost" > "$W/fixed_cost.log" 2>&1 && timeout ${T_FIXEDCOST:-120} "$W/fixed_cost" \
+    > "$W/fixed_cost.md" 2>> "$W/fixed_cost.log" || status=$?
+  cat "$W/fixed_cost.md"; tail -3 "$W/fixed_cost.log"
 fi
 if has kernel; then
   log "kernel benchmark: $KERNEL_ARGS"
