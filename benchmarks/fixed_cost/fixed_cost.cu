@@ -3,7 +3,7 @@
 // Times, per launch, kernels that each add one ingredient of the fused one-shot kernel to a
 // minimal residual-add + RMSNorm of T rows (H = 8192 bf16, one 512-thread block per row):
 // the large by-value parameter block, the device-resident call state (BeginCall: a load and an
-// arrival atomic), a dynamically indexed local array (stack), and the real kernel itself. Each
+// arrival atomic), a dynamically indexed local array (stack), and the real kernels. Each
 // variant runs as a CUDA graph of kLaunches back-to-back launches; the figure is the median over
 // replays of (graph time / kLaunches), so launch gaps are included and equal for all variants;
 // "empty" gives that floor. Build and run (gpu_session.sh's `fixedcost` stage does both):
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../../ffi/oneshot.cu"
+#include "../../ffi/oneshot_rows.cu"
 
 namespace {
 
@@ -216,10 +217,13 @@ int main() {
         [&](cudaStream_t s) { WithCallState<<<ctas, kThreads, 0, s>>>(p); });
     run("+ local (stack) array", ctas,
         [&](cudaStream_t s) { WithStack<<<ctas, kThreads, 0, s>>>(p); });
-    run("one-shot kernel, 512-thread rows", ctas, [&](cudaStream_t s) {
+    run("decode one-shot kernel (a row per block)", ctas, [&](cudaStream_t s) {
+      tokenweave::OneShotRowsKernel<Bf, 2><<<ctas, kThreads, 0, s>>>(p);
+    });
+    run("general one-shot kernel, 512-thread rows", ctas, [&](cudaStream_t s) {
       tokenweave::OneShotKernel<Bf, 2, kThreads><<<ctas, kThreads, 0, s>>>(p);
     });
-    run("one-shot kernel, 128-thread rows", ctas, [&](cudaStream_t s) {
+    run("general one-shot kernel, 128-thread rows", ctas, [&](cudaStream_t s) {
       tokenweave::OneShotKernel<Bf, 2, 128><<<ctas, kThreads, 0, s>>>(p);
     });
     CHECK(cudaGetLastError());
