@@ -5,9 +5,10 @@
 #
 #   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
-# Stages (in this order, each optional): build tests loopback profile kernel smtax breakdown main
-# e2e.
-# Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, PROFILE_ARGS, KERNEL_ARGS, SMTAX_ARGS,
+# Stages (in this order, each optional): build tests loopback profile ncu fixedcost kernel smtax
+# breakdown main e2e.
+# Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, PROFILE_ARGS, NCU_TOKENS, KERNEL_ARGS,
+# SMTAX_ARGS,
 # BREAKDOWN_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
 # T_KERNEL, T_MAIN, T_E2E (seconds); JAX_TOKENWEAVE_COMMIT names the
 # commit the copy was made from (the device machine gets no .git).
@@ -74,6 +75,32 @@ if has profile; then
   timeout ${T_PROFILE:-200} $PY "$repo/benchmarks/profile_kernels.py" --out "$W/profile" \
     $PROFILE_ARGS > "$W/profile.log" 2>&1 || status=$?
   tail -12 "$W/profile.log"
+fi
+if has ncu; then
+  # Nsight Compute on one fused call per size (N = 1 unless NCU_TP): duration, stall reasons
+  # and the per-line source view, exported to CSV (ncu is on the GPU image, not on CPU boxes).
+  for t in ${NCU_TOKENS:-1 16 64}; do
+    log "ncu: fused kernel at T=$t"
+    rep="$W/ncu/fused_t$t"
+    mkdir -p "$W/ncu"
+    timeout ${T_NCU:-150} ncu --clock-control none --set full --import-source yes \
+      --kernel-name regex:'OneShot|Fused|TwoShot|Direct' --launch-skip 8 --launch-count 1 \
+      -f -o "$rep" $PY "$repo/benchmarks/ncu_fused.py" --tp "${NCU_TP:-1}" --tokens "$t" \
+      > "$rep.log" 2>&1 || status=$?
+    ncu -i "$rep.ncu-rep" --page details --csv > "$rep.details.csv" 2>> "$rep.log"
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source cuda,sass > "$rep.source.csv" \
+      2>> "$rep.log"
+    tail -3 "$rep.log"
+    grep -E '"(Duration|Elapsed Cycles|Registers Per Thread|Achieved Occupancy)"' \
+      "$rep.details.csv" | cut -d, -f12- | head -8
+  done
+fi
+if has fixedcost; then
+  log "fixed cost of the fused kernel's ingredients (benchmarks/fixed_cost)"
+  nvcc -O3 -std=c++17 -arch=sm_90a -I "$repo/ffi" "$repo/benchmarks/fixed_cost/fixed_cost.cu" \
+    -o "$W/fixed_cost" > "$W/fixed_cost.log" 2>&1 && timeout ${T_FIXEDCOST:-120} "$W/fixed_cost" \
+    > "$W/fixed_cost.md" 2>> "$W/fixed_cost.log" || status=$?
+  cat "$W/fixed_cost.md"; tail -3 "$W/fixed_cost.log"
 fi
 if has kernel; then
   log "kernel benchmark: $KERNEL_ARGS"

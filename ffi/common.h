@@ -28,14 +28,16 @@ enum class Algo : int32_t { kTwoShot = 1, kOneShot = 2, kDirect = 3 };
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // Per (rank, slot), in device memory. Advanced only by the kernels (the last block of a call
-// to finish), so no per-call host state exists and XLA command buffers can replay a call.
+// to arrive), so no per-call host state exists and XLA command buffers can replay a call.
+// `word` packs what a block needs to start, so that one atomic both reads it and arrives:
+// bits 32-63 the calls completed on the slot (the epoch), 16-31 the one-shot receive buffer
+// the next one-shot call uses (0..kLamportBuffers-1), 0-15 the blocks of the running call that
+// have arrived.
 struct SlotControl {
-  uint32_t epoch;          // calls completed on this slot
-  uint32_t arrived;        // blocks of the running call that have finished
+  unsigned long long word;
   uint32_t entered;        // epoch of the last call whose kernel began here (read by peers)
-  uint32_t oneshot_calls;  // one-shot calls completed on this slot (picks the receive buffer)
   uint32_t oneshot_used[kLamportBuffers];  // bytes the last call through each buffer used
-  uint32_t pad;
+  uint32_t pad[2];
 };
 static_assert(sizeof(SlotControl) == 32, "SlotControl layout");
 
@@ -100,6 +102,12 @@ inline int64_t MultimemBytes(int64_t n, int64_t tokens, int64_t hidden, int64_t 
 cudaError_t LaunchAllreduceRmsnorm(const KernelParams& p, DType dtype, Algo algo, bool multimem,
                                    int num_ctas, cudaStream_t stream);
 cudaError_t LaunchOneShot(const KernelParams& p, DType dtype, int num_ctas, cudaStream_t stream);
+// The decode-size one-shot kernel (oneshot_rows.cu): whether a call fits it (one row per block,
+// the row in registers), its launcher and its preloading.
+bool OneShotRowsFits(int tokens, int hidden, DType dtype, int num_ctas);
+cudaError_t LaunchOneShotRows(const KernelParams& p, DType dtype, int num_ctas,
+                              cudaStream_t stream);
+cudaError_t PreloadOneShotRowsKernels();
 // Loads every kernel of the extension into the current device's context (see
 // allreduce_rmsnorm.cu: a lazy load behind a spinning kernel can stall a launch).
 cudaError_t PreloadKernels();

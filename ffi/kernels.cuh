@@ -139,43 +139,65 @@ __host__ __device__ __forceinline__ int PeerIndex(int src, int dst, int n) {
 // What every block of a call reads at its start (from this rank's SlotControl).
 struct CallState {
   uint32_t epoch;          // this call's epoch on the slot (calls completed + 1)
-  uint32_t oneshot_calls;  // one-shot calls completed on the slot
+  uint32_t oneshot_buf;    // the one-shot receive buffer of this call (if it is one-shot)
   uint32_t oneshot_clear;  // bytes of the buffer the previous one-shot call used
+  uint32_t ticket;         // this block's place among the call's arrivals (thread 0's copy)
   int abort;               // the group failed earlier: poison the outputs and return
 };
 
-// Reads the call state (all threads get it) and arrives: the last block of the call to arrive
-// advances the slot's epoch (and, for a one-shot call, its buffer rotation, recording
-// `oneshot_used` bytes for the next call to clear). Arriving at the start is safe: every block
-// has read the state before it arrives, and the next call on the slot starts only after this
-// kernel ends (stream order); it takes the atomic's round trip off the kernel's tail. Block 0
-// also records `entered` for the timeout report. `oneshot_used` < 0: not a one-shot call.
-__device__ __forceinline__ CallState BeginCall(const KernelParams& p, int64_t oneshot_used = -1) {
+__device__ __forceinline__ void StVolatile64(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Reads the call state and arrives, in one round trip: thread 0's atomic on the slot's word
+// returns the epoch and buffer (and counts the block in), in flight with the loads of the
+// other words; all threads get the state. Arriving while reading is safe: the call's state
+// changes only when its last block has arrived (AdvanceIfLast), and the next call on the
+// slot starts only after this kernel ends (stream order). Block 0 also records `entered` for
+// the timeout report.
+__device__ __forceinline__ CallState ReadCallState(const KernelParams& p) {
   __shared__ CallState s;
   SlotControl* c = p.ctl[p.rank];
-  if (threadIdx.x == 0) {  // independent loads, all in flight at once
-    const uint32_t epoch = LdVolatile(&c->epoch), calls = LdVolatile(&c->oneshot_calls);
+  if (threadIdx.x == 0) {
+    const unsigned long long word = atomicAdd(&c->word, 1ull);
     uint32_t used[kLamportBuffers];
 #pragma unroll
     for (int b = 0; b < kLamportBuffers; ++b) used[b] = LdVolatile(&c->oneshot_used[b]);
     const uint32_t failed = LdVolatile(&p.rank_ctl[p.rank]->failed);
-    s.epoch = epoch + 1;
-    s.oneshot_calls = calls;
-    const uint32_t prev = (calls + kLamportBuffers - 1) % kLamportBuffers;
+    s.epoch = static_cast<uint32_t>(word >> 32) + 1;
+    s.oneshot_buf = static_cast<uint32_t>(word >> 16) & 0xffffu;
+    s.ticket = static_cast<uint32_t>(word) & 0xffffu;
+    const uint32_t prev = (s.oneshot_buf + kLamportBuffers - 1) % kLamportBuffers;
     s.oneshot_clear = prev == 0 ? used[0] : (prev == 1 ? used[1] : used[2]);
     s.abort = failed != 0;
     if (blockIdx.x == 0) StVolatile(&c->entered, s.epoch);
   }
   __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(&c->arrived, 1u) == gridDim.x - 1) {
-    StVolatile(&c->arrived, 0);
+  return s;
+}
+
+// The last block to arrive advances the slot: the epoch and, for a one-shot call
+// (`oneshot_used` >= 0: the bytes it sent into each receiver's buffer, which the next one-shot
+// call clears), the buffer rotation; the arrival count restarts at 0. A kernel may call this at
+// its end (the store is its last act) or at once (BeginCall).
+__device__ __forceinline__ void AdvanceIfLast(const KernelParams& p, const CallState& s,
+                                              int64_t oneshot_used) {
+  SlotControl* c = p.ctl[p.rank];
+  if (threadIdx.x == 0 && s.ticket == gridDim.x - 1) {
+    uint32_t buf = s.oneshot_buf;
     if (oneshot_used >= 0) {
-      StVolatile(&c->oneshot_used[s.oneshot_calls % kLamportBuffers],
-                 static_cast<uint32_t>(oneshot_used));
-      StVolatile(&c->oneshot_calls, s.oneshot_calls + 1);
+      StVolatile(&c->oneshot_used[buf], static_cast<uint32_t>(oneshot_used));
+      buf = (buf + 1) % kLamportBuffers;
     }
-    StVolatile(&c->epoch, s.epoch);
+    StVolatile64(&c->word, (static_cast<unsigned long long>(s.epoch) << 32) |
+                               (static_cast<unsigned long long>(buf) << 16));
   }
+}
+
+// ReadCallState and the advance at once. `oneshot_used` < 0: not a one-shot call.
+__device__ __forceinline__ CallState BeginCall(const KernelParams& p, int64_t oneshot_used = -1) {
+  const CallState s = ReadCallState(p);
+  AdvanceIfLast(p, s, oneshot_used);
   return s;
 }
 

@@ -7,7 +7,7 @@
 // and RMSNorms all T rows itself (partials in rank order, then the residual, float32: the same
 // bits on every rank and as the two-shot/direct kernels). No flag, no round trip.
 //
-// Receive buffers rotate in three per slot (SlotControl::oneshot_calls picks one). Call k
+// Receive buffers rotate in three per slot (SlotControl::word holds the next one). Call k
 // writes buffer k%3 on its peers and clears its own buffer (k-1)%3, which it finished reading
 // in call k-1 (so every word a peer wrote there had arrived); a peer can be at most one call
 // ahead (call k+1 needs this rank's call-k data), so it writes buffer (k+1)%3, cleared during
@@ -97,8 +97,8 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant_
   const int own_real = max(0, min(q, tokens - r * q));  // own residual rows below T
   if (call.abort) return PoisonOwnRows<T, kGroup>(p, own_real);
   const int vpr = p.hidden / Vec<T>::kN;
-  const uint32_t buf = call.oneshot_calls % kLamportBuffers;
-  const uint32_t prev = (call.oneshot_calls + kLamportBuffers - 1) % kLamportBuffers;
+  const uint32_t buf = call.oneshot_buf;
+  const uint32_t prev = (call.oneshot_buf + kLamportBuffers - 1) % kLamportBuffers;
   const char* partial = static_cast<const char*>(p.partial);
   const char* residual = static_cast<const char*>(p.residual);
   char* normed = static_cast<char*>(p.normed);
@@ -212,6 +212,8 @@ __global__ void FillSentinelKernel(uint4* dst, int64_t count) {
 }  // namespace
 
 cudaError_t LaunchOneShot(const KernelParams& p, DType dtype, int num_ctas, cudaStream_t stream) {
+  if (OneShotRowsFits(p.tokens, p.hidden, dtype, num_ctas))
+    return LaunchOneShotRows(p, dtype, num_ctas, stream);
   switch (dtype) {
     case DType::kF32: return Launch<float>(p, num_ctas, stream);
     case DType::kF16: return Launch<__half>(p, num_ctas, stream);
@@ -221,7 +223,8 @@ cudaError_t LaunchOneShot(const KernelParams& p, DType dtype, int num_ctas, cuda
 }
 
 cudaError_t PreloadOneShotKernels() {
-  for (cudaError_t e : {PreloadFor<float>(), PreloadFor<__half>(), PreloadFor<__nv_bfloat16>()})
+  for (cudaError_t e : {PreloadFor<float>(), PreloadFor<__half>(), PreloadFor<__nv_bfloat16>(),
+                        PreloadOneShotRowsKernels()})
     if (e != cudaSuccess) return e;
   cudaFuncAttributes a;
   return cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(FillSentinelKernel));

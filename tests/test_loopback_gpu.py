@@ -109,6 +109,21 @@ def test_1000_calls_two_slots_and_graph_replays(loopback, rng, algo):
         comm.close()
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_decode_rows_kernel_and_general_one_shot_share_a_slot(loopback, rng, n):
+    """The decode-size one-shot kernel (T <= CTAs) and the general one (T > CTAs) follow each
+    other on one slot: same buffers, rotation and clearing; padding rows (T % N != 0) kept."""
+    comm = loopback.LoopbackComm(n)
+    try:
+        for tokens, ctas in [(5, 8), (5, 2), (13, 16), (13, 4), (1, 1), (7, 16), (30, 8)]:
+            args = _inputs(rng, n, tokens, 4096, "bfloat16")
+            res = comm.run(*args, algo="one_shot", num_ctas=ctas, calls=3)
+            _check(res, *args, "bfloat16")
+            assert res.mismatches == 0, (tokens, ctas)
+    finally:
+        comm.close()
+
+
 def test_algos_share_a_slot(loopback, rng):
     """The device epoch and the one-shot rotation survive other variants on the same slot."""
     comm = loopback.LoopbackComm(4)
@@ -123,12 +138,14 @@ def test_algos_share_a_slot(loopback, rng):
         comm.close()
 
 
-@pytest.mark.parametrize("algo", ["one_shot", "direct"])
-def test_forced_timeout_is_reported_and_leaves_the_context_usable(loopback, rng, algo):
+# one_shot at 16 tokens on 16 CTAs runs the decode-size kernel (a row per block), on 8 the
+# general one.
+@pytest.mark.parametrize(("algo", "num_ctas"), [("one_shot", 8), ("one_shot", 16), ("direct", 8)])
+def test_forced_timeout_is_reported_and_leaves_the_context_usable(loopback, rng, algo, num_ctas):
     comm = loopback.LoopbackComm(2, CommSettings(workspace_mib=64, oneshot_mib=4, num_slots=2,
                                                  timeout_s=0.5))
     args = _inputs(rng, 2, 16, 2048, "bfloat16")
-    res = comm.run(*args, algo=algo, calls=6, skip_call=3, skip_rank=1)
+    res = comm.run(*args, algo=algo, num_ctas=num_ctas, calls=6, skip_call=3, skip_rank=1)
     assert res.error is not None and "rank 1" in res.error and "expired" in res.error
     assert "never started this call" in res.error  # told apart from a stalled kernel
     # the rank that waited leaves NaN, not data (rank 1 still holds its call-2 outputs)

@@ -1,0 +1,222 @@
+// The decode-size one-shot kernel: one 512-thread block per token row (T <= grid), a row held in
+// registers (H <= 2 x 512 vectors). Same protocol, buffers and state as the general one-shot
+// kernel (oneshot.cu), so calls of either kind may follow each other on a slot. It is shorter
+// on the critical path of a decode call (loopback, 16 CTAs, T = 16: 6.3 / 10.0 / 21.5 us at
+// N = 2 / 4 / 8 against 14.7 / 18.0 / 39.2 for the general kernel; benchmarks/results):
+//   - the row's own inputs (partial, residual, weights) are loaded before the call state is
+//     read, so both round trips overlap;
+//   - the block that reduces row g is the block that pushes row g, from the registers it
+//     already holds (no second load);
+//   - the slot advances at the end (the general kernels advance it at once);
+//   - one bounded poll loop for all of a step's sources, no per-source copies of it, no stack;
+//   - a failure poisons only this block's rows (it alone writes them).
+// Partials are summed in rank order, then the residual, in float32, from their one-shot
+// encodings (own partial included), so every rank's rows are bitwise identical.
+#include "rowops.cuh"
+
+namespace tokenweave {
+namespace {
+
+constexpr int kRowV = 2;  // 16-byte vectors per thread per row
+
+template <typename T>
+__device__ __forceinline__ void FillNan(char* row, int vpr) {
+#pragma unroll 1
+  for (int v = threadIdx.x; v < vpr; v += kThreads) St(row + v * 16, NanVec<T>());
+}
+
+template <typename T, int kMaxN>
+__global__ void __launch_bounds__(kThreads)
+    OneShotRowsKernel(const __grid_constant__ KernelParams p) {
+  constexpr int kN = Vec<T>::kN;
+  constexpr int kStep = kMaxN <= 4 ? kRowV : 1;  // vectors polled at once (registers)
+  __shared__ float red[kThreads / 32];
+  const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens, g = blockIdx.x;
+  const int vpr = p.hidden / kN;
+  const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
+  const int64_t seg = static_cast<int64_t>(tokens + q) * rb;
+  const int own_real = max(0, min(q, tokens - r * q));  // own residual rows below T
+  const bool has_row = g < tokens, sends_residual = g < own_real;
+  const int owner = g / q, orow = g % q;
+  const char* partial = static_cast<const char*>(p.partial) + g * rb;
+  const char* residual = static_cast<const char*>(p.residual);
+
+  // (1) Loads that need no call state, in flight with the state's.
+  uint4 own[kRowV], res_own[kRowV], res_send[kRowV];
+  float4 w[kRowV][kN / 4];
+#pragma unroll
+  for (int u = 0; u < kRowV; ++u) {
+    const int v = threadIdx.x + u * kThreads;
+    if (v >= vpr) continue;
+    if (has_row) {
+      own[u] = Canonical<T>(Ldg(partial + v * 16));
+      LoadWeights<T>(p, v, w[u]);
+      if (owner == r) res_own[u] = Ldg(residual + orow * rb + v * 16);
+    }
+    if (sends_residual) res_send[u] = Canonical<T>(Ldg(residual + g * rb + v * 16));
+  }
+  const CallState call = ReadCallState(p);
+  const int64_t used = (n - 1) * seg;
+  bool ok = !call.abort;
+  const uint32_t buf = call.oneshot_buf;
+
+  if (ok) {
+    // (2) Push row g's partial, and own residual row g, to every peer (rotated order).
+    for (int k = 1; k < n; ++k) {
+      const int j = (r + k) % n;
+      char* dst = p.oneshot[j] + buf * p.oneshot_bytes + PeerIndex(r, j, n) * seg;
+#pragma unroll
+      for (int u = 0; u < kRowV; ++u) {
+        const int v = threadIdx.x + u * kThreads;
+        if (v >= vpr) continue;
+        if (has_row) St(dst + g * rb + v * 16, own[u]);
+        if (sends_residual) St(dst + (tokens + g) * rb + v * 16, res_send[u]);
+      }
+    }
+    // (3) Clear what the previous one-shot call on this slot received (grid-stride).
+    char* old = p.oneshot[r] + ((call.oneshot_buf + kLamportBuffers - 1) % kLamportBuffers) *
+                                   p.oneshot_bytes;
+    const uint4 sentinel = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
+#pragma unroll 1
+    for (int64_t i = g * static_cast<int64_t>(kThreads) + threadIdx.x; i < call.oneshot_clear / 16;
+         i += static_cast<int64_t>(gridDim.x) * kThreads)
+      St(old + i * 16, sentinel);
+  }
+
+  float acc[kRowV][kN];
+  if (ok && has_row) {
+    // (4) Row g: the N partials in rank order, then its owner's residual row; polled from
+    // this rank's receive buffer where a peer sent them.
+    const char* recv = p.oneshot[r] + buf * p.oneshot_bytes;
+    const char* src_row[kMaxN + 1];
+#pragma unroll
+    for (int s = 0; s < kMaxN; ++s)
+      src_row[s] = s < n && s != r ? recv + PeerIndex(s, r, n) * seg + g * rb : nullptr;
+    src_row[kMaxN] = owner == r ? nullptr
+                                : recv + PeerIndex(owner, r, n) * seg + (tokens + orow) * rb;
+    Deadline d;
+#pragma unroll
+    for (int u0 = 0; u0 < kRowV; u0 += kStep) {
+      if (!ok) break;
+      uint4 x[kMaxN + 1][kStep];
+      auto each = [&](auto f) {
+#pragma unroll
+        for (int s = 0; s <= kMaxN; ++s)
+#pragma unroll
+          for (int u = 0; u < kStep; ++u)
+            if (src_row[s] != nullptr && threadIdx.x + (u0 + u) * kThreads < vpr)
+              f(x[s][u], src_row[s] + (threadIdx.x + (u0 + u) * kThreads) * 16);
+      };
+      each([](uint4& xv, const char* a) { xv = LdVolatile16(a); });
+      for (;;) {  // one bounded loop re-polls whatever has not arrived
+        bool pending = false;
+        each([&](uint4& xv, const char* a) {
+          if (HasSentinel<T>(xv)) {
+            xv = LdVolatile16(a);
+            pending |= HasSentinel<T>(xv);
+          }
+        });
+        if (!pending) break;
+        const Deadline::Result t = d.Tick(p);
+        if (t == Deadline::kWait) continue;
+        if (t == Deadline::kExpired) {
+          int missing = -1;
+          for (int s = 0; s <= kMaxN && missing < 0; ++s)
+            for (int u = 0; u < kStep; ++u)
+              if (src_row[s] != nullptr && HasSentinel<T>(x[s][u])) missing = s < kMaxN ? s : owner;
+          ReportTimeout(p, kStageOneShotData, missing, g, call.epoch, 0);
+        }
+        ok = false;
+        break;
+      }
+#pragma unroll
+      for (int u = 0; u < kStep; ++u) {
+        const int uu = u0 + u;
+#pragma unroll
+        for (int i = 0; i < kN; ++i) acc[uu][i] = 0.f;
+#pragma unroll
+        for (int s = 0; s < kMaxN; ++s)
+          if (s < n) AddVec<T>(acc[uu], s == r ? own[uu] : x[s][u]);
+        AddVec<T>(acc[uu], owner == r ? res_own[uu] : x[kMaxN][u]);
+      }
+    }
+    ok = __syncthreads_and(ok) != 0;  // every thread polled (or gave up): one verdict
+  }
+  if (ok && has_row) {
+    // (5) Round, write the residual (owner only), RMSNorm, write the normed row.
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < kRowV; ++u) {
+      const int v = threadIdx.x + u * kThreads;
+      if (v >= vpr) continue;
+      const uint4 rounded = PackRound<T>(acc[u]);
+      if (owner == r) St(static_cast<char*>(p.residual_out) + orow * rb + v * 16, rounded);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
+    }
+    const float inv = rsqrtf(GroupSum<kThreads>(ss, red, 0) / static_cast<float>(p.hidden) + p.eps);
+    char* out = static_cast<char*>(p.normed) + g * rb;
+    auto emit = [&](int v, uint4 o) { St(out + v * 16, o); };
+#pragma unroll
+    for (int u = 0; u < kRowV; ++u) {
+      const int v = threadIdx.x + u * kThreads;
+      if (v < vpr) EmitNormed<T>(acc[u], w[u], inv, v, emit);
+    }
+  }
+  // (6) Own padding row g (q > own real rows) is carried through.
+  if (g >= own_real && g < q) CopyRow<kThreads>(residual + g * rb, static_cast<char*>(p.residual_out) + g * rb, vpr);
+
+  // Only this block writes its rows: a failed wait (or an earlier failure) leaves them NaN.
+  if (__syncthreads_or(!ok)) {
+    if (has_row) FillNan<T>(static_cast<char*>(p.normed) + g * rb, vpr);
+    if (has_row && owner == r) FillNan<T>(static_cast<char*>(p.residual_out) + orow * rb, vpr);
+    if (g >= own_real && g < q) FillNan<T>(static_cast<char*>(p.residual_out) + g * rb, vpr);
+  }
+  AdvanceIfLast(p, call, used);
+}
+
+template <typename T>
+cudaError_t LaunchRows(const KernelParams& p, int num_ctas, cudaStream_t stream) {
+  if (p.nranks <= 2)
+    OneShotRowsKernel<T, 2><<<num_ctas, kThreads, 0, stream>>>(p);
+  else if (p.nranks <= 4)
+    OneShotRowsKernel<T, 4><<<num_ctas, kThreads, 0, stream>>>(p);
+  else
+    OneShotRowsKernel<T, 8><<<num_ctas, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t PreloadRowsFor() {
+  cudaFuncAttributes a;
+  for (const void* k : {reinterpret_cast<const void*>(OneShotRowsKernel<T, 2>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 4>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 8>)})
+    if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
+}  // namespace
+
+bool OneShotRowsFits(int tokens, int hidden, DType dtype, int num_ctas) {
+  const int itemsize = dtype == DType::kF32 ? 4 : 2;
+  return tokens <= num_ctas && hidden * itemsize <= kRowV * kThreads * 16;
+}
+
+cudaError_t LaunchOneShotRows(const KernelParams& p, DType dtype, int num_ctas,
+                              cudaStream_t stream) {
+  switch (dtype) {
+    case DType::kF32: return LaunchRows<float>(p, num_ctas, stream);
+    case DType::kF16: return LaunchRows<__half>(p, num_ctas, stream);
+    case DType::kBF16: return LaunchRows<__nv_bfloat16>(p, num_ctas, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t PreloadOneShotRowsKernels() {
+  for (cudaError_t e : {PreloadRowsFor<float>(), PreloadRowsFor<__half>(), PreloadRowsFor<__nv_bfloat16>()})
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
+}  // namespace tokenweave
