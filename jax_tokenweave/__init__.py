@@ -10,6 +10,8 @@ importing any module of the package changes no global state (environment, JAX co
   (``jax_tokenweave.models.configs``): model shapes.
 - ``from_pretrained`` (``jax_tokenweave.models.auto``): a Hugging Face checkpoint directory ->
   the model class its ``model_type`` is registered to, each device reading only its shards.
+- ``LLM``, ``SamplingParams`` (``jax_tokenweave.serving``): serve a checkpoint, text in and out
+  (continuous batching, paged KV cache, streaming); ``python -m jax_tokenweave.generate``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "RopeScaling": "jax_tokenweave.config",
     "get_config": "jax_tokenweave.models.configs",
     "from_pretrained": "jax_tokenweave.models.auto",
+    "LLM": "jax_tokenweave.serving.llm",
+    "SamplingParams": "jax_tokenweave.serving.sampling_params",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

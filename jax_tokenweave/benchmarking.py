@@ -256,6 +256,37 @@ def add_sweep_options(parser: argparse.ArgumentParser, *, plot: str) -> None:
                         help=f"write no {plot} (the plot needs matplotlib: the plot extra)")
 
 
+ENGINE_OPTIONS: dict[str, str] = {
+    "max_num_batched_tokens": "token budget of a serving step (rows, padding included)",
+    "max_num_seqs": "requests running at once",
+    "max_model_len": "positions per request (prompt + new tokens)",
+    "num_blocks": "KV cache blocks",
+    "block_size": "positions per KV cache block",
+    "prefill_tile": "rows per prompt-chunk attention tile (a power of two)",
+    "key_chunk": "keys per step of the attention loop",
+    "split_threshold": "steps of at least this many rows are woven (split in two halves)",
+}
+"""The ``serving.EngineConfig`` sizes the command lines take (``--max-num-seqs`` ...), with help."""
+
+
+def add_engine_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """``--<name>`` options for these ``ENGINE_OPTIONS``, defaulting to ``EngineConfig``'s
+    (``--split-threshold``: the tuning table's)."""
+    from jax_tokenweave.serving.config import EngineConfig
+
+    defaults = EngineConfig()
+    for name in names:
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=default,
+                            help=ENGINE_OPTIONS[name] + ("" if default is not None else
+                                                         " (default: the tuning table's)"))
+
+
+def engine_options(args: argparse.Namespace, names: Sequence[str]) -> dict[str, int]:
+    """The values of :func:`add_engine_options`' options, by ``EngineConfig`` field."""
+    return {name: getattr(args, name) for name in names}
+
+
 class Flatten(argparse.Action):
     """For ``nargs="+"`` options whose type returns lists (:func:`positive_ints`):
     ``--tp 2 4`` or ``--tp 2,4`` -> ``[2, 4]``, repeats dropped, order kept."""

@@ -20,12 +20,14 @@ weave, ffi          plan's halves  ``Overlap`` (two halves) or  :class:`PrefillA
                                    ``Sharded("ffi")`` (one)
 weave, ffi-sync     plan's halves  ``Sharded("ffi")``           :class:`PrefillAttention`
 weave, local        plan's halves  ``LocalSharded``             :class:`PrefillAttention`
-decode              one (B rows)   ``Psum`` / ``Sharded(auto)`` ``serving.steps.CacheAttention``
+serving, weave      plan's halves  as weave, per step size      ``serving.paged_attention.
+                    (or one)                                    PagedAttention``
+serving, baseline   one            ``Psum``                     ``PagedAttention``
 =================== ============== ============================ ===============================
 
 An attention function is ``attention(layer, half, q, k, v) -> [T_j, Nq/N, D]`` with q/k/v of
 half ``j`` (RoPE applied; ``[T_j, heads/N, D]``); it may keep state (the earlier halves' K/V of
-the same layer, a KV cache).
+the same layer, a paged KV cache it writes before reading).
 """
 
 from __future__ import annotations

@@ -79,3 +79,23 @@ def save_checkpoint(model, path: str, max_shard_size: str = "40KB") -> str:
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, max_shard_size=max_shard_size, safe_serialization=True)
     return path
+
+
+def save_char_tokenizer(path: str, vocab_size: int = 256) -> str:
+    """A character-level fast tokenizer of ``vocab_size`` ids saved into ``path`` (as
+    ``save_pretrained`` does): ``<unk>`` 0, ``<s>`` 1 (prepended to every encoding), ``</s>`` 2,
+    then printable ASCII and further single characters, so every id decodes to text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]
+    chars += [chr(0x100 + k) for k in range(vocab_size - 3 - len(chars))]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
+    return path

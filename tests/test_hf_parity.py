@@ -1,7 +1,11 @@
-"""Parity with ``transformers``: logits and greedy generation of tiny Llama, Qwen2 and Mixtral
-checkpoints loaded at TP 1, 2 and 4, with the weave schedule on and off (float32)."""
+"""Parity with ``transformers``: logits of tiny Llama, Qwen2 and Mixtral checkpoints loaded at
+TP 1, 2 and 4 with the weave schedule on and off, and greedy generation by the serving engine
+(continuous batching: requests arriving at different steps, prompts chunked across steps, chunks
+cut by the weave split) at TP 1, 2 and 4 with weave on and off (float32)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,15 +15,20 @@ from flax import nnx
 from hf_testutil import KINDS, import_or_skip, make_hf_model, save_checkpoint
 
 from jax_tokenweave import from_pretrained
-from jax_tokenweave.serving import Engine, ServingConfig
+from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
 from jax_tokenweave.split import plan_batch
 
 torch = import_or_skip("torch")             # under CI (env CI set): fail, never skip
 import_or_skip("transformers")
 
 LOGIT_LENGTHS = (5, 11, 3)          # ragged; a forced split cuts request 1
-GEN_LENGTHS = (5, 12, 16)           # one bucket: 16 tokens, P=4 prompts (one padding)
-NEW_TOKENS = 32
+GEN_LENGTHS = (5, 40, 16)           # 40 tokens: two steps of a 32-row budget
+ARRIVALS = (0, 1, 3)                # the step at which each prompt arrives
+NEW_TOKENS = 16
+# 32-row steps of 8-row tiles; steps of >= 16 rows split (weave), cutting prompt chunks.
+ENGINE = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
+                      num_blocks=64, max_model_len=64, key_chunk=16, split_threshold=16,
+                      comm="xla")
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +79,29 @@ def test_parity(reference, cpu_mesh, kind, tp):
         rel = np.abs(got - want).max() / np.abs(want).max()
         assert rel < 1e-4, (schedule, rel)
 
-    # Greedy generation: weave (prefill forced to split, token-sharded decode) and baseline.
-    for schedule, force in (("weave", True), ("baseline", False)):
-        engine = Engine(model, ServingConfig(max_batch=4, max_seq_len=64, schedule=schedule,
-                                             force_split=force))
-        assert engine.plan(4, 16).split == force
-        got = engine.generate(ref["gen_prompts"], NEW_TOKENS, eos_token_ids=())
-        assert got == ref["gens"], schedule
+
+@pytest.mark.parametrize(("kind", "tp", "schedule"), [
+    ("llama", 1, "weave"), ("llama", 2, "weave"), ("llama", 4, "weave"),
+    ("llama", 1, "baseline"), ("llama", 2, "baseline"), ("llama", 4, "baseline"),
+    ("qwen2", 2, "weave"), ("mixtral", 4, "weave")])
+def test_engine_greedy_parity(reference, cpu_mesh, kind, tp, schedule):
+    """The serving engine's greedy tokens equal ``transformers``' ``generate`` for requests that
+    arrive at different steps and whose prompts are chunked across steps (and, with weave,
+    cut by the split)."""
+    ref = reference[kind]
+    model = from_pretrained(ref["path"], cpu_mesh(tp), jnp.float32)
+    engine = LLMEngine(model, dataclasses.replace(ENGINE, schedule=schedule))
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    ids, step = [], 0
+    while len(ids) < len(ARRIVALS) or engine.has_unfinished():
+        ids += [engine.add_request(p, params) for p, arrival in
+                zip(ref["gen_prompts"], ARRIVALS, strict=True) if arrival == step]
+        engine.step()
+        step += 1
+    got = [engine.release(i).token_ids for i in ids]
+    assert got == [g[:NEW_TOKENS] for g in ref["gens"]]
+    assert engine.stats.steps > NEW_TOKENS                  # arrivals spread the work out
+    if schedule == "weave":
+        assert engine.stats.cut_steps > 0
+    else:
+        assert engine.stats.split_steps == 0

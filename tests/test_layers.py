@@ -199,40 +199,6 @@ def test_every_loop_configuration_against_reference(cpu_mesh, rng, tp):
             assert err < 1e-5, (schedule, comm, err)
 
 
-def test_decode_step_against_reference(cpu_mesh, rng):
-    """The decode configuration of the loop (one half of B rows, the KV cache's attention): the
-    last token of each prompt, decoded on a cache filled by a prefill of the others, equals the
-    float64 reference's last row, for both decode reducers."""
-    from jax_tokenweave.serving.kv_cache import init_cache, write_prompts
-    from jax_tokenweave.serving.steps import decoder_step
-
-    config, tp = get_config("tiny"), 2
-    mesh = cpu_mesh(tp)
-    dec = build(config, mesh, jnp.float32, rng)
-    lengths, lb = (6, 3), 8
-    prompts = [rng.standard_normal((n, config.hidden_size)) for n in lengths]
-    w = logical_weights(dec)
-    cache = init_cache(config, mesh, len(lengths), 16, jnp.float32)
-    padded = np.zeros((len(lengths) * lb, config.hidden_size))
-    for i, p in enumerate(prompts):
-        padded[i * lb:i * lb + len(p) - 1] = p[:-1]
-    plan = plan_batch([lb] * len(lengths), tp=tp, split=True)
-    _, kvs = dec(jnp.asarray(padded, jnp.float32), plan, schedule="weave", comm="xla",
-                 return_kv=True)
-    rows = jnp.arange(len(lengths))
-    for i, (k, v) in enumerate(kvs):
-        cache = write_prompts(cache, i, k.reshape(len(lengths), lb, *k.shape[1:]),
-                              v.reshape(len(lengths), lb, *v.shape[1:]), rows)
-    last = jnp.asarray(np.stack([p[-1] for p in prompts]), jnp.float32)
-    positions = jnp.asarray([n - 1 for n in lengths], jnp.int32)
-    want = np.stack([reference_decoder(w, config, p, (len(p),))[-1] for p in prompts])
-    for schedule in ("weave", "baseline"):
-        out, k_cache, _ = decoder_step(dec, last, positions, cache.k, cache.v,
-                                       schedule=schedule, comm="xla")
-        assert rel_err(out, want) < 1e-5, schedule
-        assert k_cache.shape == cache.k.shape
-
-
 def test_ffi_unavailable_on_cpu(cpu_mesh, rng):
     config, mesh = get_config("tiny", num_layers=1), cpu_mesh(2)
     dec = build(config, mesh, jnp.float32, rng)

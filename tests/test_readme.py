@@ -131,13 +131,37 @@ def test_readme_options_exist():
     assert mentioned <= known, f"README names unknown options: {mentioned - known}"
 
 
+def python_block(marker: str) -> str:
+    """The README's one python code block that contains ``marker``."""
+    (block,) = [body for lang, body in code_blocks(README.read_text())
+                if lang == "python" and marker in body]
+    return block
+
+
 def test_readme_api_example_runs():
     """The API example works on the CPU devices of the test session."""
     pytest.importorskip("jax_tokenweave.layers")
     pytest.importorskip("jax_tokenweave.models.configs")
-    (example,) = [body for lang, body in code_blocks(README.read_text()) if lang == "python"]
+    example = python_block("WeaveDecoder")
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     out, plan, config = namespace["out"], namespace["plan"], namespace["config"]
     assert plan.split
     assert out.shape == (plan.num_tokens, config.hidden_size)
+
+
+def test_readme_serving_example_runs(tmp_path, capsys):
+    """The serving example, on a tiny checkpoint (made with ``transformers``, with a tokenizer)
+    in place of ``/path/to/checkpoint``."""
+    from hf_testutil import import_or_skip, make_hf_model, save_char_tokenizer, save_checkpoint
+
+    import_or_skip("torch")
+    import_or_skip("transformers")
+    path = save_char_tokenizer(save_checkpoint(make_hf_model("llama"), str(tmp_path)))
+    example = python_block("LLM(")
+    assert example.count("/path/to/checkpoint") == 1
+    namespace: dict = {}
+    exec(compile(example.replace("/path/to/checkpoint", path), "README.md", "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert namespace["out"].finish_reason in ("stop", "length")
+    assert namespace["out"].text in printed and namespace["delta"].finished

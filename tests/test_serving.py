@@ -1,7 +1,12 @@
-"""Serving loop: sampling, EOS / max-token stops, weave prefill of a cut request, static shapes
-(no recompilation over a stream of requests), decode schedules and input errors."""
+"""The serving engine on a random tiny model: greedy outputs vs a float64 reference for requests
+arriving at different steps and chunked across steps (weave on and off, a chunk cut by the
+split), log-probabilities, sampling, stops, no compilation after warm-up over a stream of
+arrivals, admission under a full cache, input errors, and a failed request beside others."""
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +17,23 @@ from jax.sharding import Mesh
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.serving import Engine, ServingConfig, count_compilations, generate, sample
-from jax_tokenweave.serving.buckets import batch_bucket, length_bucket, next_pow2
-from jax_tokenweave.split import plan_batch
+from jax_tokenweave.params import logical_weights
+from jax_tokenweave.serving import (
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+    count_compilations,
+    generate,
+)
+from jax_tokenweave.serving import batch as batch_lib
+from jax_tokenweave.serving.sampling import sample
+from jax_tokenweave.serving.step import jitted_step
+from jax_tokenweave.testing.reference import reference_logits
+
+# 32-row steps in tiles of 8 (buckets 8/16/32 rows, decode segments of 0/8 rows): few programs.
+CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
+                   num_blocks=48, max_model_len=64, key_chunk=8, split_threshold=16, comm="xla",
+                   max_logprobs=3)
 
 
 @pytest.fixture(scope="module")
@@ -23,203 +42,246 @@ def model():
     return LlamaModel(get_config("tiny"), mesh, dtype=jnp.float32, rngs=nnx.Rngs(3))
 
 
-@pytest.fixture(scope="module")
-def engine(model):
-    return Engine(model, ServingConfig(max_batch=4, max_seq_len=64))
+def reference_greedy(weights, config, prompt, n):
+    """Greedy continuation by the float64 reference, and each step's log-softmax."""
+    tokens, lps = list(prompt), []
+    for _ in range(n):
+        logits = reference_logits(weights, config, np.asarray(tokens), [len(tokens)])[-1]
+        lps.append(logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max())
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt):], lps
 
 
-def _prompts(rng: np.random.Generator, lengths) -> list[list[int]]:
-    return [rng.integers(0, 256, int(n)).tolist() for n in lengths]
+def prompts(rng, lengths):
+    return [rng.integers(0, 256, n).tolist() for n in lengths]
 
 
-# ---- pieces --------------------------------------------------------------------------------
+def run_with_arrivals(engine, arrivals, params):
+    """``arrivals``: ``{step index: [prompt, ...]}``; returns outputs in arrival order."""
+    ids, step = [], 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        ids += [engine.add_request(p, params) for p in arrivals.get(step, [])]
+        engine.step()
+        step += 1
+    return [engine.release(i) for i in ids]
 
-def test_buckets():
-    assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 17)] == [1, 1, 2, 4, 4, 8, 32]
-    assert length_bucket(3) == 16 and length_bucket(17) == 32 and length_bucket(3, 4) == 4
-    assert batch_bucket(3, 8) == 4 and batch_bucket(5, 6) == 6
-    with pytest.raises(ValueError):
-        length_bucket(0)
+
+@pytest.mark.parametrize("tp", [2, 4])     # baseline and TP 1: tests/test_hf_parity.py
+def test_greedy_matches_reference_with_arrivals_and_chunks(rng, cpu_mesh, tp):
+    config = get_config("tiny")
+    model = LlamaModel(config, cpu_mesh(tp), dtype=jnp.float32,
+                       rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    engine = LLMEngine(model, CFG)                              # weave
+    # 45 tokens need two 32-row steps; 21 arrives while the first decodes; 3 comes late.
+    arrivals = {0: prompts(rng, (45, 6)), 2: prompts(rng, (21,)), 5: prompts(rng, (3,))}
+    outs = run_with_arrivals(engine, arrivals, SamplingParams(max_tokens=8, logprobs=3))
+    weights = logical_weights(model)
+    for out, prompt in zip(outs, [p for s in sorted(arrivals) for p in arrivals[s]],
+                           strict=True):
+        want, lps = reference_greedy(weights, config, prompt, 8)
+        assert out.token_ids == want and out.finish_reason == "length"
+        for got, lp in zip(out.logprobs, lps, strict=True):
+            top = np.argsort(-lp)[:3]
+            assert [t for t, _ in got.top] == top.tolist()
+            np.testing.assert_allclose([v for _, v in got.top], lp[top], atol=1e-4)
+            assert got.logprob == pytest.approx(lp[got.token_id], abs=1e-4)
+    assert engine.stats.split_steps > 0 and engine.stats.cut_steps > 0
 
 
-def test_sample_greedy_and_top_p(rng):
-    logits = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
-    key = jax.random.key(0)
-    greedy = np.argmax(np.asarray(logits), axis=-1)
-    np.testing.assert_array_equal(sample(logits, key, 0.0, 1.0), greedy)
-    # top_p tiny keeps only the most likely token, whatever the temperature.
-    np.testing.assert_array_equal(sample(logits, key, 2.0, 1e-6), greedy)
+@pytest.mark.parametrize("schedule", ["weave", "baseline"])
+def test_step_updates_the_cache_in_place(model, schedule):
+    """The compiled step writes the paged cache in place: no copy of a whole cache buffer,
+    also where the split makes half B write the buffer half A's attention read."""
+    engine = LLMEngine(model, dataclasses.replace(CFG, schedule=schedule))
+    layout = batch_lib.make_layout(8, 32, engine.config, engine.model_config, engine.tp)
+    assert layout.plan.split == (schedule == "weave")
+    cfg = engine.config
+    text = jitted_step.lower(
+        engine._state, engine.cache, batch_lib.pack_padding(layout, cfg),
+        graphdef=engine._graphdef, layout=layout, schedule=schedule, comm=cfg.comm,
+        key_chunk=cfg.key_chunk, num_logprobs=cfg.max_logprobs, tuning=None).compile().as_text()
+    shape = f"f32[{cfg.num_blocks},{cfg.block_size},{engine.model_config.num_kv_heads // 2},"
+    copies = [line for line in text.splitlines()
+              if re.search(rf"= {re.escape(shape)}\d+\]\S* copy\(", line)]
+    assert text.count(shape) > 0 and copies == []
+
+
+def test_stream_of_deltas_equals_final_output(model, rng):
+    engine = LLMEngine(model, CFG)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6)) for p in prompts(rng, (9, 30))]
+    seen: dict[str, list[int]] = {i: [] for i in ids}
+    finished = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            seen[delta.request_id] += delta.token_ids
+            if delta.finished:
+                finished[delta.request_id] = delta.finish_reason
+    for i in ids:
+        out = engine.release(i)
+        assert seen[i] == out.token_ids and finished[i] == out.finish_reason == "length"
+
+
+def test_sampling_is_per_request_and_seeded(model, rng):
+    engine = LLMEngine(model, CFG)
+    ps = prompts(rng, (7, 12, 20))
+    hot = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=8)
+    alone = engine.generate([ps[0]], hot)[0].token_ids
+    mixed = engine.generate(ps, [hot, SamplingParams(max_tokens=8),
+                                 SamplingParams(temperature=0.7, seed=3, max_tokens=8)])
+    assert mixed[0].token_ids == alone                          # batching does not matter
+    other = engine.generate([ps[0]], dataclasses.replace(hot, seed=12))[0].token_ids
+    assert other != alone
+    greedy = engine.generate([ps[2]], SamplingParams(max_tokens=8))[0].token_ids
+    top1 = engine.generate([ps[2]], SamplingParams(temperature=5.0, top_k=1, seed=1,
+                                                   max_tokens=8))[0].token_ids
+    assert top1 == greedy
 
 
 def test_sample_distribution():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
-    logits = jnp.asarray(np.log(np.tile(probs, (4000, 1))), jnp.float32)
-    draws = np.asarray(sample(logits, jax.random.key(1), 1.0, 1.0))
-    freq = np.bincount(draws, minlength=4) / draws.size
-    np.testing.assert_allclose(freq, probs, atol=0.03)
-    # top_p = 0.7: the nucleus is {0, 1} (0.5 + 0.3 >= 0.7), renormalised to 5/8, 3/8.
-    draws = np.asarray(sample(logits, jax.random.key(2), 1.0, 0.7))
-    freq = np.bincount(draws, minlength=4) / draws.size
-    np.testing.assert_allclose(freq, [0.625, 0.375, 0, 0], atol=0.03)
+    n = 4000
+    logits = jnp.asarray(np.log(np.tile(probs, (n, 1))), jnp.float32)
+    seeds, counters = jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32)
+
+    def freq(top_p, top_k):
+        draws = np.asarray(sample(logits, seeds, counters, jnp.ones(n), jnp.full(n, top_p),
+                                  jnp.full(n, top_k, jnp.int32)))
+        return np.bincount(draws, minlength=4) / n
+
+    np.testing.assert_allclose(freq(1.0, 0), probs, atol=0.03)
+    np.testing.assert_allclose(freq(0.7, 0), [0.625, 0.375, 0, 0], atol=0.03)   # nucleus {0, 1}
+    np.testing.assert_allclose(freq(1.0, 3), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
+                               atol=0.03)
 
 
-# ---- generate ------------------------------------------------------------------------------
-
-def test_prefill_logits_match_model(model, engine, rng):
-    prompts = _prompts(rng, (3, 9, 14))
-    _, logits = engine.prefill(prompts, [0, 1, 2], jax.random.key(0))
-    graphdef, state = nnx.split(model)
-    plan = plan_batch([len(p) for p in prompts])
-    forward = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t, plan, schedule="baseline",
-                                                             comm="xla"))
-    want = np.asarray(forward(state, jnp.asarray(np.concatenate(prompts), jnp.int32)))
-    last = np.cumsum([len(p) for p in prompts]) - 1
-    np.testing.assert_allclose(logits, want[last], rtol=1e-5, atol=1e-5)
-
-
-def test_eos_and_max_tokens(engine, rng):
-    prompts = _prompts(rng, (4, 7))
-    full = engine.generate(prompts, 12, eos_token_ids=())
-    assert [len(o) for o in full] == [12, 12]
-    eos = full[0][5]
-    cut = engine.generate(prompts, 12, eos_token_ids=[eos])
-    for f, c in zip(full, cut, strict=True):
-        stop = f.index(eos) + 1 if eos in f else len(f)
-        assert c == f[:stop]
-    assert engine.generate(prompts, 1, eos_token_ids=()) == [f[:1] for f in full]
-    # one id, as Hugging Face's eos_token_id may be, means the same as a list of it
-    assert engine.generate(prompts, 12, eos_token_ids=eos) == cut
-    assert engine.generate(prompts, 12, eos_token_ids=np.int64(eos)) == cut
+def test_stop_tokens_and_ignore_eos(model, rng):
+    ps = prompts(rng, (5, 8))
+    full = LLMEngine(model, CFG).generate(ps, SamplingParams(max_tokens=10))
+    stop = full[0].token_ids[3]
+    first = full[0].token_ids.index(stop)
+    out = LLMEngine(model, CFG).generate(ps, SamplingParams(max_tokens=10,
+                                                             stop_token_ids=(stop,)))
+    assert out[0].token_ids == full[0].token_ids[:first + 1]
+    assert out[0].finish_reason == "stop"
+    eos = LLMEngine(model, CFG, eos_token_ids=stop)
+    assert eos.generate([ps[0]], SamplingParams(max_tokens=10))[0].finish_reason == "stop"
+    kept = eos.generate([ps[0]], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert kept.token_ids == full[0].token_ids and kept.finish_reason == "length"
 
 
-def test_sampling_seeded(engine, rng):
-    prompts = _prompts(rng, (5, 6))
-    a = engine.generate(prompts, 10, temperature=1.0, top_p=0.9, seed=7, eos_token_ids=())
-    b = engine.generate(prompts, 10, temperature=1.0, top_p=0.9, seed=7, eos_token_ids=())
-    c = engine.generate(prompts, 10, temperature=1.0, top_p=0.9, seed=8, eos_token_ids=())
-    assert a == b and a != c
-
-
-def test_weave_split_cutting_a_prompt(model, engine, rng):
-    """One prompt in a forced-split prefill: the split cuts it; greedy output is unchanged."""
-    prompts = _prompts(rng, (21,))
-    weave = Engine(model, ServingConfig(max_batch=4, max_seq_len=64, force_split=True))
-    assert weave.plan(1, 32).cut_request == 0
-    assert weave.generate(prompts, 16, eos_token_ids=()) == \
-        engine.generate(prompts, 16, eos_token_ids=())
-
-
-def test_more_prompts_than_cache_rows(engine, rng):
-    prompts = _prompts(rng, (3, 5, 8, 2, 6, 9))
-    together = engine.generate(prompts, 6, eos_token_ids=())
-    alone = [engine.generate([p], 6, eos_token_ids=())[0] for p in prompts]
-    assert together == alone
-
-
-def test_no_recompilation_after_warmup(engine, rng):
-    # Warm up every (prompts per group, length bucket) pair the stream below can hit.
-    for lengths in ((3,), (3, 9), (3, 5, 9, 14), (20,), (17, 30), (17, 20, 25, 30)):
-        engine.generate(_prompts(rng, lengths), 4, eos_token_ids=())
+def test_no_compilation_after_warmup_over_a_stream_of_arrivals(model, rng):
+    engine = LLMEngine(model, dataclasses.replace(CFG, schedule="weave"))
+    assert engine.warmup() == len(engine.layouts()) >= 6
     with count_compilations() as counter:
-        for _ in range(6):
-            n = int(rng.integers(1, 5))
-            lengths = rng.integers(1, 33, n)
-            engine.generate(_prompts(rng, lengths), int(rng.integers(1, 20)),
-                            temperature=float(rng.choice([0.0, 0.8])), top_p=0.9,
-                            seed=int(rng.integers(100)), eos_token_ids=[int(rng.integers(256))])
+        pending = [(int(rng.integers(0, 12)), p) for p in prompts(rng, rng.integers(1, 40, 7))]
+        step = 0
+        while pending or engine.has_unfinished():
+            for arrival, p in [x for x in pending if x[0] <= step]:
+                engine.add_request(p, SamplingParams(
+                    max_tokens=int(rng.integers(1, 12)), temperature=float(rng.choice([0, 0.8])),
+                    top_p=0.9, top_k=int(rng.integers(0, 5)), seed=int(rng.integers(100)),
+                    logprobs=int(rng.integers(0, 4))))
+                pending.remove((arrival, p))
+            engine.step()
+            step += 1
     assert counter.count == 0
+    assert engine.stats.split_steps > 0
 
 
-def test_no_recompilation_with_weave_split_prefill(rng):
-    """TP 4, weave threshold 32 (padded prefill tokens), 2 cache rows: the counted stream mixes
-    prefills that split cutting a prompt (1 x 32), split at a prompt boundary (2 x 16, 2 x 32)
-    and do not split (1 x 16), within one ``generate`` call too; nothing compiles after the
-    warm-up."""
-    mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("tp",))
-    model = LlamaModel(get_config("tiny", num_layers=1), mesh, dtype=jnp.float32,
-                       rngs=nnx.Rngs(int(rng.integers(1 << 30))))
-    engine = Engine(model, ServingConfig(max_batch=2, max_seq_len=64, weave_threshold=32))
-    assert not engine.plan(1, 16).split
-    assert engine.plan(1, 32).cut_request == 0
-    assert engine.plan(2, 16).split and engine.plan(2, 32).split
-    # Warm up every (prompts per group, length bucket) pair the stream below can hit.
-    for lengths in ((3,), (3, 9), (20,), (17, 30)):
-        engine.generate(_prompts(rng, lengths), 4, eos_token_ids=())
-    short, long = int(rng.integers(1, 17)), int(rng.integers(17, 33))
-    stream = [(long,), (short, long)] + [rng.integers(1, 33, int(rng.integers(1, 5)))
-                                         for _ in range(4)]
-    with count_compilations() as counter:
-        for lengths in stream:
-            engine.generate(_prompts(rng, lengths), int(rng.integers(1, 20)),
-                            temperature=float(rng.choice([0.0, 0.8])), top_p=0.9,
-                            seed=int(rng.integers(100)), eos_token_ids=[int(rng.integers(256))])
-    assert counter.count == 0
+def test_full_cache_makes_requests_wait_not_fail(model, rng):
+    """Six requests of ~13 blocks each, a cache of 48 blocks: they queue (three run at a time)
+    and all finish with the outputs they have alone; the cache is free again at the end."""
+    ps = prompts(rng, (40, 35, 44, 30, 38, 41))
+    params = SamplingParams(max_tokens=12)
+    engine = LLMEngine(model, CFG)
+    alone = [engine.generate([p], params)[0].token_ids for p in ps]
+    ids = [engine.add_request(p, params) for p in ps]
+    most, queued = 0, 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+        queued = max(queued, len(engine.scheduler.waiting) * (most == 3))
+    assert most == 3 and queued > 0         # blocks, not max_num_seqs (4), kept them waiting
+    assert [engine.release(i).token_ids for i in ids] == alone
+    assert engine.scheduler.allocator.num_free == CFG.num_blocks
 
 
-def test_compile_counter_counts():
-    f = jax.jit(lambda x: x * 3 + 1)
-    x4, x5 = np.ones(4, np.float32), np.ones(5, np.float32)
-    with count_compilations() as counter:
-        f(x4)
-        f(x4)
-        f(x5)
-    assert counter.count == 2
-
-
-def test_decode_schedules_agree(model, engine, rng):
-    """Decode with the weave schedule (token-sharded residual, comm xla) and with baseline
-    (psum, replicated residual) give the same greedy tokens."""
-    prompts = _prompts(rng, (5, 11))
-    baseline = Engine(model, ServingConfig(max_batch=4, max_seq_len=64, comm="xla",
-                                           decode_schedule="baseline"))
-    assert baseline.decode_schedule == "baseline" and engine.decode_schedule == "weave"
-    assert baseline.generate(prompts, 8, eos_token_ids=()) == \
-        engine.generate(prompts, 8, eos_token_ids=())
+def test_failed_request_does_not_disturb_the_others(model, rng):
+    ps = prompts(rng, (13, 6))
+    params = SamplingParams(max_tokens=8)
+    want = [o.token_ids for o in LLMEngine(model, CFG).generate(ps, params)]
+    engine = LLMEngine(model, CFG)
+    ids = [engine.add_request(p, params) for p in ps]
+    engine.step()
+    for bad in ([], [1, 300], [1.5], "hello", [1] * 70):
+        with pytest.raises(ValueError):
+            engine.add_request(bad, params)
+    doomed = engine.add_request(ps[0], params)
+    engine.step()
+    engine.abort(doomed)
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.release(i).token_ids for i in ids] == want
+    assert engine.release(doomed).finish_reason == "abort"
+    assert engine.scheduler.allocator.num_free == CFG.num_blocks
 
 
 @pytest.mark.parametrize(("call", "match"), [
-    (lambda e, m: e.generate([], 4), "no prompts"),
-    (lambda e, m: generate(m, [], 4), "no prompts"),
-    (lambda e, m: e.generate([[1, 2], []], 4), "prompt 1 is empty"),
-    (lambda e, m: e.generate([[1, 256]], 4), "outside"),
-    (lambda e, m: e.generate([[1.7, 2.2]], 4), "prompt 0's token id must be an integer"),
-    (lambda e, m: e.generate([[True, 2]], 4), "token id must be an integer"),
-    (lambda e, m: e.generate([1, 2, 3], 4), "prompt 0 must be a sequence of token ids"),
-    (lambda e, m: e.generate("hello", 4), "sequence of token-id sequences"),
-    (lambda e, m: e.generate([[1] * 40], 30), "max_seq_len"),
-    (lambda e, m: e.generate([[1]], 0), "max_new_tokens must be >= 1"),
-    (lambda e, m: e.generate([[1]], 2.5), "max_new_tokens must be an integer"),
-    (lambda e, m: e.generate([[1]], None), "max_new_tokens must be an integer"),
-    (lambda e, m: generate(m, [[1]], 2.5), "max_new_tokens must be an integer"),
-    (lambda e, m: e.generate([[1]], 4, temperature=float("nan")), "temperature"),
-    (lambda e, m: e.generate([[1]], 4, temperature=float("inf")), "temperature"),
-    (lambda e, m: e.generate([[1]], 4, temperature=-1.0), "temperature"),
-    (lambda e, m: e.generate([[1]], 4, temperature="hot"), "temperature"),
-    (lambda e, m: e.generate([[1]], 4, temperature=1.0, top_p=0.0), "top_p"),
-    (lambda e, m: e.generate([[1]], 4, temperature=1.0, top_p=1.5), "top_p"),
-    (lambda e, m: e.generate([[1]], 4, temperature=1.0, top_p=float("nan")), "top_p"),
-    (lambda e, m: e.generate([[1]], 4, eos_token_ids="x"), "eos_token_ids"),
-    (lambda e, m: e.generate([[1]], 4, eos_token_ids=[1.5]), "eos token id"),
-    (lambda e, m: e.generate([[1]], 4, seed=0.5), "seed"),
-    (lambda e, m: Engine(m, {"max_batch": 2}), "ServingConfig"),
+    (lambda e: e.generate([]), "no prompts"),
+    (lambda e: e.generate([[1, 2], []]), "prompt 1 is empty"),
+    (lambda e: e.generate([[1, 256]]), "outside"),
+    (lambda e: e.generate([[1.7, 2.2]]), "prompt 0's token id must be an integer"),
+    (lambda e: e.generate([[True, 2]]), "token id must be an integer"),
+    (lambda e: e.generate([1, 2, 3]), "prompt 0 must be a sequence of token ids"),
+    (lambda e: e.generate([[1] * 60], SamplingParams(max_tokens=8)), "max_model_len"),
+    (lambda e: e.generate([[1]], SamplingParams(stop=("x",))), "tokenizer"),
+    (lambda e: e.generate([[1]], SamplingParams(logprobs=5)), "max_logprobs"),
+    (lambda e: e.generate([[1]], {"max_tokens": 3}), "SamplingParams"),
+    (lambda e: e.generate([[1], [2]], [SamplingParams()]), "2 prompts"),
+    (lambda e: LLMEngine(e.model, {"max_num_seqs": 2}), "EngineConfig"),
 ])
-def test_input_errors(model, engine, call, match):
+def test_input_errors(model, call, match):
+    engine = LLMEngine(model, CFG)
+    engine.model = model
     with pytest.raises(ValueError, match=match):
-        call(engine, model)
+        call(engine)
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"max_batch": 0}, "max_batch must be >= 1"),
-    ({"max_batch": 2.5}, "max_batch must be an integer"),
-    ({"max_seq_len": "64"}, "max_seq_len must be an integer"),
-    ({"min_prompt_bucket": 0}, "min_prompt_bucket"),
-    ({"min_prompt_bucket": 32, "max_seq_len": 16}, "no prompt would fit"),
-    ({"weave_threshold": 0}, "weave_threshold"),
-    ({"schedule": "nocomm"}, "schedule"),
-    ({"decode_schedule": "nocomm"}, "decode_schedule"),
-    ({"comm": "nccl"}, "comm"),
-    ({"force_split": "yes"}, "force_split"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"seed": 0.5}, "seed"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_tokens": 2.5}, "max_tokens must be an integer"),
+    ({"max_tokens": None}, "max_tokens must be an integer"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+    ({"stop_token_ids": 3}, "stop_token_ids"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": [3]}, "stop"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"logprobs": -1}, "logprobs"),
 ])
-def test_serving_config_checked_at_construction(kwargs, match):
+def test_sampling_params_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        ServingConfig(**kwargs)
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalised():
+    p = SamplingParams(temperature=1, stop="end", stop_token_ids=[np.int64(3)])
+    assert p.temperature == 1.0 and p.stop == ("end",) and p.stop_token_ids == (3,)
+    assert SamplingParams().greedy and not p.greedy
+
+
+def test_generate_one_call(model, rng):
+    ps = prompts(rng, (4, 10))
+    got = generate(model, ps, 5)
+    want = [o.token_ids for o in LLMEngine(model, CFG).generate(ps, SamplingParams(max_tokens=5))]
+    assert got == want

@@ -1,17 +1,25 @@
-"""Serving: a sharded KV cache, jitted prefill/decode steps, sampling and ``generate``.
+"""Serving: continuous batching with chunked prefill over a paged KV cache, woven steps.
 
-- ``Engine``, ``ServingConfig``, ``generate`` (``serving.engine``): the serving loop.
-- ``KVCache``, ``init_cache`` (``serving.kv_cache``): contiguous cache sharded over KV heads,
-  one cache row per sequence.
-- ``sample`` (``serving.sampling``): greedy / temperature + top-p.
+- ``LLM`` (``serving.llm``): the user API: a checkpoint directory (or a model) and its
+  tokenizer; ``generate``, ``stream``, ``astream``.
+- ``SamplingParams`` (``serving.sampling_params``): per-request sampling and stopping.
+- ``LLMEngine``, ``EngineConfig`` (``serving.engine``, ``serving.config``): the engine under
+  ``LLM``: ``add_request`` / ``step`` / ``abort``.
+- ``RequestOutput``, ``StreamDelta``, ``TokenLogprob`` (``serving.outputs``): results.
+- ``serving.scheduler`` (continuous batching), ``serving.blocks`` (block allocator,
+  ``OutOfBlocksError``), ``serving.paged_cache``, ``serving.paged_attention``,
+  ``serving.batch`` (step layout), ``serving.step`` (the jitted step), ``serving.sampling``.
 - ``count_compilations`` (``serving.compile_count``): count XLA compilations.
-- ``serving.checks``: the argument checks (``ValueError`` naming the problem).
+- ``generate(model, prompts, max_new_tokens)``: token ids in, token ids out, in one call.
 """
 
+from jax_tokenweave.serving.blocks import OutOfBlocksError
 from jax_tokenweave.serving.compile_count import count_compilations
-from jax_tokenweave.serving.engine import Engine, ServingConfig, generate
-from jax_tokenweave.serving.kv_cache import KVCache, init_cache
-from jax_tokenweave.serving.sampling import sample
+from jax_tokenweave.serving.config import EngineConfig
+from jax_tokenweave.serving.engine import LLMEngine, generate
+from jax_tokenweave.serving.llm import LLM
+from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta, TokenLogprob
+from jax_tokenweave.serving.sampling_params import SamplingParams
 
-__all__ = ["Engine", "KVCache", "ServingConfig", "count_compilations", "generate",
-           "init_cache", "sample"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "OutOfBlocksError", "RequestOutput",
+           "SamplingParams", "StreamDelta", "TokenLogprob", "count_compilations", "generate"]

@@ -1,26 +1,22 @@
-"""Shape buckets: every jitted step sees one of a few static shapes, so requests of new lengths
-reuse compiled code. Lengths and batch sizes round up to powers of two (with a floor)."""
+"""Shape buckets: every step has one of a few static shapes, so a stream of requests reuses
+compiled code. A step's packed batch is ``[decode segment | prompt chunks | padding]``; the
+decode segment and the whole step round up to powers of two (with floors and a cap)."""
 
 from __future__ import annotations
 
 
-def next_pow2(n: int, minimum: int = 1) -> int:
-    """The smallest power of two ``>= max(n, minimum)``."""
-    if n < 0:
-        raise ValueError(f"need n >= 0, got {n}")
-    n = max(n, minimum, 1)
-    return 1 << (n - 1).bit_length()
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= max(n, 1)``."""
+    return 1 << (max(n, 1) - 1).bit_length()
 
 
-def length_bucket(length: int, minimum: int = 16) -> int:
-    """Padded prompt length for a prompt of ``length`` tokens: ``next_pow2(length, minimum)``."""
-    if length < 1:
-        raise ValueError(f"a prompt needs at least one token, got length {length}")
-    return next_pow2(length, minimum)
+def decode_rows(num_decodes: int, tile: int) -> int:
+    """Rows of a step's decode segment: 0 for none, else the next power of two, at least
+    ``tile`` (so the prompt chunks after it start on a tile boundary)."""
+    return 0 if num_decodes == 0 else max(next_pow2(num_decodes), tile)
 
 
-def batch_bucket(size: int, maximum: int) -> int:
-    """Padded batch size for ``size`` requests: ``min(next_pow2(size), maximum)``."""
-    if not 1 <= size <= maximum:
-        raise ValueError(f"batch size {size} not in 1..{maximum}")
-    return min(next_pow2(size), maximum)
+def step_rows(num_rows: int, budget: int, tile: int) -> int:
+    """A step's bucketed row count: the next power of two of ``num_rows`` (at least ``tile``),
+    capped at the budget (a multiple of ``tile``)."""
+    return min(max(next_pow2(num_rows), tile), budget)

@@ -1,0 +1,100 @@
+"""``EngineConfig``: the serving engine's sizes and schedule, checked at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_tokenweave.schedules import COMMS
+from jax_tokenweave.serving import checks
+from jax_tokenweave.serving.buckets import decode_rows
+from jax_tokenweave.tuning import TuneEntry
+
+SERVING_SCHEDULES = ("weave", "baseline")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and schedule of an ``LLMEngine``; a bad field raises ``ValueError`` naming it.
+
+    Step composition (``serving.scheduler``):
+      ``max_num_batched_tokens``: the token budget of one step, in rows of the packed batch
+      (decode tokens, prompt chunks and their padding); a multiple of ``prefill_tile``.
+      ``max_num_seqs``: requests running at once (each decodes one token per step).
+      ``prefill_tile``: prompt chunks start on multiples of this many rows and attend to the
+      cache in tiles of this many queries (a power of two; 64 suits GPUs).
+
+    Paged KV cache (``serving.paged_cache``):
+      ``block_size`` positions per block; ``num_blocks`` blocks in all (each layer, each rank
+      its kv heads); ``max_model_len``: positions per request (prompt + new tokens); the block
+      tables are that long. ``key_chunk``: keys per step of the attention's online-softmax
+      loop (a multiple of ``block_size``).
+
+    Schedule: ``schedule`` ``"weave"`` (TokenWeave: steps of at least ``split_threshold`` rows
+    are split in two wave-aware halves and overlapped; smaller steps run unsplit with the
+    token-sharded residual and the fused kernel where it runs) or ``"baseline"`` (plain TP,
+    psum); ``split_threshold`` None: the tuning table's for the model and TP degree
+    (``jax_tokenweave.tuning``); ``comm``: weave's reductions (``auto``, ``xla``, ``ffi``);
+    ``tuning``: the fused kernel's CTA counts and the split offset for every step (None: the
+    tuning table's entry for the step's size).
+
+    ``max_logprobs``: the most top log-probabilities a request may ask for. ``seed``: seeds the
+    requests that bring none.
+    """
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    block_size: int = 16
+    num_blocks: int = 4096
+    prefill_tile: int = 64
+    key_chunk: int = 512
+    schedule: str = "weave"
+    comm: str = "auto"
+    split_threshold: int | None = None
+    tuning: TuneEntry | None = None
+    max_logprobs: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("max_num_batched_tokens", 1), ("max_num_seqs", 1),
+                              ("max_model_len", 2), ("block_size", 1), ("num_blocks", 1),
+                              ("prefill_tile", 1), ("key_chunk", 1), ("split_threshold", 2),
+                              ("max_logprobs", 0), ("seed", 0)):
+            if name != "split_threshold" or self.split_threshold is not None:
+                checks.at_least(getattr(self, name), minimum, f"EngineConfig.{name}")
+        tile = self.prefill_tile
+        if tile & (tile - 1):
+            raise ValueError(f"EngineConfig.prefill_tile must be a power of two, got {tile}")
+        if self.max_num_batched_tokens % tile:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens})"
+                             f" must be a multiple of prefill_tile ({tile})")
+        if self.max_num_batched_tokens < self.max_decode_rows + tile:
+            raise ValueError(
+                f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) leaves no "
+                f"room for a prompt chunk beside {self.max_num_seqs} decode tokens (padded to "
+                f"{self.max_decode_rows} rows); it must be >= {self.max_decode_rows + tile}")
+        if self.key_chunk % self.block_size:
+            raise ValueError(f"EngineConfig.key_chunk ({self.key_chunk}) must be a multiple of "
+                             f"block_size ({self.block_size})")
+        if self.schedule not in SERVING_SCHEDULES:
+            raise ValueError(f"EngineConfig.schedule must be one of {SERVING_SCHEDULES}, got "
+                             f"{self.schedule!r}")
+        if self.comm not in COMMS:
+            raise ValueError(f"EngineConfig.comm must be one of {COMMS}, got {self.comm!r}")
+        if self.tuning is not None and not isinstance(self.tuning, TuneEntry):
+            raise ValueError(f"EngineConfig.tuning must be a tuning.TuneEntry or None, got "
+                             f"{type(self.tuning).__name__}")
+
+    @property
+    def max_decode_rows(self) -> int:
+        """Rows the decode segment can take: ``max_num_seqs`` padded (``decode_rows``)."""
+        return decode_rows(self.max_num_seqs, self.prefill_tile)
+
+    @property
+    def table_width(self) -> int:
+        """Block-table entries per request: ``max_model_len`` positions, padded to whole
+        ``key_chunk``s."""
+        per_chunk = self.key_chunk // self.block_size
+        blocks = -(-self.max_model_len // self.block_size)
+        return -(-blocks // per_chunk) * per_chunk
+

@@ -1,0 +1,111 @@
+"""What a request gives back: the final :class:`RequestOutput`, the :class:`StreamDelta` of each
+step, and the incremental text of a request (:class:`TextState`: detokenization, stop strings).
+
+Text is ``tokenizer.decode(token_ids, skip_special_tokens=True)`` of the new tokens, cut before
+the first stop string (``SamplingParams.stop``). A stream holds back the last characters that
+could still turn out to be the start of a stop string, and a trailing incomplete character
+(``"\\ufffd"``), until later tokens or the end decide them; so the stream's text deltas add up
+to the final text, and its token ids to the final token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A new token's log-probability under the model (no temperature) and the ``top`` most
+    likely tokens as ``(token id, logprob)``, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Times (``time.perf_counter()`` seconds) of a request's arrival, first new token and end."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - \
+            self.arrival_time
+
+    def tpot(self, num_tokens: int) -> float | None:
+        """Time per output token after the first (None with fewer than two tokens)."""
+        if self.finish_time is None or self.first_token_time is None or num_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (num_tokens - 1)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's result. ``text`` is None without a tokenizer. ``finish_reason``: ``"stop"``
+    (a stop token or string), ``"length"`` (``max_tokens`` made) or ``"abort"``; None while it
+    runs. ``logprobs``: one :class:`TokenLogprob` per new token where asked for."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamDelta:
+    """What one step added to a request: new ``token_ids``, new ``text`` ("" while held back;
+    None without a tokenizer), their ``logprobs``; ``finish_reason`` on its last delta."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str | None
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class TextState:
+    """The incremental text of one request (module docstring)."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def update(self, token_ids: list[int]) -> bool:
+        """Re-decode ``token_ids``; True where a stop string appeared (the text is cut)."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        self.text = text[:min(cuts)] if cuts else text
+        return bool(cuts)
+
+    def delta(self, final: bool) -> str:
+        """The text not streamed yet that is safe to stream (all of it when ``final``)."""
+        end = len(self.text)
+        if not final:
+            end -= self.hold
+            if self.text.endswith("\ufffd"):
+                end = min(end, len(self.text) - 1)
+        if end <= self.emitted:
+            return ""
+        out, self.emitted = self.text[self.emitted:end], end
+        return out

@@ -1,0 +1,88 @@
+"""``SamplingParams``: how one request is sampled and when it stops, checked when made.
+
+Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` naming the field
+(NaN or negative temperature, ``top_p`` outside (0, 1], a non-integer ``max_tokens``, ...).
+The object is frozen, so a checked one stays valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+from jax_tokenweave.serving import checks
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping (vLLM's names and meanings where they overlap).
+
+    ``temperature``: finite, >= 0; 0 is greedy (argmax). ``top_p``: nucleus mass in (0, 1].
+    ``top_k``: keep the ``top_k`` most likely tokens (0 or -1: all). ``seed``: the request's
+    own random stream (same seed, same tokens, whatever else is batched with it); None: drawn
+    from the engine's seed. ``max_tokens``: new tokens at most (>= 1); the request finishes with
+    ``"length"`` when it has made them. ``stop_token_ids``: tokens that finish it with
+    ``"stop"`` (kept in ``token_ids``), on top of the checkpoint's EOS ids unless
+    ``ignore_eos``. ``stop``: strings that finish it with ``"stop"``; the text is cut before
+    the string (needs a tokenizer). ``logprobs``: None, or how many of the most likely tokens'
+    log-probabilities to return per new token (0: only the chosen token's).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen
+        set_("temperature", _real(self.temperature, "temperature"))
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 "
+                             f"(0 = greedy), got {self.temperature!r}")
+        set_("top_p", _real(self.top_p, "top_p"))
+        if not 0 < self.top_p <= 1:  # NaN fails both comparisons
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        set_("top_k", checks.integer(self.top_k, "SamplingParams.top_k"))
+        if self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be >= 1, or 0 / -1 for all tokens, "
+                             f"got {self.top_k}")
+        if self.seed is not None:
+            set_("seed", checks.integer(self.seed, "SamplingParams.seed"))
+        set_("max_tokens", checks.at_least(self.max_tokens, 1, "SamplingParams.max_tokens"))
+        set_("stop_token_ids", tuple(checks.integer(t, "SamplingParams.stop_token_ids entry")
+                                     for t in _sequence(self.stop_token_ids, "stop_token_ids")))
+        stop = (self.stop,) if isinstance(self.stop, str) else _sequence(self.stop, "stop")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {s!r}")
+        set_("stop", tuple(stop))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got "
+                             f"{self.ignore_eos!r}")
+        if self.logprobs is not None:
+            set_("logprobs", checks.at_least(self.logprobs, 0, "SamplingParams.logprobs"))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether decoding is greedy (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+
+def _real(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"SamplingParams.{name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def _sequence(value: Any, name: str) -> tuple[Any, ...]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ValueError(f"SamplingParams.{name} must be a sequence, got {value!r}")
+    return tuple(value)

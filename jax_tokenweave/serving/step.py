@@ -1,0 +1,123 @@
+"""The jitted serving step: a packed batch of decode tokens and prompt chunks through the model,
+its K/V into the paged cache, one token sampled per finishing row.
+
+One function for every step: the schedule decides the halves and the reducer
+(``schedules.configure`` on the layout's ``BatchPlan``), :class:`~jax_tokenweave.serving.
+paged_attention.PagedAttention` is the attention, and the one layer loop
+(``stack.run_stack``) runs under ``jax.shard_map``:
+
+* ``weave``, a split layout (``>= split_threshold`` rows): two wave-aware halves, the residual
+  token-sharded, the fused kernel overlapped with the other half (``comm="ffi"``/``"auto"``
+  where it runs), else reduce-scatter + norm + all-gather in XLA;
+* ``weave``, an unsplit layout: one half, token-sharded residual, the fused kernel (synchronous)
+  where it runs;
+* ``baseline``: one half, psum, replicated residual.
+
+Static per compiled program: the ``StepLayout`` (rows, decode rows, split, sampled rows), the
+schedule, comm, key chunk and the number of top log-probabilities; every request-dependent
+value (tokens, positions, slots, block tables, sampling settings) is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jax_tokenweave.layers import WeaveDecoder
+from jax_tokenweave.params import partition_specs
+from jax_tokenweave.schedules import configure, resolve_comm
+from jax_tokenweave.serving import sampling
+from jax_tokenweave.serving.batch import StepArrays, StepLayout
+from jax_tokenweave.serving.paged_attention import PagedAttention
+from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
+from jax_tokenweave.stack import run_stack
+from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutputs:
+    """Per sampled row [S]: ``tokens``, their ``logprob``; ``top_logprobs`` / ``top_ids``
+    [S, K] (K = the static number asked for; [S, 0] when none)."""
+
+    tokens: jax.Array
+    logprob: jax.Array
+    top_logprobs: jax.Array
+    top_ids: jax.Array
+
+
+def tuning_entry(layout: StepLayout, tuning: TuneEntry | None) -> TuneEntry:
+    """The fused kernel's CTA counts: ``tuning``, else the tuning table's entry of the layout's
+    plan (as ``WeaveDecoder`` takes it), else the default entry."""
+    return tuning or layout.plan.tuning or DEFAULT_ENTRY
+
+
+def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays,
+                    cache: PagedKVCache, layout: StepLayout, *, schedule: str, comm: str,
+                    key_chunk: int, tuning: TuneEntry | None = None
+                    ) -> tuple[jax.Array, PagedKVCache]:
+    """The decoder stack on a packed step (module docstring).
+
+    ``hidden`` [R, H] replicated; ``arrays``: the step's positions, slots, tables [R] /
+    [groups, W] (replicated); ``cache`` sharded over kv heads. Returns the final-normed hidden
+    [R, H] (replicated) and the cache with the step's K/V written.
+    """
+    entry = tuning_entry(layout, tuning)
+    plan = layout.plan
+    resolved = resolve_comm(comm, decoder.mesh, decoder.axis_name, decoder.dtype, plan,
+                            decoder.config.hidden_size, entry) if schedule == "weave" else "xla"
+    halves, factory = configure(schedule, resolved, plan)
+    ctx = decoder.context(entry)
+    graphdef, state = nnx.split(decoder)
+
+    def per_rank(state: Any, x: jax.Array, positions: jax.Array, slots: jax.Array,
+                 tables: jax.Array, k: list[jax.Array], v: list[jax.Array]) -> Any:
+        attention = PagedAttention(k, v, halves, slots, positions, tables,
+                                   decode_rows=layout.decode_rows, tile=layout.tile,
+                                   key_chunk=key_chunk)
+        outs = run_stack(nnx.merge(graphdef, state), [x[h.start:h.end] for h in halves],
+                         [positions[h.start:h.end] for h in halves], factory(ctx), attention)
+        out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        return out, attention.k, attention.v
+
+    layers = [cache_spec(decoder.axis_name)] * decoder.config.num_layers
+    fn = jax.shard_map(per_rank, mesh=decoder.mesh,
+                       in_specs=(partition_specs(decoder), P(), P(), P(), P(), layers, layers),
+                       out_specs=(P(), layers, layers), check_vma=False)
+    out, k, v = fn(state, hidden, arrays.positions, arrays.slots, arrays.tables, cache.k,
+                   cache.v)
+    return out, PagedKVCache(k, v)
+
+
+def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: StepLayout, *,
+               schedule: str, comm: str, key_chunk: int, num_logprobs: int,
+               tuning: TuneEntry | None = None) -> tuple[StepOutputs, PagedKVCache]:
+    """Embed, run the stack (:func:`decoder_forward`), project the sampled rows to logits,
+    sample (``serving.sampling``). ``model``: a ``models.llama.LlamaModel``."""
+    hidden = model.embed_tokens(arrays.tokens)
+    out, cache = decoder_forward(model.decoder, hidden, arrays, cache, layout,
+                                 schedule=schedule, comm=comm, key_chunk=key_chunk,
+                                 tuning=tuning)
+    logits = model.logits(out[arrays.sample_rows])
+    tokens = sampling.sample(logits, arrays.seeds, arrays.counters, arrays.temperature,
+                             arrays.top_p, arrays.top_k)
+    chosen, top, ids = sampling.logprobs(logits, tokens, max(num_logprobs, 1))
+    return StepOutputs(tokens, chosen, top[:, :num_logprobs], ids[:, :num_logprobs]), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "schedule", "comm",
+                                             "key_chunk", "num_logprobs", "tuning"),
+                   donate_argnames=("cache",))
+def jitted_step(state: Any, cache: PagedKVCache, arrays: StepArrays, *, graphdef: Any,
+                layout: StepLayout, schedule: str, comm: str, key_chunk: int,
+                num_logprobs: int, tuning: TuneEntry | None) -> tuple[StepOutputs, PagedKVCache]:
+    """:func:`model_step` on ``nnx.merge(graphdef, state)``, jitted, the cache donated (shared
+    by every engine of the same model structure: equal shapes compile once)."""
+    return model_step(nnx.merge(graphdef, state), cache, arrays, layout, schedule=schedule,
+                      comm=comm, key_chunk=key_chunk, num_logprobs=num_logprobs, tuning=tuning)
