@@ -135,7 +135,8 @@ def choose(axis_size: int, dtype, shape, settings: CommSettings, *, algo: str = 
     """The ``(algo, num_ctas)`` a call of per-rank ``shape`` [T, H] runs: ``algo`` if not
     "auto", else ``settings.algo`` if not "auto", else the policy table's by message size
     (``direct`` becomes ``two_shot`` where :func:`direct_reason` rules it out). An explicit
-    ``direct`` that cannot run raises RuntimeError. ``num_ctas`` None: the table's."""
+    ``direct`` that cannot run raises RuntimeError. ``num_ctas`` None: the table's (capped at
+    the variant's limit where the table names another variant)."""
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
     if algo == "auto":
@@ -149,7 +150,12 @@ def choose(axis_size: int, dtype, shape, settings: CommSettings, *, algo: str = 
         algo = row.algo
         if algo == "direct" and direct_reason(cross_process) is not None:
             algo = "two_shot"
-    return algo, row.num_ctas if num_ctas is None else int(num_ctas)
+    if num_ctas is not None:
+        return algo, int(num_ctas)
+    ctas = row.num_ctas  # the table's row may be another variant's, with more CTAs than this one
+    if algo != "one_shot" and _extension.import_error() is None:
+        ctas = min(ctas, _extension.limits()["max_ctas"])
+    return algo, ctas
 
 
 def shape_reason(axis_size: int, dtype, shape, settings: CommSettings, *,
