@@ -1,5 +1,8 @@
 #include "comm.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <stdexcept>
@@ -73,6 +76,19 @@ Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options
     throw std::runtime_error("jax-tokenweave: the wait bound (timeout_s) must be > 0");
   if (options_.loopback && (options_.multimem || n != group_size_))
     throw std::runtime_error("jax-tokenweave: a loopback comm is one group without multimem");
+  for (int g = 0; g < n / group_size_; ++g) {
+    int local = 0;
+    for (int a = 0; a < group_size_; ++a) local += ordinals_[g * group_size_ + a] >= 0;
+    if (local > 0 && local < group_size_) cross_process_ = true;
+    if (local > 1 && local < group_size_)
+      throw std::runtime_error(
+          "jax-tokenweave: a group mixes devices of this process with devices of others; use "
+          "one process per GPU or one process for all of the group's GPUs");
+  }
+  if (std::all_of(ordinals_.begin(), ordinals_.end(), [](int o) { return o < 0; }))
+    throw std::runtime_error("jax-tokenweave: a comm needs a device of this process");
+  if (cross_process_ && (options_.multimem || options_.loopback))
+    throw std::runtime_error("jax-tokenweave: a cross-process comm has no multimem or loopback");
   std::vector<char*> unicast, multicast;
   if (options_.multimem) {  // refuses (before any CUDA call) where NCCL_NVLS_ENABLE=0
     std::string why = MultimemRefusal();
@@ -82,6 +98,7 @@ Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options
   int count = 0;
   TW_THROW_CHECK(cudaGetDeviceCount(&count));
   for (int i = 0; i < n; ++i) {
+    if (ordinals_[i] == -1) continue;  // another process's device
     if (ordinals_[i] < 0 || ordinals_[i] >= count)
       throw std::runtime_error("jax-tokenweave: CUDA device " + std::to_string(ordinals_[i]) +
                                " does not exist");
@@ -110,7 +127,8 @@ Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options
       devs_[g * group_size_ + a]->mc_data = multicast[a];
     }
   }
-  for (auto& d : devs_) Allocate(*d);
+  for (auto& d : devs_)
+    if (d->ordinal >= 0) Allocate(*d);
 }
 
 void Comm::EnablePeerAccess() {
@@ -118,10 +136,11 @@ void Comm::EnablePeerAccess() {
   for (int g = 0; g < n / group_size_; ++g) {
     for (int a = 0; a < group_size_; ++a) {
       const int da = ordinals_[g * group_size_ + a];
+      if (da < 0) continue;  // another process's device (a cross-process comm)
       TW_THROW_CHECK(cudaSetDevice(da));
       for (int b = 0; b < group_size_; ++b) {
         const int db = ordinals_[g * group_size_ + b];
-        if (da == db) continue;
+        if (da == db || db < 0) continue;
         int can = 0;
         TW_THROW_CHECK(cudaDeviceCanAccessPeer(&can, da, db));
         if (!can)
@@ -139,38 +158,111 @@ void Comm::EnablePeerAccess() {
 }
 
 // sync = [SlotControl x slots | RankControl | flags], zeroed; one-shot buffers filled with the
-// sentinel; the data area needs no initial value (barriers order every use of it).
+// sentinel; the data area needs no initial value (barriers order every use of it). A
+// cross-process comm puts all three in one exportable allocation: [sync | data | oneshot].
+int64_t Comm::SyncBytes() const {
+  return AlignUp(options_.num_slots * sizeof(SlotControl)) + AlignUp(sizeof(RankControl)) +
+         AlignUp(options_.num_slots * FlagsPerSlot() * sizeof(uint32_t));
+}
+
+void Comm::Carve(DeviceState& d, char* base) const {
+  const int64_t ctl_bytes = AlignUp(options_.num_slots * sizeof(SlotControl));
+  d.sync = base;
+  d.ctl = reinterpret_cast<SlotControl*>(base);
+  d.rank_ctl = reinterpret_cast<RankControl*>(base + ctl_bytes);
+  d.flags = reinterpret_cast<uint32_t*>(base + ctl_bytes + AlignUp(sizeof(RankControl)));
+  if (base == nullptr) return;
+  d.data = base + SyncBytes();
+  d.oneshot = options_.oneshot_bytes > 0
+                  ? d.data + 2 * options_.num_slots * options_.area_bytes
+                  : nullptr;
+}
+
 void Comm::Allocate(DeviceState& d) {
   const int slots = options_.num_slots;
-  const int64_t ctl_bytes = AlignUp(slots * sizeof(SlotControl));
-  const int64_t rank_bytes = AlignUp(sizeof(RankControl));
-  const int64_t flag_bytes = AlignUp(slots * FlagsPerSlot() * sizeof(uint32_t));
+  const int64_t data_bytes = 2 * slots * options_.area_bytes;
+  const int64_t oneshot_total = slots * kLamportBuffers * options_.oneshot_bytes;
   TW_THROW_CHECK(cudaSetDevice(d.ordinal));
   TW_THROW_CHECK(PreloadKernels());
-  TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.sync), ctl_bytes + rank_bytes + flag_bytes));
-  TW_THROW_CHECK(cudaMemset(d.sync, 0, ctl_bytes + rank_bytes + flag_bytes));
-  d.ctl = reinterpret_cast<SlotControl*>(d.sync);
-  d.rank_ctl = reinterpret_cast<RankControl*>(d.sync + ctl_bytes);
-  d.flags = reinterpret_cast<uint32_t*>(d.sync + ctl_bytes + rank_bytes);
-  if (d.data == nullptr)
-    TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.data),
-                              2 * slots * options_.area_bytes));
-  const int64_t oneshot_total = slots * kLamportBuffers * options_.oneshot_bytes;
-  if (oneshot_total > 0) {
-    TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.oneshot), oneshot_total));
-    TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, oneshot_total, nullptr));
+  if (cross_process_) {
+    d.shared = AllocShared(d.ordinal, SyncBytes() + data_bytes + oneshot_total);
+    Carve(d, d.shared.ptr);
+  } else {
+    TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.sync), SyncBytes()));
+    char* data = d.data;
+    Carve(d, d.sync);
+    d.data = data;
+    if (d.data == nullptr)
+      TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.data), data_bytes));
+    d.oneshot = nullptr;
+    if (oneshot_total > 0)
+      TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.oneshot), oneshot_total));
   }
+  TW_THROW_CHECK(cudaMemset(d.sync, 0, SyncBytes()));
+  if (oneshot_total > 0) TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, oneshot_total, nullptr));
   TW_THROW_CHECK(cudaDeviceSynchronize());
+}
+
+int Comm::ExportFd(int index, int64_t* bytes) {
+  if (!cross_process_ || index < 0 || index >= num_devices() || devs_[index]->ordinal < 0)
+    throw std::invalid_argument("jax-tokenweave: device " + std::to_string(index) +
+                                " is not a local device of a cross-process comm");
+  *bytes = devs_[index]->shared.size;
+  DeviceGuard guard;
+  TW_THROW_CHECK(cudaSetDevice(devs_[index]->ordinal));
+  return ExportShared(devs_[index]->shared);
+}
+
+void Comm::Import(int index, int fd, int64_t bytes) {
+  const int64_t need = SyncBytes() + 2 * options_.num_slots * options_.area_bytes +
+                   options_.num_slots * kLamportBuffers * options_.oneshot_bytes;
+  DeviceState* local = nullptr;
+  if (cross_process_ && index >= 0 && index < num_devices() && devs_[index]->ordinal < 0)
+    for (int r = 0; r < group_size_; ++r) {
+      DeviceState* d = devs_[devs_[index]->group * group_size_ + r].get();
+      if (d->ordinal >= 0) local = d;
+    }
+  if (local == nullptr || devs_[index]->sync != nullptr || bytes < need) {
+    close(fd);
+    throw std::invalid_argument(
+        "jax-tokenweave: device " + std::to_string(index) +
+        " is not an unmapped peer of a local device, or its workspace (" +
+        std::to_string(bytes) + " bytes) is smaller than this comm's (" + std::to_string(need) +
+        "): are both processes' settings the same?");
+  }
+  DeviceGuard guard;
+  DeviceState& d = *devs_[index];
+  d.shared = ImportShared(local->ordinal, fd, bytes);
+  Carve(d, d.shared.ptr);
+}
+
+bool Comm::Ready() const {
+  for (int g = 0; g < num_devices() / group_size_; ++g) {
+    bool has_local = false, mapped = true;
+    for (int r = 0; r < group_size_; ++r) {
+      has_local |= devs_[g * group_size_ + r]->ordinal >= 0;
+      mapped &= devs_[g * group_size_ + r]->sync != nullptr;
+    }
+    if (has_local && !mapped) return false;
+  }
+  return true;
 }
 
 Comm::~Comm() {
   DeviceGuard guard;
+  for (auto& d : devs_) {  // peers' mappings first (best effort)
+    if (d->ordinal < 0) FreeShared(d->shared);
+  }
   for (auto& d : devs_) {  // best effort: errors here have nowhere to go
-    if (cudaSetDevice(d->ordinal) != cudaSuccess) continue;
+    if (d->ordinal < 0 || cudaSetDevice(d->ordinal) != cudaSuccess) continue;
     cudaDeviceSynchronize();
     for (cudaEvent_t e : d->ready) cudaEventDestroy(e);
     for (cudaEvent_t e : d->done) cudaEventDestroy(e);
     if (d->side != nullptr) cudaStreamDestroy(d->side);
+    if (d->shared.ptr != nullptr) {
+      FreeShared(d->shared);
+      continue;
+    }
     if (d->mc_data == nullptr) cudaFree(d->data);  // multicast mappings stay (never run here)
     cudaFree(d->oneshot);
     cudaFree(d->sync);

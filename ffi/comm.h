@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common.h"
+#include "shared_alloc.h"
 
 namespace tokenweave {
 
@@ -26,9 +27,11 @@ struct CommOptions {
   bool loopback = false;      // every rank on one device (the test harness only; no handlers)
 };
 
-// One device (rank) of a comm.
+// One device (rank) of a comm. In a cross-process comm, devices of other processes have
+// ordinal -1 and hold this process's mappings of their workspace (after Import).
 struct DeviceState {
   int ordinal = -1, group = -1, rank = -1;
+  SharedAlloc shared;            // cross-process comms: the workspace, [sync | data | oneshot]
   char* data = nullptr;          // num_slots * 2 parities * area_bytes
   char* oneshot = nullptr;       // num_slots * kLamportBuffers * oneshot_bytes
   char* sync = nullptr;          // SlotControl[num_slots], RankControl, flags
@@ -43,6 +46,10 @@ struct DeviceState {
 
 class Comm {
  public:
+  // `ordinals`: CUDA ordinals in group order; -1 marks a device of another process. Groups
+  // with none of this process's devices are left alone; a group with some (then exactly one)
+  // makes a cross-process comm, whose workspaces are exchanged with ExportFd/Import before the
+  // first launch.
   Comm(std::vector<int> ordinals, int group_size, const CommOptions& options);
   ~Comm();
   Comm(const Comm&) = delete;
@@ -57,6 +64,14 @@ class Comm {
   // The side stream and per-slot events of `d`, created on first use.
   cudaError_t EnsureSideStream(DeviceState& d);
 
+  bool cross_process() const { return cross_process_; }
+  // Cross-process comms: a new file descriptor of local device `index`'s workspace and its
+  // size in bytes; Import maps the workspace of another process's device `index` (a peer of
+  // a local device) from such a descriptor (closed here). Ready: every peer is mapped.
+  int ExportFd(int index, int64_t* bytes);
+  void Import(int index, int fd, int64_t bytes);
+  bool Ready() const;
+
   int group_size() const { return group_size_; }
   int num_devices() const { return static_cast<int>(devs_.size()); }
   const CommOptions& options() const { return options_; }
@@ -68,9 +83,12 @@ class Comm {
  private:
   void EnablePeerAccess();
   void Allocate(DeviceState& d);
+  int64_t SyncBytes() const;
+  void Carve(DeviceState& d, char* base) const;  // sync | data | oneshot pointers from `base`
 
   std::vector<int> ordinals_;
   int group_size_;
+  bool cross_process_ = false;
   CommOptions options_;
   std::vector<std::unique_ptr<DeviceState>> devs_;  // in `ordinals_` order
   ErrorRecord* err_ = nullptr;

@@ -88,6 +88,12 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
     return Invalid("slot " + std::to_string(slot) + " out of range [0, " +
                    std::to_string(opt.num_slots) + ")");
   if (algo < 1 || algo > 3) return Invalid("algo must be 1 (two-shot), 2 (one-shot) or 3 (direct)");
+  if (comm.cross_process() && algo == static_cast<int>(Algo::kDirect))
+    return Invalid("algo direct reads XLA's buffers by address, which another process cannot "
+                   "map: use one_shot or two_shot across processes");
+  if (!comm.Ready())
+    return Invalid("the communicator's peers in other processes are not mapped yet (connect "
+                   "it first: jax_tokenweave.comm.Communicator.comm_id does)");
   const int max_ctas = algo == static_cast<int>(Algo::kOneShot) ? kMaxOneShotCtas : kMaxCtas;
   if (num_ctas < kMinCtas || num_ctas > max_ctas)
     return Invalid("num_ctas must be in [" + std::to_string(kMinCtas) + ", " +

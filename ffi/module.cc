@@ -79,9 +79,30 @@ NB_MODULE(_tokenweave_ffi, m) {
       nb::arg("ordinals"), nb::arg("group_size"), nb::arg("area_bytes"), nb::arg("oneshot_bytes"),
       nb::arg("num_slots"), nb::arg("timeout_s"), nb::arg("multimem") = false,
       nb::arg("loopback") = false,
-      "Allocates a new communicator on the devices (CUDA ordinals in group order; with loopback, "
-      "one ordinal repeated group_size times) and enables peer access within each group; "
-      "returns its id.");
+      "Allocates a new communicator on the devices (CUDA ordinals in group order; -1 for a "
+      "device of another process; with loopback, one ordinal repeated group_size times) and "
+      "enables peer access within each group; returns its id.");
+  m.def(
+      "export_workspace",
+      [](int64_t id, int index) {
+        int64_t bytes = 0;
+        const int fd = GetComm(id).ExportFd(index, &bytes);
+        return nb::make_tuple(fd, bytes);
+      },
+      nb::arg("comm_id"), nb::arg("index"),
+      "(fd, bytes): a new file descriptor of local device `index`'s workspace in a "
+      "cross-process comm (the caller sends and closes it).");
+  m.def(
+      "import_workspace",
+      [](int64_t id, int index, int fd, int64_t bytes) {
+        nb::gil_scoped_release release;
+        GetComm(id).Import(index, fd, bytes);
+      },
+      nb::arg("comm_id"), nb::arg("index"), nb::arg("fd"), nb::arg("bytes"),
+      "Maps another process's device `index` workspace from a descriptor it exported (the "
+      "descriptor is closed).");
+  m.def("comm_ready", [](int64_t id) { return GetComm(id).Ready(); },
+        "Whether every peer of a local device is mapped.");
   m.def("release_comm", [](int64_t id) {
     nb::gil_scoped_release release;
     return ReleaseComm(id);

@@ -3,34 +3,13 @@
 // run time (cudaGetDriverEntryPointByVersion), so the module imports without a driver.
 #include "multicast.h"
 
-#include <cuda.h>  // driver API types only
-
 #include <cstdlib>
 #include <stdexcept>
 
 #include "common.h"
+#include "driver.h"
 
 namespace tokenweave {
-namespace {
-
-template <typename Fn>
-Fn DriverEntry(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult status;
-  cudaError_t err = cudaGetDriverEntryPointByVersion(name, &fn, 12010, cudaEnableDefault, &status);
-  if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || fn == nullptr)
-    throw std::runtime_error(std::string("jax-tokenweave: driver entry point ") + name +
-                             " is unavailable");
-  return reinterpret_cast<Fn>(fn);
-}
-
-void CheckCu(CUresult r, const char* what) {
-  if (r != CUDA_SUCCESS)
-    throw std::runtime_error(std::string("jax-tokenweave: ") + what + " failed with CUresult " +
-                             std::to_string(static_cast<int>(r)));
-}
-
-}  // namespace
 
 std::string MultimemRefusal() {
   const char* opt = std::getenv("JAX_TOKENWEAVE_MULTIMEM");

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_tokenweave import _extension, kernel_policy
+from jax_tokenweave import _extension, comm_ipc, kernel_policy
 from jax_tokenweave.kernel_policy import KernelPolicy
 
 ALGOS = ("auto", *kernel_policy.ALGOS)
@@ -120,32 +120,47 @@ def peer_buffer_reason() -> str | None:
     return None
 
 
+def direct_reason(cross_process: bool = False) -> str | None:
+    """None where the ``direct`` variant (which reads and writes XLA's buffers by address) can
+    run; else why not."""
+    if cross_process:
+        return ("the axis spans processes, and XLA's buffers of another process cannot be "
+                "mapped")
+    return peer_buffer_reason()
+
+
 def choose(axis_size: int, dtype, shape, settings: CommSettings, *, algo: str = "auto",
-           num_ctas: int | None = None,
-           policy: KernelPolicy | None = None) -> tuple[str, int]:
+           num_ctas: int | None = None, policy: KernelPolicy | None = None,
+           cross_process: bool = False) -> tuple[str, int]:
     """The ``(algo, num_ctas)`` a call of per-rank ``shape`` [T, H] runs: ``algo`` if not
     "auto", else ``settings.algo`` if not "auto", else the policy table's by message size
-    (``direct`` becomes ``two_shot`` where :func:`peer_buffer_reason` rules it out). An explicit
-    ``direct`` that cannot run raises RuntimeError. ``num_ctas`` None: the table's."""
+    (``direct`` becomes ``two_shot`` where :func:`direct_reason` rules it out). An explicit
+    ``direct`` that cannot run raises RuntimeError. ``num_ctas`` None: the table's (capped at
+    the variant's limit where the table names another variant)."""
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
     if algo == "auto":
         algo = settings.algo
     row = (policy or kernel_policy.load()).choose(
         axis_size, int(np.prod(shape)) * jnp.dtype(dtype).itemsize)
-    if algo == "direct" and (why := peer_buffer_reason()) is not None:
+    if algo == "direct" and (why := direct_reason(cross_process)) is not None:
         raise RuntimeError(f"the fused kernel's algo='direct' cannot run: {why} "
                            "(use algo='two_shot')")
     if algo == "auto":
         algo = row.algo
-        if algo == "direct" and peer_buffer_reason() is not None:
+        if algo == "direct" and direct_reason(cross_process) is not None:
             algo = "two_shot"
-    return algo, row.num_ctas if num_ctas is None else int(num_ctas)
+    if num_ctas is not None:
+        return algo, int(num_ctas)
+    ctas = row.num_ctas  # the table's row may be another variant's, with more CTAs than this one
+    if algo != "one_shot" and _extension.import_error() is None:
+        ctas = min(ctas, _extension.limits()["max_ctas"])
+    return algo, ctas
 
 
 def shape_reason(axis_size: int, dtype, shape, settings: CommSettings, *,
                  num_ctas: int | None = None, slot: int = 0, algo: str = "auto",
-                 policy: KernelPolicy | None = None) -> str | None:
+                 policy: KernelPolicy | None = None, cross_process: bool = False) -> str | None:
     """The part of :meth:`Communicator.unavailable_reason` that depends only on sizes and
     settings (no devices needed); limits and byte counts come from the extension."""
     lim = _extension.limits()
@@ -165,7 +180,8 @@ def shape_reason(axis_size: int, dtype, shape, settings: CommSettings, *,
     if settings.multimem and (why := multimem_refusal(settings)) is not None:
         return why
     try:
-        algo, _ = choose(axis_size, dtype, shape, settings, algo=algo, policy=policy)
+        algo, _ = choose(axis_size, dtype, shape, settings, algo=algo, policy=policy,
+                         cross_process=cross_process)
     except RuntimeError as err:  # an explicit direct where direct cannot run
         return str(err)
     top = lim["max_oneshot_ctas"] if algo == "one_shot" else lim["max_ctas"]
@@ -206,11 +222,11 @@ def device_reason(mesh: Mesh, axis_name: str) -> str | None:
         return f"the jax-tokenweave CUDA extension is not available ({_extension.import_error()})"
     if axis_name not in mesh.axis_names:
         return f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}"
-    if jax.process_count() > 1:
-        return "the fused kernel needs all devices in one process (jax.process_count() > 1)"
     platforms = {d.platform for d in mesh.devices.flat}
     if platforms != {"gpu"}:
         return f"the mesh's devices are {sorted(platforms)}, not CUDA GPUs"
+    if jax.process_count() > 1:  # one process per GPU: the hosts are checked on connecting
+        return comm_ipc.layout_reason(device_groups(mesh, axis_name), jax.process_index())
     local = set(jax.local_devices())
     if any(d not in local for d in mesh.devices.flat):
         return "the mesh holds devices that are not local GPUs of this process"
@@ -233,6 +249,20 @@ class Communicator:
         self.axis_size = mesh.shape[axis_name] if axis_name in mesh.axis_names else 0
         self._id: int | None = None
         self._lock = threading.Lock()
+        self.cross_process = False  # some group holds devices of other processes
+        if jax.process_count() > 1 and self._device_reason is None:
+            # A collective step: every process builds this communicator, in the same order.
+            self._exchange = comm_ipc.Exchange()
+            groups, me = device_groups(mesh, axis_name), jax.process_index()
+            info = comm_ipc.publish_and_gather(
+                self._exchange, groups, me,
+                {d.id: d.local_hardware_id for d in jax.local_devices()},
+                self.settings.timeout_s)
+            self._device_reason = comm_ipc.host_reason(groups, me, info,
+                                                       _extension.get().can_access_peer)
+            self.cross_process = self._device_reason is None and any(
+                d.process_index != me for g in groups
+                if any(x.process_index == me for x in g) for d in g)
 
     def unavailable_reason(self, dtype, shape, *, num_ctas: int | None = None, slot: int = 0,
                            algo: str = "auto") -> str | None:
@@ -240,13 +270,14 @@ class Communicator:
         if self._device_reason is not None:
             return self._device_reason
         return shape_reason(self.axis_size, dtype, shape, self.settings, num_ctas=num_ctas,
-                            slot=slot, algo=algo, policy=self.policy)
+                            slot=slot, algo=algo, policy=self.policy,
+                            cross_process=self.cross_process)
 
     def choose(self, dtype, shape, *, algo: str = "auto",
                num_ctas: int | None = None) -> tuple[str, int]:
         """``(algo, num_ctas)`` for a call (see :func:`choose`)."""
         return choose(self.axis_size, dtype, shape, self.settings, algo=algo,
-                      num_ctas=num_ctas, policy=self.policy)
+                      num_ctas=num_ctas, policy=self.policy, cross_process=self.cross_process)
 
     @property
     def comm_id(self) -> int:
@@ -258,10 +289,18 @@ class Communicator:
                 if self.settings.multimem and (why := multimem_refusal(self.settings)):
                     raise RuntimeError(why)
                 groups = device_groups(self.mesh, self.axis_name)
-                s = self.settings
-                self._id = _extension.get().register_comm(
-                    [d.local_hardware_id for g in groups for d in g], len(groups[0]),
+                s, ext, me = self.settings, _extension.get(), jax.process_index()
+                comm_id = ext.register_comm(
+                    [d.local_hardware_id if d.process_index == me else -1
+                     for g in groups for d in g], len(groups[0]),
                     s.area_bytes, s.oneshot_bytes, s.num_slots, s.timeout_s, s.multimem)
+                if self.cross_process:
+                    try:
+                        comm_ipc.connect(ext, comm_id, groups, me, self._exchange, s.timeout_s)
+                    except BaseException:
+                        ext.release_comm(comm_id)
+                        raise
+                self._id = comm_id
             return self._id
 
     def failure(self) -> str | None:

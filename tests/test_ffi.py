@@ -118,6 +118,26 @@ def test_choose_auto_env_and_allocator(monkeypatch):
         comm.choose(2, jnp.bfloat16, (1, 8192), s, algo="three_shot")
 
 
+def test_choose_across_processes_and_ctas_of_another_variant(monkeypatch):
+    policy = KernelPolicy({2: (PolicyRow(1 << 20, "one_shot", 64),
+                               PolicyRow(None, "direct", 16))})
+    s = CommSettings()
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    # direct reads XLA's buffers by address: never across processes
+    assert comm.choose(2, jnp.bfloat16, (128, 8192), s, policy=policy,
+                       cross_process=True)[0] == "two_shot"
+    with pytest.raises(RuntimeError, match="spans processes"):
+        comm.choose(2, jnp.bfloat16, (128, 8192), s, algo="direct", policy=policy,
+                    cross_process=True)
+    # an explicit barrier variant where the table names one-shot with 64 CTAs gets at most
+    # the barrier kernels' limit (from the extension)
+    monkeypatch.setattr(comm._extension, "import_error", lambda: None)
+    monkeypatch.setattr(comm._extension, "limits", lambda: {"max_ctas": 32})
+    assert comm.choose(2, jnp.bfloat16, (4, 8192), s, algo="two_shot",
+                       policy=policy) == ("two_shot", 32)
+    assert comm.choose(2, jnp.bfloat16, (4, 8192), s, policy=policy) == ("one_shot", 64)
+
+
 @needs_ext
 def test_shape_reasons(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
