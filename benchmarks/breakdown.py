@@ -59,13 +59,9 @@ def _per_platform(key: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
-    p = argparse.ArgumentParser(prog="breakdown.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=bm.HelpFormatter)
-    p.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="folder for breakdown.json, breakdown.md and breakdown.png")
+    p = bm.result_parser("breakdown.py", __doc__, "breakdown")
     p.add_argument("--model", help=f"model config name, {bm.config_names_help()} "
                                    + _per_platform("model"))
-    p.add_argument("--layers", type=bm.positive_int, default=8, help="decoder layers to stack")
     p.add_argument("--tp", type=bm.positive_int,
                    help="tensor-parallel degree (default: all devices)")
     p.add_argument("--tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,

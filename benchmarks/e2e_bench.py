@@ -58,13 +58,9 @@ TPS = (2, 4)
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
-    p = argparse.ArgumentParser(prog="e2e_bench.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=bm.HelpFormatter)
-    p.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="folder for e2e.json, e2e.md and e2e.png")
+    p = bm.result_parser("e2e_bench.py", __doc__, "e2e")
     p.add_argument("--models", nargs="+", default=list(MODELS), metavar="MODEL",
                    help=f"model config names, {bm.config_names_help()}")
-    p.add_argument("--layers", type=bm.positive_int, default=8, help="decoder layers to stack")
     p.add_argument("--tp", type=bm.positive_ints, nargs="+", action=bm.Flatten,
                    default=list(TPS), help="tensor-parallel degrees, run in this order")
     p.add_argument("--tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,

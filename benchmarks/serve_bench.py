@@ -45,13 +45,9 @@ ENGINE_OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "prefill_tile", "blo
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
-    p = argparse.ArgumentParser(prog="serve_bench.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=bm.HelpFormatter)
-    p.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="folder for serve.json, serve.md and serve.png")
+    p = bm.result_parser("serve_bench.py", __doc__, "serve")
     p.add_argument("--model", help=f"model config name, {bm.config_names_help()} "
                                    "(default: llama3-70b on GPUs, tiny on CPUs)")
-    p.add_argument("--layers", type=bm.positive_int, default=8, help="decoder layers to stack")
     p.add_argument("--tp", type=bm.positive_int, help="tensor-parallel degree (default: all "
                                                       "GPUs; 2 on CPUs)")
     p.add_argument("--dtype", choices=tuple(bm.DTYPES), default="bfloat16",

@@ -311,6 +311,18 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {str(shown).replace('%', '%%')})"
 
 
+def result_parser(prog: str, doc: str, stem: str) -> argparse.ArgumentParser:
+    """A benchmark's parser with the shared head: description from ``doc``'s first paragraph,
+    the defaults-showing help, a required ``--out DIR`` for ``<stem>.json/.md/.png`` and
+    ``--layers``."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help=f"folder for {stem}.json, {stem}.md and {stem}.png")
+    p.add_argument("--layers", type=positive_int, default=8, help="decoder layers to stack")
+    return p
+
+
 def config_names_help() -> str:
     """``"one of: tiny, tiny-moe, ..."`` for ``--model`` helps."""
     from jax_tokenweave.models.configs import config_names
