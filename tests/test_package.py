@@ -127,3 +127,16 @@ print(json.dumps({"changed": changed, "cpus": [cpus, jax.config.jax_num_cpu_devi
     assert report["changed"] == [], f"importing changed environment variables {report['changed']}"
     assert report["cpus"][0] == report["cpus"][1]
     assert not report["backends"], "importing the package initialised a JAX backend"
+
+
+def test_both_build_files_list_every_extension_source():
+    """ffi/CMakeLists.txt (the package) and BUILD (Bazel users) name every kernel and host
+    source; BUILD also every header (module.cc is the nanobind module: CMake only)."""
+    ffi = ROOT / "ffi"
+    cmake, bazel = (ffi / "CMakeLists.txt").read_text(), (ROOT / "BUILD").read_text()
+    for src in sorted(ffi.glob("*.c[cu]")):
+        assert src.name in cmake, f"{src.name} missing from ffi/CMakeLists.txt"
+        if src.name != "module.cc":
+            assert f'"ffi/{src.name}"' in bazel, f"{src.name} missing from BUILD"
+    for hdr in sorted([*ffi.glob("*.h"), *ffi.glob("*.cuh")]):
+        assert f'"ffi/{hdr.name}"' in bazel, f"{hdr.name} missing from BUILD"
