@@ -5,8 +5,9 @@
 #
 #   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
-# Stages (in this order, each optional): build tests loopback profile ncu fixedcost kernel smtax
-# breakdown main e2e.
+# Stages (in this order, each optional): build tests loopback profile ncu fixedcost kernel mp
+# smtax breakdown main e2e (mp: one process per GPU, the multi-process tests and MP_KERNEL_ARGS
+# through python -m jax_tokenweave.launch; compare with the kernel stage's single process).
 # Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, PROFILE_ARGS, NCU_TOKENS, KERNEL_ARGS,
 # SMTAX_ARGS,
 # BREAKDOWN_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
@@ -108,6 +109,18 @@ if has kernel; then
   timeout ${T_KERNEL:-200} $PY "$repo/benchmarks/kernel_bench.py" --out "$W/kernel" $KERNEL_ARGS \
     > "$W/kernel.log" 2>&1 || status=$?
   cat "$W/kernel/kernel_bench.md" 2>/dev/null || tail -20 "$W/kernel.log"
+fi
+if has mp; then
+  log "one process per GPU (${MP_N:-2} processes): tests and the kernel benchmark"
+  (cd "$repo" && timeout ${T_MP:-300} $PY -m pytest -q -rfEs -p no:cacheprovider \
+    tests/test_multiprocess_gpu.py) > "$W/mp_tests.log" 2>&1 || status=$?
+  tail -3 "$W/mp_tests.log"
+  # shellcheck disable=SC2086
+  timeout ${T_MP:-300} $PY -m jax_tokenweave.launch -n "${MP_N:-2}" -- $PY \
+    "$repo/benchmarks/kernel_bench.py" --out "$W/kernel_mp" \
+    ${MP_KERNEL_ARGS:---tp 2 --hidden 8192 --tokens 1 128 1024 16384 --ctas 16 --impls ffi xla --reps 10} \
+    > "$W/kernel_mp.log" 2>&1 || status=$?
+  cat "$W/kernel_mp/kernel_bench.md" 2>/dev/null || tail -20 "$W/kernel_mp.log"
 fi
 if has smtax; then
   log "SM tax: $SMTAX_ARGS"

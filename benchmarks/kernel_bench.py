@@ -15,6 +15,10 @@ T*H*bytes / time`` (the all-reduce convention), and ``algbw = T*H*bytes / time``
 format) from the fastest ffi variant and CTA count at each measured size.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernel --tokens 1 128 4096
+
+One process per GPU works too (``python -m jax_tokenweave.launch -n 2 -- python
+benchmarks/kernel_bench.py ...``): every process builds the same inputs (``--seed``) and times
+its own GPU; process 0 reports.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jax_tokenweave import _ffi, ops
+from jax_tokenweave import _ffi, launch, ops
 from jax_tokenweave.benchmarking import git_commit
 from jax_tokenweave.kernel_policy import KernelPolicy, PolicyRow
 
@@ -50,6 +54,17 @@ def _fn(mesh, impl, iters, num_ctas, algo):
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
                                  out_specs=(P("tp"), P("tp")), check_vma=False))
+
+
+def _global(mesh: Mesh, data: np.ndarray, spec: P) -> jax.Array:
+    """``data`` (the same in every process) as an array sharded over ``mesh`` by ``spec``."""
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
+
+
+def _local(x: jax.Array) -> np.ndarray:
+    """This process's shards of ``x``, float64, in device order."""
+    return np.concatenate([np.asarray(s.data, np.float64) for s in x.addressable_shards])
 
 
 def _time(f, args, reps):
@@ -80,12 +95,17 @@ def main():
                     help="also profile device time per call (torch.profiler)")
     ap.add_argument("--write-policy", default=None, metavar="PATH",
                     help="write the size policy table from the fastest ffi rows")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="input seed (default: fresh; 0 with several processes, which must agree)")
     args = ap.parse_args()
+    launch.initialize()  # one process per GPU under the launcher; a no-op when run alone
+    lead = jax.process_index() == 0
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     dtype = jnp.dtype(args.dtype)
     gpus = jax.devices()
-    rng = np.random.default_rng()
+    seed = args.seed if args.seed is not None else (0 if jax.process_count() > 1 else None)
+    rng = np.random.default_rng(seed)
     configs = []
     for tp in args.tp:
         if tp > len(gpus):
@@ -100,9 +120,10 @@ def main():
     rows, checked = [], set()
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 device=gpus[0].device_kind, n_devices=len(gpus), jax=jax.__version__,
+                processes=jax.process_count(),
                 commit=git_commit() or "unknown", method=__doc__.split("\n\n")[1],
                 argv=" ".join(sys.argv))
-    for tp, h, t, impl, ctas, algo in tqdm(configs, desc="kernel_bench"):
+    for tp, h, t, impl, ctas, algo in tqdm(configs, desc="kernel_bench", disable=not lead):
         if time.perf_counter() - start > args.time_budget:
             tqdm.write(f"time budget of {args.time_budget:.0f} s spent: stopping")
             break
@@ -113,14 +134,14 @@ def main():
             continue
         q = ops.rows_per_rank(t, tp)
         res_rows = t if impl == "xla" else q
-        part = jnp.asarray(rng.standard_normal((tp * t, h)) * 0.01, dtype)
-        res = jnp.asarray(rng.standard_normal((tp * res_rows, h)), dtype)
-        w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), dtype)
+        part = _global(mesh, (rng.standard_normal((tp * t, h)) * 0.01).astype(dtype), P("tp"))
+        res = _global(mesh, rng.standard_normal((tp * res_rows, h)).astype(dtype), P("tp"))
+        w = _global(mesh, (1 + 0.1 * rng.standard_normal(h)).astype(dtype), P())
         if impl == "ffi" and (tp, h, t, algo) not in checked:  # check once against xla_rsag
             got = _fn(mesh, "ffi", 1, ctas, algo)(part, res, w)
             want = _fn(mesh, "xla_rsag", 1, None, None)(part, res, w)
             for g, x in zip(got, want, strict=True):
-                g, x = np.asarray(g, np.float64), np.asarray(x, np.float64)
+                g, x = _local(g), _local(x)
                 err = np.linalg.norm(g - x) / np.linalg.norm(x)
                 assert err < 2e-2, f"ffi mismatch tp={tp} H={h} T={t}: rel err {err}"
             checked.add((tp, h, t, algo))
@@ -137,9 +158,13 @@ def main():
             sec = row["device_us"] / 1e6
         row.update(algbw_gbs=nbytes / sec / 1e9, busbw_gbs=2 * (tp - 1) / tp * nbytes / sec / 1e9)
         rows.append(row)
+        if not lead:
+            continue
         tqdm.write(json.dumps(rows[-1]))
         with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:  # after every row
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if not lead:
+        return
     _markdown(args.out, meta, rows)
     _plot(args.out, rows)
     if args.write_policy:

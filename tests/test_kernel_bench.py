@@ -63,3 +63,25 @@ def test_policy_uses_wall_time_without_device_time(kernel_bench):
     rows = [_row(4, 1, "one_shot", 8, us=5.0), _row(4, 1, "direct", 8, us=9.0)]
     meta = dict(device="H200", n_devices=4, date="2026-11-23T00:00:00", commit="x", argv="")
     assert kernel_bench.policy_from_rows(rows, meta).choose(4, 1).algo == "one_shot"
+
+
+def test_runs_with_one_process_per_device(tmp_path):
+    """Under the launcher (two CPU processes, XLA's collectives over gloo) every process builds
+    the same inputs and process 0 alone writes the results."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    out = tmp_path / "kb"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_tokenweave.launch", "-n", "2", "--cpu", "--timeout", "10",
+         "--", sys.executable, str(BENCH / "kernel_bench.py"), "--out", str(out), "--tp", "2",
+         "--hidden", "256", "--tokens", "4", "--impls", "xla", "xla_rsag", "--reps", "2"],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "kernel_bench.json").read_text())
+    assert result["meta"]["processes"] == 2 and result["meta"]["n_devices"] == 2
+    assert {r["impl"] for r in result["rows"]} == {"xla", "xla_rsag"}
+    assert all(r["us"] > 0 for r in result["rows"])
