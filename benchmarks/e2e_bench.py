@@ -306,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.update(seed=runner.seed, tolerance=runner.tol,
                       wall_s=round(time.perf_counter() - runner.start, 1))
         report = {"environment": env, "config": config, "records": runner.records}
-        write_outputs(report, args.out, plot=not args.no_plot)
+        if bm.is_lead():  # one process per device: the first one writes
+            write_outputs(report, args.out, plot=not args.no_plot)
     counts: dict[str, int] = {}
     for r in runner.records:
         counts[r["status"]] = counts.get(r["status"], 0) + 1

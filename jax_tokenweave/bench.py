@@ -42,6 +42,7 @@ from jax_tokenweave.benchmarking import (
     environment,
     ffi_unavailable,
     git_commit,  # noqa: F401 (benchmarks/kernel_bench.py imports it from here)
+    is_lead,
     load_config,
     make_mesh,
     make_plan,
@@ -359,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           "communication is hidden")
     if platform == "cpu":
         print(CPU_NOTE)
+    if not is_lead():  # one process per device: the first one writes
+        return 0
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

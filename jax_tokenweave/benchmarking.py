@@ -70,11 +70,26 @@ def use_cpu_devices(count: int = CPU_DEVICES) -> str | None:
 
 def start_devices(count: int = CPU_DEVICES) -> tuple[str, list[jax.Device]]:
     """An entry point's first JAX call: :func:`use_cpu_devices` (its note printed to stderr),
-    then :func:`platform_devices`."""
+    then :func:`platform_devices`. Started by ``python -m jax_tokenweave.launch`` (one process
+    per device), it joins the other processes first (one CPU device each in ``--cpu`` mode), and
+    every process but the first prints nothing to stdout."""
+    from jax_tokenweave import launch
+
+    if any(os.environ.get(k) for k in launch.ENV_VARS):
+        use_cpu_devices(1)
+        launch.initialize()
+        if jax.process_index() != 0:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's lifetime)
+        return platform_devices()
     note = use_cpu_devices(count)
     if note:
         print(f"note: {note}", file=sys.stderr)
     return platform_devices()
+
+
+def is_lead() -> bool:
+    """Whether this process writes results (the first one; the only one when run alone)."""
+    return jax.process_index() == 0
 
 
 def matplotlib_missing() -> str | None:
@@ -135,8 +150,14 @@ def random_hidden(num_tokens: int, hidden: int, dtype: Any, mesh: Mesh, seed: in
 
 
 def resolve_seed() -> int:
-    """A fresh random seed from the OS (recorded in the results so a run can be replayed)."""
-    return int(np.random.SeedSequence().entropy % (2**31))
+    """A fresh random seed from the OS (recorded in the results so a run can be replayed);
+    with several processes, the first one's (they must build the same model)."""
+    seed = int(np.random.SeedSequence().entropy % (2**31))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        seed = int(multihost_utils.broadcast_one_to_all(np.int64(seed)))
+    return seed
 
 
 def ffi_unavailable(mesh: Mesh, dtype: Any, shape: tuple[int, int],

@@ -35,7 +35,8 @@ KILL_GRACE_S = 5.0
 def initialize(env: Mapping[str, str] | None = None) -> bool:
     """Call ``jax.distributed.initialize`` from the launcher's variables; call it first.
 
-    Returns ``True`` when it initialized, ``False`` (a no-op: a single process) when none of
+    Returns ``True`` when it initialized (or had before), ``False`` (a no-op: a single process)
+    when none of
     ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` is set. Raises
     ``RuntimeError`` when only some are set or a number does not parse.
     """
@@ -57,7 +58,10 @@ def initialize(env: Mapping[str, str] | None = None) -> bool:
     except ValueError as e:
         raise RuntimeError(f"jax_tokenweave.launch.initialize: bad launcher variable: {e}") from e
     import jax
+    from jax._src import distributed
 
+    if distributed.global_state.client is not None:  # already initialized (idempotent)
+        return True
     jax.distributed.initialize(
         coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=num_processes,
         process_id=process_id, local_device_ids=local_ids, cluster_detection_method="deactivate")

@@ -4,6 +4,7 @@ forwarded signal)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -235,3 +236,20 @@ def test_module_runs_as_documented():
     result, _ = run_launcher(["--help"])
     assert result.returncode == 0 and result.stdout.startswith(f"usage: {launch.PROG}")
     assert Path(launch.__file__).name == "launch.py"
+
+
+def test_the_main_job_runs_one_process_per_device(tmp_path):
+    """``python -m jax_tokenweave.bench`` under the launcher: two CPU processes (XLA's
+    collectives over gloo) build the same model; the first one alone prints and writes."""
+    env = dict(os.environ, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    env.pop("XLA_FLAGS", None)  # one CPU device per process, as one GPU each
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [*LAUNCH, "-n", "2", "--cpu", "--timeout", "10", "--", sys.executable, "-m",
+         "jax_tokenweave.bench", "--model", "tiny", "--tp", "2", "--tokens", "64", "--iters",
+         "2", "--warmup", "1", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("wrote ") == 1 and result.stdout.count("speedup = ") == 1
+    report = json.loads(out.read_text())
+    assert [r["tokens"] for r in report["results"]] == [64]
