@@ -57,7 +57,8 @@ std::string FailureMessage(const Comm& comm) {
              "blocked)"
            : " (it started this call but never arrived)";
   return s + ". The communicator is unusable: outputs of later calls are NaN and every later "
-             "launch fails; create a new one";
+             "launch fails; jax_tokenweave.comm.reset_communicators() (in every process) "
+             "frees it and starts over";
 }
 
 Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options)

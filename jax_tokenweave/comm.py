@@ -7,7 +7,9 @@ the kernel variant and CTA count (:meth:`Communicator.choose`, from the shipped
 first use. Its sync state lives on the GPUs and is advanced by the kernels, so XLA can capture
 the calls in command buffers. A cross-GPU wait that exceeds ``timeout_s`` makes the
 communicator fail for good: later calls raise (or, replayed from a command buffer, produce NaN)
-and :meth:`Communicator.check` raises :class:`CommFailed`; build a new one to continue.
+and :meth:`Communicator.check` raises :class:`CommFailed`; :func:`reset_communicators` (in
+every process) frees the shared ones and clears JAX's caches, so the next traced call builds
+new ones.
 
 Settings are constructor arguments; environment variables only give their defaults:
 
@@ -303,6 +305,14 @@ class Communicator:
                 self._id = comm_id
             return self._id
 
+    def close(self) -> None:
+        """Frees the workspace (waits for its GPUs first). Calls compiled with this
+        communicator fail afterwards; using :attr:`comm_id` again allocates a new one."""
+        with self._lock:
+            if self._id is not None:
+                _extension.get().release_comm(self._id)
+                self._id = None
+
     def failure(self) -> str | None:
         """Why this communicator failed (a wait expired), or None."""
         return None if self._id is None else _extension.get().failure_message(self._id)
@@ -330,3 +340,17 @@ def get_communicator(mesh: Mesh, axis_name: str = "tp") -> Communicator:
         if key not in _cache:
             _cache[key] = Communicator(mesh, axis_name, key[2])
         return _cache[key]
+
+
+def reset_communicators() -> int:
+    """Closes and forgets every shared communicator (:func:`get_communicator`) and clears JAX's
+    compilation caches, so the next traced call builds fresh ones: the way back after
+    :class:`CommFailed`. With one process per GPU, every process must call it. Returns how
+    many were dropped."""
+    with _cache_lock:
+        dropped = list(_cache.values())
+        _cache.clear()
+    for c in dropped:
+        c.close()
+    jax.clear_caches()
+    return len(dropped)

@@ -190,6 +190,18 @@ def test_shared_communicator_follows_the_environment(monkeypatch, cpu_mesh):
     assert b is not a and b.settings.num_slots == 7
 
 
+def test_reset_drops_and_closes_the_shared_communicators(monkeypatch, cpu_mesh):
+    mesh = cpu_mesh(2)
+    a = comm.get_communicator(mesh, "tp")
+    released = []
+    fake = type("Ext", (), {"release_comm": staticmethod(released.append)})
+    monkeypatch.setattr(comm._extension, "get", lambda: fake)
+    a._id = 41  # as if its workspace had been allocated
+    assert comm.reset_communicators() >= 1
+    assert released == [41] and a._id is None
+    assert comm.get_communicator(mesh, "tp") is not a  # the next use builds a new one
+
+
 def test_peer_buffer_reason(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
     assert comm.peer_buffer_reason() is None

@@ -268,3 +268,6 @@ def test_forced_timeout_raises_and_leaves_the_gpus_usable(ffi_mesh2, rng):
         return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", comm=fresh, eps=EPS)
 
     _check(ffi_mesh2, _shard(ffi_mesh2, both, 3, 2)(*args), *args, jnp.bfloat16)
+    comm.close()  # the failed workspace is freed; a call compiled with it now refuses
+    with pytest.raises(Exception, match="unknown comm id"):
+        jax.block_until_ready(step(p, r, w))
