@@ -29,9 +29,10 @@ int64_t FlagsPerSlot() { return static_cast<int64_t>(kNumBarriers) * kMaxRanks *
 
 // Never destroyed: a Comm's destructor calls CUDA, which must not run from static destructors
 // at process exit (the CUDA runtime may be gone by then; seen crashing). The driver frees
-// everything at exit; ReleaseComm frees one explicitly.
+// everything at exit; ReleaseComm retires one (and keeps its small remains here).
 std::mutex g_mu;
 auto& g_comms = *new std::map<int64_t, std::unique_ptr<Comm>>();
+auto& g_retired = *new std::vector<std::unique_ptr<Comm>>();
 int64_t g_next_id = 1;
 
 }  // namespace
@@ -233,7 +234,7 @@ void Comm::Import(int index, int fd, int64_t bytes) {
   }
   DeviceGuard guard;
   DeviceState& d = *devs_[index];
-  d.shared = ImportShared(local->ordinal, fd, bytes);
+  d.shared = ImportShared(local->ordinal, fd, bytes);  // mapped for the process's lifetime
   Carve(d, d.shared.ptr);
 }
 
@@ -247,29 +248,6 @@ bool Comm::Ready() const {
     if (has_local && !mapped) return false;
   }
   return true;
-}
-
-Comm::~Comm() {
-  DeviceGuard guard;
-  for (auto& d : devs_) {  // peers' mappings first (best effort)
-    if (d->ordinal < 0) FreeShared(d->shared);
-  }
-  for (auto& d : devs_) {  // best effort: errors here have nowhere to go
-    if (d->ordinal < 0 || cudaSetDevice(d->ordinal) != cudaSuccess) continue;
-    cudaDeviceSynchronize();
-    for (cudaEvent_t e : d->ready) cudaEventDestroy(e);
-    for (cudaEvent_t e : d->done) cudaEventDestroy(e);
-    if (d->side != nullptr) cudaStreamDestroy(d->side);
-    if (d->shared.ptr != nullptr) {
-      FreeShared(d->shared);
-      continue;
-    }
-    if (d->mc_data == nullptr) cudaFree(d->data);  // multicast mappings stay (never run here)
-    cudaFree(d->oneshot);
-    cudaFree(d->sync);
-  }
-  (void)cudaGetLastError();
-  if (err_ != nullptr) cudaFreeHost(err_);
 }
 
 DeviceState* Comm::Find(int ordinal) {
@@ -339,7 +317,34 @@ bool ReleaseComm(int64_t id) {
     comm = std::move(it->second);
     g_comms.erase(it);
   }
-  return true;  // freed here, outside the lock
+  comm->Retire();  // outside the lock: it waits for the devices
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_retired.push_back(std::move(comm));
+  return true;
+}
+
+void Comm::Retire() {
+  DeviceGuard guard;
+  for (auto& d : devs_) {  // best effort: errors here have nowhere to go
+    if (d->ordinal < 0 || cudaSetDevice(d->ordinal) != cudaSuccess) continue;
+    cudaDeviceSynchronize();
+    if (d->rank_ctl != nullptr) cudaMemset(&d->rank_ctl->failed, 1, 1);
+    cudaDeviceSynchronize();
+    {
+      std::lock_guard<std::mutex> lock(d->mu);
+      for (cudaEvent_t e : d->ready) cudaEventDestroy(e);
+      for (cudaEvent_t e : d->done) cudaEventDestroy(e);
+      d->ready.clear();
+      d->done.clear();
+      if (d->side != nullptr) cudaStreamDestroy(d->side);
+      d->side = nullptr;
+    }
+    if (cross_process_ || d->shared.ptr != nullptr) continue;
+    if (d->mc_data == nullptr) cudaFree(d->data);  // multicast mappings stay (never run here)
+    cudaFree(d->oneshot);
+    d->data = d->oneshot = nullptr;
+  }
+  (void)cudaGetLastError();
 }
 
 }  // namespace tokenweave

@@ -51,7 +51,7 @@ class Comm {
   // makes a cross-process comm, whose workspaces are exchanged with ExportFd/Import before the
   // first launch.
   Comm(std::vector<int> ordinals, int group_size, const CommOptions& options);
-  ~Comm();
+  ~Comm() = default;  // comms are retired (Retire), never destroyed: see comm.cc
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
 
@@ -71,6 +71,11 @@ class Comm {
   int ExportFd(int index, int64_t* bytes);
   void Import(int index, int fd, int64_t bytes);
   bool Ready() const;
+  // Marks the comm failed on its devices (a command-buffer replay of one of its calls then
+  // aborts at once and writes NaN) and frees what no kernel reads any more: the data and
+  // one-shot areas of a single-process comm. The small sync area stays, as do a cross-process
+  // comm's shared workspaces (peers may still push into them); the process exit frees them.
+  void Retire();
 
   int group_size() const { return group_size_; }
   int num_devices() const { return static_cast<int>(devs_.size()); }
@@ -99,7 +104,8 @@ class Comm {
 // per group. Throws std::runtime_error with a readable message on failure.
 int64_t RegisterComm(const std::vector<int>& ordinals, int group_size, const CommOptions& options);
 Comm* LookupComm(int64_t id);  // nullptr if unknown
-// Waits for the comm's devices, frees its memory and forgets it (false if unknown).
+// Waits for the comm's devices, retires it (Comm::Retire) and forgets it (false if unknown):
+// later launches with its id are refused as unknown.
 bool ReleaseComm(int64_t id);
 
 // Why the comm cannot launch any more, or "" (its error record is clear).

@@ -88,19 +88,4 @@ SharedAlloc ImportShared(int ordinal, int fd, int64_t bytes) {
   return a;
 }
 
-void FreeShared(SharedAlloc& a) {
-  if (a.ptr == nullptr) return;
-  try {
-    auto unmap = DriverEntry<decltype(&cuMemUnmap)>("cuMemUnmap");
-    auto addr_free = DriverEntry<decltype(&cuMemAddressFree)>("cuMemAddressFree");
-    auto release = DriverEntry<decltype(&cuMemRelease)>("cuMemRelease");
-    const auto va = reinterpret_cast<CUdeviceptr>(a.ptr);
-    (void)unmap(va, a.size);
-    (void)addr_free(va, a.size);
-    if (a.handle != 0) (void)release(a.handle);
-  } catch (...) {
-  }
-  a = SharedAlloc{};
-}
-
 }  // namespace tokenweave

@@ -1,7 +1,8 @@
 // Device memory that other processes on the host can map (one process per GPU): a CUDA VMM
 // allocation exported as a POSIX file descriptor. An importer holds its own reference to the
 // physical memory, so a peer process that dies leaves the mapping valid: a kernel still
-// writing there is harmless and ends at its bounded wait, instead of faulting.
+// writing there is harmless and ends at its bounded wait, instead of faulting. Mappings live
+// until the process exits (a retired comm keeps them: peers may still push into them).
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,7 @@ namespace tokenweave {
 struct SharedAlloc {
   char* ptr = nullptr;        // mapped for `ordinal`'s device
   int64_t size = 0;           // rounded up to the allocation granularity
-  unsigned long long handle = 0;  // CUmemGenericAllocationHandle (owner only; 0 once released)
+  unsigned long long handle = 0;  // CUmemGenericAllocationHandle (owner only; 0 when imported)
   int ordinal = -1;
 };
 
@@ -22,7 +23,5 @@ int ExportShared(const SharedAlloc& a);
 // Maps an allocation of `bytes` exported by another process (`fd`, which this call closes) for
 // device `ordinal` (its owner's device must be that one or a peer of it).
 SharedAlloc ImportShared(int ordinal, int fd, int64_t bytes);
-// Unmaps and releases `a` (best effort: errors at teardown have nowhere to go).
-void FreeShared(SharedAlloc& a);
 
 }  // namespace tokenweave

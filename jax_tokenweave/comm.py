@@ -306,8 +306,10 @@ class Communicator:
             return self._id
 
     def close(self) -> None:
-        """Frees the workspace (waits for its GPUs first). Calls compiled with this
-        communicator fail afterwards; using :attr:`comm_id` again allocates a new one."""
+        """Retires the workspace (after its GPUs finish): launches with it are refused, a
+        command-buffer replay of a call compiled with it aborts and writes NaN, and its large
+        buffers are freed unless other processes map them. Using :attr:`comm_id` again
+        allocates a new one."""
         with self._lock:
             if self._id is not None:
                 _extension.get().release_comm(self._id)
