@@ -53,9 +53,17 @@ _STEP = textwrap.dedent("""
             differ.append((i, bad))
         per_iter.append(comm.launches() - before - sum(per_iter))
     np.savez(path, normed=first[0], residual=first[1])
-    print(json.dumps(dict(launches=comm.launches() - before, calls=iters * layers,
-                          per_iter=per_iter, mismatches=mismatches, differ=differ[:5],
-                          failure=comm.failure())))
+    launches, failure = comm.launches() - before, comm.failure()
+    comm.close()  # after: a replay aborts in the kernel (NaN), a handler run is refused
+    try:
+        after = "nan" if all(np.isnan(np.asarray(o.astype(jnp.float32))).all()
+                             for o in jax.block_until_ready(step(x, res, w, mats))) else "data"
+    except Exception as err:
+        after = "refused" if "unknown comm id" in str(err) else repr(err)
+    alive = float(jnp.sum(jnp.arange(8.0)))  # the CUDA context survived
+    print(json.dumps(dict(launches=launches, calls=iters * layers, per_iter=per_iter,
+                          mismatches=mismatches, differ=differ[:5], failure=failure,
+                          after_close=after, alive=alive)))
 """)
 
 
@@ -93,6 +101,9 @@ def test_fused_call_replays_from_command_buffers(tmp_path, n, algo, kind):
     print(f"n={n} {algo} {kind}: handler launches over {on['calls']} fused calls: "
           f"{off['launches']} without command buffers, {on['launches']} with")
     assert off["failure"] is None and on["failure"] is None, (off, on)
+    # a closed communicator: never data, never a fault
+    assert off["after_close"] == "refused" and on["after_close"] in ("nan", "refused"), (off, on)
+    assert off["alive"] == on["alive"] == 28.0
     assert off["launches"] == off["calls"], off  # the counter counts every handler launch
     # Captured: replays launch from the graph, not the handler (a re-record, e.g. for new
     # output addresses, may run it again for a step's calls).
