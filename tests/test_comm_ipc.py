@@ -84,3 +84,90 @@ def test_exchange_namespaces_and_a_missing_process():
         assert "process 1" in str(err) and "same order" in str(err)
     else:
         raise AssertionError("a missing process must raise")
+
+
+class _BlockingStore:
+    """The distributed key-value store, for threads standing in for processes."""
+
+    def __init__(self):
+        import threading
+
+        self.kv: dict[str, str] = {}
+        self.cond = threading.Condition()
+
+    def key_value_set(self, key, value):
+        with self.cond:
+            self.kv[key] = value
+            self.cond.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.kv, timeout_ms / 1000):
+                raise TimeoutError("DEADLINE_EXCEEDED")
+            return self.kv[key]
+
+
+class _FakeExt:
+    """Workspaces as temporary files: exporting opens one, importing records which file the
+    received descriptor refers to."""
+
+    def __init__(self, files: dict[int, str], wanted: int):
+        self.files, self.wanted, self.imported = files, wanted, {}
+
+    def export_workspace(self, comm_id, index):
+        import os
+
+        return os.open(self.files[index], os.O_RDONLY), 1000 + index
+
+    def import_workspace(self, comm_id, index, fd, nbytes):
+        import os
+
+        self.imported[index] = (os.fstat(fd).st_ino, nbytes)
+        os.close(fd)
+
+    def comm_ready(self, comm_id):
+        return len(self.imported) == self.wanted
+
+
+def test_connect_passes_workspace_descriptors_between_processes(tmp_path):
+    """Three 'processes' (threads), one device each in one group: each serves its workspace on a
+    Unix socket and maps the other two from the descriptors it receives."""
+    import os
+    import threading
+
+    files = {}
+    for i in range(3):
+        files[i] = str(tmp_path / f"ws{i}")
+        open(files[i], "w").close()
+    groups = [_devs([0, 1, 2])]
+    exchange = comm_ipc.Exchange(_BlockingStore())
+    exts = {p: _FakeExt(files, wanted=2) for p in range(3)}
+    errors = []
+
+    def run(p):
+        try:
+            comm_ipc.connect(exts[p], 7, groups, p, exchange, timeout_s=20.0)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for p, ext in exts.items():
+        want = {i: (os.stat(files[i]).st_ino, 1000 + i) for i in range(3) if i != p}
+        assert ext.imported == want, (p, ext.imported)
+
+
+def test_connect_fails_in_bounded_time_when_a_peer_never_comes(tmp_path):
+    open(tmp_path / "ws0", "w").close()
+    ext = _FakeExt({0: str(tmp_path / "ws0")}, wanted=1)
+    exchange = comm_ipc.Exchange(_BlockingStore())
+    try:
+        comm_ipc.connect(ext, 7, [_devs([0, 1])], 0, exchange, timeout_s=0.5)
+    except RuntimeError as err:
+        assert "process 1" in str(err)
+    else:
+        raise AssertionError("connect must fail without its peer")
