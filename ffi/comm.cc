@@ -119,11 +119,10 @@ Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options
     d->rank = i % group_size_;
     devs_.push_back(std::move(d));
   }
-  const int64_t data_bytes = 2 * options_.num_slots * options_.area_bytes;
   for (int g = 0; options_.multimem && g < n / group_size_; ++g) {
     std::vector<int> group(ordinals_.begin() + g * group_size_,
                            ordinals_.begin() + (g + 1) * group_size_);
-    MapMulticast(group, data_bytes, &unicast, &multicast);
+    MapMulticast(group, DataBytes(), &unicast, &multicast);
     for (int a = 0; a < group_size_; ++a) {
       devs_[g * group_size_ + a]->data = unicast[a];
       devs_[g * group_size_ + a]->mc_data = multicast[a];
@@ -167,41 +166,44 @@ int64_t Comm::SyncBytes() const {
          AlignUp(options_.num_slots * FlagsPerSlot() * sizeof(uint32_t));
 }
 
-void Comm::Carve(DeviceState& d, char* base) const {
+int64_t Comm::DataBytes() const { return 2 * options_.num_slots * options_.area_bytes; }
+
+int64_t Comm::OneShotTotal() const {
+  return options_.num_slots * kLamportBuffers * options_.oneshot_bytes;
+}
+
+void Comm::CarveSync(DeviceState& d, char* base) const {
   const int64_t ctl_bytes = AlignUp(options_.num_slots * sizeof(SlotControl));
   d.sync = base;
   d.ctl = reinterpret_cast<SlotControl*>(base);
   d.rank_ctl = reinterpret_cast<RankControl*>(base + ctl_bytes);
   d.flags = reinterpret_cast<uint32_t*>(base + ctl_bytes + AlignUp(sizeof(RankControl)));
-  if (base == nullptr) return;
+}
+
+void Comm::CarveShared(DeviceState& d, char* base) const {
+  CarveSync(d, base);
   d.data = base + SyncBytes();
-  d.oneshot = options_.oneshot_bytes > 0
-                  ? d.data + 2 * options_.num_slots * options_.area_bytes
-                  : nullptr;
+  d.oneshot = OneShotTotal() > 0 ? d.data + DataBytes() : nullptr;
 }
 
 void Comm::Allocate(DeviceState& d) {
-  const int slots = options_.num_slots;
-  const int64_t data_bytes = 2 * slots * options_.area_bytes;
-  const int64_t oneshot_total = slots * kLamportBuffers * options_.oneshot_bytes;
   TW_THROW_CHECK(cudaSetDevice(d.ordinal));
   TW_THROW_CHECK(PreloadKernels());
   if (cross_process_) {
-    d.shared = AllocShared(d.ordinal, SyncBytes() + data_bytes + oneshot_total);
-    Carve(d, d.shared.ptr);
+    d.shared = AllocShared(d.ordinal, SyncBytes() + DataBytes() + OneShotTotal());
+    CarveShared(d, d.shared.ptr);
   } else {
-    TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.sync), SyncBytes()));
-    char* data = d.data;
-    Carve(d, d.sync);
-    d.data = data;
-    if (d.data == nullptr)
-      TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.data), data_bytes));
-    d.oneshot = nullptr;
-    if (oneshot_total > 0)
-      TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.oneshot), oneshot_total));
+    char* sync = nullptr;
+    TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&sync), SyncBytes()));
+    CarveSync(d, sync);
+    if (d.data == nullptr)  // (a multimem comm mapped it already)
+      TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.data), DataBytes()));
+    if (OneShotTotal() > 0)
+      TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.oneshot), OneShotTotal()));
   }
   TW_THROW_CHECK(cudaMemset(d.sync, 0, SyncBytes()));
-  if (oneshot_total > 0) TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, oneshot_total, nullptr));
+  if (OneShotTotal() > 0)
+    TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, OneShotTotal(), nullptr));
   TW_THROW_CHECK(cudaDeviceSynchronize());
 }
 
@@ -216,8 +218,7 @@ int Comm::ExportFd(int index, int64_t* bytes) {
 }
 
 void Comm::Import(int index, int fd, int64_t bytes) {
-  const int64_t need = SyncBytes() + 2 * options_.num_slots * options_.area_bytes +
-                   options_.num_slots * kLamportBuffers * options_.oneshot_bytes;
+  const int64_t need = SyncBytes() + DataBytes() + OneShotTotal();
   DeviceState* local = nullptr;
   if (cross_process_ && index >= 0 && index < num_devices() && devs_[index]->ordinal < 0)
     for (int r = 0; r < group_size_; ++r) {
@@ -235,7 +236,7 @@ void Comm::Import(int index, int fd, int64_t bytes) {
   DeviceGuard guard;
   DeviceState& d = *devs_[index];
   d.shared = ImportShared(local->ordinal, fd, bytes);  // mapped for the process's lifetime
-  Carve(d, d.shared.ptr);
+  CarveShared(d, d.shared.ptr);
 }
 
 bool Comm::Ready() const {

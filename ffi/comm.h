@@ -88,8 +88,11 @@ class Comm {
  private:
   void EnablePeerAccess();
   void Allocate(DeviceState& d);
-  int64_t SyncBytes() const;
-  void Carve(DeviceState& d, char* base) const;  // sync | data | oneshot pointers from `base`
+  int64_t SyncBytes() const;      // SlotControl[slots] | RankControl | flags
+  int64_t DataBytes() const;      // slots x 2 parities x area_bytes
+  int64_t OneShotTotal() const;   // slots x kLamportBuffers x oneshot_bytes
+  void CarveSync(DeviceState& d, char* base) const;    // the sync pointers from `base`
+  void CarveShared(DeviceState& d, char* base) const;  // [sync | data | oneshot] from `base`
 
   std::vector<int> ordinals_;
   int group_size_;

@@ -91,7 +91,7 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
   if (comm.cross_process() && algo == static_cast<int>(Algo::kDirect))
     return Invalid("algo direct reads XLA's buffers by address, which another process cannot "
                    "map: use one_shot or two_shot across processes");
-  if (!comm.Ready())
+  if (comm.cross_process() && !comm.Ready())  // (a single-process comm is ready when built)
     return Invalid("the communicator's peers in other processes are not mapped yet (connect "
                    "it first: jax_tokenweave.comm.Communicator.comm_id does)");
   const int max_ctas = algo == static_cast<int>(Algo::kOneShot) ? kMaxOneShotCtas : kMaxCtas;
