@@ -37,8 +37,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jax_tokenweave import _ffi, launch, ops
-from jax_tokenweave.benchmarking import git_commit
+from jax_tokenweave import _ffi, ops
+from jax_tokenweave import benchmarking as bm
 from jax_tokenweave.kernel_policy import KernelPolicy, PolicyRow
 
 
@@ -54,17 +54,6 @@ def _fn(mesh, impl, iters, num_ctas, algo):
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
                                  out_specs=(P("tp"), P("tp")), check_vma=False))
-
-
-def _global(mesh: Mesh, data: np.ndarray, spec: P) -> jax.Array:
-    """``data`` (the same in every process) as an array sharded over ``mesh`` by ``spec``."""
-    sharding = jax.sharding.NamedSharding(mesh, spec)
-    return jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
-
-
-def _local(x: jax.Array) -> np.ndarray:
-    """This process's shards of ``x``, float64, in device order."""
-    return np.concatenate([np.asarray(s.data, np.float64) for s in x.addressable_shards])
 
 
 def _time(f, args, reps):
@@ -96,15 +85,14 @@ def main():
     ap.add_argument("--write-policy", default=None, metavar="PATH",
                     help="write the size policy table from the fastest ffi rows")
     ap.add_argument("--seed", type=int, default=None,
-                    help="input seed (default: fresh; 0 with several processes, which must agree)")
+                    help="input seed (default: fresh, the first process's when there are several)")
     args = ap.parse_args()
-    launch.initialize()  # one process per GPU under the launcher; a no-op when run alone
-    lead = jax.process_index() == 0
+    _, gpus = bm.start_devices()  # joins the other processes when started by the launcher
+    lead = bm.is_lead()
     start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     dtype = jnp.dtype(args.dtype)
-    gpus = jax.devices()
-    seed = args.seed if args.seed is not None else (0 if jax.process_count() > 1 else None)
+    seed = args.seed if args.seed is not None else bm.resolve_seed()
     rng = np.random.default_rng(seed)
     configs = []
     for tp in args.tp:
@@ -120,8 +108,8 @@ def main():
     rows, checked = [], set()
     meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 device=gpus[0].device_kind, n_devices=len(gpus), jax=jax.__version__,
-                processes=jax.process_count(),
-                commit=git_commit() or "unknown", method=__doc__.split("\n\n")[1],
+                processes=jax.process_count(), seed=seed,
+                commit=bm.git_commit() or "unknown", method=__doc__.split("\n\n")[1],
                 argv=" ".join(sys.argv))
     for tp, h, t, impl, ctas, algo in tqdm(configs, desc="kernel_bench", disable=not lead):
         if time.perf_counter() - start > args.time_budget:
@@ -134,14 +122,16 @@ def main():
             continue
         q = ops.rows_per_rank(t, tp)
         res_rows = t if impl == "xla" else q
-        part = _global(mesh, (rng.standard_normal((tp * t, h)) * 0.01).astype(dtype), P("tp"))
-        res = _global(mesh, rng.standard_normal((tp * res_rows, h)).astype(dtype), P("tp"))
-        w = _global(mesh, (1 + 0.1 * rng.standard_normal(h)).astype(dtype), P())
+        part = bm.global_array(mesh, (rng.standard_normal((tp * t, h)) * 0.01).astype(dtype),
+                               P("tp"))
+        res = bm.global_array(mesh, rng.standard_normal((tp * res_rows, h)).astype(dtype),
+                              P("tp"))
+        w = bm.global_array(mesh, (1 + 0.1 * rng.standard_normal(h)).astype(dtype), P())
         if impl == "ffi" and (tp, h, t, algo) not in checked:  # check once against xla_rsag
             got = _fn(mesh, "ffi", 1, ctas, algo)(part, res, w)
             want = _fn(mesh, "xla_rsag", 1, None, None)(part, res, w)
             for g, x in zip(got, want, strict=True):
-                g, x = _local(g), _local(x)
+                g, x = bm.local_data(g), bm.local_data(x)
                 err = np.linalg.norm(g - x) / np.linalg.norm(x)
                 assert err < 2e-2, f"ffi mismatch tp={tp} H={h} T={t}: rel err {err}"
             checked.add((tp, h, t, algo))

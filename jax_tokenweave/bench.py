@@ -41,7 +41,6 @@ from jax_tokenweave.benchmarking import (
     config_names_help,
     environment,
     ffi_unavailable,
-    git_commit,  # noqa: F401 (benchmarks/kernel_bench.py imports it from here)
     is_lead,
     load_config,
     make_mesh,

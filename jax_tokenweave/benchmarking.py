@@ -143,6 +143,18 @@ def build_decoder(config: Any, mesh: Mesh, dtype: Any, seed: int) -> Any:
     return WeaveDecoder(config, mesh, dtype=dtype, rngs=nnx.Rngs(seed))
 
 
+def global_array(mesh: Mesh, data: np.ndarray, spec: PartitionSpec) -> jax.Array:
+    """``data`` (the same in every process) sharded over ``mesh`` by ``spec``; each process
+    places only its own devices' pieces (one process per device works too)."""
+    return jax.make_array_from_callback(data.shape, NamedSharding(mesh, spec),
+                                        lambda idx: data[idx])
+
+
+def local_data(x: jax.Array) -> np.ndarray:
+    """This process's shards of ``x`` as float64, in device order, stacked on axis 0."""
+    return np.concatenate([np.asarray(s.data, np.float64) for s in x.addressable_shards])
+
+
 def random_hidden(num_tokens: int, hidden: int, dtype: Any, mesh: Mesh, seed: int) -> jax.Array:
     """Random normal hidden states ``[T, H]``, replicated over ``mesh``."""
     x = jax.random.normal(jax.random.key(seed), (num_tokens, hidden), jnp.float32).astype(dtype)

@@ -21,17 +21,13 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave import _ffi
+from jax_tokenweave.benchmarking import global_array, local_data
 from jax_tokenweave.comm import CommFailed, get_communicator
 from jax_tokenweave.loopback import reference
-
-
-def _global(mesh: Mesh, data: np.ndarray) -> jax.Array:
-    sharding = NamedSharding(mesh, P("tp"))
-    return jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
 
 
 def _run(mesh, partial, residual, weight, algo):
@@ -40,10 +36,10 @@ def _run(mesh, partial, residual, weight, algo):
         lambda p, r, w: _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=mesh, algo=algo),
         mesh=mesh, in_specs=(P("tp"), P("tp"), P()), out_specs=(P("tp"), P("tp")),
         check_vma=False))
-    normed, res_out = fn(_global(mesh, partial.reshape(n * tokens, hidden)),
-                         _global(mesh, residual.reshape(-1, hidden)), jax.numpy.asarray(weight))
-    local = lambda a: np.asarray(a.addressable_shards[0].data, np.float32)
-    return local(normed), local(res_out)
+    normed, res_out = fn(global_array(mesh, partial.reshape(n * tokens, hidden), P("tp")),
+                         global_array(mesh, residual.reshape(-1, hidden), P("tp")),
+                         jax.numpy.asarray(weight))
+    return local_data(normed), local_data(res_out)  # one device per process: its rows
 
 
 def main() -> int:
