@@ -262,9 +262,8 @@ class Communicator:
                 self.settings.timeout_s)
             self._device_reason = comm_ipc.host_reason(groups, me, info,
                                                        _extension.get().can_access_peer)
-            self.cross_process = self._device_reason is None and any(
-                d.process_index != me for g in groups
-                if any(x.process_index == me for x in g) for d in g)
+            self.cross_process = (self._device_reason is None
+                                  and bool(comm_ipc.peers_elsewhere(groups, me)))
 
     def unavailable_reason(self, dtype, shape, *, num_ctas: int | None = None, slot: int = 0,
                            algo: str = "auto") -> str | None:

@@ -32,10 +32,20 @@ class _Device(Protocol):
     process_index: int
 
 
+def own_groups(groups: Sequence[Sequence[_Device]], process: int) -> list[Sequence[_Device]]:
+    """The groups (devices along the axis) that hold a device of ``process``."""
+    return [g for g in groups if any(d.process_index == process for d in g)]
+
+
+def peers_elsewhere(groups: Sequence[Sequence[_Device]], process: int) -> list[_Device]:
+    """The devices of other processes in ``process``'s groups: the workspaces it must map."""
+    return [d for g in own_groups(groups, process) for d in g if d.process_index != process]
+
+
 def layout_reason(groups: Sequence[Sequence[_Device]], process: int) -> str | None:
     """None where the groups (devices along the axis) suit a cross-process communicator seen
     from ``process``; else why not. Pure: no communication."""
-    if not any(d.process_index == process for g in groups for d in g):
+    if not own_groups(groups, process):
         return f"process {process} holds no device of the axis"
     for g in groups:
         local = sum(d.process_index == process for d in g)
@@ -51,9 +61,7 @@ def host_reason(groups: Sequence[Sequence[_Device]], process: int, info: dict[in
     """None where every group with a device of ``process`` lies on one host, its devices peers
     of each other; else why not. ``info[p]`` is what process p published: ``host`` and
     ``ordinals`` (device id -> CUDA ordinal)."""
-    for g in groups:
-        if not any(d.process_index == process for d in g):
-            continue
+    for g in own_groups(groups, process):
         hosts = {info[d.process_index]["host"] for d in g}
         if len(hosts) > 1:
             return (f"the axis spans hosts ({', '.join(sorted(hosts))}); the fused kernel works "
@@ -110,8 +118,7 @@ def publish_and_gather(exchange: Exchange, groups: Sequence[Sequence[_Device]], 
     groups this process is in)."""
     exchange.put(process, "info", {"host": host_name(),
                                    "ordinals": {str(k): v for k, v in local_ordinals.items()}})
-    procs = {d.process_index for g in groups if any(x.process_index == process for x in g)
-             for d in g}
+    procs = {d.process_index for g in own_groups(groups, process) for d in g}
     return {p: exchange.get(p, "info", timeout_s) for p in sorted(procs)}
 
 
@@ -121,9 +128,8 @@ def connect(ext: Any, comm_id: int, groups: Sequence[Sequence[_Device]], process
     workspaces on a Unix socket (descriptors sent with SCM_RIGHTS) and fetches the peers'."""
     flat = [d for g in groups for d in g]
     index = {d.id: i for i, d in enumerate(flat)}
-    mine = [g for g in groups if any(d.process_index == process for d in g)]
-    wanted = [d for g in mine for d in g if d.process_index != process]  # peers to map
-    served = sum(len(g) - 1 for g in mine)  # requests peers will make (one local device each)
+    wanted = peers_elsewhere(groups, process)
+    served = len(wanted)  # each of those devices' processes maps this process's one in its group
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     address = f"\0jax_tokenweave-{uuid.uuid4().hex}"
     server.bind(address)
