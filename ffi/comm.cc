@@ -189,7 +189,7 @@ void Comm::CarveShared(DeviceState& d, char* base) const {
 void Comm::Allocate(DeviceState& d) {
   TW_THROW_CHECK(cudaSetDevice(d.ordinal));
   TW_THROW_CHECK(PreloadKernels());
-  if (cross_process_) {
+  if (HasRemote(d.group)) {  // peers in other processes map it: exportable memory
     d.shared = AllocShared(d.ordinal, SyncBytes() + DataBytes() + OneShotTotal());
     CarveShared(d, d.shared.ptr);
   } else {
@@ -208,9 +208,10 @@ void Comm::Allocate(DeviceState& d) {
 }
 
 int Comm::ExportFd(int index, int64_t* bytes) {
-  if (!cross_process_ || index < 0 || index >= num_devices() || devs_[index]->ordinal < 0)
+  if (index < 0 || index >= num_devices() || devs_[index]->shared.ptr == nullptr ||
+      devs_[index]->ordinal < 0)
     throw std::invalid_argument("jax-tokenweave: device " + std::to_string(index) +
-                                " is not a local device of a cross-process comm");
+                                " is not a local device that peers in other processes map");
   *bytes = devs_[index]->shared.size;
   DeviceGuard guard;
   TW_THROW_CHECK(cudaSetDevice(devs_[index]->ordinal));
@@ -237,6 +238,12 @@ void Comm::Import(int index, int fd, int64_t bytes) {
   DeviceState& d = *devs_[index];
   d.shared = ImportShared(local->ordinal, fd, bytes);  // mapped for the process's lifetime
   CarveShared(d, d.shared.ptr);
+}
+
+bool Comm::HasRemote(int group) const {
+  for (int r = 0; r < group_size_; ++r)
+    if (devs_[group * group_size_ + r]->ordinal < 0) return true;
+  return false;
 }
 
 bool Comm::Ready() const {
@@ -340,7 +347,7 @@ void Comm::Retire() {
       if (d->side != nullptr) cudaStreamDestroy(d->side);
       d->side = nullptr;
     }
-    if (cross_process_ || d->shared.ptr != nullptr) continue;
+    if (d->shared.ptr != nullptr) continue;
     if (d->mc_data == nullptr) cudaFree(d->data);  // multicast mappings stay (never run here)
     cudaFree(d->oneshot);
     d->data = d->oneshot = nullptr;

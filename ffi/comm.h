@@ -93,6 +93,7 @@ class Comm {
   int64_t OneShotTotal() const;   // slots x kLamportBuffers x oneshot_bytes
   void CarveSync(DeviceState& d, char* base) const;    // the sync pointers from `base`
   void CarveShared(DeviceState& d, char* base) const;  // [sync | data | oneshot] from `base`
+  bool HasRemote(int group) const;  // the group holds devices of other processes
 
   std::vector<int> ordinals_;
   int group_size_;
