@@ -124,6 +124,20 @@ __host__ __device__ __forceinline__ uint4 Canonical(uint4 v) {
   return make_uint4(Canonical<T>(v.x), Canonical<T>(v.y), Canonical<T>(v.z), Canonical<T>(v.w));
 }
 
+// Fills `bytes` (a multiple of 16) at `dst` with the sentinel, across the grid.
+__device__ __forceinline__ void FillSentinel(char* dst, int64_t bytes) {
+  const uint4 sentinel = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
+#pragma unroll 1
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < bytes / 16;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    St(dst + i * 16, sentinel);
+}
+
+// The one-shot receive buffer before this call's (its previous call's), by call state.
+__device__ __forceinline__ char* PreviousOneShotBuffer(const KernelParams& p, uint32_t buf) {
+  return p.oneshot[p.rank] + ((buf + kLamportBuffers - 1) % kLamportBuffers) * p.oneshot_bytes;
+}
+
 __device__ __forceinline__ int FlagIndex(int barrier, int src, int block) {
   return (barrier * kMaxRanks + src) * kMaxCtas + block;
 }

@@ -98,7 +98,6 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant_
   if (call.abort) return PoisonOwnRows<T, kGroup>(p, own_real);
   const int vpr = p.hidden / Vec<T>::kN;
   const uint32_t buf = call.oneshot_buf;
-  const uint32_t prev = (call.oneshot_buf + kLamportBuffers - 1) % kLamportBuffers;
   const char* partial = static_cast<const char*>(p.partial);
   const char* residual = static_cast<const char*>(p.residual);
   char* normed = static_cast<char*>(p.normed);
@@ -115,13 +114,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant_
   });
 
   // (b) clear what the previous one-shot call on this slot received.
-  {
-    char* old = p.oneshot[r] + prev * p.oneshot_bytes;
-    const uint4 sentinel = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-         i < call.oneshot_clear / 16; i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      St(old + i * 16, sentinel);
-  }
+  FillSentinel(PreviousOneShotBuffer(p, buf), call.oneshot_clear);
 
   // (c) every row here: N partials in rank order, then its owner's residual row.
   bool ok = true;
@@ -202,12 +195,7 @@ cudaError_t PreloadFor() {
   return cudaSuccess;
 }
 
-__global__ void FillSentinelKernel(uint4* dst, int64_t count) {
-  const uint4 s = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dst[i] = s;
-}
+__global__ void FillSentinelKernel(char* dst, int64_t bytes) { FillSentinel(dst, bytes); }
 
 }  // namespace
 
@@ -232,7 +220,7 @@ cudaError_t PreloadOneShotKernels() {
 
 cudaError_t LaunchFillSentinel(void* ptr, int64_t bytes, cudaStream_t stream) {
   if (bytes % 16 != 0) return cudaErrorInvalidValue;
-  FillSentinelKernel<<<256, 256, 0, stream>>>(static_cast<uint4*>(ptr), bytes / 16);
+  FillSentinelKernel<<<256, 256, 0, stream>>>(static_cast<char*>(ptr), bytes);
   return cudaGetLastError();
 }
 

@@ -74,13 +74,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     // (3) Clear what the previous one-shot call on this slot received (grid-stride).
-    char* old = p.oneshot[r] + ((call.oneshot_buf + kLamportBuffers - 1) % kLamportBuffers) *
-                                   p.oneshot_bytes;
-    const uint4 sentinel = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
-#pragma unroll 1
-    for (int64_t i = g * static_cast<int64_t>(kThreads) + threadIdx.x; i < call.oneshot_clear / 16;
-         i += static_cast<int64_t>(gridDim.x) * kThreads)
-      St(old + i * 16, sentinel);
+    FillSentinel(PreviousOneShotBuffer(p, buf), call.oneshot_clear);
   }
 
   float acc[kRowV][kN];
