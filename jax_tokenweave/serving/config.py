@@ -7,6 +7,7 @@ import dataclasses
 from jax_tokenweave.schedules import COMMS
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import decode_rows
+from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
 from jax_tokenweave.tuning import TuneEntry
 
 SERVING_SCHEDULES = ("weave", "baseline")
@@ -37,6 +38,10 @@ class EngineConfig:
     ``tuning``: the fused kernel's CTA counts and the split offset for every step (None: the
     tuning table's entry for the step's size).
 
+    ``attention``: the paged-attention kernel (``serving.paged_attention.ATTENTION_IMPLS``):
+    ``"auto"`` (the CUDA kernel where the extension is built and the mesh is on GPUs, else the
+    pure-JAX loop), ``"cuda"`` or ``"xla"``.
+
     ``max_logprobs``: the most top log-probabilities a request may ask for. ``seed``: seeds the
     requests that bring none.
     """
@@ -52,6 +57,7 @@ class EngineConfig:
     comm: str = "auto"
     split_threshold: int | None = None
     tuning: TuneEntry | None = None
+    attention: str = "auto"
     max_logprobs: int = 20
     seed: int = 0
 
@@ -81,6 +87,9 @@ class EngineConfig:
                              f"{self.schedule!r}")
         if self.comm not in COMMS:
             raise ValueError(f"EngineConfig.comm must be one of {COMMS}, got {self.comm!r}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"EngineConfig.attention must be one of {ATTENTION_IMPLS}, got "
+                             f"{self.attention!r}")
         if self.tuning is not None and not isinstance(self.tuning, TuneEntry):
             raise ValueError(f"EngineConfig.tuning must be a tuning.TuneEntry or None, got "
                              f"{type(self.tuning).__name__}")

@@ -197,7 +197,7 @@ class LLMEngine:
         outputs, self.cache = jitted_step(
             self._state, self.cache, arrays, graphdef=self._graphdef, layout=layout,
             schedule=cfg.schedule, comm=cfg.comm, key_chunk=cfg.key_chunk,
-            num_logprobs=cfg.max_logprobs, tuning=cfg.tuning)
+            num_logprobs=cfg.max_logprobs, tuning=cfg.tuning, attention=cfg.attention)
         return outputs
 
     def _count(self, step: ScheduledStep, layout: batch_lib.StepLayout) -> None:
@@ -270,7 +270,8 @@ class LLMEngine:
         lowered = [jitted_step.lower(
             self._state, self.cache, batch_lib.pack_padding(layout, cfg),
             graphdef=self._graphdef, layout=layout, schedule=cfg.schedule, comm=cfg.comm,
-            key_chunk=cfg.key_chunk, num_logprobs=cfg.max_logprobs, tuning=cfg.tuning)
+            key_chunk=cfg.key_chunk, num_logprobs=cfg.max_logprobs, tuning=cfg.tuning,
+            attention=cfg.attention)
             for layout in self.layouts()]
         with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(lambda program: program.compile(), lowered))

@@ -12,6 +12,13 @@ chunks as the largest position needs (a dynamic trip count: compute follows the 
 length, shapes stay static). Math in float32; grouped-query attention (query head ``h`` uses
 kv head ``h // (Hq / KVH)``).
 
+Two implementations compute the same function (``implementation=``): ``"xla"``, the pure-JAX
+key loop below (the CPU path and the reference the GPU tests compare with), and ``"cuda"``, the
+CUDA kernels of the extension (``serving.attention_kernel``: a split-K decode kernel for groups
+of one row, a tensor-core flash-attention kernel for prompt tiles), which read each key and
+value once per group straight from the paged cache. ``"auto"`` (:func:`resolve_implementation`)
+takes ``"cuda"`` where it can run.
+
 A request cut by the weave split: half A writes its rows' K/V, then half B's rows of the same
 request read them from the cache (same layer), so no prefix has to be passed around.
 
@@ -31,13 +38,35 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_tokenweave.serving import paged_cache
+from jax_tokenweave.serving import attention_kernel, paged_cache
 from jax_tokenweave.split import Half
+
+ATTENTION_IMPLS = ("auto", "cuda", "xla")
+
+
+def resolve_implementation(implementation: str, platform: str, dtype: jnp.dtype,
+                           head_dim: int, group: int) -> str:
+    """``"cuda"`` or ``"xla"`` for ``implementation`` in :data:`ATTENTION_IMPLS`: ``"auto"``
+    takes the CUDA kernels where they can run (:func:`attention_kernel.unavailable_reason` is
+    None) and the pure-JAX loop elsewhere; an explicit ``"cuda"`` that cannot run raises
+    ``ValueError`` with the reason."""
+    if implementation not in ATTENTION_IMPLS:
+        raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLS}, got "
+                         f"{implementation!r}")
+    if implementation == "xla":
+        return "xla"
+    why = attention_kernel.unavailable_reason(platform, dtype, head_dim, group)
+    if why is None:
+        return "cuda"
+    if implementation == "cuda":
+        raise ValueError(f"attention implementation 'cuda' cannot run: {why}")
+    return "xla"
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
                     positions: jax.Array, *, tile: int, key_chunk: int,
-                    scale: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    scale: float | None = None,
+                    implementation: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal attention of query groups over their requests' paged K/V (module docstring).
 
     Args:
@@ -45,7 +74,10 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
       k_cache, v_cache: one layer's cache [NB, BS, KVH, D] (this rank's heads).
       tables: int32 [G, W] block table per group; ``W`` a multiple of ``key_chunk / BS``.
       positions: int32 [G * tile], each row's position in its request.
-      tile: rows per group; key_chunk: keys per loop step (a multiple of BS).
+      tile: rows per group; key_chunk: keys per loop step (a multiple of BS; the pure-JAX
+        loop's, the CUDA kernels choose their own).
+      implementation: ``"xla"`` (the pure-JAX loop) or ``"cuda"`` (module docstring; resolve
+        ``"auto"`` first with :func:`resolve_implementation`).
     Returns:
       ``(out [G * tile, Hq, D] in q's dtype, k_cache, v_cache)``: the caches come back
       unchanged, threaded through the key loop; write the next K/V into *these* (module
@@ -58,6 +90,12 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
         raise ValueError(f"bad paged attention shapes: q {q.shape}, tile {tile}, tables "
                          f"{tables.shape}, key_chunk {key_chunk}, block size {bs}")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    if implementation == "cuda":
+        return attention_kernel.paged_attention(q, k_cache, v_cache, tables, positions,
+                                                tile=tile, scale=scale)
+    if implementation != "xla":
+        raise ValueError(f"paged_attention: implementation must be 'xla' or 'cuda' (resolve "
+                         f"'auto' with resolve_implementation), got {implementation!r}")
     qg = q.reshape(groups, tile, kvh, hq // kvh, d)
     pos = positions.reshape(groups, tile)
     stat_shape = (groups, tile, kvh, hq // kvh)
@@ -98,16 +136,19 @@ class PagedAttention:
     For half ``j`` of layer ``i``: write the half's K/V into layer ``i``'s cache at the rows'
     slots, then attend (:func:`paged_attention`) with the decode rows as groups of one and the
     chunk rows as groups of ``tile``. ``k``, ``v``: the per-layer caches (updated as the layers
-    run); ``slots``, ``positions`` [R]; ``tables`` [groups, W] (``serving.batch``).
+    run); ``slots``, ``positions`` [R]; ``tables`` [groups, W] (``serving.batch``);
+    ``implementation``: ``"xla"`` or ``"cuda"`` (:func:`paged_attention`).
     """
 
     def __init__(self, k: Sequence[jax.Array], v: Sequence[jax.Array], halves: Sequence[Half],
                  slots: jax.Array, positions: jax.Array, tables: jax.Array, *,
-                 decode_rows: int, tile: int, key_chunk: int) -> None:
+                 decode_rows: int, tile: int, key_chunk: int,
+                 implementation: str = "xla") -> None:
         self.k, self.v = list(k), list(v)
         self.halves = tuple(halves)
         self.slots, self.positions, self.tables = slots, positions, tables
         self.decode_rows, self.tile, self.key_chunk = decode_rows, tile, key_chunk
+        self.implementation = implementation
 
     def __call__(self, layer: int, j: int, q: jax.Array, k: jax.Array,
                  v: jax.Array) -> jax.Array:
@@ -126,7 +167,7 @@ class PagedAttention:
             out, self.k[layer], self.v[layer] = paged_attention(
                 q[a - lo:b - lo], self.k[layer], self.v[layer],
                 self.tables[first_group:first_group + groups], self.positions[a:b],
-                tile=size, key_chunk=self.key_chunk)
+                tile=size, key_chunk=self.key_chunk, implementation=self.implementation)
             parts.append(out)
         return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 

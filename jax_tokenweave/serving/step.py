@@ -34,7 +34,7 @@ from jax_tokenweave.params import partition_specs
 from jax_tokenweave.schedules import configure, resolve_comm
 from jax_tokenweave.serving import sampling
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
-from jax_tokenweave.serving.paged_attention import PagedAttention
+from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_implementation
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
 from jax_tokenweave.stack import run_stack
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
@@ -60,13 +60,14 @@ def tuning_entry(layout: StepLayout, tuning: TuneEntry | None) -> TuneEntry:
 
 def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays,
                     cache: PagedKVCache, layout: StepLayout, *, schedule: str, comm: str,
-                    key_chunk: int, tuning: TuneEntry | None = None
+                    key_chunk: int, tuning: TuneEntry | None = None, attention: str = "auto"
                     ) -> tuple[jax.Array, PagedKVCache]:
     """The decoder stack on a packed step (module docstring).
 
     ``hidden`` [R, H] replicated; ``arrays``: the step's positions, slots, tables [R] /
     [groups, W] (replicated); ``cache`` sharded over kv heads. Returns the final-normed hidden
-    [R, H] (replicated) and the cache with the step's K/V written.
+    [R, H] (replicated) and the cache with the step's K/V written. ``attention``: the
+    paged-attention implementation (``paged_attention.ATTENTION_IMPLS``).
     """
     entry = tuning_entry(layout, tuning)
     plan = layout.plan
@@ -75,12 +76,16 @@ def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays
     halves, factory = configure(schedule, resolved, plan)
     ctx = decoder.context(entry)
     graphdef, state = nnx.split(decoder)
+    cfg = decoder.config
+    impl = resolve_implementation(attention, decoder.mesh.devices.flat[0].platform,
+                                  cache.k[0].dtype, cfg.head_dim,
+                                  cfg.num_heads // cfg.num_kv_heads)
 
     def per_rank(state: Any, x: jax.Array, positions: jax.Array, slots: jax.Array,
                  tables: jax.Array, k: list[jax.Array], v: list[jax.Array]) -> Any:
         attention = PagedAttention(k, v, halves, slots, positions, tables,
                                    decode_rows=layout.decode_rows, tile=layout.tile,
-                                   key_chunk=key_chunk)
+                                   key_chunk=key_chunk, implementation=impl)
         outs = run_stack(nnx.merge(graphdef, state), [x[h.start:h.end] for h in halves],
                          [positions[h.start:h.end] for h in halves], factory(ctx), attention)
         out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
@@ -97,13 +102,14 @@ def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays
 
 def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: StepLayout, *,
                schedule: str, comm: str, key_chunk: int, num_logprobs: int,
-               tuning: TuneEntry | None = None) -> tuple[StepOutputs, PagedKVCache]:
+               tuning: TuneEntry | None = None, attention: str = "auto"
+               ) -> tuple[StepOutputs, PagedKVCache]:
     """Embed, run the stack (:func:`decoder_forward`), project the sampled rows to logits,
     sample (``serving.sampling``). ``model``: a ``models.llama.LlamaModel``."""
     hidden = model.embed_tokens(arrays.tokens)
     out, cache = decoder_forward(model.decoder, hidden, arrays, cache, layout,
                                  schedule=schedule, comm=comm, key_chunk=key_chunk,
-                                 tuning=tuning)
+                                 tuning=tuning, attention=attention)
     logits = model.logits(out[arrays.sample_rows])
     tokens = sampling.sample(logits, arrays.seeds, arrays.counters, arrays.temperature,
                              arrays.top_p, arrays.top_k)
@@ -112,12 +118,15 @@ def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: Step
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "schedule", "comm",
-                                             "key_chunk", "num_logprobs", "tuning"),
+                                             "key_chunk", "num_logprobs", "tuning",
+                                             "attention"),
                    donate_argnames=("cache",))
 def jitted_step(state: Any, cache: PagedKVCache, arrays: StepArrays, *, graphdef: Any,
                 layout: StepLayout, schedule: str, comm: str, key_chunk: int,
-                num_logprobs: int, tuning: TuneEntry | None) -> tuple[StepOutputs, PagedKVCache]:
+                num_logprobs: int, tuning: TuneEntry | None,
+                attention: str = "auto") -> tuple[StepOutputs, PagedKVCache]:
     """:func:`model_step` on ``nnx.merge(graphdef, state)``, jitted, the cache donated (shared
     by every engine of the same model structure: equal shapes compile once)."""
     return model_step(nnx.merge(graphdef, state), cache, arrays, layout, schedule=schedule,
-                      comm=comm, key_chunk=key_chunk, num_logprobs=num_logprobs, tuning=tuning)
+                      comm=comm, key_chunk=key_chunk, num_logprobs=num_logprobs, tuning=tuning,
+                      attention=attention)

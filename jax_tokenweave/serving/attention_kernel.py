@@ -1,0 +1,109 @@
+"""The CUDA paged-attention kernels (``ffi/paged_attention.cu``) as a JAX operation.
+
+One XLA FFI custom call, ``tokenweave_paged_attention``, per attention segment of a step, per
+rank (inside ``shard_map``):
+
+* ``tile == 1`` (decode rows): a split-K flash-decoding kernel. Grid (key splits, kv heads,
+  rows); each block reads its split's keys and values once with 16-byte loads and serves every
+  query head of its kv head (grouped-query attention), keeping an online softmax in float32;
+  a second small kernel merges the splits. The split length is chosen here
+  (:func:`decode_split`), from the static shapes, so that even one request fills the GPU.
+* ``tile > 1`` (prompt tiles): a flash-attention kernel on tensor cores (``mma.sync``
+  m16n8k16, bf16/fp16 in, float32 accumulation). Each block takes 64 (query, head) rows of one
+  tile (the heads of one kv head side by side, so a key tile in shared memory serves all of
+  them), streams the request's keys and values through shared memory in tiles of 64 positions
+  (``cp.async``, double-buffered, swizzled for conflict-free ``ldmatrix``), and stops at the
+  tile's last position (causal).
+
+Both read the block table and the positions on the device; nothing is decided per call on the
+host, so XLA command buffers capture the call. The caches are returned aliased to their inputs
+(``input_output_aliases``): the next write of the cache must follow this read, as with the
+pure-JAX loop (``serving.paged_attention``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_tokenweave import _extension
+
+TARGET = "tokenweave_paged_attention"
+HEAD_DIMS = (64, 128)
+GROUPS = (1, 2, 4, 8)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SPLIT_LENGTHS = (64, 128, 256, 512)
+"""Keys per block of the decode kernel, from the shortest (most blocks) to the longest."""
+TARGET_BLOCKS = 4 * 132
+"""Decode blocks to aim for: four per multiprocessor of an H100/H200."""
+
+
+def unavailable_reason(platform: str, dtype: jnp.dtype, head_dim: int, group: int) -> str | None:
+    """None where the CUDA kernels run for these shapes; else why not, in one sentence."""
+    if _extension.import_error() is not None:
+        return f"the CUDA extension is not built ({_extension.import_error()})"
+    if platform not in ("gpu", "cuda"):
+        return f"the mesh is on {platform!r}, not on CUDA GPUs"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"the cache dtype is {jnp.dtype(dtype).name}; the kernels take bfloat16 or float16"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
+    if group not in GROUPS:
+        return f"{group} query heads per kv head is not one of {GROUPS}"
+    return None
+
+
+@functools.cache
+def _register() -> None:
+    jax.ffi.register_ffi_target(TARGET, _extension.get().attention_handlers()["paged_attention"],
+                                platform="CUDA")
+
+
+def decode_split(rows: int, kv_heads: int, max_keys: int) -> int:
+    """Keys per block of the decode kernel: the longest of :data:`SPLIT_LENGTHS` that still
+    gives :data:`TARGET_BLOCKS` blocks for ``rows`` requests whose contexts fill ``max_keys``
+    positions (the block table's width); the shortest where none does."""
+    for length in reversed(SPLIT_LENGTHS):
+        if rows * kv_heads * math.ceil(max_keys / length) >= TARGET_BLOCKS:
+            return length
+    return SPLIT_LENGTHS[0]
+
+
+def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
+                    positions: jax.Array, *, tile: int,
+                    scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``serving.paged_attention.paged_attention`` on the CUDA kernels (module docstring).
+
+    ``q`` [G * tile, Hq, D]; ``k_cache``, ``v_cache`` [NB, BS, KVH, D] (q's dtype); ``tables``
+    int32 [G, W]; ``positions`` int32 [G * tile]. Returns ``(out [G * tile, Hq, D], k_cache,
+    v_cache)``, the caches aliased to the inputs.
+    """
+    rows, hq, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    groups, width = tables.shape
+    why = unavailable_reason("gpu", q.dtype, d, hq // kvh if hq % kvh == 0 else 0)
+    if why is not None:
+        raise ValueError(f"paged_attention (cuda): {why}")
+    if (k_cache.dtype != q.dtype or v_cache.shape != k_cache.shape
+            or v_cache.dtype != q.dtype or k_cache.shape[3] != d or rows != groups * tile):
+        raise ValueError(f"paged_attention (cuda): bad shapes q {q.shape} {q.dtype}, caches "
+                         f"{k_cache.shape} {k_cache.dtype} / {v_cache.shape} {v_cache.dtype}, "
+                         f"tables {tables.shape}, tile {tile}")
+    _register()
+    group = hq // kvh
+    split = decode_split(groups, kvh, width * bs) if tile == 1 else 0
+    splits = math.ceil(width * bs / split) if tile == 1 else 0
+    # Decode partials: per (row, kv head, split, head of the group) D sums and (max, total).
+    work = (groups * kvh * splits * group * (d + 2),) if tile == 1 else (1,)
+    outs = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+            jax.ShapeDtypeStruct(work, jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, outs, input_output_aliases={1: 1, 2: 2})
+    out, k_cache, v_cache, _ = call(q, k_cache, v_cache, tables.astype(jnp.int32),
+                                    positions.astype(jnp.int32), tile=int(tile),
+                                    split=int(split), scale=float(scale))
+    return out, k_cache, v_cache
