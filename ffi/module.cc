@@ -11,6 +11,7 @@
 
 #include "comm.h"
 #include "common.h"
+#include "attention_handlers.h"
 #include "handlers.h"
 #include "loopback.h"
 #include "multicast.h"
@@ -60,6 +61,11 @@ NB_MODULE(_tokenweave_ffi, m) {
         nb::capsule(reinterpret_cast<void*>(TokenweaveAllreduceRmsnormStart));
     d["allreduce_rmsnorm_done"] =
         nb::capsule(reinterpret_cast<void*>(TokenweaveAllreduceRmsnormDone));
+    return d;
+  });
+  m.def("attention_handlers", [] {
+    nb::dict d;
+    d["paged_attention"] = nb::capsule(reinterpret_cast<void*>(TokenweavePagedAttention));
     return d;
   });
   m.def(

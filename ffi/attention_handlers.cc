@@ -1,0 +1,125 @@
+// XLA FFI handler of the paged attention kernels (paged_attention.h): validates the buffers
+// against each other and launches on XLA's stream. It keeps no per-call host state, so XLA
+// command buffers may capture it.
+#include "attention_handlers.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <utility>
+
+#include "paged_attention.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace tokenweave {
+namespace {
+
+std::string Dims(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error Bad(const std::string& what) {
+  return ffi::Error::InvalidArgument("jax-tokenweave paged_attention: " + what);
+}
+
+ffi::Error Cuda(cudaError_t e, const char* what) {
+  return ffi::Error::Internal(std::string("jax-tokenweave paged_attention: ") + what + ": " +
+                              cudaGetErrorString(e));
+}
+
+ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                              ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                              ffi::Result<ffi::Buffer<ffi::F32>> work, int32_t tile, int32_t split,
+                              float scale) {
+  AttnDType dtype;
+  switch (q.element_type()) {
+    case ffi::DataType::BF16: dtype = AttnDType::kBF16; break;
+    case ffi::DataType::F16: dtype = AttnDType::kF16; break;
+    default: return Bad("q must be bfloat16 or float16");
+  }
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
+    return Bad("want q [rows, Hq, D], caches [NB, BS, KVH, D], tables [G, W]; got q " +
+               Dims(qd) + ", cache " + Dims(kd) + ", tables " + Dims(td));
+  if (k_cache.element_type() != q.element_type() || v_cache.element_type() != q.element_type() ||
+      Dims(v_cache.dimensions()) != Dims(kd))
+    return Bad("the caches must share q's dtype and one shape; got " + Dims(kd) + " and " +
+               Dims(v_cache.dimensions()));
+  const int64_t rows = qd[0], hq = qd[1], d = qd[2], kvh = kd[2];
+  if (kd[3] != d || kvh < 1 || hq % kvh != 0 || !AttentionShapeSupported(d, hq / kvh))
+    return Bad("unsupported heads: q " + Dims(qd) + ", cache " + Dims(kd) +
+               " (head_dim 64 or 128, 1, 2, 4 or 8 query heads per kv head)");
+  if (tile < 1 || rows != td[0] * tile || positions.dimensions().size() != 1 ||
+      positions.dimensions()[0] != rows)
+    return Bad("want rows = groups * tile and one position per row; got q " + Dims(qd) +
+               ", tables " + Dims(td) + ", tile " + std::to_string(tile) + ", positions " +
+               Dims(positions.dimensions()));
+  if (Dims(out->dimensions()) != Dims(qd) || out->element_type() != q.element_type())
+    return Bad("the output must match q");
+  AttentionParams p{};
+  p.q = q.untyped_data();
+  p.k_cache = k_cache.untyped_data();
+  p.v_cache = v_cache.untyped_data();
+  p.tables = tables.typed_data();
+  p.positions = positions.typed_data();
+  p.out = out->untyped_data();
+  p.work = work->typed_data();
+  p.groups = static_cast<int32_t>(td[0]);
+  p.tile = tile;
+  p.hq = static_cast<int32_t>(hq);
+  p.kvh = static_cast<int32_t>(kvh);
+  p.head_dim = static_cast<int32_t>(d);
+  p.block_size = static_cast<int32_t>(kd[1]);
+  p.width = static_cast<int32_t>(td[1]);
+  p.num_blocks = static_cast<int32_t>(kd[0]);
+  p.scale = scale;
+  if (p.num_blocks < 1 || p.block_size < 1 || p.width < 1) return Bad("empty cache or table");
+  if (tile == 1) {
+    if (split < 64 || split > 512 || split % 64 != 0)
+      return Bad("split must be 64, 128, 256 or 512 keys, got " + std::to_string(split));
+    p.split = split;
+    p.splits = static_cast<int32_t>((int64_t{p.width} * p.block_size + split - 1) / split);
+    const int64_t need = rows * kvh * p.splits * (hq / kvh) * (d + 2);
+    if (static_cast<int64_t>(work->element_count()) < need)
+      return Bad("work buffer holds " + std::to_string(work->element_count()) +
+                 " floats, the decode kernel needs " + std::to_string(need));
+  }
+  // The caches are aliased outputs: XLA hands back the same buffers (copy where it did not).
+  for (auto [from, to] : {std::pair{&k_cache, k_out->untyped_data()},
+                          std::pair{&v_cache, v_out->untyped_data()}}) {
+    if (to != from->untyped_data())
+      if (cudaError_t e = cudaMemcpyAsync(to, from->untyped_data(), from->size_bytes(),
+                                          cudaMemcpyDeviceToDevice, stream);
+          e != cudaSuccess)
+        return Cuda(e, "copying the cache");
+  }
+  if (cudaError_t e = LaunchPagedAttention(p, dtype, stream); e != cudaSuccess)
+    return Cuda(e, "kernel launch");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace tokenweave
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweavePagedAttention, tokenweave::PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // q [rows, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()          // k_cache [NB, BS, KVH, D]
+                                  .Arg<ffi::AnyBuffer>()          // v_cache [NB, BS, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables [G, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions [rows]
+                                  .Ret<ffi::AnyBuffer>()          // out [rows, Hq, D]
+                                  .Ret<ffi::AnyBuffer>()          // k_cache (aliased)
+                                  .Ret<ffi::AnyBuffer>()          // v_cache (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // work (decode partials)
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("split")
+                                  .Attr<float>("scale"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,540 @@
+// Paged attention kernels (paged_attention.h). Both read the block table and the positions on
+// the device and keep the softmax in float32 with base-2 exponentials (logits pre-scaled by
+// scale * log2(e)).
+//
+// Decode (tile == 1): grid (split, kv head, row), 128 threads. A row's keys 0..p are cut into
+// splits of `split` keys; a block streams its split's K and V rows with 16-byte loads (a key row
+// of head_dim elements is read by head_dim / 8 threads) and scores them against every query
+// head of its kv head (GQA: one read of K/V serves `G` heads), an online softmax per thread,
+// then merges its threads and writes unnormalised partial sums with their max and total. A
+// merge kernel combines the splits of each (row, head).
+//
+// Prompt tiles (tile > 1): grid (row block, kv head, group), 128 threads = 4 warps of 16 rows.
+// A block's 64 rows are (query, head) pairs of one tile, the G heads of the kv head side by
+// side (row = query * G + head), so each key tile in shared memory serves all of them. K/V
+// tiles of 64 positions stream through shared memory (cp.async, two stages, 16-byte chunks
+// XOR-swizzled by row so ldmatrix is conflict-free); S = Q K^T and O += P V run on mma.sync
+// m16n8k16 with float32 accumulators; the block stops at its last row's position (causal).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "paged_attention.h"
+
+namespace tokenweave {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kThreads = 128;
+
+template <typename T> struct Vec;
+template <> struct Vec<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  static __device__ float2 ToFloat2(uint32_t w) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  }
+  static __device__ __nv_bfloat16 FromFloat(float a) { return __float2bfloat16_rn(a); }
+  static __device__ uint32_t FromFloat2(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <> struct Vec<__half> {
+  using T2 = __half2;
+  static __device__ float2 ToFloat2(uint32_t w) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  }
+  static __device__ __half FromFloat(float a) { return __float2half_rn(a); }
+  static __device__ uint32_t FromFloat2(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+// A row's keys: positions 0..p, within the block table.
+__device__ __forceinline__ int Context(const AttentionParams& p, int row) {
+  return min(p.positions[row] + 1, p.width * p.block_size);
+}
+
+__device__ __forceinline__ int64_t BlockId(const int32_t* table, int index, int num_blocks) {
+  return min(max(table[index], 0), num_blocks - 1);
+}
+
+// ------------------------------------------------------------------------------------ decode
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p) {
+  constexpr int kVec = 8;                        // elements per 16-byte load
+  constexpr int kTpk = D / kVec;                 // threads per key row
+  constexpr int kKeysPerPass = kThreads / kTpk;  // keys the block reads per pass
+  constexpr int kUnroll = G > 4 ? 2 : 4;         // passes whose loads are in flight together
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kMaxTable = 512;                 // block-table entries a split may span
+  __shared__ int s_blocks[kMaxTable];
+  __shared__ float s_m[kWarps][G], s_l[kWarps][G];
+  __shared__ float s_acc[kWarps][G][D];
+
+  const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
+  const int ctx = Context(p, row);
+  const int k0 = split * p.split;
+  if (k0 >= ctx) return;  // the merge reads only the splits under ctx
+  const int k1 = min(ctx, k0 + p.split);
+  const int tid = threadIdx.x, slot = tid / kTpk, d0 = (tid % kTpk) * kVec;
+  const int bs = p.block_size;
+  const int b0 = k0 / bs, nb = (k1 - 1) / bs - b0 + 1;
+  const int32_t* table = p.tables + static_cast<int64_t>(row) * p.width;
+  for (int i = tid; i < nb; i += kThreads) s_blocks[i] = BlockId(table, b0 + i, p.num_blocks);
+
+  // This thread's dims of the G query heads, pre-scaled.
+  const float qscale = p.scale * kLog2e;
+  float q[G][kVec];
+  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const uint4 w = *reinterpret_cast<const uint4*>(qrow + g * D + d0);
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = Vec<T>::ToFloat2(words[i]);
+      q[g][2 * i] = f.x * qscale;
+      q[g][2 * i + 1] = f.y * qscale;
+    }
+  }
+  float m[G], l[G], acc[G][kVec];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[g][i] = 0.f;
+  }
+  __syncthreads();
+
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+  const int64_t pos_stride = static_cast<int64_t>(p.kvh) * D;
+  for (int base = k0; base < k1; base += kKeysPerPass * kUnroll) {
+    uint4 kw[kUnroll], vw[kUnroll];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int key = base + u * kKeysPerPass + slot;
+      valid[u] = key < k1;
+      if (valid[u]) {
+        const int64_t at = (static_cast<int64_t>(s_blocks[key / bs - b0]) * bs + key % bs) *
+                               pos_stride + h * D + d0;
+        kw[u] = __ldg(reinterpret_cast<const uint4*>(kc + at));
+        vw[u] = __ldg(reinterpret_cast<const uint4*>(vc + at));
+      } else {
+        kw[u] = vw[u] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float s[kUnroll][G];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t words[4] = {kw[u].x, kw[u].y, kw[u].z, kw[u].w};
+      float kf[kVec];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = Vec<T>::ToFloat2(words[i]);
+        kf[2 * i] = f.x;
+        kf[2 * i + 1] = f.y;
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) dot = fmaf(q[g][i], kf[i], dot);
+#pragma unroll
+        for (int o = kTpk / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        s[u][g] = valid[u] ? dot : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float m_new = m[g];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, s[u][g]);
+      if (m_new == -INFINITY) continue;  // no valid key for this thread yet
+      const float corr = exp2f(m[g] - m_new);
+      l[g] *= corr;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[g][i] *= corr;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float pu = exp2f(s[u][g] - m_new);  // 0 for an invalid key
+        l[g] += pu;
+        const uint32_t words[4] = {vw[u].x, vw[u].y, vw[u].z, vw[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = Vec<T>::ToFloat2(words[i]);
+          acc[g][2 * i] = fmaf(pu, f.x, acc[g][2 * i]);
+          acc[g][2 * i + 1] = fmaf(pu, f.y, acc[g][2 * i + 1]);
+        }
+      }
+      m[g] = m_new;
+    }
+  }
+
+  // Merge the key slots of a warp (lanes kTpk apart hold the same dims), then the warps.
+#pragma unroll
+  for (int o = kTpk; o < 32; o *= 2) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+      const float mn = fmaxf(m[g], mo);
+      const float ca = mn == -INFINITY ? 0.f : exp2f(m[g] - mn);
+      const float cb = mn == -INFINITY ? 0.f : exp2f(mo - mn);
+      l[g] = l[g] * ca + lo * cb;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float ao = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+        acc[g][i] = acc[g][i] * ca + ao * cb;
+      }
+      m[g] = mn;
+    }
+  }
+  const int warp = tid / 32, lane = tid % 32;
+  if (lane < kTpk) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (lane == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) s_acc[warp][g][d0 + i] = acc[g][i];
+    }
+  }
+  __syncthreads();
+  // Thread t writes element t of (G heads x (D sums + max + total)) of this split.
+  float* work = p.work + ((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G * (D + 2);
+  for (int e = tid; e < G * (D + 2); e += kThreads) {
+    const int g = e / (D + 2), i = e % (D + 2);
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float c = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
+      v += c * (i < D ? s_acc[w][g][i] : (i == D + 1 ? s_l[w][g] : 0.f));
+    }
+    work[e] = i == D ? mx : v;
+  }
+}
+
+// Grid (row, kv head), D threads: thread d merges dim d of each head of the group over the
+// row's splits and writes the normalised output.
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(D) DecodeMergeKernel(AttentionParams p) {
+  const int row = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+  const int ctx = Context(p, row);
+  const int n = (ctx + p.split - 1) / p.split;
+  const float* work = p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2);
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float mx = -INFINITY;
+    for (int s = 0; s < n; ++s) mx = fmaxf(mx, work[(s * G + g) * (D + 2) + D]);
+    float total = 0.f, sum = 0.f;
+    for (int s = 0; s < n; ++s) {
+      const float* w = work + (s * G + g) * (D + 2);
+      const float c = w[D] == -INFINITY ? 0.f : exp2f(w[D] - mx);
+      total += c * w[D + 1];
+      sum += c * w[d];
+    }
+    out[g * D + d] = Vec<T>::FromFloat(total > 0.f ? sum / total : 0.f);
+  }
+}
+
+// ---------------------------------------------------------------------- prompt tiles (mma)
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool full) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
+               "r"(full ? 16 : 0));
+}
+
+__device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+
+__device__ __forceinline__ void Ldmatrix4Trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+
+template <typename T> struct Mma;
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void Run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void Run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+constexpr int kTileRows = 64;  // (query, head) rows per block: 4 warps x 16
+constexpr int kTileKeys = 64;  // key positions per shared-memory tile
+
+template <int D>
+constexpr int TileSmemBytes() {
+  return 2 /*stages*/ * 2 /*K, V*/ * kTileKeys * D * 2 /*bytes*/;
+}
+
+// Element offset of 16-byte chunk `c` of key row `r` in a swizzled [kTileKeys, D] tile.
+template <int D>
+__device__ __forceinline__ int Swizzled(int r, int c) {
+  return r * D + ((c ^ (r & 7)) * 8);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void LoadKvTile(T* sk, T* sv, const AttentionParams& p, int group,
+                                           int h, int kt, int kend) {
+  constexpr int kChunks = D / 8;
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+  const int32_t* table = p.tables + static_cast<int64_t>(group) * p.width;
+  for (int i = threadIdx.x; i < kTileKeys * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks, key = kt * kTileKeys + r;
+    const bool full = key < kend;
+    int64_t at = 0;
+    if (full)
+      at = ((BlockId(table, key / p.block_size, p.num_blocks) * p.block_size +
+             key % p.block_size) * p.kvh + h) * D + c * 8;
+    CpAsync16(sk + Swizzled<D>(r, c), kc + at, full);
+    CpAsync16(sv + Swizzled<D>(r, c), vc + at, full);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* smem = reinterpret_cast<T*>(smem_raw);
+  __shared__ int s_kend[kThreads / 32];
+  const int G = p.hq / p.kvh;
+  const int block_rows = blockIdx.x * kTileRows, h = blockIdx.y;
+  const int group = gridDim.z - 1 - blockIdx.z;  // the longest groups (last tiles) first
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gid = lane / 4, tig = lane % 4;
+
+  // The two rows of this thread: (query, head) = (r / G, r % G); pos -1 marks a padding row.
+  int pos[2];
+  const T* qptr[2];
+  int64_t out_at[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = block_rows + warp * 16 + gid + 8 * i, t = r / G, head = h * G + r % G;
+    const bool valid = t < p.tile;
+    const int64_t qrow = static_cast<int64_t>(group) * p.tile + (valid ? t : 0);
+    pos[i] = valid ? Context(p, static_cast<int>(qrow)) - 1 : -1;
+    out_at[i] = valid ? (qrow * p.hq + head) * D : -1;
+    qptr[i] = static_cast<const T*>(p.q) + (qrow * p.hq + head) * D;
+  }
+  int mx = max(pos[0], pos[1]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) s_kend[warp] = mx + 1;
+  __syncthreads();
+  int kend = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) kend = max(kend, s_kend[w]);
+  // kend == 0 (no row with a position): no tile; the rows are written as zeros below.
+  const int tiles = (kend + kTileKeys - 1) / kTileKeys;
+
+  // Stage st: K at smem + 2 st * kStage, V at smem + (2 st + 1) * kStage.
+  constexpr int kStage = kTileKeys * D;
+  if (tiles > 0) LoadKvTile<T, D>(smem, smem + kStage, p, group, h, 0, kend);
+
+  // Q as A fragments (rows gid, gid + 8 of the warp; dims 16 kk + 2 tig + {0, 1, 8, 9}).
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = j % 2, dim = kk * 16 + tig * 2 + (j / 2) * 8;
+      qa[kk][j] = pos[i] >= 0 ? *reinterpret_cast<const uint32_t*>(qptr[i] + dim) : 0u;
+    }
+  }
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float sscale = p.scale * kLog2e;
+
+  for (int kt = 0; kt < tiles; ++kt) {
+    const int st = kt & 1;
+    const T* sk = smem + 2 * st * kStage;
+    const T* sv = sk + kStage;
+    if (kt + 1 < tiles) {
+      T* next = smem + 2 * (st ^ 1) * kStage;
+      LoadKvTile<T, D>(next, next + kStage, p, group, h, kt + 1, kend);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    __syncthreads();
+
+    float s[kTileKeys / 8][4];
+#pragma unroll
+    for (int n = 0; n < kTileKeys / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kTileKeys / 16; ++np) {
+        const int mi = lane / 8, r = np * 16 + (lane % 8) + (mi / 2) * 8, c = kk * 2 + mi % 2;
+        uint32_t b[4];
+        Ldmatrix4(b, sk + Swizzled<D>(r, c));
+        Mma<T>::Run(s[2 * np], qa[kk], b[0], b[1]);
+        Mma<T>::Run(s[2 * np + 1], qa[kk], b[2], b[3]);
+      }
+    }
+    // Scale, causal mask, online softmax (a row's 64 scores sit in the 4 lanes of a quad).
+    float rmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < kTileKeys / 8; ++n) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = kt * kTileKeys + n * 8 + tig * 2 + j % 2;
+        const float v = key <= pos[j / 2] ? s[n][j] * sscale : -INFINITY;
+        s[n][j] = v;
+        rmax[j / 2] = fmaxf(rmax[j / 2], v);
+      }
+    }
+    float corr[2], msafe[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      rmax[i] = fmaxf(rmax[i], __shfl_xor_sync(0xffffffffu, rmax[i], 1));
+      rmax[i] = fmaxf(rmax[i], __shfl_xor_sync(0xffffffffu, rmax[i], 2));
+      const float mn = fmaxf(m[i], rmax[i]);
+      msafe[i] = mn == -INFINITY ? 0.f : mn;
+      corr[i] = exp2f(m[i] - msafe[i]);  // 0 while m is -inf
+      m[i] = mn;
+      l[i] *= corr[i];
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= corr[0], o[n][1] *= corr[0];
+      o[n][2] *= corr[1], o[n][3] *= corr[1];
+    }
+    uint32_t pa[kTileKeys / 16][4];
+#pragma unroll
+    for (int n = 0; n < kTileKeys / 8; ++n) {
+      const float p0 = exp2f(s[n][0] - msafe[0]), p1 = exp2f(s[n][1] - msafe[0]);
+      const float p2 = exp2f(s[n][2] - msafe[1]), p3 = exp2f(s[n][3] - msafe[1]);
+      l[0] += p0 + p1;
+      l[1] += p2 + p3;
+      pa[n / 2][(n % 2) * 2] = Vec<T>::FromFloat2(p0, p1);
+      pa[n / 2][(n % 2) * 2 + 1] = Vec<T>::FromFloat2(p2, p3);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kTileKeys / 16; ++kk) {
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int mi = lane / 8, r = kk * 16 + (lane % 8) + (mi % 2) * 8, c = dp * 2 + mi / 2;
+        uint32_t b[4];
+        Ldmatrix4Trans(b, sv + Swizzled<D>(r, c));
+        Mma<T>::Run(o[2 * dp], pa[kk], b[0], b[1]);
+        Mma<T>::Run(o[2 * dp + 1], pa[kk], b[2], b[3]);
+      }
+    }
+    __syncthreads();  // the next iteration's load overwrites the other stage
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (out_at[i] < 0) continue;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<uint32_t*>(out + out_at[i] + n * 8 + tig * 2) =
+          Vec<T>::FromFloat2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+  }
+}
+
+// ------------------------------------------------------------------------------- launchers
+
+template <typename T, int D, int G>
+cudaError_t LaunchDecode(const AttentionParams& p, cudaStream_t stream) {
+  const int rows = p.groups;
+  DecodeSplitKernel<T, D, G><<<dim3(p.splits, p.kvh, rows), kThreads, 0, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  DecodeMergeKernel<T, D, G><<<dim3(rows, p.kvh), D, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t LaunchPrefill(const AttentionParams& p, cudaStream_t stream) {
+  constexpr int kSmem = TileSmemBytes<D>();
+  // The attribute is per function and device; setting it each launch is cheap and thread-safe.
+  if (cudaError_t e = cudaFuncSetAttribute(PrefillTileKernel<T, D>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      e != cudaSuccess)
+    return e;
+  const int g = p.hq / p.kvh;
+  const dim3 grid((p.tile * g + kTileRows - 1) / kTileRows, p.kvh, p.groups);
+  PrefillTileKernel<T, D><<<grid, kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
+  if (p.tile > 1) return LaunchPrefill<T, D>(p, stream);
+  switch (p.hq / p.kvh) {
+    case 1: return LaunchDecode<T, D, 1>(p, stream);
+    case 2: return LaunchDecode<T, D, 2>(p, stream);
+    case 4: return LaunchDecode<T, D, 4>(p, stream);
+    case 8: return LaunchDecode<T, D, 8>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t LaunchForType(const AttentionParams& p, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return LaunchForDim<T, 64>(p, stream);
+    case 128: return LaunchForDim<T, 128>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool AttentionShapeSupported(int head_dim, int group) {
+  return (head_dim == 64 || head_dim == 128) &&
+         (group == 1 || group == 2 || group == 4 || group == 8);
+}
+
+cudaError_t LaunchPagedAttention(const AttentionParams& p, AttnDType dtype, cudaStream_t stream) {
+  if (p.groups == 0) return cudaSuccess;
+  return dtype == AttnDType::kBF16 ? LaunchForType<__nv_bfloat16>(p, stream)
+                                   : LaunchForType<__half>(p, stream);
+}
+
+}  // namespace tokenweave

@@ -1,0 +1,199 @@
+"""The CUDA paged-attention kernels against the pure-JAX loop and a float64 reference: decode rows
+(split-K, contexts over many splits) and prompt tiles (tensor cores), grouped-query heads,
+bf16 and fp16, block tables in random order, ragged contexts, padding rows; and the engine
+serving the same greedy tokens with either implementation. CPU tests of the choice of
+implementation and of the decode split sit at the end."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import gpu_devices
+from flax import nnx
+
+from jax_tokenweave.serving import attention_kernel
+from jax_tokenweave.serving.paged_attention import paged_attention, resolve_implementation
+
+needs_kernel = pytest.mark.skipif(
+    not gpu_devices() or attention_kernel.unavailable_reason(
+        "gpu", jnp.bfloat16, 128, 4) is not None,
+    reason="needs a GPU and the CUDA extension")
+
+
+def _reference(q, k_cache, v_cache, tables, positions, tile):
+    """Float64: each row attends to its group's request positions 0..p."""
+    q, k_cache, v_cache = (np.asarray(a, np.float64) for a in (q, k_cache, v_cache))
+    rows, hq, d = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    out = np.zeros_like(q)
+    for r in range(rows):
+        table = tables[r // tile]
+        ctx = positions[r] + 1
+        slots = np.arange(ctx)
+        keys = k_cache[table[slots // bs], slots % bs]        # [ctx, KVH, D]
+        values = v_cache[table[slots // bs], slots % bs]
+        keys = np.repeat(keys, hq // kvh, axis=1)
+        values = np.repeat(values, hq // kvh, axis=1)
+        logits = np.einsum("hd,shd->hs", q[r], keys) / np.sqrt(d)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        out[r] = np.einsum("hs,shd->hd", probs, values)
+    return out
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _case(rng, *, groups, tile, contexts, hq, kvh, d, bs, dtype, width=None):
+    """Random ``(q, k_cache, v_cache)`` in ``dtype`` and the int32 ``tables``, ``positions``:
+    group i's rows end at context ``contexts[i]`` (a prompt tile holds positions
+    ``ctx - tile .. ctx - 1``); blocks in random order."""
+    width = width or max(-(-c // bs) for c in contexts) + 1
+    num_blocks = groups * width + 3
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = perm[:groups * width].reshape(groups, width)
+    k_cache = rng.standard_normal((num_blocks, bs, kvh, d)).astype(np.float32)
+    v_cache = rng.standard_normal((num_blocks, bs, kvh, d)).astype(np.float32)
+    positions = np.concatenate([np.arange(c - tile, c) if tile > 1 else [c - 1]
+                                for c in contexts]).astype(np.int32)
+    q = rng.standard_normal((groups * tile, hq, d)).astype(np.float32)
+    cast = lambda a: jnp.asarray(a, dtype)
+    return cast(q), cast(k_cache), cast(v_cache), tables, positions
+
+
+def _as_f32(case):
+    """The case's arrays as the float32 values the kernels see (the reference's inputs)."""
+    q, k, v, tables, positions = case
+    return (*(np.asarray(a.astype(jnp.float32)) for a in (q, k, v)), tables, positions)
+
+
+def _run(impl, q, k, v, tables, positions, tile):
+    fn = jax.jit(lambda q, k, v, t, p: paged_attention(q, k, v, t, p, tile=tile, key_chunk=64,
+                                                       implementation=impl))
+    out, k_back, v_back = fn(q, k, v, jnp.asarray(tables), jnp.asarray(positions))
+    return np.asarray(out.astype(jnp.float32)), k_back, v_back
+
+
+@needs_kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(("hq", "kvh", "d"), [(32, 8, 128), (8, 8, 64), (16, 2, 128)])
+def test_decode_rows_match_reference(rng, dtype, hq, kvh, d):
+    contexts = [1, 7, 64, 65, 513, 3000, 1024, 200]          # one split up to several
+    case = _case(rng, groups=len(contexts), tile=1, contexts=contexts, hq=hq, kvh=kvh, d=d,
+                 bs=16, dtype=dtype)
+    want = _reference(*_as_f32(case), tile=1)
+    got, k_back, _ = _run("cuda", *case, tile=1)
+    xla, _, _ = _run("xla", *case, tile=1)
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < 1e-2, _rel(got, want)
+    assert _rel(got, xla) < 1e-2
+    np.testing.assert_array_equal(np.asarray(k_back), np.asarray(case[1]))
+
+
+@needs_kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(("tile", "hq", "kvh", "d", "bs"),
+                         [(64, 32, 8, 128, 16), (16, 8, 8, 64, 16), (64, 16, 2, 128, 8),
+                          (32, 4, 4, 128, 32)])
+def test_prompt_tiles_match_reference(rng, dtype, tile, hq, kvh, d, bs):
+    # Chunks at the start of a prompt, after a cached prefix, and across many key tiles.
+    contexts = [tile, 3 * tile, 777 + tile, 2048]
+    case = _case(rng, groups=len(contexts), tile=tile, contexts=contexts, hq=hq, kvh=kvh,
+                 d=d, bs=bs, dtype=dtype)
+    want = _reference(*_as_f32(case), tile=tile)
+    got, _, _ = _run("cuda", *case, tile=tile)
+    xla, _, _ = _run("xla", *case, tile=tile)
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < 1e-2, _rel(got, want)
+    assert _rel(got, xla) < 1e-2
+
+
+@needs_kernel
+@pytest.mark.gpu
+def test_padding_rows_and_every_output_written(rng):
+    """A tile whose last rows are padding (position 0, as the engine packs them) and a whole
+    padding group (zero table): every output row is written and finite (the output buffer is
+    checked finite and equal to the reference, which a row left unwritten would not be)."""
+    tile, hq, kvh, d, bs = 64, 32, 8, 128, 16
+    q, k, v, tables, positions = _case(rng, groups=3, tile=tile, contexts=[100, 64, 500],
+                                       hq=hq, kvh=kvh, d=d, bs=bs, dtype=jnp.bfloat16)
+    positions = positions.copy()
+    positions[tile + 40:2 * tile] = 0                  # group 1: 40 real rows, 24 padding
+    tables = tables.copy()
+    tables[2] = 0
+    positions[2 * tile:] = 0                           # group 2: padding only
+    got, _, _ = _run("cuda", q, k, v, tables, positions, tile)
+    want = _reference(*_as_f32((q, k, v, tables, positions)), tile)
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < 1e-2
+    dec, _, _ = _run("cuda", q[:3], k, v, tables[:3], np.zeros(3, np.int32), 1)
+    assert np.isfinite(dec).all()
+
+
+@needs_kernel
+@pytest.mark.gpu
+def test_engine_serves_the_same_tokens_with_either_kernel(rng):
+    """Greedy decoding through the engine (chunked prefill over tiles, decode rows) gives the
+    same tokens with the CUDA kernels as with the pure-JAX loop (float32 math would differ in
+    rounding only; with bf16 a few late tokens may flip on near-ties, so compare the first)."""
+    from jax.sharding import Mesh
+
+    from jax_tokenweave.models.configs import get_config
+    from jax_tokenweave.models.llama import LlamaModel
+    from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
+
+    config = get_config("tiny", head_dim=128, num_heads=8, num_kv_heads=2, hidden_size=256)
+    mesh = Mesh(np.array(gpu_devices()[:1]), ("tp",))
+    model = LlamaModel(config, mesh, dtype=jnp.float16, rngs=nnx.Rngs(0))
+    prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 130, 77, 300)]
+    outs = {}
+    for impl in ("cuda", "xla"):
+        cfg = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8, prefill_tile=64,
+                           block_size=16, num_blocks=256, max_model_len=512, attention=impl)
+        engine = LLMEngine(model, cfg)
+        res = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+        outs[impl] = [r.token_ids for r in res]
+    for a, b in zip(outs["cuda"], outs["xla"], strict=True):
+        assert a[:4] == b[:4]
+
+
+# ------------------------------------------------------------------------------------- CPU
+
+def test_auto_takes_xla_on_cpu_and_cuda_refuses_with_a_reason():
+    assert resolve_implementation("auto", "cpu", jnp.bfloat16, 128, 4) == "xla"
+    assert resolve_implementation("xla", "gpu", jnp.bfloat16, 128, 4) == "xla"
+    with pytest.raises(ValueError, match="cannot run"):
+        resolve_implementation("cuda", "cpu", jnp.bfloat16, 128, 4)
+    with pytest.raises(ValueError, match="one of"):
+        resolve_implementation("flash", "gpu", jnp.bfloat16, 128, 4)
+
+
+@pytest.mark.parametrize(("platform", "dtype", "d", "g", "why"), [
+    ("cpu", jnp.bfloat16, 128, 4, "not on CUDA"),
+    ("gpu", jnp.float32, 128, 4, "bfloat16 or float16"),
+    ("gpu", jnp.bfloat16, 96, 4, "head_dim 96"),
+    ("gpu", jnp.bfloat16, 128, 3, "3 query heads"),
+])
+def test_unavailable_reasons(platform, dtype, d, g, why):
+    reason = attention_kernel.unavailable_reason(platform, dtype, d, g)
+    assert reason is not None
+    if attention_kernel._extension.import_error() is None:
+        assert why in reason
+    else:
+        assert "not built" in reason
+
+
+@pytest.mark.parametrize(("rows", "kvh", "max_keys", "split"), [
+    (1, 8, 8192, 64),      # one request: the shortest split, 1024 blocks
+    (64, 8, 8192, 512),    # 64 x 8 x 16 = 8192 blocks >= 528 with the longest
+    (256, 8, 1024, 512),
+    (4, 8, 8192, 256),     # 4 x 8 x 32 = 1024 >= 528; 512 gives 512 < 528
+])
+def test_decode_split_fills_the_gpu(rows, kvh, max_keys, split):
+    assert attention_kernel.decode_split(rows, kvh, max_keys) == split
