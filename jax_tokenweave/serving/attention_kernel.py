@@ -28,6 +28,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_tokenweave import _extension
 
@@ -104,6 +105,6 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
             jax.ShapeDtypeStruct(work, jnp.float32))
     call = jax.ffi.ffi_call(TARGET, outs, input_output_aliases={1: 1, 2: 2})
     out, k_cache, v_cache, _ = call(q, k_cache, v_cache, tables.astype(jnp.int32),
-                                    positions.astype(jnp.int32), tile=int(tile),
-                                    split=int(split), scale=float(scale))
+                                    positions.astype(jnp.int32), tile=np.int32(tile),
+                                    split=np.int32(split), scale=np.float32(scale))
     return out, k_cache, v_cache
