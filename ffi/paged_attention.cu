@@ -9,8 +9,9 @@
 // then merges its threads and writes unnormalised partial sums with their max and total. A
 // merge kernel combines the splits of each (row, head).
 //
-// Prompt tiles (tile > 1): grid (row block, kv head, group), 128 threads = 4 warps of 16 rows.
-// A block's 64 rows are (query, head) pairs of one tile, the G heads of the kv head side by
+// Prompt tiles (tile > 1): grid (row block, kv head, group), 128 threads = 4 warps of 32 rows
+// (two 16-row mma tiles each, so every K/V fragment read from shared memory feeds two mmas).
+// A block's 128 rows are (query, head) pairs of one tile, the G heads of the kv head side by
 // side (row = query * G + head), so each key tile in shared memory serves all of them. K/V
 // tiles of 64 positions stream through shared memory (cp.async, two stages, 16-byte chunks
 // XOR-swizzled by row so ldmatrix is conflict-free); S = Q K^T and O += P V run on mma.sync
@@ -293,15 +294,17 @@ template <> struct Mma<__half> {
   }
 };
 
-constexpr int kTileRows = 64;  // (query, head) rows per block: 4 warps x 16
-constexpr int kTileKeys = 64;  // key positions per shared-memory tile
+constexpr int kMTiles = 2;                      // 16-row mma tiles per warp
+constexpr int kTileRows = kThreads / 32 * 16 * kMTiles;  // (query, head) rows per block: 128
+constexpr int kTileKeys = 64;                    // key positions per shared-memory tile
+constexpr int kSubKeys = 32;                     // keys per softmax step (S in registers)
 
 template <int D>
 constexpr int TileSmemBytes() {
-  return 2 /*stages*/ * 2 /*K, V*/ * kTileKeys * D * 2 /*bytes*/;
+  return (kTileRows + 2 /*stages*/ * 2 /*K, V*/ * kTileKeys) * D * 2 /*bytes*/;
 }
 
-// Element offset of 16-byte chunk `c` of key row `r` in a swizzled [kTileKeys, D] tile.
+// Element offset of 16-byte chunk `c` of row `r` in a swizzled [rows, D] tile.
 template <int D>
 __device__ __forceinline__ int Swizzled(int r, int c) {
   return r * D + ((c ^ (r & 7)) * 8);
@@ -329,8 +332,12 @@ __device__ __forceinline__ void LoadKvTile(T* sk, T* sv, const AttentionParams& 
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p) {
+  constexpr int kChunks = D / 8;
+  constexpr int kStage = kTileKeys * D;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* smem = reinterpret_cast<T*>(smem_raw);
+  // [Q: kTileRows x D][stage 0: K, V][stage 1: K, V], each [rows, D] swizzled.
+  T* sq = reinterpret_cast<T*>(smem_raw);
+  T* skv = sq + kTileRows * D;
   __shared__ int s_kend[kThreads / 32];
   const int G = p.hq / p.kvh;
   const int block_rows = blockIdx.x * kTileRows, h = blockIdx.y;
@@ -338,20 +345,32 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int gid = lane / 4, tig = lane % 4;
 
-  // The two rows of this thread: (query, head) = (r / G, r % G); pos -1 marks a padding row.
-  int pos[2];
-  const T* qptr[2];
-  int64_t out_at[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = block_rows + warp * 16 + gid + 8 * i, t = r / G, head = h * G + r % G;
+  // Q tile into shared memory (zeros for rows past the tile).
+  const T* q = static_cast<const T*>(p.q);
+  for (int i = threadIdx.x; i < kTileRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks, t = (block_rows + r) / G;
     const bool valid = t < p.tile;
-    const int64_t qrow = static_cast<int64_t>(group) * p.tile + (valid ? t : 0);
-    pos[i] = valid ? Context(p, static_cast<int>(qrow)) - 1 : -1;
-    out_at[i] = valid ? (qrow * p.hq + head) * D : -1;
-    qptr[i] = static_cast<const T*>(p.q) + (qrow * p.hq + head) * D;
+    const int64_t at = valid ? ((static_cast<int64_t>(group) * p.tile + t) * p.hq + h * G +
+                                (block_rows + r) % G) * D + c * 8 : 0;
+    CpAsync16(sq + Swizzled<D>(r, c), q + at, valid);
   }
-  int mx = max(pos[0], pos[1]);
+  asm volatile("cp.async.commit_group;\n" ::);
+
+  // This thread's rows: m-tile mt, half i -> block row RowOf(mt, i); pos -1: no row.
+  const auto row_of = [&](int mt, int i) {
+    return block_rows + warp * 16 * kMTiles + mt * 16 + gid + 8 * i;
+  };
+  int pos[kMTiles][2];
+  int mx = -1;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int t = row_of(mt, i) / G;
+      pos[mt][i] = t < p.tile ? Context(p, group * p.tile + t) - 1 : -1;
+      mx = max(mx, pos[mt][i]);
+    }
+  }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if (lane == 0) s_kend[warp] = mx + 1;
@@ -361,33 +380,25 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
   for (int w = 0; w < kThreads / 32; ++w) kend = max(kend, s_kend[w]);
   // kend == 0 (no row with a position): no tile; the rows are written as zeros below.
   const int tiles = (kend + kTileKeys - 1) / kTileKeys;
+  if (tiles > 0) LoadKvTile<T, D>(skv, skv + kStage, p, group, h, 0, kend);
 
-  // Stage st: K at smem + 2 st * kStage, V at smem + (2 st + 1) * kStage.
-  constexpr int kStage = kTileKeys * D;
-  if (tiles > 0) LoadKvTile<T, D>(smem, smem + kStage, p, group, h, 0, kend);
-
-  // Q as A fragments (rows gid, gid + 8 of the warp; dims 16 kk + 2 tig + {0, 1, 8, 9}).
-  uint32_t qa[D / 16][4];
+  float o[kMTiles][D / 8][4];
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
+  for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int i = j % 2, dim = kk * 16 + tig * 2 + (j / 2) * 8;
-      qa[kk][j] = pos[i] >= 0 ? *reinterpret_cast<const uint32_t*>(qptr[i] + dim) : 0u;
-    }
-  }
-  float o[D / 8][4];
+    for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+  float m[kMTiles][2], l[kMTiles][2];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int mt = 0; mt < kMTiles; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
   const float sscale = p.scale * kLog2e;
+  const T* sqw = sq + warp * 16 * kMTiles * D;  // this warp's Q rows
 
   for (int kt = 0; kt < tiles; ++kt) {
     const int st = kt & 1;
-    const T* sk = smem + 2 * st * kStage;
+    const T* sk = skv + 2 * st * kStage;
     const T* sv = sk + kStage;
     if (kt + 1 < tiles) {
-      T* next = smem + 2 * (st ^ 1) * kStage;
+      T* next = skv + 2 * (st ^ 1) * kStage;
       LoadKvTile<T, D>(next, next + kStage, p, group, h, kt + 1, kend);
       asm volatile("cp.async.wait_group 1;\n" ::);
     } else {
@@ -395,86 +406,114 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
     }
     __syncthreads();
 
-    float s[kTileKeys / 8][4];
+#pragma unroll 1
+    for (int sub = 0; sub < kTileKeys / kSubKeys; ++sub) {
+      // S = Q K^T for kSubKeys keys: per m-tile, kSubKeys / 8 n-tiles.
+      float s[kMTiles][kSubKeys / 8][4];
 #pragma unroll
-    for (int n = 0; n < kTileKeys / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+        for (int n = 0; n < kSubKeys / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
-      for (int np = 0; np < kTileKeys / 16; ++np) {
-        const int mi = lane / 8, r = np * 16 + (lane % 8) + (mi / 2) * 8, c = kk * 2 + mi % 2;
-        uint32_t b[4];
-        Ldmatrix4(b, sk + Swizzled<D>(r, c));
-        Mma<T>::Run(s[2 * np], qa[kk], b[0], b[1]);
-        Mma<T>::Run(s[2 * np + 1], qa[kk], b[2], b[3]);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int mi = lane / 8;
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+          Ldmatrix4(a[mt], sqw + Swizzled<D>(mt * 16 + (lane % 8) + (mi % 2) * 8, kk * 2 + mi / 2));
+#pragma unroll
+        for (int np = 0; np < kSubKeys / 16; ++np) {
+          const int r = sub * kSubKeys + np * 16 + (lane % 8) + (mi / 2) * 8, c = kk * 2 + mi % 2;
+          uint32_t b[4];
+          Ldmatrix4(b, sk + Swizzled<D>(r, c));
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            Mma<T>::Run(s[mt][2 * np], a[mt], b[0], b[1]);
+            Mma<T>::Run(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          }
+        }
       }
-    }
-    // Scale, causal mask, online softmax (a row's 64 scores sit in the 4 lanes of a quad).
-    float rmax[2] = {-INFINITY, -INFINITY};
+      // Scale, causal mask, online softmax (a row's scores sit in the 4 lanes of a quad).
+      uint32_t pa[kMTiles][kSubKeys / 16][4];
 #pragma unroll
-    for (int n = 0; n < kTileKeys / 8; ++n) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        float rmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int key = kt * kTileKeys + n * 8 + tig * 2 + j % 2;
-        const float v = key <= pos[j / 2] ? s[n][j] * sscale : -INFINITY;
-        s[n][j] = v;
-        rmax[j / 2] = fmaxf(rmax[j / 2], v);
+        for (int n = 0; n < kSubKeys / 8; ++n) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int key = kt * kTileKeys + sub * kSubKeys + n * 8 + tig * 2 + j % 2;
+            const float v = key <= pos[mt][j / 2] ? s[mt][n][j] * sscale : -INFINITY;
+            s[mt][n][j] = v;
+            rmax[j / 2] = fmaxf(rmax[j / 2], v);
+          }
+        }
+        float corr[2], msafe[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          rmax[i] = fmaxf(rmax[i], __shfl_xor_sync(0xffffffffu, rmax[i], 1));
+          rmax[i] = fmaxf(rmax[i], __shfl_xor_sync(0xffffffffu, rmax[i], 2));
+          const float mn = fmaxf(m[mt][i], rmax[i]);
+          msafe[i] = mn == -INFINITY ? 0.f : mn;
+          corr[i] = exp2f(m[mt][i] - msafe[i]);  // 0 while m is -inf
+          m[mt][i] = mn;
+          l[mt][i] *= corr[i];
+        }
+        // Rescale O only where a row's max moved (late in a long row it rarely does).
+        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            o[mt][n][0] *= corr[0], o[mt][n][1] *= corr[0];
+            o[mt][n][2] *= corr[1], o[mt][n][3] *= corr[1];
+          }
+        }
+#pragma unroll
+        for (int n = 0; n < kSubKeys / 8; ++n) {
+          const float p0 = exp2f(s[mt][n][0] - msafe[0]), p1 = exp2f(s[mt][n][1] - msafe[0]);
+          const float p2 = exp2f(s[mt][n][2] - msafe[1]), p3 = exp2f(s[mt][n][3] - msafe[1]);
+          l[mt][0] += p0 + p1;
+          l[mt][1] += p2 + p3;
+          pa[mt][n / 2][(n % 2) * 2] = Vec<T>::FromFloat2(p0, p1);
+          pa[mt][n / 2][(n % 2) * 2 + 1] = Vec<T>::FromFloat2(p2, p3);
+        }
       }
-    }
-    float corr[2], msafe[2];
+      // O += P V over the kSubKeys keys.
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      rmax[i] = fmaxf(rmax[i], __shfl_xor_sync(0xffffffffu, rmax[i], 1));
-      rmax[i] = fmaxf(rmax[i], __shfl_xor_sync(0xffffffffu, rmax[i], 2));
-      const float mn = fmaxf(m[i], rmax[i]);
-      msafe[i] = mn == -INFINITY ? 0.f : mn;
-      corr[i] = exp2f(m[i] - msafe[i]);  // 0 while m is -inf
-      m[i] = mn;
-      l[i] *= corr[i];
-    }
+      for (int kk = 0; kk < kSubKeys / 16; ++kk) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] *= corr[0], o[n][1] *= corr[0];
-      o[n][2] *= corr[1], o[n][3] *= corr[1];
-    }
-    uint32_t pa[kTileKeys / 16][4];
+        for (int dp = 0; dp < D / 16; ++dp) {
+          const int mi = lane / 8;
+          const int r = sub * kSubKeys + kk * 16 + (lane % 8) + (mi % 2) * 8, c = dp * 2 + mi / 2;
+          uint32_t b[4];
+          Ldmatrix4Trans(b, sv + Swizzled<D>(r, c));
 #pragma unroll
-    for (int n = 0; n < kTileKeys / 8; ++n) {
-      const float p0 = exp2f(s[n][0] - msafe[0]), p1 = exp2f(s[n][1] - msafe[0]);
-      const float p2 = exp2f(s[n][2] - msafe[1]), p3 = exp2f(s[n][3] - msafe[1]);
-      l[0] += p0 + p1;
-      l[1] += p2 + p3;
-      pa[n / 2][(n % 2) * 2] = Vec<T>::FromFloat2(p0, p1);
-      pa[n / 2][(n % 2) * 2 + 1] = Vec<T>::FromFloat2(p2, p3);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kTileKeys / 16; ++kk) {
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        const int mi = lane / 8, r = kk * 16 + (lane % 8) + (mi % 2) * 8, c = dp * 2 + mi / 2;
-        uint32_t b[4];
-        Ldmatrix4Trans(b, sv + Swizzled<D>(r, c));
-        Mma<T>::Run(o[2 * dp], pa[kk], b[0], b[1]);
-        Mma<T>::Run(o[2 * dp + 1], pa[kk], b[2], b[3]);
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            Mma<T>::Run(o[mt][2 * dp], pa[mt][kk], b[0], b[1]);
+            Mma<T>::Run(o[mt][2 * dp + 1], pa[mt][kk], b[2], b[3]);
+          }
+        }
       }
     }
     __syncthreads();  // the next iteration's load overwrites the other stage
   }
 
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
   T* out = static_cast<T*>(p.out);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (out_at[i] < 0) continue;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+  for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<uint32_t*>(out + out_at[i] + n * 8 + tig * 2) =
-          Vec<T>::FromFloat2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+    for (int i = 0; i < 2; ++i) {
+      float total = l[mt][i];
+      total += __shfl_xor_sync(0xffffffffu, total, 1);
+      total += __shfl_xor_sync(0xffffffffu, total, 2);
+      const int r = row_of(mt, i), t = r / G;
+      if (t >= p.tile) continue;
+      T* dst = out + ((static_cast<int64_t>(group) * p.tile + t) * p.hq + h * G + r % G) * D;
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<uint32_t*>(dst + n * 8 + tig * 2) =
+            Vec<T>::FromFloat2(o[mt][n][2 * i] * inv, o[mt][n][2 * i + 1] * inv);
+    }
   }
 }
 
