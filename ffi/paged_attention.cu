@@ -116,14 +116,13 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
   const int64_t pos_stride = static_cast<int64_t>(p.kvh) * D;
-  for (int base = k0; base < k1; base += kKeysPerPass * kUnroll) {
-    uint4 kw[kUnroll], vw[kUnroll];
-    bool valid[kUnroll];
+  constexpr int kStep = kKeysPerPass * kUnroll;
+  // Loads of the pass starting at `base` into kw, vw (zeros past k1).
+  const auto load = [&](int base, uint4 (&kw)[kUnroll], uint4 (&vw)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int key = base + u * kKeysPerPass + slot;
-      valid[u] = key < k1;
-      if (valid[u]) {
+      if (key < k1) {
         const int64_t at = (static_cast<int64_t>(s_blocks[key / bs - b0]) * bs + key % bs) *
                                pos_stride + h * D + d0;
         kw[u] = __ldg(reinterpret_cast<const uint4*>(kc + at));
@@ -132,6 +131,19 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
         kw[u] = vw[u] = make_uint4(0, 0, 0, 0);
       }
     }
+  };
+  uint4 next_k[kUnroll], next_v[kUnroll];
+  load(k0, next_k, next_v);
+  for (int base = k0; base < k1; base += kStep) {
+    // Software pipeline: this pass's data came with the previous pass; ask for the next now.
+    uint4 kw[kUnroll], vw[kUnroll];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      kw[u] = next_k[u], vw[u] = next_v[u];
+      valid[u] = base + u * kKeysPerPass + slot < k1;
+    }
+    if (base + kStep < k1) load(base + kStep, next_k, next_v);
     float s[kUnroll][G];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -225,28 +237,39 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
   }
 }
 
-// Grid (row, kv head), D threads: thread d merges dim d of each head of the group over the
-// row's splits and writes the normalised output.
+// Grid (row, kv head), G warps: warp g merges head g of the group over the row's splits: its
+// lanes take the splits' maxima and totals side by side (warp reductions), then dims
+// lane, lane + 32, ... summing over the splits, and write the normalised output.
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(D) DecodeMergeKernel(AttentionParams p) {
-  const int row = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-  const int ctx = Context(p, row);
-  const int n = (ctx + p.split - 1) / p.split;
-  const float* work = p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2);
-  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
+__global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
+  const int row = blockIdx.x, h = blockIdx.y, g = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = (Context(p, row) + p.split - 1) / p.split;
+  const float* work = p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) +
+                      g * (D + 2);
+  constexpr int kStride = G * (D + 2);  // from one split's entry to the next one's
+  float mx = -INFINITY;
+  for (int s = lane; s < n; s += 32) mx = fmaxf(mx, work[s * kStride + D]);
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    float mx = -INFINITY;
-    for (int s = 0; s < n; ++s) mx = fmaxf(mx, work[(s * G + g) * (D + 2) + D]);
-    float total = 0.f, sum = 0.f;
-    for (int s = 0; s < n; ++s) {
-      const float* w = work + (s * G + g) * (D + 2);
-      const float c = w[D] == -INFINITY ? 0.f : exp2f(w[D] - mx);
-      total += c * w[D + 1];
-      sum += c * w[d];
-    }
-    out[g * D + d] = Vec<T>::FromFloat(total > 0.f ? sum / total : 0.f);
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const auto weight = [&](int s) {
+    const float m = work[s * kStride + D];
+    return m == -INFINITY ? 0.f : exp2f(m - mx);
+  };
+  float total = 0.f;
+  for (int s = lane; s < n; s += 32) total += weight(s) * work[s * kStride + D + 1];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  float sum[D / 32] = {};
+#pragma unroll 4
+  for (int s = 0; s < n; ++s) {
+    const float c = weight(s);
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) sum[i] = fmaf(c, work[s * kStride + lane + 32 * i], sum[i]);
   }
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = Vec<T>::FromFloat(sum[i] * inv);
 }
 
 // ---------------------------------------------------------------------- prompt tiles (mma)
@@ -524,7 +547,7 @@ cudaError_t LaunchDecode(const AttentionParams& p, cudaStream_t stream) {
   const int rows = p.groups;
   DecodeSplitKernel<T, D, G><<<dim3(p.splits, p.kvh, rows), kThreads, 0, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  DecodeMergeKernel<T, D, G><<<dim3(rows, p.kvh), D, 0, stream>>>(p);
+  DecodeMergeKernel<T, D, G><<<dim3(rows, p.kvh), 32 * G, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
