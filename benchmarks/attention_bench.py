@@ -64,9 +64,14 @@ def _roofline() -> Any:
     """``benchmarks/roofline.py``, loaded by path (found under ``python -P`` too)."""
     spec = importlib.util.spec_from_file_location("_benchmarks_roofline",
                                                   Path(__file__).with_name("roofline.py"))
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+Case = _roofline().Case
+moved_bytes = _roofline().moved_bytes
+attention_flops = _roofline().attention_flops
 
 
 def _ints(text: str) -> list[int]:
@@ -150,49 +155,6 @@ def resolve(args: argparse.Namespace, platform: str) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------- cases ---
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One measurement: ``decode`` (``batch`` rows at position ``context - 1``) or ``prefill``
-    (one request's ``chunk`` rows at positions ``prefix ..``, tiles of ``tile``)."""
-
-    kind: str
-    batch: int = 1
-    context: int = 0
-    chunk: int = 0
-    prefix: int = 0
-
-    @property
-    def requests(self) -> int:
-        return self.batch if self.kind == "decode" else 1
-
-    @property
-    def keys(self) -> int:
-        """Cached positions each request's attention reads."""
-        return self.context if self.kind == "decode" else self.prefix + self.chunk
-
-    @property
-    def rows(self) -> int:
-        return self.batch if self.kind == "decode" else self.chunk
-
-    @property
-    def pairs(self) -> int:
-        """Visible query-key pairs (causal)."""
-        if self.kind == "decode":
-            return self.batch * self.context
-        return self.chunk * self.prefix + self.chunk * (self.chunk + 1) // 2
-
-
-def moved_bytes(case: Case, heads: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """K and V read once per request and kv head, q read and out written once."""
-    kv = _roofline().kv_bytes(case.requests * case.keys, kv_heads, head_dim, itemsize)
-    return kv + 2 * case.rows * heads * head_dim * itemsize
-
-
-def attention_flops(case: Case, heads: int, head_dim: int) -> int:
-    """``4 * D`` FLOPs per visible query-key pair and query head (QK^T and PV)."""
-    return 4 * head_dim * heads * case.pairs
-
 
 def cases(a: argparse.Namespace) -> list[Case]:
     out = [] if a.no_decode else [Case("decode", batch=b, context=c) for b in a.batch

@@ -49,7 +49,7 @@ def roofline() -> Any:
     """``benchmarks/roofline.py``, loaded by path (found under ``python -P`` too)."""
     spec = importlib.util.spec_from_file_location("_benchmarks_roofline",
                                                   Path(__file__).with_name("roofline.py"))
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 

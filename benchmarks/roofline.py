@@ -1,31 +1,18 @@
 """Memory-roofline helpers shared by ``attention_bench.py``, ``decode_bench.py`` and
-``prefill_bench.py``: the device's bandwidth measured by a device-to-device copy, and the bytes a
-decode step must move.
+``prefill_bench.py``: the device's bandwidth measured by a device-to-device copy, the bytes and
+FLOPs of an attention case, the bytes a decode step must move.
 
-The benchmarks load this file by path (:func:`load`), so that it is found under ``python -P``
-(which keeps the script's folder off ``sys.path``) as well.
+The benchmarks load this file by path (registered in ``sys.modules`` as
+``_benchmarks_roofline``), so that it is found under ``python -P`` (which keeps the script's
+folder off ``sys.path``) as well.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+import dataclasses
 from typing import Any
 
 GB = 1e9
-
-
-def load(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` as a module (loaded once per process)."""
-    key = f"_benchmarks_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).parent / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 def copy_bandwidth(device: Any, nbytes: int, *, warmup: int = 3,
@@ -49,6 +36,49 @@ def copy_bandwidth(device: Any, nbytes: int, *, warmup: int = 3,
     stats = timing.benchmark({"copy": lambda: copy(x)}, warmup=warmup, iters=iters)["copy"]
     return {"bytes": 4 * n, "median_ms": stats.median_ms,
             "gb_s": 2 * 4 * n / (stats.median_ms * 1e-3) / GB}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measurement: ``decode`` (``batch`` rows at position ``context - 1``) or ``prefill``
+    (one request's ``chunk`` rows at positions ``prefix ..``, tiles of ``tile``)."""
+
+    kind: str
+    batch: int = 1
+    context: int = 0
+    chunk: int = 0
+    prefix: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.batch if self.kind == "decode" else 1
+
+    @property
+    def keys(self) -> int:
+        """Cached positions each request's attention reads."""
+        return self.context if self.kind == "decode" else self.prefix + self.chunk
+
+    @property
+    def rows(self) -> int:
+        return self.batch if self.kind == "decode" else self.chunk
+
+    @property
+    def pairs(self) -> int:
+        """Visible query-key pairs (causal)."""
+        if self.kind == "decode":
+            return self.batch * self.context
+        return self.chunk * self.prefix + self.chunk * (self.chunk + 1) // 2
+
+
+def moved_bytes(case: Case, heads: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """K and V read once per request and kv head, q read and out written once."""
+    kv = kv_bytes(case.requests * case.keys, kv_heads, head_dim, itemsize)
+    return kv + 2 * case.rows * heads * head_dim * itemsize
+
+
+def attention_flops(case: Case, heads: int, head_dim: int) -> int:
+    """``4 * D`` FLOPs per visible query-key pair and query head (QK^T and PV)."""
+    return 4 * head_dim * heads * case.pairs
 
 
 def kv_bytes(keys: int, kv_heads: int, head_dim: int, itemsize: int, layers: int = 1) -> int:
