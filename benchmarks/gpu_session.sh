@@ -17,7 +17,8 @@
 # per-stage time limits T_TESTS, T_KERNEL, T_MAIN, T_E2E, T_ATTENTION, T_DECODE, T_PREFILL
 # (seconds; the last three default to 420: a device call ends at 10 minutes, so run the full
 # attention, decode and prefill stages in separate calls); the last three stages write
-# attention/, decode/ and prefill/ (JSON, markdown, plot) and their logs; JAX_TOKENWEAVE_COMMIT names the commit the copy was made from (the
+# attention/, decode/ and prefill/ (JSON, markdown, plot) and their logs; JAX_TOKENWEAVE_COMMIT
+# names the commit the copy was made from (the
 # device machine gets no .git).
 # Never touches NCCL_NVLS_ENABLE and never sets JAX_TOKENWEAVE_MULTIMEM: no multicast here.
 set -u -o pipefail
