@@ -6,13 +6,20 @@
 #   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
 # Stages (in this order, each optional): build tests loopback profile ncu fixedcost kernel mp
-# smtax breakdown main e2e (mp: one process per GPU, the multi-process tests and MP_KERNEL_ARGS
-# through python -m jax_tokenweave.launch; compare with the kernel stage's single process).
+# smtax breakdown main e2e attention decode prefill (mp: one process per GPU, the multi-process
+# tests and MP_KERNEL_ARGS through python -m jax_tokenweave.launch; compare with the kernel
+# stage's single process; attention: paged attention per layer, xla / cuda / pallas, vs the
+# copy bandwidth; decode: the serving engine's decode step vs the memory roofline; prefill: the
+# engine's prefill steps vs the bare stack; all three on one GPU, Llama-3-8B shapes by default).
 # Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, PROFILE_ARGS, NCU_TOKENS, KERNEL_ARGS,
-# SMTAX_ARGS,
-# BREAKDOWN_ARGS, MAIN_ARGS, E2E_ARGS, per-stage time limits T_TESTS,
-# T_KERNEL, T_MAIN, T_E2E (seconds); JAX_TOKENWEAVE_COMMIT names the
-# commit the copy was made from (the device machine gets no .git).
+# SMTAX_ARGS, BREAKDOWN_ARGS, MAIN_ARGS, E2E_ARGS, ATTENTION_ARGS, DECODE_ARGS, PREFILL_ARGS
+# (default: each benchmark's GPU defaults, attention within 300 s; e.g. ATTENTION_ARGS=--quick),
+# per-stage time limits T_TESTS, T_KERNEL, T_MAIN, T_E2E, T_ATTENTION, T_DECODE, T_PREFILL
+# (seconds; the last three default to 420: a device call ends at 10 minutes, so run the full
+# attention, decode and prefill stages in separate calls); the last three stages write
+# attention/, decode/ and prefill/ (JSON, markdown, plot) and their logs; JAX_TOKENWEAVE_COMMIT
+# names the commit the copy was made from (the
+# device machine gets no .git).
 # Never touches NCCL_NVLS_ENABLE and never sets JAX_TOKENWEAVE_MULTIMEM: no multicast here.
 set -u -o pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,6 +33,9 @@ SMTAX_ARGS=${SMTAX_ARGS:---tokens 4096 8192 16384 --ctas 8 16 32}
 BREAKDOWN_ARGS=${BREAKDOWN_ARGS:---model llama3-70b --layers 8 --tokens 1024 2048 4096 8192 16384 --ctas 8 16 32}
 MAIN_ARGS=${MAIN_ARGS:---model llama3-70b --layers 4 --tokens 2048 8192 --comm xla --iters 10}
 E2E_ARGS=${E2E_ARGS:---models llama3-70b --tp 4 --tokens 2048 8192 --layers 8 --iters 5}
+ATTENTION_ARGS=${ATTENTION_ARGS:---time-budget 300}
+DECODE_ARGS=${DECODE_ARGS:-}
+PREFILL_ARGS=${PREFILL_ARGS:-}
 W=$(mktemp -d)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -150,6 +160,15 @@ if has e2e; then
     > "$W/e2e.txt" 2>&1 || status=$?
   cat "$W/e2e/e2e.md" 2>/dev/null || tail -30 "$W/e2e.txt"
 fi
+for bench in attention decode prefill; do
+  has "$bench" || continue
+  args_var="${bench^^}_ARGS"; limit_var="T_${bench^^}"
+  log "$bench benchmark: ${!args_var}"
+  # shellcheck disable=SC2086
+  timeout "${!limit_var:-420}" $PY "$repo/benchmarks/${bench}_bench.py" --out "$W/$bench" \
+    ${!args_var} > "$W/$bench.log" 2>&1 || status=$?
+  cat "$W/$bench/$bench.md" 2>/dev/null || tail -30 "$W/$bench.log"
+done
 tar czf "$OUT/session.tgz" -C "$W" .
 log "done (status $status); results in $OUT/session.tgz"
 exit "$status"

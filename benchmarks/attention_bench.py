@@ -1,0 +1,469 @@
+"""Paged attention of one layer, one rank: decode and chunked prefill, implementations side by side.
+
+Implementations (``--impls``), all on the same inputs in one run:
+
+- ``xla``: ``serving.paged_attention``'s pure-JAX key loop (the reference);
+- ``cuda``: the project's CUDA kernels (``serving.attention_kernel``), where they can run;
+- ``pallas``: JAX's ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only, GPUs only;
+  its cache layout ``[KVH, NB, BS, D]`` and pre-scaled queries are built before the clock
+  starts; it holds a second copy of the cache in that layout).
+
+Decode: ``--batch`` requests of one query row each at position ``context - 1`` (``--context``
+keys each). Prefill: one request's chunk of ``--chunks`` rows (tiles of ``--tile`` rows) over a
+cached prefix of ``--prefixes`` positions (the chunk's own K/V are in the cache too, as in a
+serving step). Block tables are a random permutation of the cache's blocks; queries and the
+cache are fresh random normals (``--seed``). Each function runs ``--inner`` chained calls per
+dispatch (each call's output is the next one's queries; the caches are donated and handed on),
+timed by ``jax_tokenweave.timing.benchmark`` (warm-up, interleaved timed dispatches, median);
+reported per call. Every implementation's first output is compared with ``xla``'s (relative
+Frobenius error; above ``--tolerance`` it is flagged).
+
+Per case: time, bytes moved (K and V read once per request and kv head, plus q and out), GB/s
+and its share of the bandwidth of a device-to-device copy measured in the same run (bytes read
++ written; ``--copy-gb``), and for prefill the FLOPs of the visible (causal) query-key pairs
+(``4 * D`` per pair and query head) and TFLOP/s. Writes ``attention.json``, ``attention.md`` and
+``attention.png`` (decode GB/s vs context, a panel per batch) into ``--out``. With no GPU it
+runs tiny shapes (a minute at most); ``--quick`` runs a small subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jax_tokenweave import benchmarking as bm
+
+IMPLS = ("xla", "cuda", "pallas")
+# (GPU default, GPU --quick, CPU default, CPU --quick) per sweep option.
+SWEEPS: dict[str, tuple[list[int], ...]] = {
+    "batch": ([1, 16, 64, 256], [1, 64], [1, 4], [2]),
+    "context": ([512, 1024, 4096, 8192, 32768], [1024, 8192], [64, 256], [64]),
+    "chunks": ([512, 2048, 8192], [2048], [32, 64], [32]),
+    "prefixes": ([0, 8192, 24576], [0, 8192], [0, 96], [48]),
+}
+# Per-rank shapes: Llama-3-8B at TP 1 on GPUs, tiny ones on CPUs.
+SHAPES = {"gpu": dict(heads=32, kv_heads=8, head_dim=128, block_size=16, tile=64, key_chunk=512),
+          "cpu": dict(heads=8, kv_heads=2, head_dim=32, block_size=16, tile=16, key_chunk=64)}
+
+
+@functools.cache
+def _roofline() -> Any:
+    """``benchmarks/roofline.py``, loaded by path (found under ``python -P`` too)."""
+    spec = importlib.util.spec_from_file_location("_benchmarks_roofline",
+                                                  Path(__file__).with_name("roofline.py"))
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+Case = _roofline().Case
+moved_bytes = _roofline().moved_bytes
+attention_flops = _roofline().attention_flops
+
+
+def _ints(text: str) -> list[int]:
+    return [bm.nonnegative_int(t) for t in text.replace(",", " ").split()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser; see ``--help``."""
+    p = argparse.ArgumentParser(prog="attention_bench.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=bm.HelpFormatter)
+    p.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="folder for attention.json, attention.md and attention.png")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
+                   help="implementations to time (xla is always run: it is the reference)")
+    for name, help_ in (("batch", "decode: requests"), ("context", "decode: keys per request"),
+                        ("chunks", "prefill: rows of the chunk"),
+                        ("prefixes", "prefill: cached positions before the chunk")):
+        p.add_argument("--" + name, type=_ints, nargs="+", action=bm.Flatten,
+                       help=f"{help_} (default: {' '.join(map(str, SWEEPS[name][0]))} on GPUs, "
+                            f"{' '.join(map(str, SWEEPS[name][2]))} on CPUs)")
+    p.add_argument("--quick", action="store_true", help="a small subset of the default sweep")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode cases")
+    p.add_argument("--no-prefill", action="store_true", help="skip the prefill cases")
+    for name in SHAPES["gpu"]:
+        p.add_argument("--" + name.replace("_", "-"), type=bm.positive_int,
+                       help=f"(default: {SHAPES['gpu'][name]} on GPUs, {SHAPES['cpu'][name]} "
+                            "on CPUs)")
+    bm.add_run_options(p, warmup=2, iters=10, unit="case and implementation")
+    p.add_argument("--inner", type=bm.positive_int,
+                   help="chained calls per timed dispatch (default: 10 on GPUs, 1 on CPUs)")
+    p.add_argument("--tolerance", type=bm.positive_float,
+                   help="relative error vs xla above which a result is flagged (default: 2e-2 "
+                        "in bfloat16/float16, 1e-4 in float32)")
+    p.add_argument("--max-cache-gb", type=bm.positive_float, default=40.0,
+                   help="skip cases whose cache (K + V, our layout) exceeds this many GB")
+    p.add_argument("--copy-gb", type=bm.positive_float,
+                   help="bytes of the bandwidth copy, GB (default: 2 on GPUs, 0.1 on CPUs)")
+    p.add_argument("--pallas-interpret", action="store_true",
+                   help="run the Pallas kernel in interpret mode (slow; lets a CPU check the "
+                        "layout adaptation)")
+    bm.add_sweep_options(p, plot="attention.png")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the options (``parser.error`` before any work on bad ones)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    for name in ("batch", "context", "chunks"):
+        if 0 in (getattr(args, name) or []):
+            p.error(f"--{name}: values must be >= 1")
+    if args.no_decode and args.no_prefill:
+        p.error("--no-decode and --no-prefill leave nothing to run")
+    if not args.no_plot and (hint := bm.matplotlib_missing()):
+        p.error(f"the plot {hint} (or pass --no-plot)")
+    return args
+
+
+def resolve(args: argparse.Namespace, platform: str) -> argparse.Namespace:
+    """``args`` with the platform's defaults filled in; ``ValueError`` on inconsistent shapes."""
+    a = argparse.Namespace(**vars(args))
+    gpu = platform == "gpu"
+    pick = (0 if gpu else 2) + (1 if a.quick else 0)
+    for name, options in SWEEPS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, list(options[pick]))
+    for name, value in SHAPES["gpu" if gpu else "cpu"].items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    a.inner = a.inner or (10 if gpu else 1)
+    a.copy_gb = a.copy_gb or (2.0 if gpu else 0.1)
+    a.tolerance = a.tolerance or (1e-4 if a.dtype == "float32" else 2e-2)
+    if a.heads % a.kv_heads:
+        raise ValueError(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
+    if a.key_chunk % a.block_size:
+        raise ValueError(f"--key-chunk {a.key_chunk} is not a multiple of --block-size "
+                         f"{a.block_size}")
+    if bad := [c for c in a.chunks if c % a.tile]:
+        raise ValueError(f"--chunks {bad} are not multiples of --tile {a.tile}")
+    return a
+
+
+# ----------------------------------------------------------------------------------- cases ---
+
+def cases(a: argparse.Namespace) -> list[Case]:
+    out = [] if a.no_decode else [Case("decode", batch=b, context=c) for b in a.batch
+                                  for c in a.context]
+    if not a.no_prefill:
+        out += [Case("prefill", chunk=c, prefix=p) for c in a.chunks for p in a.prefixes]
+    return out
+
+
+# ---------------------------------------------------------------------------------- inputs ---
+
+def make_inputs(case: Case, a: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """Random queries and caches, a random permutation of blocks as the block tables."""
+    import jax
+    import jax.numpy as jnp
+
+    bs, per_chunk = a.block_size, a.key_chunk // a.block_size
+    per_request = -(-case.keys // bs)
+    width = -(-per_request // per_chunk) * per_chunk
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(case.requests * per_request).astype(np.int32)
+    tables = np.zeros((case.requests, width), np.int32)
+    tables[:, :per_request] = perm.reshape(case.requests, per_request)
+    if case.kind == "decode":
+        positions = np.full(case.batch, case.context - 1, np.int32)
+    else:
+        positions = np.arange(case.prefix, case.prefix + case.chunk, dtype=np.int32)
+        tables = np.repeat(tables, case.chunk // a.tile, axis=0)
+    dtype = bm.DTYPES[a.dtype]
+    shape = (case.requests * per_request, bs, a.kv_heads, a.head_dim)
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (case.rows, a.heads, a.head_dim), dtype)
+    return {"q": q, "k": jax.jit(lambda: jax.random.normal(kk, shape, dtype))(),
+            "v": jax.jit(lambda: jax.random.normal(kv, shape, dtype))(),
+            "keys": (kk, kv, shape, dtype), "tables": jnp.asarray(tables),
+            "positions": jnp.asarray(positions), "tile": 1 if case.kind == "decode" else a.tile}
+
+
+def unavailable(impl: str, case: Case, a: argparse.Namespace, platform: str) -> str | None:
+    """Why ``impl`` cannot run ``case`` here (None where it can)."""
+    from jax_tokenweave.serving import attention_kernel
+
+    if impl == "cuda":
+        return attention_kernel.unavailable_reason(platform, bm.DTYPES[a.dtype], a.head_dim,
+                                                   a.heads // a.kv_heads)
+    if impl == "pallas":
+        if case.kind != "decode":
+            return "JAX's Pallas paged attention is a decode kernel"
+        if platform != "gpu" and not a.pallas_interpret:
+            return f"JAX's Pallas GPU paged attention needs a GPU (Triton), not {platform!r}"
+    return None
+
+
+def chained(step: Any, inner: int, donate: bool) -> Any:
+    """``f(q, k, v, tables, positions) -> (first out, last out, k, v)``: ``inner`` calls of
+    ``step`` (``-> out, k, v``), each call's output the next one's queries, unrolled."""
+    import jax
+
+    def f(q: Any, k: Any, v: Any, tables: Any, positions: Any) -> Any:
+        first, k, v = step(q, k, v, tables, positions)
+        out = first
+        if inner > 1:
+            out, k, v = jax.lax.fori_loop(
+                0, inner - 1, lambda _, c: step(c[0], c[1], c[2], tables, positions),
+                (first, k, v), unroll=True)
+        return first, out, k, v
+
+    return jax.jit(f, donate_argnums=(1, 2) if donate else ())
+
+
+def step_fn(impl: str, a: argparse.Namespace, tile: int) -> Any:
+    """One call of ``impl`` as ``step(q, k, v, tables, positions) -> (out, k, v)``."""
+    from jax_tokenweave.serving.paged_attention import paged_attention
+
+    if impl != "pallas":
+        return lambda q, k, v, t, p: paged_attention(q, k, v, t, p, tile=tile,
+                                                     key_chunk=a.key_chunk, implementation=impl)
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas
+
+    pages = None
+
+    def step(q: Any, k: Any, v: Any, tables: Any, positions: Any) -> Any:
+        nonlocal pages
+        pages = tables.shape[1]
+        splits = next(s for s in (16, 8, 4, 2, 1) if pages % s == 0)
+        out = pallas.paged_attention(q, k, v, tables, positions + 1, k_splits=splits,
+                                     pages_per_compute_block=min(8, pages // splits),
+                                     interpret=a.pallas_interpret)
+        return out, k, v
+
+    return step
+
+
+def prepare(impl: str, a: argparse.Namespace, inp: dict[str, Any],
+            state: dict[str, Any]) -> Any:
+    """A zero-argument call of ``impl``'s chained function on the case's inputs (-> first out,
+    last out). ``xla`` and ``cuda`` share ``state``'s caches (donated, handed on); ``pallas``
+    gets its own copy in its layout ``[KVH, NB, BS, D]`` and queries times the scale."""
+    import jax
+    import jax.numpy as jnp
+
+    pallas = impl == "pallas"
+    f = chained(step_fn(impl, a, inp["tile"]), a.inner, donate=not pallas)
+    q = inp["q"]
+    if pallas:
+        kk, kv, shape, dtype = inp["keys"]
+        layout = jax.jit(lambda key: jnp.transpose(jax.random.normal(key, shape, dtype),
+                                                   (2, 0, 1, 3)))
+        state = {"k": layout(kk), "v": layout(kv)}
+        q = q * jnp.asarray(1.0 / math.sqrt(a.head_dim), q.dtype)
+    compiled = f.lower(q, state["k"], state["v"], inp["tables"], inp["positions"]).compile()
+
+    def call() -> Any:
+        first, out, k, v = compiled(q, state["k"], state["v"], inp["tables"], inp["positions"])
+        if not pallas:
+            state["k"], state["v"] = k, v
+        return first, out
+
+    return call
+
+
+def run_case(case: Case, a: argparse.Namespace, platform: str, seed: int,
+             impls: Sequence[str]) -> list[dict[str, Any]]:
+    """Compile, check against ``xla`` and time every implementation on one case."""
+    import jax.numpy as jnp
+
+    from jax_tokenweave import timing
+    from jax_tokenweave.modes import one_line
+
+    rf = _roofline()
+    inp = make_inputs(case, a, seed)
+    itemsize = jnp.dtype(bm.DTYPES[a.dtype]).itemsize
+    base = {**dataclasses.asdict(case), "bytes": moved_bytes(case, a.heads, a.kv_heads,
+                                                             a.head_dim, itemsize),
+            "flops": attention_flops(case, a.heads, a.head_dim)}
+    info: dict[str, dict[str, Any]] = {}
+    fns: dict[str, Any] = {}
+    state = {"k": inp["k"], "v": inp["v"]}      # our layout, donated from call to call
+    firsts: dict[str, Any] = {}
+    for impl in dict.fromkeys(["xla", *impls]):
+        why = unavailable(impl, case, a, platform)
+        if why is not None:
+            info[impl] = {"status": "skipped", "reason": why}
+            continue
+        try:
+            start = time.perf_counter()
+            fns[impl] = prepare(impl, a, inp, state)
+            firsts[impl] = np.asarray(fns[impl]()[0], np.float32)   # compiles
+            info[impl] = {"status": "ok", "compile_s": time.perf_counter() - start}
+        except Exception as err:  # a refusal must not end the sweep
+            info[impl] = {"status": "error", "reason": one_line(err)}
+            fns.pop(impl, None)
+            traceback.print_exc(limit=2)
+    ref = firsts.get("xla")
+    for impl, first in firsts.items():
+        if impl != "xla" and ref is not None:
+            err = timing.rel_error(first, ref)
+            info[impl].update(rel_err=err, flagged=not err <= a.tolerance)
+            if not err <= a.tolerance:
+                print(f"MISMATCH {impl} {case}: relative error {err:.3g} > {a.tolerance}",
+                      file=sys.stderr)
+    timed = {impl: fns[impl] for impl in impls if impl in fns}
+    if timed:
+        for impl, stats in timing.benchmark(timed, warmup=a.warmup, iters=a.iters).items():
+            us = stats.median_ms * 1e3 / a.inner
+            info[impl].update(median_us=us, p10_us=stats.p10_ms * 1e3 / a.inner,
+                              p90_us=stats.p90_ms * 1e3 / a.inner,
+                              gb_s=base["bytes"] / (us * 1e-6) / rf.GB,
+                              tflop_s=base["flops"] / (us * 1e-6) / 1e12)
+    return [{**base, "impl": impl, **info[impl]} for impl in impls]
+
+
+def run(a: argparse.Namespace, device: Any, platform: str, seed: int) -> dict[str, Any]:
+    """The bandwidth, then every case; the report's ``bandwidth`` and ``records``."""
+    import jax.numpy as jnp
+
+    rf = _roofline()
+    bandwidth = rf.copy_bandwidth(device, int(a.copy_gb * rf.GB), warmup=a.warmup,
+                                  iters=max(a.iters, 5))
+    print(f"copy bandwidth: {bandwidth['gb_s']:.0f} GB/s (read + write of "
+          f"{bandwidth['bytes'] / rf.GB:.2f} GB)", file=sys.stderr)
+    itemsize = jnp.dtype(bm.DTYPES[a.dtype]).itemsize
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    todo = cases(a)
+    for i, case in enumerate(tqdm(todo, desc="attention_bench")):
+        keys = case.requests * -(-case.keys // a.block_size) * a.block_size
+        cache_gb = rf.kv_bytes(keys, a.kv_heads, a.head_dim, itemsize) / rf.GB
+        reason = None
+        if cache_gb > a.max_cache_gb:
+            reason = f"cache of {cache_gb:.1f} GB exceeds --max-cache-gb {a.max_cache_gb:g}"
+        elif a.time_budget is not None and time.perf_counter() - start > a.time_budget:
+            reason = "time budget exhausted"
+        if reason:
+            records += [{**dataclasses.asdict(case), "impl": impl, "status": "skipped",
+                         "reason": reason} for impl in a.impls]
+            continue
+        records += run_case(case, a, platform, seed + i, a.impls)
+        for r in records[-len(a.impls):]:
+            r["pct_bw"] = 100 * r["gb_s"] / bandwidth["gb_s"] if "gb_s" in r else None
+    return {"bandwidth": bandwidth, "records": records}
+
+
+# ---------------------------------------------------------------------------------- output ---
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """A decode table and a prefill table: per implementation time, GB/s, % of the copy's."""
+    env, cfg, bw = report["environment"], report["config"], report["bandwidth"]
+    impls = cfg["impls"]
+    lines = [f"# Paged attention, one layer, one rank ({env['device_kind']})", "",
+             f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; Hq "
+             f"{cfg['heads']}, KVH {cfg['kv_heads']}, D {cfg['head_dim']}, block "
+             f"{cfg['block_size']}, {cfg['dtype']}; per call, median of {cfg['iters']} "
+             f"dispatches of {cfg['inner']} chained calls. Copy bandwidth {bw['gb_s']:.0f} GB/s "
+             f"(read + write). err: relative error vs xla (* above {cfg['tolerance']:g}).", ""]
+    notes: dict[str, int] = {}
+    for kind, keys, extra in (("decode", ("batch", "context"), ()),
+                              ("prefill", ("chunk", "prefix"), ("TFLOP/s",))):
+        recs = [r for r in report["records"] if r["kind"] == kind]
+        if not recs:
+            continue
+        cols = functools.partial(_columns, extra)
+        head = [f"{i} {c}" for i in impls for c in cols(i)]
+        lines += [f"## {kind}", "", "| " + " | ".join([*keys, *head]) + " |",
+                  "|---" * (len(keys) + len(head)) + "|"]
+        cell = {(tuple(r[k] for k in keys), r["impl"]): r for r in recs}
+        for point in dict.fromkeys(tuple(r[k] for k in keys) for r in recs):
+            row = [str(v) for v in point]
+            for impl in impls:
+                r = cell.get((point, impl), {})
+                if r.get("status") != "ok":
+                    reason = r.get("reason", "missing")
+                    notes.setdefault(reason, len(notes) + 1)
+                    row += [f"{r.get('status', '-')} [{notes[reason]}]"]
+                    row += ["-"] * (len(cols(impl)) - 1)
+                    continue
+                err = r.get("rel_err")
+                row += [_num(r["median_us"]), _num(r["gb_s"]), _num(r["pct_bw"]),
+                        *([_num(r["tflop_s"])] if extra else [])]
+                if impl != "xla":
+                    row.append("-" if err is None else f"{err:.1e}" + "*" * r["flagged"])
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines + [f"[{n}] {reason}" for reason, n in notes.items()])
+
+
+def _columns(extra: tuple[str, ...], impl: str) -> tuple[str, ...]:
+    return ("µs", "GB/s", "%BW", *extra, *(("err",) if impl != "xla" else ()))
+
+
+def _num(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def write_plot(report: dict[str, Any], path: Path) -> bool:
+    """Decode GB/s vs context, a panel per batch, a line per implementation, the copy's line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in report["records"] if r["kind"] == "decode" and r.get("status") == "ok"]
+    batches = sorted({r["batch"] for r in ok})
+    if not batches:
+        return False
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        for impl in report["config"]["impls"]:
+            pts = sorted((r["context"], r["gb_s"]) for r in ok
+                         if r["batch"] == batch and r["impl"] == impl)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
+        ax.axhline(report["bandwidth"]["gb_s"], color="gray", ls="--", label="copy")
+        ax.set_xscale("log", base=2)
+        ax.set(title=f"decode, batch {batch}", xlabel="context (keys per request)",
+               ylabel="GB/s")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"paged attention, one layer ({report['environment']['device_kind']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sweep and write the outputs; 1 where a result was flagged, else 0."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    platform, devices = bm.start_devices(1)
+    try:
+        a = resolve(args, platform)
+    except ValueError as err:
+        print(f"attention_bench.py: error: {err}", file=sys.stderr)
+        return 2
+    seed = a.seed if a.seed is not None else bm.resolve_seed()
+    report = run(a, devices[0], platform, seed)
+    report["environment"] = bm.environment(devices[:1], ["benchmarks/attention_bench.py", *argv])
+    report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+    report["config"]["seed"] = seed
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "attention.json").write_text(json.dumps(report, indent=2) + "\n")
+    (a.out / "attention.md").write_text(to_markdown(report) + "\n")
+    if not a.no_plot:
+        write_plot(report, a.out / "attention.png")
+    print(to_markdown(report))
+    if platform == "cpu":
+        print("note: CPU timings; run on a GPU to measure the kernels.")
+    return 1 if any(r.get("flagged") for r in report["records"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

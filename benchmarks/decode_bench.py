@@ -1,0 +1,332 @@
+"""The serving engine's decode step against the memory roofline.
+
+A model of named shapes (``--model``, default Llama-3-8B, all its layers unless ``--layers``)
+with random weights, tensor-parallel over ``--tp`` devices, served by
+``jax_tokenweave.serving.LLMEngine``. For each ``--batch`` x ``--context``: an engine sized for
+it gets ``batch`` requests of ``context`` random prompt tokens, steps until every prompt is in
+the cache (each step layout met on the way compiles once), runs ``--warm-steps`` decode steps
+(the decode layout compiles in the first), then times ``--steps`` consecutive ``engine.step()``
+calls, each a pure decode step of all requests (wall clock: scheduling, packing, the jitted step
+and reading its tokens back). Compilations in the timed window are counted (``serving.
+count_compilations``) and must be zero.
+
+Roofline: a decode step must read every weight once (the embedding table is a few gathered rows;
+a tied LM head counts it once) and every request's K/V of every layer: ``weights + sum over
+requests of keys x KVH/TP x D x bytes x 2 (K, V) x layers`` per GPU, ``keys`` the request's
+cached positions at that step. Bandwidth: a device-to-device copy in the same run (bytes read +
+written / time). Roofline time = bytes / bandwidth; ratio = step time (median) / roofline time.
+
+Writes ``decode.json``, ``decode.md`` and ``decode.png`` into ``--out``. With no GPU it runs the
+tiny config and small batches (under a minute; CPU timings say nothing about GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from jax_tokenweave import benchmarking as bm
+
+ENGINE_OPTIONS = ("block_size", "prefill_tile", "key_chunk", "max_num_batched_tokens")
+DEFAULTS = {"gpu": dict(model="llama3-8b", batch=[1, 64, 256], context=[1024], steps=32,
+                        copy_gb=2.0),
+            "cpu": dict(model="tiny", batch=[1, 4], context=[64], steps=8, copy_gb=0.1)}
+
+
+@functools.cache
+def roofline() -> Any:
+    """``benchmarks/roofline.py``, loaded by path (found under ``python -P`` too)."""
+    spec = importlib.util.spec_from_file_location("_benchmarks_roofline",
+                                                  Path(__file__).with_name("roofline.py"))
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def add_model_options(p: argparse.ArgumentParser, engine: Sequence[str] = ENGINE_OPTIONS,
+                      plot: bool = True) -> None:
+    """The model and engine options ``decode_bench.py`` and ``prefill_bench.py`` share."""
+    p.set_defaults(layers=None)
+    p.add_argument("--model", help=f"model config name, {bm.config_names_help()} (default: "
+                                   "llama3-8b on GPUs, tiny on CPUs)")
+    p.add_argument("--tp", type=bm.positive_int, default=1, help="tensor-parallel degree")
+    p.add_argument("--dtype", choices=tuple(bm.DTYPES), default="bfloat16",
+                   help="parameter, activation and cache dtype")
+    p.add_argument("--schedule", choices=("auto", "weave", "baseline"), default="auto",
+                   help="the engine's schedule (auto: baseline at TP 1, weave above)")
+    p.add_argument("--comm", choices=bm.COMMS, default="auto", help="weave's reductions")
+    p.add_argument("--attention", choices=("auto", "cuda", "xla"), default="auto",
+                   help="the engine's paged attention (EngineConfig.attention)")
+    bm.add_engine_options(p, engine)
+    p.add_argument("--copy-gb", type=bm.positive_float,
+                   help="bytes of the bandwidth copy, GB (default: 2 on GPUs, 0.1 on CPUs)")
+    p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="weights and prompts seed")
+    if plot:
+        p.add_argument("--no-plot", action="store_true",
+                       help="write no plot (the plot needs matplotlib: the plot extra)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser; see ``--help``."""
+    p = bm.result_parser("decode_bench.py", __doc__, "decode")
+    add_model_options(p)
+    p.add_argument("--batch", type=bm.positive_ints, nargs="+", action=bm.Flatten,
+                   help="requests decoding together (default: 1 64 256 on GPUs, 1 4 on CPUs)")
+    p.add_argument("--context", type=bm.positive_ints, nargs="+", action=bm.Flatten,
+                   help="prompt tokens per request (default: 1024 on GPUs, 64 on CPUs)")
+    p.add_argument("--steps", type=bm.positive_int,
+                   help="timed decode steps (default: 32 on GPUs, 8 on CPUs)")
+    p.add_argument("--warm-steps", type=bm.positive_int, default=3,
+                   help="untimed decode steps first (the first compiles the decode layout)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse and check the options (``parser.error`` before any work on bad ones)."""
+    p = parser or build_parser()
+    args = p.parse_args(argv)
+    from jax_tokenweave.models.configs import get_config
+
+    if args.model is not None:
+        try:
+            get_config(args.model)
+        except ValueError as err:
+            p.error(f"--model: {err}")
+    if args.key_chunk % args.block_size:
+        p.error(f"--key-chunk {args.key_chunk} is not a multiple of --block-size "
+                f"{args.block_size}")
+    budget = getattr(args, "max_num_batched_tokens", None)
+    if budget and budget % args.prefill_tile:
+        p.error(f"--max-num-batched-tokens {budget} is not a multiple of --prefill-tile "
+                f"{args.prefill_tile}")
+    if not getattr(args, "no_plot", True) and (hint := bm.matplotlib_missing()):
+        p.error(f"the plot {hint} (or pass --no-plot)")
+    return args
+
+
+def resolve(args: argparse.Namespace, platform: str) -> argparse.Namespace:
+    """``args`` with the platform's defaults filled in (``None`` options only)."""
+    a = argparse.Namespace(**vars(args))
+    for name, value in DEFAULTS["gpu" if platform == "gpu" else "cpu"].items():
+        if getattr(a, name, None) is None:
+            setattr(a, name, value)
+    if a.schedule == "auto":
+        a.schedule = "baseline" if a.tp == 1 else "weave"
+    return a
+
+
+def build_model(a: argparse.Namespace, devices: Sequence[Any]) -> Any:
+    """The named model with random weights (``nnx.Rngs(seed)``) over the first ``tp`` devices."""
+    from flax import nnx
+
+    from jax_tokenweave.models.llama import LlamaModel
+
+    config = bm.load_config(a.model, a.layers)
+    mesh = bm.make_mesh(devices, a.tp)
+    return LlamaModel(config, mesh, dtype=bm.DTYPES[a.dtype], rngs=nnx.Rngs(a.seed))
+
+
+def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
+    """An ``EngineConfig`` for ``requests`` running at once, each up to ``positions``."""
+    from jax_tokenweave.serving import EngineConfig
+    from jax_tokenweave.serving.buckets import decode_rows
+
+    tile = a.prefill_tile
+    budget = max(a.max_num_batched_tokens, decode_rows(requests, tile) + tile)
+    per_request = -(-positions // a.block_size)
+    return EngineConfig(max_num_batched_tokens=-(-budget // tile) * tile, max_num_seqs=requests,
+                        max_model_len=positions + 1, block_size=a.block_size,
+                        num_blocks=requests * per_request + 1, prefill_tile=tile,
+                        key_chunk=a.key_chunk, schedule=a.schedule, comm=a.comm,
+                        attention=a.attention, max_logprobs=0, seed=a.seed)
+
+
+def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
+              rng: np.random.Generator) -> dict[str, Any]:
+    """Prefill ``batch`` prompts of ``context`` tokens, warm up, time the decode steps."""
+    from jax_tokenweave.serving import LLMEngine, SamplingParams, count_compilations
+
+    max_tokens = a.warm_steps + a.steps + 2
+    engine = LLMEngine(model, engine_config(a, batch, context + max_tokens))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(0, model.config.vocab_size, context).tolist(), params)
+    sched = engine.scheduler
+    start, prefill_steps = time.perf_counter(), 0
+    while sched.waiting or not all(s.prefilled for s in sched.running):
+        engine.step()
+        prefill_steps += 1
+    prefill_s = time.perf_counter() - start
+    for _ in range(a.warm_steps):
+        engine.step()
+    times, keys = [], []
+    with count_compilations() as compiles:
+        for _ in range(a.steps):
+            keys.append(sum(s.num_computed + 1 for s in sched.running))
+            t0 = time.perf_counter()
+            gained = engine.step()
+            times.append(time.perf_counter() - t0)
+            if len(gained) != batch:
+                raise RuntimeError(f"a timed step gave {len(gained)} tokens for {batch} requests")
+    layout = batch_layout(engine, batch)
+    del engine
+    gc.collect()
+    ms = np.asarray(times) * 1e3
+    return {"batch": batch, "context": context, "status": "ok", "steps": a.steps,
+            "step_p50_ms": float(np.median(ms)), "step_p90_ms": float(np.percentile(ms, 90)),
+            "step_mean_ms": float(ms.mean()), "tok_s": batch / (np.median(ms) * 1e-3),
+            "tok_s_total": batch * a.steps / (ms.sum() * 1e-3), "mean_keys": float(np.mean(keys)),
+            "compilations": compiles.count, "prefill_steps": prefill_steps,
+            "prefill_s": prefill_s, "layout": layout}
+
+
+def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
+    """The decode step's layout (rows, whether split) and the attention it resolves to."""
+    from jax_tokenweave.serving.batch import make_layout
+    from jax_tokenweave.serving.buckets import decode_rows
+    from jax_tokenweave.serving.paged_attention import resolve_implementation
+
+    cfg, mc = engine.config, engine.model_config
+    rows = decode_rows(batch, cfg.prefill_tile)
+    layout = make_layout(rows, rows, cfg, mc, engine.tp)
+    impl = resolve_implementation(cfg.attention, engine.mesh.devices.flat[0].platform,
+                                  engine.cache.k[0].dtype, mc.head_dim,
+                                  mc.num_heads // mc.num_kv_heads)
+    return {"rows": rows, "split": layout.plan.split, "attention": impl}
+
+
+def add_roofline(record: dict[str, Any], model: Any, weights: int, gb_s: float) -> None:
+    """The record's bytes per step, roofline time and ratio (module docstring)."""
+    rf, c = roofline(), model.config
+    itemsize = np.dtype(model.embed.get_value().dtype).itemsize
+    kv = rf.kv_bytes(round(record["mean_keys"]), c.num_kv_heads // model.mesh.size,
+                     c.head_dim, itemsize, c.num_layers)
+    record.update(weight_bytes=weights, kv_bytes=kv, bytes=weights + kv,
+                  roofline_ms=(weights + kv) / (gb_s * rf.GB) * 1e3)
+    record["ratio"] = record["step_p50_ms"] / record["roofline_ms"]
+
+
+def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
+    """The bandwidth, the model, every (batch, context) point."""
+    from jax_tokenweave.modes import one_line
+
+    rf = roofline()
+    bandwidth = rf.copy_bandwidth(devices[0], int(a.copy_gb * rf.GB))
+    print(f"copy bandwidth: {bandwidth['gb_s']:.0f} GB/s", file=sys.stderr)
+    model = build_model(a, devices)
+    weights = rf.weight_bytes(model, devices[0])
+    rng = np.random.default_rng(a.seed)
+    records = []
+    for batch, context in tqdm([(b, c) for b in a.batch for c in a.context], desc="decode"):
+        try:
+            record = run_point(model, a, batch, context, rng)
+            add_roofline(record, model, weights, bandwidth["gb_s"])
+        except Exception as err:  # one failing point must not end the sweep
+            record = {"batch": batch, "context": context, "status": "error",
+                      "reason": one_line(err)}
+        tqdm.write(_line(record))
+        records.append(record)
+    return {"model": a.model, "layers": model.config.num_layers, "tp": a.tp,
+            "bandwidth": bandwidth, "weight_bytes": weights, "records": records}
+
+
+def _line(r: dict[str, Any]) -> str:
+    if r["status"] != "ok":
+        return f"batch {r['batch']} context {r['context']}: {r['status']}: {r['reason']}"
+    return (f"batch {r['batch']} context {r['context']}: step {r['step_p50_ms']:.2f} ms "
+            f"(roofline {r['roofline_ms']:.2f} ms, x{r['ratio']:.2f}), {r['tok_s']:.0f} tok/s, "
+            f"{r['compilations']} compilations")
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """One table: a row per (batch, context)."""
+    env, bw = report["environment"], report["bandwidth"]
+    lines = [f"# Decode step vs roofline: {report['model']}, {report['layers']} layers, TP "
+             f"{report['tp']} ({env['device_kind']})", "",
+             f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; weights "
+             f"{report['weight_bytes'] / 1e9:.2f} GB per GPU, copy bandwidth {bw['gb_s']:.0f} "
+             "GB/s (read + write). Ratio = step p50 / roofline.", "",
+             "| batch | context | step p50 ms | step p90 ms | roofline ms | ratio | tok/s | "
+             "compiles |", "|---" * 8 + "|"]
+    for r in report["records"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['batch']} | {r['context']} | {r['status']}: {r['reason']} |"
+                         + " - |" * 5)
+            continue
+        lines.append(f"| {r['batch']} | {r['context']} | {r['step_p50_ms']:.3f} | "
+                     f"{r['step_p90_ms']:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | "
+                     f"{r['tok_s']:.0f} | {r['compilations']} |")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: Path) -> bool:
+    """Step time and roofline time vs batch, a panel per context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in report["records"] if r["status"] == "ok"]
+    contexts = sorted({r["context"] for r in ok})
+    if not contexts:
+        return False
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 3.8), squeeze=False)
+    for ax, context in zip(axes[0], contexts, strict=True):
+        pts = sorted((r["batch"], r["step_p50_ms"], r["roofline_ms"]) for r in ok
+                     if r["context"] == context)
+        xs, step, roof = zip(*pts, strict=True)
+        ax.plot(xs, step, marker="o", label="step p50")
+        ax.plot(xs, roof, marker="x", ls="--", label="roofline")
+        ax.set_xscale("log", base=2)
+        ax.set(title=f"context {context}", xlabel="batch (requests)", ylabel="ms per step")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"decode step, {report['model']} x{report['layers']}, TP {report['tp']} "
+                 f"({report['environment']['device_kind']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(report: dict[str, Any], out: Path, stem: str, markdown: str,
+                  plot: Any = None) -> None:
+    """``<stem>.json``, ``<stem>.md`` and (``plot(report, path)``) ``<stem>.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown + "\n")
+    if plot is not None:
+        plot(report, out / f"{stem}.png")
+    print(markdown)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sweep and write the outputs; 1 where a point failed or compiled while timed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    platform, devices = bm.start_devices(max(args.tp, 1))
+    a = resolve(args, platform)
+    report = run(a, devices)
+    report["environment"] = bm.environment(devices[:a.tp], ["benchmarks/decode_bench.py", *argv])
+    report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+    write_outputs(report, a.out, "decode", to_markdown(report),
+                  None if a.no_plot else write_plot)
+    if platform == "cpu":
+        print(bm.CPU_NOTE)
+    bad = [r for r in report["records"] if r["status"] != "ok" or r["compilations"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

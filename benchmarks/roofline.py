@@ -1,0 +1,116 @@
+"""Memory-roofline helpers shared by ``attention_bench.py``, ``decode_bench.py`` and
+``prefill_bench.py``: the device's bandwidth measured by a device-to-device copy, the bytes and
+FLOPs of an attention case, the bytes a decode step must move.
+
+The benchmarks load this file by path (registered in ``sys.modules`` as
+``_benchmarks_roofline``), so that it is found under ``python -P`` (which keeps the script's
+folder off ``sys.path``) as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GB = 1e9
+
+
+def copy_bandwidth(device: Any, nbytes: int, *, warmup: int = 3,
+                   iters: int = 10) -> dict[str, float]:
+    """The bandwidth of ``device``'s memory from a device-to-device copy of ``nbytes`` bytes
+    (one jitted ``jnp.copy`` per call, timed like every benchmark here:
+    ``jax_tokenweave.timing.benchmark``, median of ``iters`` calls after ``warmup``).
+
+    Returns ``{"bytes", "median_ms", "gb_s"}``; ``gb_s`` counts the bytes read and the bytes
+    written (``2 * bytes / time``, in 1e9 B/s).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jax_tokenweave import timing
+
+    n = max(int(nbytes) // 4, 1)
+    x = jax.jit(lambda: jnp.arange(n, dtype=jnp.float32),
+                out_shardings=jax.sharding.SingleDeviceSharding(device))()
+    copy = jax.jit(jnp.copy)
+    stats = timing.benchmark({"copy": lambda: copy(x)}, warmup=warmup, iters=iters)["copy"]
+    return {"bytes": 4 * n, "median_ms": stats.median_ms,
+            "gb_s": 2 * 4 * n / (stats.median_ms * 1e-3) / GB}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measurement: ``decode`` (``batch`` rows at position ``context - 1``) or ``prefill``
+    (one request's ``chunk`` rows at positions ``prefix ..``, tiles of ``tile``)."""
+
+    kind: str
+    batch: int = 1
+    context: int = 0
+    chunk: int = 0
+    prefix: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.batch if self.kind == "decode" else 1
+
+    @property
+    def keys(self) -> int:
+        """Cached positions each request's attention reads."""
+        return self.context if self.kind == "decode" else self.prefix + self.chunk
+
+    @property
+    def rows(self) -> int:
+        return self.batch if self.kind == "decode" else self.chunk
+
+    @property
+    def pairs(self) -> int:
+        """Visible query-key pairs (causal)."""
+        if self.kind == "decode":
+            return self.batch * self.context
+        return self.chunk * self.prefix + self.chunk * (self.chunk + 1) // 2
+
+
+def moved_bytes(case: Case, heads: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """K and V read once per request and kv head, q read and out written once."""
+    kv = kv_bytes(case.requests * case.keys, kv_heads, head_dim, itemsize)
+    return kv + 2 * case.rows * heads * head_dim * itemsize
+
+
+def attention_flops(case: Case, heads: int, head_dim: int) -> int:
+    """``4 * D`` FLOPs per visible query-key pair and query head (QK^T and PV)."""
+    return 4 * head_dim * heads * case.pairs
+
+
+def kv_bytes(keys: int, kv_heads: int, head_dim: int, itemsize: int, layers: int = 1) -> int:
+    """Bytes of K and V read for ``keys`` cached positions (summed over requests), every layer:
+    ``keys * kv_heads * head_dim * itemsize * 2 (K and V) * layers``."""
+    return keys * kv_heads * head_dim * itemsize * 2 * layers
+
+
+def decode_step_bytes(weight_bytes: int, batch: int, context: int, kv_heads: int,
+                      head_dim: int, itemsize: int, layers: int) -> int:
+    """Bytes a decode step of ``batch`` requests of ``context`` cached positions must move at
+    least: every weight once (:func:`weight_bytes`) and every request's K/V of every layer."""
+    return weight_bytes + kv_bytes(batch * context, kv_heads, head_dim, itemsize, layers)
+
+
+def weight_bytes(model: Any, device: Any) -> int:
+    """Bytes of ``model``'s parameters that ``device`` holds and a decode step reads: all of
+    them but the embedding table (a decode step gathers a few rows of it), which is counted once
+    as the LM head where the head is tied to it (``tie_word_embeddings``)."""
+    from flax import nnx
+
+    def on_device(x: Any) -> int:
+        return sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+
+    total = sum(on_device(leaf) for leaf in jax_leaves(nnx.state(model, nnx.Param)))
+    if not model.config.tie_word_embeddings:
+        total -= on_device(model.embed.get_value())
+    return total
+
+
+def jax_leaves(tree: Any) -> list[Any]:
+    """The array leaves of a pytree (``nnx.State`` included)."""
+    import jax
+
+    return [leaf for leaf in jax.tree_util.tree_leaves(tree) if hasattr(leaf, "addressable_shards")]
