@@ -45,13 +45,18 @@ DEFAULTS = {"gpu": dict(model="llama3-8b", batch=[1, 64, 256], context=[1024], s
 
 
 @functools.cache
-def roofline() -> Any:
-    """``benchmarks/roofline.py``, loaded by path (found under ``python -P`` too)."""
-    spec = importlib.util.spec_from_file_location("_benchmarks_roofline",
-                                                  Path(__file__).with_name("roofline.py"))
+def sibling(name: str) -> Any:
+    """``benchmarks/<name>.py``, loaded by path (found under ``python -P`` too)."""
+    spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}",
+                                                  Path(__file__).with_name(f"{name}.py"))
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def roofline() -> Any:
+    """``benchmarks/roofline.py``."""
+    return sibling("roofline")
 
 
 def add_model_options(p: argparse.ArgumentParser, engine: Sequence[str] = ENGINE_OPTIONS,
@@ -89,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed decode steps (default: 32 on GPUs, 8 on CPUs)")
     p.add_argument("--warm-steps", type=bm.positive_int, default=3,
                    help="untimed decode steps first (the first compiles the decode layout)")
+    p.add_argument("--profile-steps", type=bm.nonnegative_int, default=5,
+                   help="decode steps profiled after the timed ones (PyTorch's CUDA profiler: "
+                        "device-busy time, host gaps, top kernels; 0: none)")
     return p
 
 
@@ -158,7 +166,9 @@ def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
     """Prefill ``batch`` prompts of ``context`` tokens, warm up, time the decode steps."""
     from jax_tokenweave.serving import LLMEngine, SamplingParams, count_compilations
 
-    max_tokens = a.warm_steps + a.steps + 2
+    # Requests finish prefill up to one step apart each (chunked prefill), and the earliest
+    # decode meanwhile: room for every step of the run, so none finishes in the timed window.
+    max_tokens = a.warm_steps + a.steps + batch + 2
     engine = LLMEngine(model, engine_config(a, batch, context + max_tokens))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):
@@ -180,6 +190,8 @@ def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
             times.append(time.perf_counter() - t0)
             if len(gained) != batch:
                 raise RuntimeError(f"a timed step gave {len(gained)} tokens for {batch} requests")
+    profile = (sibling("step_profile").profile_steps(engine.step, a.profile_steps)
+               if a.profile_steps else {"status": "skipped", "reason": "--profile-steps 0"})
     layout = batch_layout(engine, batch)
     del engine
     gc.collect()
@@ -189,7 +201,7 @@ def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
             "step_mean_ms": float(ms.mean()), "tok_s": batch / (np.median(ms) * 1e-3),
             "tok_s_total": batch * a.steps / (ms.sum() * 1e-3), "mean_keys": float(np.mean(keys)),
             "compilations": compiles.count, "prefill_steps": prefill_steps,
-            "prefill_s": prefill_s, "layout": layout}
+            "prefill_s": prefill_s, "layout": layout, "profile": profile}
 
 
 def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
@@ -245,9 +257,12 @@ def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
 def _line(r: dict[str, Any]) -> str:
     if r["status"] != "ok":
         return f"batch {r['batch']} context {r['context']}: {r['status']}: {r['reason']}"
+    prof = r.get("profile", {})
+    busy = (f"; profiled: GPU busy {prof['busy_ms']:.2f} ms, host gap {prof['gap_ms']:.2f} ms "
+            f"per step" if prof.get("status") == "ok" else "")
     return (f"batch {r['batch']} context {r['context']}: step {r['step_p50_ms']:.2f} ms "
             f"(roofline {r['roofline_ms']:.2f} ms, x{r['ratio']:.2f}), {r['tok_s']:.0f} tok/s, "
-            f"{r['compilations']} compilations")
+            f"{r['compilations']} compilations{busy}")
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -268,6 +283,18 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['batch']} | {r['context']} | {r['step_p50_ms']:.3f} | "
                      f"{r['step_p90_ms']:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | "
                      f"{r['tok_s']:.0f} | {r['compilations']} |")
+    profiled = [r for r in report["records"] if r.get("profile", {}).get("status") == "ok"]
+    if profiled:
+        lines += ["", "## Profiled steps (PyTorch CUDA profiler)", "",
+                  "GPU busy = union of the kernels' intervals; host gap = wall - busy.", "",
+                  "| batch | context | wall ms | GPU busy ms | host gap ms | top kernels "
+                  "(ms per step) |", "|---" * 6 + "|"]
+        for r in profiled:
+            prof = r["profile"]
+            top = "; ".join(f"{k['name'][:48]} {k['ms_per_step']:.3f}"
+                            for k in prof["kernels"][:5])
+            lines.append(f"| {r['batch']} | {r['context']} | {prof['wall_ms']:.3f} | "
+                         f"{prof['busy_ms']:.3f} | {prof['gap_ms']:.3f} | {top} |")
     return "\n".join(lines)
 
 

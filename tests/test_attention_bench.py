@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def test_runs_every_implementation_on_tiny_shapes(bench, tmp_path, capsys):
         assert xla["status"] == "ok" and xla["median_us"] > 0 and xla["gb_s"] > 0
         assert xla["pct_bw"] == pytest.approx(100 * xla["gb_s"] / report["bandwidth"]["gb_s"])
         assert cell[kind, "cuda"]["status"] == "skipped"
-        assert "cpu" in cell[kind, "cuda"]["reason"]
+        # Where the extension is built the reason is the platform, else the missing build.
+        assert re.search("cpu|not built", cell[kind, "cuda"]["reason"])
     pallas = cell["decode", "pallas"]
     assert pallas["status"] == "ok" and pallas["rel_err"] < 2e-2 and not pallas["flagged"]
     assert "decode kernel" in cell["prefill", "pallas"]["reason"]

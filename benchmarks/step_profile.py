@@ -1,0 +1,54 @@
+"""Where an engine step's wall time goes: device kernels vs host gaps, from PyTorch's profiler.
+
+PyTorch's CUDA profiler (CUPTI) records every kernel of the process, JAX's included.
+:func:`profile_steps` runs ``step()`` ``n`` times under it and returns per step: the wall time,
+the device-busy time (the union of the kernels' intervals, so overlapping kernels count once),
+the host gap (wall - busy: the GPU idle while Python schedules, packs, dispatches and reads
+results back) and the kernels that took the most device time. Without PyTorch or a CUDA GPU it
+returns a record that says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (any unit)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def profile_steps(step: Callable[[], Any], n: int, top: int = 12) -> dict[str, Any]:
+    """Profile ``n`` calls of ``step`` (each must wait for its results, as ``engine.step``
+    does). Returns ``{"status", "wall_ms", "busy_ms", "gap_ms", "kernels"}``, times per step."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return {"status": "skipped", "reason": "PyTorch is not installed"}
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "reason": "no CUDA GPU for PyTorch's profiler"}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(n):
+            step()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    by_name: dict[str, float] = collections.defaultdict(float)
+    for e in kernels:
+        by_name[e.name[:80]] += e.device_time_total
+    busy = busy_us(intervals) / 1e3 / n
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"status": "ok", "steps": n, "wall_ms": wall * 1e3 / n, "busy_ms": busy,
+            "gap_ms": wall * 1e3 / n - busy, "kernel_ms": sum(by_name.values()) / 1e3 / n,
+            "kernels": [{"name": k, "ms_per_step": v / 1e3 / n} for k, v in ranked]}
