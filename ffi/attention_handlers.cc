@@ -81,8 +81,9 @@ ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   p.scale = scale;
   if (p.num_blocks < 1 || p.block_size < 1 || p.width < 1) return Bad("empty cache or table");
   if (tile == 1) {
-    if (split < 64 || split > 512 || split % 64 != 0)
-      return Bad("split must be 64, 128, 256 or 512 keys, got " + std::to_string(split));
+    if (split < 32 || split > 512 || split % 32 != 0)
+      return Bad("split must be a multiple of 32 keys from 32 to 512, got " +
+                 std::to_string(split));
     p.split = split;
     p.splits = static_cast<int32_t>((int64_t{p.width} * p.block_size + split - 1) / split);
     const int64_t need = rows * kvh * p.splits * (hq / kvh) * (d + 2);

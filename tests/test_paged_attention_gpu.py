@@ -190,7 +190,8 @@ def test_unavailable_reasons(platform, dtype, d, g, why):
 
 
 @pytest.mark.parametrize(("rows", "kvh", "max_keys", "split"), [
-    (1, 8, 8192, 64),      # one request: the shortest split, 1024 blocks
+    (1, 8, 8192, 32),      # one request: the shortest split, 2048 blocks
+    (1, 8, 1 << 17, 256),  # 1 x 8 x 512 = 4096 >= 528
     (64, 8, 8192, 512),    # 64 x 8 x 16 = 8192 blocks >= 528 with the longest
     (256, 8, 1024, 512),
     (4, 8, 8192, 256),     # 4 x 8 x 32 = 1024 >= 528; 512 gives 512 < 528

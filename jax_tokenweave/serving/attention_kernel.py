@@ -36,7 +36,7 @@ TARGET = "tokenweave_paged_attention"
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SPLIT_LENGTHS = (64, 128, 256, 512)
+SPLIT_LENGTHS = (32, 64, 128, 256, 512)
 """Keys per block of the decode kernel, from the shortest (most blocks) to the longest."""
 TARGET_BLOCKS = 4 * 132
 """Decode blocks to aim for: four per multiprocessor of an H100/H200."""
