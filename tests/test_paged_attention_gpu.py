@@ -190,11 +190,11 @@ def test_unavailable_reasons(platform, dtype, d, g, why):
 
 
 @pytest.mark.parametrize(("rows", "kvh", "max_keys", "split"), [
-    (1, 8, 8192, 32),      # one request: the shortest split, 2048 blocks
-    (1, 8, 1 << 17, 256),  # 1 x 8 x 512 = 4096 >= 528
-    (64, 8, 8192, 512),    # 64 x 8 x 16 = 8192 blocks >= 528 with the longest
+    (1, 8, 8192, 32),      # one request: the shortest split (1 x 8 x 32 = 256 < 528)
+    (16, 8, 8192, 128),    # 16 x 8 x 8 = 1024 >= 528; 256 gives 512 < 528
+    (64, 8, 8192, 512),    # 64 x 8 x 2 = 1024 >= 528 with the longest
     (256, 8, 1024, 512),
-    (4, 8, 8192, 256),     # 4 x 8 x 32 = 1024 >= 528; 512 gives 512 < 528
+    (4, 8, 256, 32),       # a table of 256 positions: 4 x 8 x 8 = 256 < 528
 ])
 def test_decode_split_fills_the_gpu(rows, kvh, max_keys, split):
     assert attention_kernel.decode_split(rows, kvh, max_keys) == split

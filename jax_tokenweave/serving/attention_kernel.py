@@ -40,6 +40,8 @@ SPLIT_LENGTHS = (32, 64, 128, 256, 512)
 """Keys per block of the decode kernel, from the shortest (most blocks) to the longest."""
 TARGET_BLOCKS = 4 * 132
 """Decode blocks to aim for: four per multiprocessor of an H100/H200."""
+REFERENCE_KEYS = 1024
+"""The context the decode split is sized for (a short chat turn)."""
 
 
 def unavailable_reason(platform: str, dtype: jnp.dtype, head_dim: int, group: int) -> str | None:
@@ -65,10 +67,13 @@ def _register() -> None:
 
 def decode_split(rows: int, kv_heads: int, max_keys: int) -> int:
     """Keys per block of the decode kernel: the longest of :data:`SPLIT_LENGTHS` that still
-    gives :data:`TARGET_BLOCKS` blocks for ``rows`` requests whose contexts fill ``max_keys``
-    positions (the block table's width); the shortest where none does."""
+    gives :data:`TARGET_BLOCKS` blocks for ``rows`` requests of :data:`REFERENCE_KEYS`
+    positions (or ``max_keys``, the block table's width, where shorter); the shortest where
+    none does. The real contexts are device data, unknown when the call is compiled; longer
+    ones only add blocks."""
+    keys = min(max_keys, REFERENCE_KEYS)
     for length in reversed(SPLIT_LENGTHS):
-        if rows * kv_heads * math.ceil(max_keys / length) >= TARGET_BLOCKS:
+        if rows * kv_heads * math.ceil(keys / length) >= TARGET_BLOCKS:
             return length
     return SPLIT_LENGTHS[0]
 
