@@ -132,18 +132,13 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
       }
     }
   };
-  uint4 next_k[kUnroll], next_v[kUnroll];
-  load(k0, next_k, next_v);
   for (int base = k0; base < k1; base += kStep) {
-    // Software pipeline: this pass's data came with the previous pass; ask for the next now.
+    // Every load of the pass is issued before the first is used (kUnroll rows in flight).
     uint4 kw[kUnroll], vw[kUnroll];
     bool valid[kUnroll];
+    load(base, kw, vw);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      kw[u] = next_k[u], vw[u] = next_v[u];
-      valid[u] = base + u * kKeysPerPass + slot < k1;
-    }
-    if (base + kStep < k1) load(base + kStep, next_k, next_v);
+    for (int u = 0; u < kUnroll; ++u) valid[u] = base + u * kKeysPerPass + slot < k1;
     float s[kUnroll][G];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -165,29 +160,42 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
         s[u][g] = valid[u] ? dot : -INFINITY;
       }
     }
+    // Online softmax: new maxima and rescaling first, then each V row converted once and
+    // accumulated into every head.
+    float m_new[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float m_new = m[g];
+      m_new[g] = m[g];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, s[u][g]);
-      if (m_new == -INFINITY) continue;  // no valid key for this thread yet
-      const float corr = exp2f(m[g] - m_new);
-      l[g] *= corr;
+      for (int u = 0; u < kUnroll; ++u) m_new[g] = fmaxf(m_new[g], s[u][g]);
+      // Still -inf: no valid key for this thread yet (exp2 of s - 0 then gives 0).
+      const float safe = m_new[g] == -INFINITY ? 0.f : m_new[g];
+      if (m_new[g] != m[g]) {
+        const float corr = exp2f(m[g] - safe);
+        l[g] *= corr;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[g][i] *= corr;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const float pu = exp2f(s[u][g] - m_new);  // 0 for an invalid key
-        l[g] += pu;
-        const uint32_t words[4] = {vw[u].x, vw[u].y, vw[u].z, vw[u].w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = Vec<T>::ToFloat2(words[i]);
-          acc[g][2 * i] = fmaf(pu, f.x, acc[g][2 * i]);
-          acc[g][2 * i + 1] = fmaf(pu, f.y, acc[g][2 * i + 1]);
-        }
+        for (int i = 0; i < kVec; ++i) acc[g][i] *= corr;
       }
-      m[g] = m_new;
+      m[g] = m_new[g];
+      m_new[g] = safe;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t words[4] = {vw[u].x, vw[u].y, vw[u].z, vw[u].w};
+      float vf[kVec];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = Vec<T>::ToFloat2(words[i]);
+        vf[2 * i] = f.x;
+        vf[2 * i + 1] = f.y;
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float pu = exp2f(s[u][g] - m_new[g]);  // 0 for an invalid key
+        l[g] += pu;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) acc[g][i] = fmaf(pu, vf[i], acc[g][i]);
+      }
     }
   }
 
