@@ -16,6 +16,8 @@ namespace ffi = xla::ffi;
 namespace tokenweave {
 namespace {
 
+constexpr int kMaxSplits = 256;  // decode blocks per (row, kv head)
+
 std::string Dims(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
@@ -35,7 +37,7 @@ ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                              ffi::Result<ffi::Buffer<ffi::F32>> work, int32_t tile, int32_t split,
+                              ffi::Result<ffi::Buffer<ffi::F32>> work, int32_t tile, int32_t splits,
                               float scale) {
   AttnDType dtype;
   switch (q.element_type()) {
@@ -81,11 +83,10 @@ ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   p.scale = scale;
   if (p.num_blocks < 1 || p.block_size < 1 || p.width < 1) return Bad("empty cache or table");
   if (tile == 1) {
-    if (split < 32 || split > 512 || split % 32 != 0)
-      return Bad("split must be a multiple of 32 keys from 32 to 512, got " +
-                 std::to_string(split));
-    p.split = split;
-    p.splits = static_cast<int32_t>((int64_t{p.width} * p.block_size + split - 1) / split);
+    if (splits < 1 || splits > kMaxSplits)
+      return Bad("splits must be in [1, " + std::to_string(kMaxSplits) + "], got " +
+                 std::to_string(splits));
+    p.splits = splits;
     const int64_t need = rows * kvh * p.splits * (hq / kvh) * (d + 2);
     if (static_cast<int64_t>(work->element_count()) < need)
       return Bad("work buffer holds " + std::to_string(work->element_count()) +
@@ -121,6 +122,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweavePagedAttention, tokenweave::PagedAttenti
                                   .Ret<ffi::AnyBuffer>()          // v_cache (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // work (decode partials)
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("split")
+                                  .Attr<int32_t>("splits")
                                   .Attr<float>("scale"),
                               {ffi::Traits::kCmdBufferCompatible});

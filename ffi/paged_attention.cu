@@ -3,7 +3,7 @@
 // scale * log2(e)).
 //
 // Decode (tile == 1): grid (split, kv head, row), 128 threads. A row's keys 0..p are cut into
-// splits of `split` keys; a block streams its split's K and V rows with 16-byte loads (a key row
+// `splits` pieces (multiples of 32 keys, so a short row uses fewer); a block streams its split's K and V rows with 16-byte loads (a key row
 // of head_dim elements is read by head_dim / 8 threads) and scores them against every query
 // head of its kv head (GQA: one read of K/V serves `G` heads), an online softmax per thread,
 // then merges its threads and writes unnormalised partial sums with their max and total. A
@@ -59,6 +59,11 @@ __device__ __forceinline__ int Context(const AttentionParams& p, int row) {
   return min(p.positions[row] + 1, p.width * p.block_size);
 }
 
+// Keys per split of a row: its context cut into `splits` pieces of a multiple of 32 keys.
+__device__ __forceinline__ int SplitKeys(int ctx, int splits) {
+  return max(32, ((ctx + splits - 1) / splits + 31) / 32 * 32);
+}
+
 __device__ __forceinline__ int64_t BlockId(const int32_t* table, int index, int num_blocks) {
   return min(max(table[index], 0), num_blocks - 1);
 }
@@ -72,21 +77,18 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
   constexpr int kKeysPerPass = kThreads / kTpk;  // keys the block reads per pass
   constexpr int kUnroll = G > 4 ? 2 : 4;         // passes whose loads are in flight together
   constexpr int kWarps = kThreads / 32;
-  constexpr int kMaxTable = 512;                 // block-table entries a split may span
-  __shared__ int s_blocks[kMaxTable];
   __shared__ float s_m[kWarps][G], s_l[kWarps][G];
   __shared__ float s_acc[kWarps][G][D];
 
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
   const int ctx = Context(p, row);
-  const int k0 = split * p.split;
+  const int chunk = SplitKeys(ctx, p.splits);
+  const int k0 = split * chunk;
   if (k0 >= ctx) return;  // the merge reads only the splits under ctx
-  const int k1 = min(ctx, k0 + p.split);
+  const int k1 = min(ctx, k0 + chunk);
   const int tid = threadIdx.x, slot = tid / kTpk, d0 = (tid % kTpk) * kVec;
   const int bs = p.block_size;
-  const int b0 = k0 / bs, nb = (k1 - 1) / bs - b0 + 1;
   const int32_t* table = p.tables + static_cast<int64_t>(row) * p.width;
-  for (int i = tid; i < nb; i += kThreads) s_blocks[i] = BlockId(table, b0 + i, p.num_blocks);
 
   // This thread's dims of the G query heads, pre-scaled.
   const float qscale = p.scale * kLog2e;
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
     for (int u = 0; u < kUnroll; ++u) {
       const int key = base + u * kKeysPerPass + slot;
       if (key < k1) {
-        const int64_t at = (static_cast<int64_t>(s_blocks[key / bs - b0]) * bs + key % bs) *
+        const int64_t at = (BlockId(table, key / bs, p.num_blocks) * bs + key % bs) *
                                pos_stride + h * D + d0;
         kw[u] = __ldg(reinterpret_cast<const uint4*>(kc + at));
         vw[u] = __ldg(reinterpret_cast<const uint4*>(vc + at));
@@ -251,7 +253,8 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
   const int row = blockIdx.x, h = blockIdx.y, g = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n = (Context(p, row) + p.split - 1) / p.split;
+  const int ctx = Context(p, row), chunk = SplitKeys(ctx, p.splits);
+  const int n = ctx > 0 ? (ctx + chunk - 1) / chunk : 0;
   const float* work = p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) +
                       g * (D + 2);
   constexpr int kStride = G * (D + 2);  // from one split's entry to the next one's

@@ -30,8 +30,8 @@ struct AttentionParams {
   void* out;
   float* work;
   int32_t groups, tile, hq, kvh, head_dim, block_size, width, num_blocks;
-  int32_t split;   // decode: keys per block (a multiple of 32, at most 512)
-  int32_t splits;  // decode: blocks per (row, kv head) = ceil(width * block_size / split)
+  int32_t splits;  // decode: blocks per (row, kv head); each row cuts its context into this
+                   // many pieces of a multiple of 32 keys
   float scale;     // logit scale (1 / sqrt(head_dim) by default)
 };
 

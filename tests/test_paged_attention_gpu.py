@@ -189,12 +189,11 @@ def test_unavailable_reasons(platform, dtype, d, g, why):
         assert "not built" in reason
 
 
-@pytest.mark.parametrize(("rows", "kvh", "max_keys", "split"), [
-    (1, 8, 8192, 32),      # one request: the shortest split (1 x 8 x 32 = 256 < 528)
-    (16, 8, 8192, 128),    # 16 x 8 x 8 = 1024 >= 528; 256 gives 512 < 528
-    (64, 8, 8192, 512),    # 64 x 8 x 2 = 1024 >= 528 with the longest
-    (256, 8, 1024, 512),
-    (4, 8, 256, 32),       # a table of 256 positions: 4 x 8 x 8 = 256 < 528
+@pytest.mark.parametrize(("rows", "kvh", "splits"), [
+    (1, 8, 64),      # one request: 66 would be needed, capped at 64
+    (16, 8, 5),      # 16 x 8 x 5 = 640 >= 528
+    (64, 8, 2),
+    (256, 8, 1),
 ])
-def test_decode_split_fills_the_gpu(rows, kvh, max_keys, split):
-    assert attention_kernel.decode_split(rows, kvh, max_keys) == split
+def test_decode_splits_fill_the_gpu(rows, kvh, splits):
+    assert attention_kernel.decode_splits(rows, kvh) == splits

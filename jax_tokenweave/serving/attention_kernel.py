@@ -6,8 +6,8 @@ rank (inside ``shard_map``):
 * ``tile == 1`` (decode rows): a split-K flash-decoding kernel. Grid (key splits, kv heads,
   rows); each block reads its split's keys and values once with 16-byte loads and serves every
   query head of its kv head (grouped-query attention), keeping an online softmax in float32;
-  a second small kernel merges the splits. The split length is chosen here
-  (:func:`decode_split`), from the static shapes, so that even one request fills the GPU.
+  a second small kernel merges the splits. The number of splits is chosen here
+  (:func:`decode_splits`), from the static shapes, so that even one request fills the GPU.
 * ``tile > 1`` (prompt tiles): a flash-attention kernel on tensor cores (``mma.sync``
   m16n8k16, bf16/fp16 in, float32 accumulation). Each block takes 64 (query, head) rows of one
   tile (the heads of one kv head side by side, so a key tile in shared memory serves all of
@@ -36,12 +36,10 @@ TARGET = "tokenweave_paged_attention"
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SPLIT_LENGTHS = (32, 64, 128, 256, 512)
-"""Keys per block of the decode kernel, from the shortest (most blocks) to the longest."""
 TARGET_BLOCKS = 4 * 132
 """Decode blocks to aim for: four per multiprocessor of an H100/H200."""
-REFERENCE_KEYS = 1024
-"""The context the decode split is sized for (a short chat turn)."""
+MAX_SPLITS = 64
+"""The most pieces a decode row's context is cut into (the handler allows 256)."""
 
 
 def unavailable_reason(platform: str, dtype: jnp.dtype, head_dim: int, group: int) -> str | None:
@@ -65,17 +63,12 @@ def _register() -> None:
                                 platform="CUDA")
 
 
-def decode_split(rows: int, kv_heads: int, max_keys: int) -> int:
-    """Keys per block of the decode kernel: the longest of :data:`SPLIT_LENGTHS` that still
-    gives :data:`TARGET_BLOCKS` blocks for ``rows`` requests of :data:`REFERENCE_KEYS`
-    positions (or ``max_keys``, the block table's width, where shorter); the shortest where
-    none does. The real contexts are device data, unknown when the call is compiled; longer
-    ones only add blocks."""
-    keys = min(max_keys, REFERENCE_KEYS)
-    for length in reversed(SPLIT_LENGTHS):
-        if rows * kv_heads * math.ceil(keys / length) >= TARGET_BLOCKS:
-            return length
-    return SPLIT_LENGTHS[0]
+def decode_splits(rows: int, kv_heads: int) -> int:
+    """Pieces each decode row's context is cut into (one block each): enough for
+    :data:`TARGET_BLOCKS` blocks over ``rows`` requests, at most :data:`MAX_SPLITS`. Each row
+    cuts its own context on the device (pieces of a multiple of 32 keys, so a short row uses
+    fewer blocks), so long and short contexts both spread over the GPU."""
+    return max(1, min(MAX_SPLITS, math.ceil(TARGET_BLOCKS / (rows * kv_heads))))
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
@@ -88,8 +81,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
     v_cache)``, the caches aliased to the inputs.
     """
     rows, hq, d = q.shape
-    _, bs, kvh, _ = k_cache.shape
-    groups, width = tables.shape
+    kvh = k_cache.shape[2]
+    groups = tables.shape[0]
     why = unavailable_reason("gpu", q.dtype, d, hq // kvh if hq % kvh == 0 else 0)
     if why is not None:
         raise ValueError(f"paged_attention (cuda): {why}")
@@ -100,8 +93,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
                          f"tables {tables.shape}, tile {tile}")
     _register()
     group = hq // kvh
-    split = decode_split(groups, kvh, width * bs) if tile == 1 else 0
-    splits = math.ceil(width * bs / split) if tile == 1 else 0
+    splits = decode_splits(groups, kvh) if tile == 1 else 0
     # Decode partials: per (row, kv head, split, head of the group) D sums and (max, total).
     work = (groups * kvh * splits * group * (d + 2),) if tile == 1 else (1,)
     outs = (jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -111,5 +103,5 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
     call = jax.ffi.ffi_call(TARGET, outs, input_output_aliases={1: 1, 2: 2})
     out, k_cache, v_cache, _ = call(q, k_cache, v_cache, tables.astype(jnp.int32),
                                     positions.astype(jnp.int32), tile=np.int32(tile),
-                                    split=np.int32(split), scale=np.float32(scale))
+                                    splits=np.int32(splits), scale=np.float32(scale))
     return out, k_cache, v_cache
