@@ -23,6 +23,8 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
+import numpy as np
+
 from jax_tokenweave.serving.blocks import BlockAllocator
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.config import EngineConfig
@@ -42,6 +44,25 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
+    _table: tuple[list[int], np.ndarray] | None = dataclasses.field(default=None, init=False,
+                                                                      repr=False)
+
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as int32 [len(prompt)] (made once)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt, np.int32)
+        return self._prompt_array
+
+    def table_row(self, width: int) -> np.ndarray:
+        """The block table as int32 [width], zero-padded (made again when ``blocks`` is
+        replaced)."""
+        cached = self._table
+        if cached is None or cached[0] is not self.blocks or cached[1].shape[0] != width:
+            row = np.zeros(width, np.int32)
+            row[:len(self.blocks)] = self.blocks
+            self._table = cached = (self.blocks, row)
+        return cached[1]
 
     @property
     def prefilled(self) -> bool:
