@@ -192,7 +192,8 @@ def reference_pack(step, cfg, model, tp):
         for f, v in zip(fields, (p.temperature, p.top_p, max(p.top_k, 0), q.seed % (1 << 32),
                                  len(q.output)), strict=True):
             f[i] = v
-    return layout, (tokens, positions, slots, tables, sample_rows, *fields)
+    want = np.asarray(any(q.params.logprobs is not None for q in step.sampled))
+    return layout, (tokens, positions, slots, tables, sample_rows, *fields, want)
 
 
 def random_step(rng, cfg):
@@ -209,7 +210,8 @@ def random_step(rng, cfg):
         q = Sequence(f"r{len(decodes) + len(chunks)}", rng.integers(0, 1000, prompt_len).tolist(),
                      SamplingParams(max_tokens=max_tokens, temperature=float(rng.random()),
                                     top_p=float(rng.uniform(0.1, 1)),
-                                    top_k=int(rng.integers(-1, 5))),
+                                    top_k=int(rng.integers(-1, 5)),
+                                    logprobs=None if rng.random() < 0.9 else 1),
                      seed=int(rng.integers(1 << 40)), stop_ids=frozenset())
         q.num_computed, q.output = computed, rng.integers(0, 1000, made).tolist()
         need = -(-(prompt_len + max_tokens - 1) // bs)
@@ -240,7 +242,8 @@ def test_pack_equals_the_plain_reference(rng, tile):
         want_layout, want = reference_pack(step, cfg, MODEL, tp=2)
         assert layout == want_layout
         got = (arrays.tokens, arrays.positions, arrays.slots, arrays.tables, arrays.sample_rows,
-               arrays.temperature, arrays.top_p, arrays.top_k, arrays.seeds, arrays.counters)
+               arrays.temperature, arrays.top_p, arrays.top_k, arrays.seeds, arrays.counters,
+               arrays.want_logprobs)
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape
             np.testing.assert_array_equal(g, w)

@@ -61,7 +61,8 @@ class StepLayout:
 class StepArrays:
     """The step's inputs (NumPy; module docstring). ``sample_rows`` [S] row per sampled
     request, the sampling fields [S] per sampled row (``seeds`` uint32, ``counters``: tokens
-    the request made so far, the index into its random stream)."""
+    the request made so far, the index into its random stream); ``want_logprobs`` bool []:
+    some sampled request asked for log-probabilities (else the step skips them)."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -73,6 +74,7 @@ class StepArrays:
     top_k: np.ndarray
     seeds: np.ndarray
     counters: np.ndarray
+    want_logprobs: np.ndarray
 
 
 @functools.lru_cache(maxsize=256)
@@ -145,8 +147,9 @@ def pack(step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig,
         top_k[:k] = [max(q.params.top_k, 0) for q in sampled]
         seeds[:k] = [q.seed % (1 << 32) for q in sampled]
         counters[:k] = [len(q.output) for q in sampled]
+    want = np.asarray(any(q.params.logprobs is not None for q in sampled))
     return layout, StepArrays(tokens, positions, slots, tables, sample_rows, temperature,
-                              top_p, top_k, seeds, counters)
+                              top_p, top_k, seeds, counters, want)
 
 
 def pack_padding(layout: StepLayout, cfg: EngineConfig) -> StepArrays:
@@ -156,4 +159,4 @@ def pack_padding(layout: StepLayout, cfg: EngineConfig) -> StepArrays:
     return StepArrays(zeros(r), zeros(r), np.full(r, cfg.num_blocks * cfg.block_size, np.int32),
                       np.zeros((layout.groups, cfg.table_width), np.int32), zeros(s),
                       zeros(s, np.float32), np.ones(s, np.float32), zeros(s), zeros(s, np.uint32),
-                      zeros(s))
+                      zeros(s), np.asarray(False))

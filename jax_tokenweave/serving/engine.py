@@ -183,7 +183,11 @@ class LLMEngine:
                     return []
                 layout, arrays = batch_lib.pack(scheduled, self.config, self.model_config,
                                                 self.tp)
-            outputs = jax.device_get(self._run(layout, arrays))   # NumPy: no eager JAX ops
+            outputs = self._run(layout, arrays)
+            # to the host: the tokens, and the log-probabilities only where some row asked
+            outputs = jax.device_get(outputs if arrays.want_logprobs else
+                                     dataclasses.replace(outputs, logprob=None,
+                                                         top_logprobs=None, top_ids=None))
             tokens = outputs.tokens[:len(scheduled.sampled)]
             now = time.perf_counter()
             self._count(scheduled, layout)

@@ -44,7 +44,8 @@ from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 @dataclasses.dataclass
 class StepOutputs:
     """Per sampled row [S]: ``tokens``, their ``logprob``; ``top_logprobs`` / ``top_ids``
-    [S, K] (K = the static number asked for; [S, 0] when none)."""
+    [S, K] (K = the static number asked for; [S, 0] when none). The last three are zeros
+    where the step's ``want_logprobs`` is false."""
 
     tokens: jax.Array
     logprob: jax.Array
@@ -113,8 +114,19 @@ def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: Step
     logits = model.logits(out[arrays.sample_rows])
     tokens = sampling.sample(logits, arrays.seeds, arrays.counters, arrays.temperature,
                              arrays.top_p, arrays.top_k)
-    chosen, top, ids = sampling.logprobs(logits, tokens, max(num_logprobs, 1))
-    return StepOutputs(tokens, chosen, top[:, :num_logprobs], ids[:, :num_logprobs]), cache
+    k, n = num_logprobs, tokens.shape[0]
+
+    def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        chosen, top, ids = sampling.logprobs(logits, tokens, max(k, 1))
+        return chosen, top[:, :k], ids[:, :k]
+
+    def without() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.zeros(n, jnp.float32), jnp.zeros((n, k), jnp.float32),
+                jnp.zeros((n, k), jnp.int32))
+
+    # log_softmax + top_k over the whole vocabulary only where some row asked for them
+    chosen, top, ids = jax.lax.cond(arrays.want_logprobs, with_logprobs, without)
+    return StepOutputs(tokens, chosen, top, ids), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "schedule", "comm",
