@@ -146,6 +146,7 @@ def test_layout_split_moves_to_a_tile_boundary():
     ({"num_blocks": 0}, "num_blocks must be >= 1"),
     ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
     ({"tuning": 3}, "tuning"),
+    ({"async_scheduling": 1}, "async_scheduling must be a bool"),
 ])
 def test_engine_config_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -169,8 +170,10 @@ def reference_pack(step, cfg, model, tp):
         tokens[row], positions[row] = token, position
         slots[row] = blocks[position // bs] * bs + position % bs
 
+    source = np.full(r, -1, np.int32)
     for i, q in enumerate(step.decodes):
-        place(i, q.blocks, q.output[-1], q.num_computed)
+        place(i, q.blocks, step.tokens[i], step.positions[i])
+        source[i] = step.sources[i]
         tables[i, :len(q.blocks)] = q.blocks
         sample_rows[i] = i
     n_sampled, row = len(step.decodes), decode
@@ -190,15 +193,16 @@ def reference_pack(step, cfg, model, tp):
     for i, q in enumerate(step.sampled):
         p = q.params
         for f, v in zip(fields, (p.temperature, p.top_p, max(p.top_k, 0), q.seed % (1 << 32),
-                                 len(q.output)), strict=True):
+                                 step.counters[i]), strict=True):
             f[i] = v
     want = np.asarray(any(q.params.logprobs is not None for q in step.sampled))
-    return layout, (tokens, positions, slots, tables, sample_rows, *fields, want)
+    return layout, (tokens, source, positions, slots, tables, sample_rows, *fields, want)
 
 
 def random_step(rng, cfg):
-    """A random step within ``cfg``'s budget: decodes and prompt chunks (first, middle, last)
-    of requests whose blocks are random ids in random order."""
+    """A random step within ``cfg``'s budget: decodes (input token from the host or from the
+    previous step) and prompt chunks (first, middle, last) of requests whose blocks are random
+    ids in random order."""
     tile, bs = cfg.prefill_tile, cfg.block_size
     free = list(rng.permutation(cfg.num_blocks))
     n_dec = int(rng.integers(0, cfg.max_num_seqs + 1))
@@ -228,7 +232,13 @@ def random_step(rng, cfg):
         length = min(int(rng.integers(1, prompt_len - start + 1)), room)
         chunks.append(Chunk(make(prompt_len, start, 0), start, length))
         room -= -(-length // tile) * tile
-    return ScheduledStep(tuple(decodes), tuple(chunks))
+    step = ScheduledStep(tuple(decodes), tuple(chunks))
+    prev = int(rng.integers(1, cfg.max_num_seqs + 1))
+    return dataclasses.replace(
+        step, positions=tuple(q.num_computed for q in decodes),
+        tokens=tuple(q.output[-1] for q in decodes),
+        sources=tuple(int(rng.integers(-1, prev)) for _ in decodes),
+        counters=tuple(len(q.output) for q in step.sampled))
 
 
 @pytest.mark.parametrize("tile", [4, 8])
@@ -241,9 +251,9 @@ def test_pack_equals_the_plain_reference(rng, tile):
         layout, arrays = pack(step, cfg, MODEL, tp=2)
         want_layout, want = reference_pack(step, cfg, MODEL, tp=2)
         assert layout == want_layout
-        got = (arrays.tokens, arrays.positions, arrays.slots, arrays.tables, arrays.sample_rows,
-               arrays.temperature, arrays.top_p, arrays.top_k, arrays.seeds, arrays.counters,
-               arrays.want_logprobs)
+        got = (arrays.tokens, arrays.token_source, arrays.positions, arrays.slots,
+               arrays.tables, arrays.sample_rows, arrays.temperature, arrays.top_p,
+               arrays.top_k, arrays.seeds, arrays.counters, arrays.want_logprobs)
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape
             np.testing.assert_array_equal(g, w)

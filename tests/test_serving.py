@@ -303,8 +303,7 @@ def test_logprobs_only_where_asked(model, rng):
         np.testing.assert_allclose([got.logprob, *(v for _, v in got.top)],
                                    [want.logprob, *(v for _, v in want.top)], atol=1e-5)
     engine.add_request(ps[0], SamplingParams(max_tokens=2))
-    layout, arrays = batch_lib.pack(engine.scheduler.schedule(), CFG, engine.model_config,
-                                    engine.tp)
+    layout, arrays = engine.runner.pack(engine.scheduler.schedule())
     assert not arrays.want_logprobs
-    outputs = engine._run(layout, arrays)
+    outputs = engine.runner.run(layout, arrays)
     assert not np.asarray(outputs.top_logprobs).any() and not np.asarray(outputs.logprob).any()

@@ -8,7 +8,8 @@
 - ``RequestOutput``, ``StreamDelta``, ``TokenLogprob`` (``serving.outputs``): results.
 - ``serving.scheduler`` (continuous batching), ``serving.blocks`` (block allocator,
   ``OutOfBlocksError``), ``serving.paged_cache``, ``serving.paged_attention``,
-  ``serving.batch`` (step layout), ``serving.step`` (the jitted step), ``serving.sampling``.
+  ``serving.batch`` (step layout), ``serving.step`` (the jitted step), ``serving.runner``
+  (the device side of the engine: cache, dispatch, warm-up), ``serving.sampling``.
 - ``count_compilations`` (``serving.compile_count``): count XLA compilations.
 - ``generate(model, prompts, max_new_tokens)``: token ids in, token ids out, in one call.
 """

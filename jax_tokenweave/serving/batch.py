@@ -59,12 +59,16 @@ class StepLayout:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepArrays:
-    """The step's inputs (NumPy; module docstring). ``sample_rows`` [S] row per sampled
-    request, the sampling fields [S] per sampled row (``seeds`` uint32, ``counters``: tokens
-    the request made so far, the index into its random stream); ``want_logprobs`` bool []:
+    """The step's inputs (NumPy; module docstring). ``token_source`` int32 [R]: -1 where the
+    row's token is ``tokens[r]``, else the index of its token among the previous step's
+    sampled tokens (a decode whose input token is still on the device). ``sample_rows`` [S] row
+    per sampled request, the sampling fields [S] per sampled row (``seeds`` uint32,
+    ``counters``: tokens the request made so far, the index into its random stream);
+    ``want_logprobs`` bool []:
     some sampled request asked for log-probabilities (else the step skips them)."""
 
     tokens: np.ndarray
+    token_source: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
     tables: np.ndarray
@@ -108,15 +112,17 @@ def pack(step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig,
                          tp)
     r, s = layout.rows, layout.samples
     tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
+    source = np.full(r, -1, np.int32)
     slots = np.full(r, cfg.num_blocks * bs, np.int32)
     tables = np.zeros((layout.groups, width), np.int32)
     sample_rows = np.zeros(s, np.int32)
 
     n = len(decodes)
     if n:
-        pos = np.fromiter((q.num_computed for q in decodes), np.int64, n)
+        pos = np.asarray(step.positions, np.int64)
         tables[:n] = np.stack([q.table_row(width) for q in decodes])
-        tokens[:n] = [q.output[-1] for q in decodes]
+        tokens[:n] = step.tokens
+        source[:n] = step.sources
         positions[:n] = pos
         slots[:n] = tables[np.arange(n), pos // bs] * bs + pos % bs
         sample_rows[:n] = np.arange(n)
@@ -146,17 +152,18 @@ def pack(step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig,
         top_p[:k] = [q.params.top_p for q in sampled]
         top_k[:k] = [max(q.params.top_k, 0) for q in sampled]
         seeds[:k] = [q.seed % (1 << 32) for q in sampled]
-        counters[:k] = [len(q.output) for q in sampled]
+        counters[:k] = step.counters
     want = np.asarray(any(q.params.logprobs is not None for q in sampled))
-    return layout, StepArrays(tokens, positions, slots, tables, sample_rows, temperature,
-                              top_p, top_k, seeds, counters, want)
+    return layout, StepArrays(tokens, source, positions, slots, tables, sample_rows,
+                              temperature, top_p, top_k, seeds, counters, want)
 
 
 def pack_padding(layout: StepLayout, cfg: EngineConfig) -> StepArrays:
     """Arrays of ``layout`` with padding rows only (they write nothing): for compiling."""
     r, s = layout.rows, layout.samples
     zeros = lambda n, dtype=np.int32: np.zeros(n, dtype)
-    return StepArrays(zeros(r), zeros(r), np.full(r, cfg.num_blocks * cfg.block_size, np.int32),
+    return StepArrays(zeros(r), np.full(r, -1, np.int32), zeros(r),
+                      np.full(r, cfg.num_blocks * cfg.block_size, np.int32),
                       np.zeros((layout.groups, cfg.table_width), np.int32), zeros(s),
                       zeros(s, np.float32), np.ones(s, np.float32), zeros(s), zeros(s, np.uint32),
                       zeros(s), np.asarray(False))

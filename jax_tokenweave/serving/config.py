@@ -44,6 +44,10 @@ class EngineConfig:
 
     ``max_logprobs``: the most top log-probabilities a request may ask for. ``seed``: seeds the
     requests that bring none.
+
+    ``async_scheduling``: schedule and dispatch step n+1 before step n's tokens reach the host
+    (its decodes take them on the device), so the device does not wait for the host between
+    steps; False: one step at a time (``serving.engine``). The tokens are the same.
     """
 
     max_num_batched_tokens: int = 8192
@@ -60,6 +64,7 @@ class EngineConfig:
     attention: str = "auto"
     max_logprobs: int = 20
     seed: int = 0
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name, minimum in (("max_num_batched_tokens", 1), ("max_num_seqs", 1),
@@ -90,6 +95,9 @@ class EngineConfig:
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION_IMPLS}, got "
                              f"{self.attention!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"EngineConfig.async_scheduling must be a bool, got "
+                             f"{self.async_scheduling!r}")
         if self.tuning is not None and not isinstance(self.tuning, TuneEntry):
             raise ValueError(f"EngineConfig.tuning must be a tuning.TuneEntry or None, got "
                              f"{type(self.tuning).__name__}")
