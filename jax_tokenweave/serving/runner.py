@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving.buckets import decode_rows, next_pow2
+from jax_tokenweave.serving.compilation_cache import use_compilation_cache
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.paged_cache import init_paged_cache
 from jax_tokenweave.serving.scheduler import ScheduledStep
@@ -53,6 +54,7 @@ class ModelRunner:
 
     def __init__(self, model: Any, config: EngineConfig) -> None:
         self.config = config
+        self.compilation_cache_dir = use_compilation_cache(config.compilation_cache_dir)
         self.model_config = model.config
         self.mesh, self.axis_name = model.mesh, model.axis_name
         self.tp = self.mesh.shape[self.axis_name]
