@@ -13,6 +13,9 @@ import pytest
 from jax.sharding import Mesh
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Compile in memory only: engines default to a persistent cache under ~/.cache
+# (tests/test_compilation_cache.py turns it on where it is tested).
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 def gpu_devices() -> list[jax.Device]:

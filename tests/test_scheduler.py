@@ -14,7 +14,7 @@ from jax_tokenweave.serving.blocks import BlockAllocator, OutOfBlocksError
 from jax_tokenweave.serving.buckets import decode_rows, next_pow2, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.sampling_params import SamplingParams
-from jax_tokenweave.serving.scheduler import Scheduler, Sequence
+from jax_tokenweave.serving.scheduler import Chunk, ScheduledStep, Scheduler, Sequence
 
 CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
                    num_blocks=16, max_model_len=40, key_chunk=8, split_threshold=16)
@@ -146,7 +146,114 @@ def test_layout_split_moves_to_a_tile_boundary():
     ({"num_blocks": 0}, "num_blocks must be >= 1"),
     ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
     ({"tuning": 3}, "tuning"),
+    ({"async_scheduling": 1}, "async_scheduling must be a bool"),
 ])
 def test_engine_config_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(CFG, **kwargs)
+
+
+def reference_pack(step, cfg, model, tp):
+    """``batch.pack`` written plainly (one token at a time), to check the vectorized one."""
+    tile, bs = cfg.prefill_tile, cfg.block_size
+    decode = decode_rows(len(step.decodes), tile)
+    used = decode + sum(-(-c.length // tile) * tile for c in step.chunks)
+    layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model,
+                         tp)
+    r, s = layout.rows, layout.samples
+    tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
+    slots = np.full(r, cfg.num_blocks * bs, np.int32)
+    tables = np.zeros((layout.groups, cfg.table_width), np.int32)
+    sample_rows = np.zeros(s, np.int32)
+
+    def place(row, blocks, token, position):
+        tokens[row], positions[row] = token, position
+        slots[row] = blocks[position // bs] * bs + position % bs
+
+    source = np.full(r, -1, np.int32)
+    for i, q in enumerate(step.decodes):
+        place(i, q.blocks, step.tokens[i], step.positions[i])
+        source[i] = step.sources[i]
+        tables[i, :len(q.blocks)] = q.blocks
+        sample_rows[i] = i
+    n_sampled, row = len(step.decodes), decode
+    for chunk in step.chunks:
+        q = chunk.seq
+        for j in range(chunk.length):
+            place(row + j, q.blocks, q.prompt[chunk.start + j], chunk.start + j)
+        tiles = -(-chunk.length // tile)
+        group = decode + (row - decode) // tile
+        tables[group:group + tiles, :len(q.blocks)] = q.blocks
+        if chunk.last:
+            sample_rows[n_sampled] = row + chunk.length - 1
+            n_sampled += 1
+        row += tiles * tile
+    fields = [np.zeros(s, np.float32), np.ones(s, np.float32), np.zeros(s, np.int32),
+              np.zeros(s, np.uint32), np.zeros(s, np.int32)]
+    for i, q in enumerate(step.sampled):
+        p = q.params
+        for f, v in zip(fields, (p.temperature, p.top_p, max(p.top_k, 0), q.seed % (1 << 32),
+                                 step.counters[i]), strict=True):
+            f[i] = v
+    want = np.asarray(any(q.params.logprobs is not None for q in step.sampled))
+    return layout, (tokens, source, positions, slots, tables, sample_rows, *fields, want)
+
+
+def random_step(rng, cfg):
+    """A random step within ``cfg``'s budget: decodes (input token from the host or from the
+    previous step) and prompt chunks (first, middle, last) of requests whose blocks are random
+    ids in random order."""
+    tile, bs = cfg.prefill_tile, cfg.block_size
+    free = list(rng.permutation(cfg.num_blocks))
+    n_dec = int(rng.integers(0, cfg.max_num_seqs + 1))
+    room = cfg.max_num_batched_tokens - decode_rows(n_dec, tile)
+    decodes, chunks = [], []
+
+    def make(prompt_len, computed, made):
+        max_tokens = made + int(rng.integers(1, 4))
+        q = Sequence(f"r{len(decodes) + len(chunks)}", rng.integers(0, 1000, prompt_len).tolist(),
+                     SamplingParams(max_tokens=max_tokens, temperature=float(rng.random()),
+                                    top_p=float(rng.uniform(0.1, 1)),
+                                    top_k=int(rng.integers(-1, 5)),
+                                    logprobs=None if rng.random() < 0.9 else 1),
+                     seed=int(rng.integers(1 << 40)), stop_ids=frozenset())
+        q.num_computed, q.output = computed, rng.integers(0, 1000, made).tolist()
+        need = -(-(prompt_len + max_tokens - 1) // bs)
+        q.blocks = [int(free.pop()) for _ in range(need)]
+        return q
+
+    for _ in range(n_dec):
+        prompt_len = int(rng.integers(1, cfg.max_model_len // 2))
+        made = int(rng.integers(1, cfg.max_model_len - prompt_len - 3))
+        decodes.append(make(prompt_len, prompt_len + made - 1, made))
+    while room >= tile and len(decodes) + len(chunks) < cfg.max_num_seqs and rng.random() < 0.8:
+        prompt_len = int(rng.integers(1, cfg.max_model_len - 4))
+        start = int(rng.integers(0, prompt_len))
+        length = min(int(rng.integers(1, prompt_len - start + 1)), room)
+        chunks.append(Chunk(make(prompt_len, start, 0), start, length))
+        room -= -(-length // tile) * tile
+    step = ScheduledStep(tuple(decodes), tuple(chunks))
+    prev = int(rng.integers(1, cfg.max_num_seqs + 1))
+    return dataclasses.replace(
+        step, positions=tuple(q.num_computed for q in decodes),
+        tokens=tuple(q.output[-1] for q in decodes),
+        sources=tuple(int(rng.integers(-1, prev)) for _ in decodes),
+        counters=tuple(len(q.output) for q in step.sampled))
+
+
+@pytest.mark.parametrize("tile", [4, 8])
+def test_pack_equals_the_plain_reference(rng, tile):
+    cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=6, prefill_tile=tile,
+                       block_size=4, num_blocks=256, max_model_len=40, key_chunk=8,
+                       split_threshold=16)
+    for _ in range(200):
+        step = random_step(rng, cfg)
+        layout, arrays = pack(step, cfg, MODEL, tp=2)
+        want_layout, want = reference_pack(step, cfg, MODEL, tp=2)
+        assert layout == want_layout
+        got = (arrays.tokens, arrays.token_source, arrays.positions, arrays.slots,
+               arrays.tables, arrays.sample_rows, arrays.temperature, arrays.top_p,
+               arrays.top_k, arrays.seeds, arrays.counters, arrays.want_logprobs)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(g, w)

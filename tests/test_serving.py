@@ -285,3 +285,25 @@ def test_generate_one_call(model, rng):
     got = generate(model, ps, 5)
     want = [o.token_ids for o in LLMEngine(model, CFG).generate(ps, SamplingParams(max_tokens=5))]
     assert got == want
+
+
+def test_logprobs_only_where_asked(model, rng):
+    """A step computes log-probabilities only where one of its requests asked (zeros else); a
+    request's log-probabilities do not depend on whether its neighbours asked for them."""
+    ps = prompts(rng, (9, 14))
+    engine = LLMEngine(model, CFG)
+    both = engine.generate(ps, SamplingParams(max_tokens=5, logprobs=2))
+    mixed = engine.generate(ps, [SamplingParams(max_tokens=5, logprobs=2),
+                                 SamplingParams(max_tokens=5)])
+    assert mixed[1].logprobs is None and [o.token_ids for o in mixed] == \
+        [o.token_ids for o in both]
+    for got, want in zip(mixed[0].logprobs, both[0].logprobs, strict=True):
+        assert got.token_id == want.token_id and [t for t, _ in got.top] == \
+            [t for t, _ in want.top]
+        np.testing.assert_allclose([got.logprob, *(v for _, v in got.top)],
+                                   [want.logprob, *(v for _, v in want.top)], atol=1e-5)
+    engine.add_request(ps[0], SamplingParams(max_tokens=2))
+    layout, arrays = engine.runner.pack(engine.scheduler.schedule())
+    assert not arrays.want_logprobs
+    outputs = engine.runner.run(layout, arrays)
+    assert not np.asarray(outputs.top_logprobs).any() and not np.asarray(outputs.logprob).any()

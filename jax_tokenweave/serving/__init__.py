@@ -8,8 +8,10 @@
 - ``RequestOutput``, ``StreamDelta``, ``TokenLogprob`` (``serving.outputs``): results.
 - ``serving.scheduler`` (continuous batching), ``serving.blocks`` (block allocator,
   ``OutOfBlocksError``), ``serving.paged_cache``, ``serving.paged_attention``,
-  ``serving.batch`` (step layout), ``serving.step`` (the jitted step), ``serving.sampling``.
-- ``count_compilations`` (``serving.compile_count``): count XLA compilations.
+  ``serving.batch`` (step layout), ``serving.step`` (the jitted step), ``serving.runner``
+  (the device side of the engine: cache, dispatch, warm-up), ``serving.sampling``.
+- ``count_compilations`` (``serving.compile_count``): count XLA compilations (and persistent
+  cache hits); ``serving.compilation_cache``: the engine's persistent compilation cache.
 - ``generate(model, prompts, max_new_tokens)``: token ids in, token ids out, in one call.
 """
 

@@ -59,11 +59,16 @@ class StepLayout:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepArrays:
-    """The step's inputs (NumPy; module docstring). ``sample_rows`` [S] row per sampled
-    request, the sampling fields [S] per sampled row (``seeds`` uint32, ``counters``: tokens
-    the request made so far, the index into its random stream)."""
+    """The step's inputs (NumPy; module docstring). ``token_source`` int32 [R]: -1 where the
+    row's token is ``tokens[r]``, else the index of its token among the previous step's
+    sampled tokens (a decode whose input token is still on the device). ``sample_rows`` [S] row
+    per sampled request, the sampling fields [S] per sampled row (``seeds`` uint32,
+    ``counters``: tokens the request made so far, the index into its random stream);
+    ``want_logprobs`` bool []:
+    some sampled request asked for log-probabilities (else the step skips them)."""
 
     tokens: np.ndarray
+    token_source: np.ndarray
     positions: np.ndarray
     slots: np.ndarray
     tables: np.ndarray
@@ -73,6 +78,7 @@ class StepArrays:
     top_k: np.ndarray
     seeds: np.ndarray
     counters: np.ndarray
+    want_logprobs: np.ndarray
 
 
 @functools.lru_cache(maxsize=256)
@@ -95,57 +101,69 @@ def make_layout(decode: int, rows: int, cfg: EngineConfig, model: DecoderConfig,
 
 def pack(step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig,
          tp: int) -> tuple[StepLayout, StepArrays]:
-    """Lay ``step`` out (module docstring) and fill its arrays."""
-    tile, bs = cfg.prefill_tile, cfg.block_size
-    decode = decode_rows(len(step.decodes), tile)
-    used = decode + sum(-(-c.length // tile) * tile for c in step.chunks)
+    """Lay ``step`` out (module docstring) and fill its arrays (NumPy, no per-token loop)."""
+    tile, bs, width = cfg.prefill_tile, cfg.block_size, cfg.table_width
+    decodes, chunks = step.decodes, step.chunks
+    lengths = np.fromiter((c.length for c in chunks), np.int64, len(chunks))
+    tiles = -(-lengths // tile)                                     # [C]
+    decode = decode_rows(len(decodes), tile)
+    used = decode + int(tiles.sum()) * tile
     layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model,
                          tp)
     r, s = layout.rows, layout.samples
     tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
+    source = np.full(r, -1, np.int32)
     slots = np.full(r, cfg.num_blocks * bs, np.int32)
-    tables = np.zeros((layout.groups, cfg.table_width), np.int32)
+    tables = np.zeros((layout.groups, width), np.int32)
     sample_rows = np.zeros(s, np.int32)
 
-    def place(row: int, seq_blocks: list[int], token: int, position: int) -> None:
-        tokens[row], positions[row] = token, position
-        slots[row] = seq_blocks[position // bs] * bs + position % bs
-
-    for i, seq in enumerate(step.decodes):
-        pos = seq.num_computed
-        place(i, seq.blocks, seq.output[-1], pos)
-        tables[i, :len(seq.blocks)] = seq.blocks
-        sample_rows[i] = i
-    n_sampled, row = len(step.decodes), decode
-    for chunk in step.chunks:
-        seq = chunk.seq
-        for j in range(chunk.length):
-            place(row + j, seq.blocks, seq.prompt[chunk.start + j], chunk.start + j)
-        tiles = -(-chunk.length // tile)
-        group = decode + (row - decode) // tile
-        tables[group:group + tiles, :len(seq.blocks)] = seq.blocks
-        if chunk.last:
-            sample_rows[n_sampled] = row + chunk.length - 1
-            n_sampled += 1
-        row += tiles * tile
+    n = len(decodes)
+    if n:
+        pos = np.asarray(step.positions, np.int64)
+        tables[:n] = np.stack([q.table_row(width) for q in decodes])
+        tokens[:n] = step.tokens
+        source[:n] = step.sources
+        positions[:n] = pos
+        slots[:n] = tables[np.arange(n), pos // bs] * bs + pos % bs
+        sample_rows[:n] = np.arange(n)
+    if chunks:
+        starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+        first = decode + tile * (np.cumsum(tiles) - tiles)          # [C] first row
+        chunk = np.repeat(np.arange(len(chunks)), lengths)          # [T] chunk of each token
+        offset = np.arange(chunk.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        rows, pos = first[chunk] + offset, starts[chunk] + offset
+        chunk_tables = np.stack([c.seq.table_row(width) for c in chunks])      # [C, W]
+        tokens[rows] = np.concatenate([c.seq.prompt_array()[c.start:c.start + c.length]
+                                       for c in chunks])
+        positions[rows] = pos
+        slots[rows] = chunk_tables[chunk, pos // bs] * bs + pos % bs
+        tables[decode:decode + int(tiles.sum())] = chunk_tables[
+            np.repeat(np.arange(len(chunks)), tiles)]
+        last = np.fromiter((c.last for c in chunks), bool, len(chunks))
+        sample_rows[n:n + int(last.sum())] = (first + lengths - 1)[last]
 
     sampled = step.sampled
+    k = len(sampled)
     temperature, top_p = np.zeros(s, np.float32), np.ones(s, np.float32)
     top_k, counters = np.zeros(s, np.int32), np.zeros(s, np.int32)
     seeds = np.zeros(s, np.uint32)
-    for i, seq in enumerate(sampled):
-        p = seq.params
-        temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, max(p.top_k, 0)
-        seeds[i], counters[i] = seq.seed % (1 << 32), len(seq.output)
-    return layout, StepArrays(tokens, positions, slots, tables, sample_rows, temperature,
-                              top_p, top_k, seeds, counters)
+    if k:
+        temperature[:k] = [q.params.temperature for q in sampled]
+        top_p[:k] = [q.params.top_p for q in sampled]
+        top_k[:k] = [max(q.params.top_k, 0) for q in sampled]
+        seeds[:k] = [q.seed % (1 << 32) for q in sampled]
+        counters[:k] = step.counters
+    want = np.asarray(any(q.params.logprobs is not None for q in sampled))
+    return layout, StepArrays(tokens, source, positions, slots, tables, sample_rows,
+                              temperature, top_p, top_k, seeds, counters, want)
 
 
 def pack_padding(layout: StepLayout, cfg: EngineConfig) -> StepArrays:
     """Arrays of ``layout`` with padding rows only (they write nothing): for compiling."""
     r, s = layout.rows, layout.samples
     zeros = lambda n, dtype=np.int32: np.zeros(n, dtype)
-    return StepArrays(zeros(r), zeros(r), np.full(r, cfg.num_blocks * cfg.block_size, np.int32),
+    return StepArrays(zeros(r), np.full(r, -1, np.int32), zeros(r),
+                      np.full(r, cfg.num_blocks * cfg.block_size, np.int32),
                       np.zeros((layout.groups, cfg.table_width), np.int32), zeros(s),
                       zeros(s, np.float32), np.ones(s, np.float32), zeros(s), zeros(s, np.uint32),
-                      zeros(s))
+                      zeros(s), np.asarray(False))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jax_tokenweave.schedules import COMMS
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import decode_rows
+from jax_tokenweave.serving.compilation_cache import DEFAULT_DIR
 from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
 from jax_tokenweave.tuning import TuneEntry
 
@@ -44,6 +46,13 @@ class EngineConfig:
 
     ``max_logprobs``: the most top log-probabilities a request may ask for. ``seed``: seeds the
     requests that bring none.
+
+    ``async_scheduling``: schedule and dispatch step n+1 before step n's tokens reach the host
+    (its decodes take them on the device), so the device does not wait for the host between
+    steps; False: one step at a time (``serving.engine``). The tokens are the same.
+
+    ``compilation_cache_dir``: JAX's persistent compilation cache for the engine's programs
+    (``serving.compilation_cache``: a user-set JAX cache directory wins); None: no cache.
     """
 
     max_num_batched_tokens: int = 8192
@@ -60,6 +69,8 @@ class EngineConfig:
     attention: str = "auto"
     max_logprobs: int = 20
     seed: int = 0
+    async_scheduling: bool = True
+    compilation_cache_dir: str | None = DEFAULT_DIR
 
     def __post_init__(self) -> None:
         for name, minimum in (("max_num_batched_tokens", 1), ("max_num_seqs", 1),
@@ -90,6 +101,13 @@ class EngineConfig:
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION_IMPLS}, got "
                              f"{self.attention!r}")
+        if self.compilation_cache_dir is not None and not isinstance(
+                self.compilation_cache_dir, str | os.PathLike):
+            raise ValueError(f"EngineConfig.compilation_cache_dir must be a path or None, got "
+                             f"{self.compilation_cache_dir!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"EngineConfig.async_scheduling must be a bool, got "
+                             f"{self.async_scheduling!r}")
         if self.tuning is not None and not isinstance(self.tuning, TuneEntry):
             raise ValueError(f"EngineConfig.tuning must be a tuning.TuneEntry or None, got "
                              f"{type(self.tuning).__name__}")

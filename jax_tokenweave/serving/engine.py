@@ -2,35 +2,38 @@
 
 ``add_request`` queues a request (checked at once: a bad one raises ``ValueError`` and leaves
 the others untouched); each :meth:`LLMEngine.step` asks the scheduler for a step
-(``serving.scheduler``), packs it (``serving.batch``), runs the jitted model step
-(``serving.step``), then advances the requests, finishes those that stop, frees their blocks
-and returns what each request gained (:class:`~jax_tokenweave.serving.outputs.StreamDelta`).
+(``serving.scheduler``), packs and dispatches it (``serving.runner``), then takes a completed
+step's tokens: advances the requests, finishes those that stop, frees their blocks and returns
+what each request gained (:class:`~jax_tokenweave.serving.outputs.StreamDelta`).
+
+Async scheduling (``EngineConfig.async_scheduling``, the default): a step call dispatches step
+n+1 before it waits for step n's tokens, so the host schedules and packs while the device
+computes and the device never waits for Python; step n+1's decodes take the tokens of step n
+on the device. A request that stops at step n (stop token, stop string, abort) drops the token
+step n+1 made for it; its blocks are freed after step n+1 is processed. Each call still
+returns the deltas of one completed step; the tokens are those of the synchronous engine.
+
 ``add_request`` and ``abort`` may be called from another thread while a step runs (the async
 API does); the scheduler is only touched under the engine's lock.
 
-Compilation: one program per ``StepLayout`` (decode rows x step rows, both bucketed, see
-``serving.buckets``); :meth:`LLMEngine.warmup` compiles them all, after which a stream of
-requests compiles nothing.
+Compilation: one program per ``StepLayout``; :meth:`LLMEngine.warmup` compiles them all, after
+which a stream of requests compiles nothing (``serving.runner``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
-import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
-from flax import nnx
 
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import checks
-from jax_tokenweave.serving.buckets import decode_rows, next_pow2
+from jax_tokenweave.serving.buckets import next_pow2
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.outputs import (
     RequestMetrics,
@@ -39,11 +42,10 @@ from jax_tokenweave.serving.outputs import (
     TextState,
     TokenLogprob,
 )
-from jax_tokenweave.serving.paged_cache import init_paged_cache
+from jax_tokenweave.serving.runner import InFlight, ModelRunner
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import ScheduledStep, Scheduler
 from jax_tokenweave.serving.scheduler import Sequence as Seq
-from jax_tokenweave.serving.step import jitted_step
 
 
 @dataclasses.dataclass
@@ -79,18 +81,14 @@ class LLMEngine:
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.config = config = config or EngineConfig()
-        self.model_config = model.config
-        self.mesh, self.axis_name = model.mesh, model.axis_name
-        self.tp = self.mesh.shape[self.axis_name]
+        self.runner = ModelRunner(model, config)
+        self.model_config, self.tp = self.runner.model_config, self.runner.tp
+        self.mesh, self.axis_name = self.runner.mesh, self.runner.axis_name
         self.tokenizer = tokenizer
         info = getattr(model, "hf_info", None)
         self.eos_token_ids = frozenset(checks.eos_token_ids(
             eos_token_ids if eos_token_ids is not None
             else (info.eos_token_ids if info is not None else None)))
-        self._graphdef, self._state = nnx.split(model)
-        self.cache = init_paged_cache(self.model_config, self.mesh, config.num_blocks,
-                                      config.block_size, model.embed.get_value().dtype,
-                                      self.axis_name)
         self.scheduler = Scheduler(config)
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
@@ -98,6 +96,21 @@ class LLMEngine:
         self._step_lock = threading.Lock()      # one step at a time (the cache)
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
+        self._pending: InFlight | None = None          # dispatched, tokens not taken yet
+        self._ready: list[StreamDelta] = []            # a step taken early (abort), to return
+
+    @property
+    def cache(self) -> Any:
+        """The paged KV cache (``serving.paged_cache.PagedKVCache``)."""
+        return self.runner.cache
+
+    @property
+    def _state(self) -> Any:
+        return self.runner.state
+
+    @property
+    def _graphdef(self) -> Any:
+        return self.runner.graphdef
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -144,16 +157,29 @@ class LLMEngine:
         return ids, params
 
     def abort(self, request_id: str) -> None:
-        """Finish a request now with ``"abort"``; its blocks are freed at once."""
+        """Finish a request now with ``"abort"``. Its blocks are freed at once, or, where a
+        dispatched step holds it, when that step completes: here (waiting for it) unless
+        another thread is stepping, else by that thread's step."""
         with self._lock:
             tracked = self._tracked.get(request_id)
-            if tracked is not None and not tracked.seq.finished:
-                self.scheduler.finish(tracked.seq, "abort")
-                tracked.metrics.finish_time = time.perf_counter()
+            if tracked is None or tracked.seq.finished:
+                return
+            self.scheduler.finish(tracked.seq, "abort")
+            tracked.metrics.finish_time = time.perf_counter()
+            held = tracked.seq.in_flight > 0
+        if held and self._step_lock.acquire(blocking=False):
+            try:    # take the in-flight step now; the next step() returns its deltas
+                if self._pending is not None:
+                    done, self._pending = self._pending, None
+                    self._ready += self._take(done)
+            finally:
+                self._step_lock.release()
 
     def has_unfinished(self) -> bool:
+        """Requests waiting or running, blocks held by a step in flight, or deltas of a
+        completed step that :meth:`step` has not returned yet."""
         with self._lock:
-            return self.scheduler.has_unfinished()
+            return self.scheduler.has_unfinished() or bool(self._ready)
 
     def output(self, request_id: str) -> RequestOutput:
         """The request's output so far (final once it finished)."""
@@ -175,30 +201,44 @@ class LLMEngine:
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """Run one step; what each request gained (module docstring). [] when idle."""
+        """Run one step; what each request gained from one completed step (module docstring).
+        [] when idle."""
         with self._step_lock:
-            with self._lock:
-                scheduled = self.scheduler.schedule()
-                if scheduled.empty:
+            if self._ready:
+                ready, self._ready = self._ready, []
+                return ready
+            if not self.config.async_scheduling:
+                done = self._dispatch(None)
+                return [] if done is None else self._take(done)
+            if self._pending is None:
+                self._pending = self._dispatch(None)
+                if self._pending is None:
                     return []
-                layout, arrays = batch_lib.pack(scheduled, self.config, self.model_config,
-                                                self.tp)
-            outputs = jax.device_get(self._run(layout, arrays))   # NumPy: no eager JAX ops
-            tokens = outputs.tokens[:len(scheduled.sampled)]
-            now = time.perf_counter()
-            self._count(scheduled, layout)
-            with self._lock:
-                gained = set(self.scheduler.update(scheduled, tokens.tolist()))
-                return [self._delta(seq, i, outputs, now) for i, seq in
-                        enumerate(scheduled.sampled) if seq in gained]
+            done = self._pending
+            self._pending = self._dispatch(done)        # step n+1 out before step n's tokens
+            return self._take(done)
 
-    def _run(self, layout: batch_lib.StepLayout, arrays: batch_lib.StepArrays) -> Any:
-        cfg = self.config
-        outputs, self.cache = jitted_step(
-            self._state, self.cache, arrays, graphdef=self._graphdef, layout=layout,
-            schedule=cfg.schedule, comm=cfg.comm, key_chunk=cfg.key_chunk,
-            num_logprobs=cfg.max_logprobs, tuning=cfg.tuning, attention=cfg.attention)
-        return outputs
+    def _dispatch(self, previous: InFlight | None) -> InFlight | None:
+        """Schedule, pack and dispatch the next step (None when there is nothing to run); its
+        decodes take in-flight tokens from ``previous``."""
+        with self._lock:
+            scheduled = self.scheduler.schedule()
+            if scheduled.empty:
+                return None
+            packed = self.runner.pack(scheduled)
+        self._count(scheduled, packed[0])
+        return self.runner.dispatch(scheduled, packed, previous)
+
+    def _take(self, done: InFlight) -> list[StreamDelta]:
+        """Wait for ``done``'s tokens, advance its requests; their deltas."""
+        outputs = self.runner.fetch(done)
+        now = time.perf_counter()
+        sampled = done.scheduled.sampled
+        with self._lock:
+            gained = set(self.scheduler.update(done.scheduled,
+                                               outputs.tokens[:len(sampled)].tolist()))
+            return [self._delta(seq, i, outputs, now) for i, seq in enumerate(sampled)
+                    if seq in gained]
 
     def _count(self, step: ScheduledStep, layout: batch_lib.StepLayout) -> None:
         stats = self.stats
@@ -255,27 +295,13 @@ class LLMEngine:
 
     def layouts(self) -> list[batch_lib.StepLayout]:
         """Every step layout this configuration can produce."""
-        cfg, tile = self.config, self.config.prefill_tile
-        budget = cfg.max_num_batched_tokens
-        ladder = sorted({min(next_pow2(n), budget) for n in
-                         (tile << i for i in range(budget.bit_length() + 1))} | {budget})
-        decodes = sorted({0} | {decode_rows(n, tile) for n in range(1, cfg.max_num_seqs + 1)})
-        return [batch_lib.make_layout(d, r, cfg, self.model_config, self.tp)
-                for d in decodes for r in ladder if r >= max(d, tile) and r - d <= budget - d]
+        return self.runner.layouts()
 
     def warmup(self, workers: int | None = None) -> int:
         """Compile every layout (traced one after the other, compiled by ``workers`` threads,
         default one per CPU); afterwards no step compiles. Returns how many layouts."""
-        cfg = self.config
-        lowered = [jitted_step.lower(
-            self._state, self.cache, batch_lib.pack_padding(layout, cfg),
-            graphdef=self._graphdef, layout=layout, schedule=cfg.schedule, comm=cfg.comm,
-            key_chunk=cfg.key_chunk, num_logprobs=cfg.max_logprobs, tuning=cfg.tuning,
-            attention=cfg.attention)
-            for layout in self.layouts()]
-        with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-            list(pool.map(lambda program: program.compile(), lowered))
-        return len(lowered)
+        return self.runner.warmup(workers)
+
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,

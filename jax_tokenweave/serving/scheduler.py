@@ -2,19 +2,30 @@
 
 Requests wait in arrival order (FCFS). Each step (:meth:`Scheduler.schedule`) is made of
 
-1. one token of every running request whose prompt is fully in the cache (a *decode*); the
-   decode segment takes ``buckets.decode_rows(D)`` rows;
+1. one token of every running request whose prompt is fully scheduled and that may make more
+   tokens (a *decode*); the decode segment takes ``buckets.decode_rows(D)`` rows;
 2. then, while rows of the budget remain: the next chunk of every running request whose prompt
-   is partly in the cache, then newly admitted waiting requests' first chunks. A chunk takes
+   is partly scheduled, then newly admitted waiting requests' first chunks. A chunk takes
    ``min(prompt left, rows left)`` tokens and ``round_up(chunk, prefill_tile)`` rows (chunks
    start on tile boundaries).
+
+Steps may be scheduled before the previous one's tokens are known (async scheduling): a
+request's scheduled positions (``num_computed``) advance when a step is scheduled, its sampled
+tokens in flight are counted (``num_pending``), and :meth:`Scheduler.update` takes a step's
+tokens later. A decode whose input token is still in flight takes it on the device from the
+previous step's sampled tokens (``ScheduledStep.sources``). A request whose last token is in
+flight (``max_tokens`` reached) is not decoded again; one that stops on a token, a stop string
+or an abort is known only when the tokens arrive, and the token a later step already made for
+it is dropped.
 
 Admission control: a waiting request is admitted when fewer than ``max_num_seqs`` run and the
 allocator can give it every block it may ever need (``prompt + max_tokens - 1`` positions), so
 a running request never runs out of cache and nothing is preempted. The head of the queue
 blocks the ones behind it (FCFS). A request that could never fit (longer than
 ``max_model_len`` or than the whole cache) is refused by :meth:`Scheduler.add` with a
-``ValueError``. A finished request's blocks are freed at once (:meth:`Scheduler.finish`).
+``ValueError``. A finished request's blocks are freed once no scheduled step that writes them
+is still unprocessed (``in_flight``: at once in synchronous use; else by the :meth:`update`
+of its last step), so no block goes to a new request while a step writes it.
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable
+
+import numpy as np
 
 from jax_tokenweave.serving.blocks import BlockAllocator
 from jax_tokenweave.serving.buckets import decode_rows
@@ -31,7 +44,9 @@ from jax_tokenweave.serving.sampling_params import SamplingParams
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
-    """One request's state. ``num_computed``: its tokens whose K/V are in the cache."""
+    """One request's state. ``num_computed``: its positions whose K/V are in the cache or
+    written by a scheduled step; ``num_pending``: its tokens sampled by scheduled steps whose
+    tokens have not arrived; ``in_flight``: scheduled steps holding it, not yet updated."""
 
     request_id: str
     prompt: list[int]
@@ -42,11 +57,39 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    num_pending: int = 0
+    in_flight: int = 0
+    sample_step: int = -1           # serial of the last step that samples it,
+    sample_step_index: int = -1     # and its index among that step's sampled requests
+    _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
+    _table: tuple[list[int], np.ndarray] | None = dataclasses.field(default=None, init=False,
+                                                                      repr=False)
+
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as int32 [len(prompt)] (made once)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt, np.int32)
+        return self._prompt_array
+
+    def table_row(self, width: int) -> np.ndarray:
+        """The block table as int32 [width], zero-padded (made again when ``blocks`` is
+        replaced)."""
+        cached = self._table
+        if cached is None or cached[0] is not self.blocks or cached[1].shape[0] != width:
+            row = np.zeros(width, np.int32)
+            row[:len(self.blocks)] = self.blocks
+            self._table = cached = (self.blocks, row)
+        return cached[1]
 
     @property
     def prefilled(self) -> bool:
-        """Whether the whole prompt is in the cache (the request decodes)."""
+        """Whether the whole prompt is scheduled (the request decodes)."""
         return self.num_computed >= len(self.prompt)
+
+    @property
+    def num_made(self) -> int:
+        """New tokens made or in flight."""
+        return len(self.output) + self.num_pending
 
     @property
     def finished(self) -> bool:
@@ -73,10 +116,19 @@ class Chunk:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledStep:
-    """What one step computes: ``decodes`` (one token each) and prompt ``chunks``."""
+    """What one step computes: ``decodes`` (one token each) and prompt ``chunks``.
+
+    Per decode: ``positions`` (its input token's), ``tokens`` (the input token where the host
+    has it), ``sources`` (-1: ``tokens``; else its index among the previous step's sampled
+    tokens, the input token still on the device). Per sampled request: ``counters`` (tokens it
+    made before this one: the index into its random stream)."""
 
     decodes: tuple[Sequence, ...]
     chunks: tuple[Chunk, ...]
+    positions: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
+    sources: tuple[int, ...] = ()
+    counters: tuple[int, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -87,6 +139,11 @@ class ScheduledStep:
         """The requests that get a new token from this step, in sample-row order."""
         return self.decodes + tuple(c.seq for c in self.chunks if c.last)
 
+    @property
+    def seqs(self) -> tuple[Sequence, ...]:
+        """Every request with rows in the step (each once)."""
+        return self.decodes + tuple(c.seq for c in self.chunks)
+
 
 class Scheduler:
     """FCFS continuous batching with chunked prefill over a paged cache (module docstring)."""
@@ -96,6 +153,8 @@ class Scheduler:
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
+        self.deferred: set[Sequence] = set()    # finished, blocks held by unprocessed steps
+        self._serial = 0                        # non-empty steps scheduled
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """``ValueError`` where a request of this size could never run."""
@@ -114,12 +173,14 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests waiting or running, or blocks not yet freed."""
+        return bool(self.waiting or self.running or self.deferred)
 
     def schedule(self) -> ScheduledStep:
-        """The next step (module docstring); admits waiting requests as blocks allow."""
+        """The next step (module docstring); admits waiting requests as blocks allow. The
+        step's requests count as scheduled (positions, pending tokens) from now on."""
         cfg, tile = self.config, self.config.prefill_tile
-        decodes = tuple(s for s in self.running if s.prefilled)
+        decodes = tuple(s for s in self.running if s.prefilled and s.num_made < s.params.max_tokens)
         room = cfg.max_num_batched_tokens - decode_rows(len(decodes), tile)
         chunks: list[Chunk] = []
 
@@ -140,33 +201,62 @@ class Scheduler:
             head.blocks = self.allocator.allocate(need)
             self.running.append(self.waiting.popleft())
             take(head)
-        return ScheduledStep(decodes, tuple(chunks))
+        if not decodes and not chunks:
+            return ScheduledStep((), ())
+        sources = []
+        for seq in decodes:
+            if seq.num_pending and seq.sample_step != self._serial - 1:
+                raise RuntimeError(f"request {seq.request_id!r}: its input token is in flight "
+                                   f"from a step before the previous one")
+            sources.append(seq.sample_step_index if seq.num_pending else -1)
+        step = ScheduledStep(
+            decodes, tuple(chunks), tuple(s.num_computed for s in decodes),
+            tuple(0 if s.num_pending else s.output[-1] for s in decodes), tuple(sources), ())
+        sampled = step.sampled
+        step = dataclasses.replace(step, counters=tuple(s.num_made for s in sampled))
+        for seq in decodes:
+            seq.num_computed += 1
+        for chunk in chunks:
+            chunk.seq.num_computed += chunk.length
+        for i, seq in enumerate(sampled):
+            seq.num_pending += 1
+            seq.sample_step, seq.sample_step_index = self._serial, i
+        for seq in step.seqs:
+            seq.in_flight += 1
+        self._serial += 1
+        return step
 
     def update(self, step: ScheduledStep, tokens: Iterable[int]) -> list[Sequence]:
-        """Advance the step's requests: their cached tokens, and ``tokens`` (one per
-        ``step.sampled``) appended; finishes those that hit a stop token or ``max_tokens``.
-        Returns the requests that got a token, in ``step.sampled`` order (an aborted one
-        gets none)."""
-        for seq in step.decodes:
-            seq.num_computed += 1
-        for chunk in step.chunks:
-            chunk.seq.num_computed += chunk.length
+        """Take a scheduled step's ``tokens`` (one per ``step.sampled``, in order): append each
+        to its request, finish those that hit a stop token or ``max_tokens``; a request that
+        finished before (stopped, aborted) drops its token. Frees the blocks of finished
+        requests no other unprocessed step holds. Returns the requests that got a token, in
+        ``step.sampled`` order."""
         sampled = step.sampled
         tokens = list(tokens)
         if len(tokens) != len(sampled):
             raise ValueError(f"got {len(tokens)} tokens for {len(sampled)} sampled requests")
+        for seq in step.seqs:
+            seq.in_flight -= 1
+        gained = []
         for seq, token in zip(sampled, tokens, strict=True):
-            if seq.finished:  # aborted while the step ran
+            seq.num_pending -= 1
+            if seq.finished:  # stopped or aborted after this step was scheduled
                 continue
             seq.output.append(int(token))
+            gained.append(seq)
             if int(token) in seq.stop_ids:
                 self.finish(seq, "stop")
             elif len(seq.output) >= seq.params.max_tokens:
                 self.finish(seq, "length")
-        return [seq for seq in sampled if seq.finish_reason != "abort"]
+        for seq in step.seqs:
+            if seq.finished and not seq.in_flight:
+                self._free(seq)
+        return gained
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Finish ``seq`` with ``reason`` and free its blocks now (also for a waiting one)."""
+        """Finish ``seq`` with ``reason`` (also a waiting one); its blocks are freed now, or
+        once the unprocessed steps holding it are updated."""
         if seq.finished:
             return
         seq.finish_reason = reason
@@ -174,5 +264,13 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.free(seq.blocks)
-        seq.blocks = []
+        if seq.in_flight:
+            self.deferred.add(seq)
+        else:
+            self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.deferred.discard(seq)
+        if seq.blocks:
+            self.allocator.free(seq.blocks)
+            seq.blocks = []

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.layers import WeaveDecoder
@@ -43,8 +44,10 @@ from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepOutputs:
-    """Per sampled row [S]: ``tokens``, their ``logprob``; ``top_logprobs`` / ``top_ids``
-    [S, K] (K = the static number asked for; [S, 0] when none)."""
+    """Per sampled row [S]: ``tokens`` (int32 [P], zero-padded to the previous tokens'
+    length ``P`` where the step took them, so they can feed the next step; else [S]), their
+    ``logprob``; ``top_logprobs`` / ``top_ids`` [S, K] (K = the static number asked for;
+    [S, 0] when none). The last three are zeros where the step's ``want_logprobs`` is false."""
 
     tokens: jax.Array
     logprob: jax.Array
@@ -102,31 +105,56 @@ def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays
 
 def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: StepLayout, *,
                schedule: str, comm: str, key_chunk: int, num_logprobs: int,
-               tuning: TuneEntry | None = None, attention: str = "auto"
-               ) -> tuple[StepOutputs, PagedKVCache]:
+               tuning: TuneEntry | None = None, attention: str = "auto",
+               prev_tokens: jax.Array | None = None) -> tuple[StepOutputs, PagedKVCache]:
     """Embed, run the stack (:func:`decoder_forward`), project the sampled rows to logits,
-    sample (``serving.sampling``). ``model``: a ``models.llama.LlamaModel``."""
-    hidden = model.embed_tokens(arrays.tokens)
+    sample (``serving.sampling``). ``model``: a ``models.llama.LlamaModel``.
+
+    ``prev_tokens`` int32 [P] (replicated; ``P >= layout.samples``): the previous step's
+    sampled tokens (its ``StepOutputs.tokens``); rows whose ``token_source`` is >= 0 take their
+    token from it, on the device (async scheduling)."""
+    tokens = arrays.tokens
+    if prev_tokens is not None:
+        src = arrays.token_source
+        tokens = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], tokens)
+    hidden = model.embed_tokens(tokens)
     out, cache = decoder_forward(model.decoder, hidden, arrays, cache, layout,
                                  schedule=schedule, comm=comm, key_chunk=key_chunk,
                                  tuning=tuning, attention=attention)
     logits = model.logits(out[arrays.sample_rows])
     tokens = sampling.sample(logits, arrays.seeds, arrays.counters, arrays.temperature,
                              arrays.top_p, arrays.top_k)
-    chosen, top, ids = sampling.logprobs(logits, tokens, max(num_logprobs, 1))
-    return StepOutputs(tokens, chosen, top[:, :num_logprobs], ids[:, :num_logprobs]), cache
+    k, n = num_logprobs, tokens.shape[0]
+
+    def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        chosen, top, ids = sampling.logprobs(logits, tokens, max(k, 1))
+        return chosen, top[:, :k], ids[:, :k]
+
+    def without() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.zeros(n, jnp.float32), jnp.zeros((n, k), jnp.float32),
+                jnp.zeros((n, k), jnp.int32))
+
+    # log_softmax + top_k over the whole vocabulary only where some row asked for them
+    chosen, top, ids = jax.lax.cond(arrays.want_logprobs, with_logprobs, without)
+    if prev_tokens is not None:  # [P], replicated: the next step's prev_tokens
+        if n > prev_tokens.shape[0]:
+            raise ValueError(f"{n} sampled rows exceed prev_tokens' {prev_tokens.shape[0]}")
+        tokens = jax.lax.with_sharding_constraint(
+            jnp.zeros_like(prev_tokens).at[:n].set(tokens), NamedSharding(model.mesh, P()))
+    return StepOutputs(tokens, chosen, top, ids), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "schedule", "comm",
                                              "key_chunk", "num_logprobs", "tuning",
                                              "attention"),
                    donate_argnames=("cache",))
-def jitted_step(state: Any, cache: PagedKVCache, arrays: StepArrays, *, graphdef: Any,
-                layout: StepLayout, schedule: str, comm: str, key_chunk: int,
-                num_logprobs: int, tuning: TuneEntry | None,
+def jitted_step(state: Any, cache: PagedKVCache, arrays: StepArrays,
+                prev_tokens: jax.Array | None = None, *, graphdef: Any, layout: StepLayout,
+                schedule: str, comm: str, key_chunk: int, num_logprobs: int,
+                tuning: TuneEntry | None,
                 attention: str = "auto") -> tuple[StepOutputs, PagedKVCache]:
     """:func:`model_step` on ``nnx.merge(graphdef, state)``, jitted, the cache donated (shared
     by every engine of the same model structure: equal shapes compile once)."""
     return model_step(nnx.merge(graphdef, state), cache, arrays, layout, schedule=schedule,
                       comm=comm, key_chunk=key_chunk, num_logprobs=num_logprobs, tuning=tuning,
-                      attention=attention)
+                      attention=attention, prev_tokens=prev_tokens)

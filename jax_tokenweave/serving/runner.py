@@ -1,0 +1,132 @@
+"""``ModelRunner``: the device side of the engine: the model's state, the paged KV cache, the
+jitted step, packing and warm-up.
+
+:meth:`ModelRunner.dispatch` packs a scheduled step (``serving.batch``) and dispatches the
+jitted step (``serving.step``) without waiting for it; it returns an :class:`InFlight` whose
+device outputs :meth:`ModelRunner.fetch` brings to the host (the sampled tokens, and the
+log-probabilities only where the step asked for them). The step's sampled tokens (int32
+``[max_num_seqs]``, replicated) stay on the device as the next step's ``prev_tokens``, where
+decodes whose input token is still in flight take it (async scheduling); the first step, and
+every step of the synchronous engine, gets zeros of the same shape and sharding, so both
+modes run the same compiled programs.
+
+Compilation: one program per ``StepLayout`` (decode rows x step rows, both bucketed, see
+``serving.buckets``); :meth:`ModelRunner.warmup` compiles them all, after which a stream of
+requests compiles nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_tokenweave.serving import batch as batch_lib
+from jax_tokenweave.serving.buckets import decode_rows, next_pow2
+from jax_tokenweave.serving.compilation_cache import use_compilation_cache
+from jax_tokenweave.serving.config import EngineConfig
+from jax_tokenweave.serving.paged_cache import init_paged_cache
+from jax_tokenweave.serving.scheduler import ScheduledStep
+from jax_tokenweave.serving.step import StepOutputs, jitted_step
+
+
+@dataclasses.dataclass(eq=False)
+class InFlight:
+    """A dispatched step: what was scheduled, its layout, its outputs (device arrays, maybe
+    still being computed) and whether it computed log-probabilities."""
+
+    scheduled: ScheduledStep
+    layout: batch_lib.StepLayout
+    outputs: StepOutputs
+    want_logprobs: bool
+
+
+class ModelRunner:
+    """Runs steps of ``model`` (a ``models.llama.LlamaModel``) over a paged KV cache sized by
+    ``config`` (module docstring)."""
+
+    def __init__(self, model: Any, config: EngineConfig) -> None:
+        self.config = config
+        self.compilation_cache_dir = use_compilation_cache(config.compilation_cache_dir)
+        self.model_config = model.config
+        self.mesh, self.axis_name = model.mesh, model.axis_name
+        self.tp = self.mesh.shape[self.axis_name]
+        self.graphdef, self.state = nnx.split(model)
+        self.cache = init_paged_cache(self.model_config, self.mesh, config.num_blocks,
+                                      config.block_size, model.embed.get_value().dtype,
+                                      self.axis_name)
+        self.no_tokens = jax.device_put(np.zeros(config.max_num_seqs, np.int32),
+                                        NamedSharding(self.mesh, P()))
+
+    def _static(self, layout: batch_lib.StepLayout) -> dict[str, Any]:
+        cfg = self.config
+        return dict(graphdef=self.graphdef, layout=layout, schedule=cfg.schedule, comm=cfg.comm,
+                    key_chunk=cfg.key_chunk, num_logprobs=cfg.max_logprobs, tuning=cfg.tuning,
+                    attention=cfg.attention)
+
+    def pack(self, scheduled: ScheduledStep) -> tuple[batch_lib.StepLayout,
+                                                      batch_lib.StepArrays]:
+        """The step's layout and host arrays (``batch.pack``)."""
+        return batch_lib.pack(scheduled, self.config, self.model_config, self.tp)
+
+    def run(self, layout: batch_lib.StepLayout, arrays: batch_lib.StepArrays,
+            prev_tokens: jax.Array | None = None) -> StepOutputs:
+        """Dispatch the jitted step (no wait); the cache is replaced by the step's. Returns its
+        device outputs. ``prev_tokens``: the previous step's ``StepOutputs.tokens`` (default
+        zeros)."""
+        outputs, self.cache = jitted_step(
+            self.state, self.cache, arrays,
+            self.no_tokens if prev_tokens is None else prev_tokens, **self._static(layout))
+        return outputs
+
+    def dispatch(self, scheduled: ScheduledStep, arrays: tuple[batch_lib.StepLayout,
+                                                               batch_lib.StepArrays],
+                 previous: InFlight | None = None) -> InFlight:
+        """Dispatch a packed step (``arrays``: :meth:`pack`'s) whose decodes may take tokens
+        from ``previous`` (the step dispatched before it); starts copying its tokens to the
+        host."""
+        layout, host = arrays
+        outputs = self.run(layout, host, None if previous is None else previous.outputs.tokens)
+        want = bool(host.want_logprobs)
+        for leaf in ((outputs.tokens, outputs.logprob, outputs.top_logprobs, outputs.top_ids)
+                     if want else (outputs.tokens,)):
+            leaf.copy_to_host_async()
+        return InFlight(scheduled, layout, outputs, want)
+
+    @staticmethod
+    def fetch(step: InFlight) -> StepOutputs:
+        """The step's outputs on the host (NumPy; waits for the device): the sampled tokens
+        ([:len(sampled)] are real), and the log-probabilities where the step computed them
+        (else None)."""
+        out = step.outputs
+        if not step.want_logprobs:
+            out = dataclasses.replace(out, logprob=None, top_logprobs=None, top_ids=None)
+        return jax.device_get(out)
+
+    def layouts(self) -> list[batch_lib.StepLayout]:
+        """Every step layout this configuration can produce."""
+        cfg, tile = self.config, self.config.prefill_tile
+        budget = cfg.max_num_batched_tokens
+        ladder = sorted({min(next_pow2(n), budget) for n in
+                         (tile << i for i in range(budget.bit_length() + 1))} | {budget})
+        decodes = sorted({0} | {decode_rows(n, tile) for n in range(1, cfg.max_num_seqs + 1)})
+        return [batch_lib.make_layout(d, r, cfg, self.model_config, self.tp)
+                for d in decodes for r in ladder if r >= max(d, tile) and r - d <= budget - d]
+
+    def warmup(self, workers: int | None = None) -> int:
+        """Compile every layout (traced one after the other, compiled by ``workers`` threads,
+        default one per CPU); afterwards no step compiles. Returns how many layouts."""
+        lowered = [jitted_step.lower(self.state, self.cache,
+                                     batch_lib.pack_padding(layout, self.config), self.no_tokens,
+                                     **self._static(layout))
+                   for layout in self.layouts()]
+        with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+            list(pool.map(lambda program: program.compile(), lowered))
+        return len(lowered)
