@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed decode steps (default: 32 on GPUs, 8 on CPUs)")
     p.add_argument("--warm-steps", type=bm.positive_int, default=3,
                    help="untimed decode steps first (the first compiles the decode layout)")
+    p.add_argument("--sync", action="store_true",
+                   help="the synchronous engine (EngineConfig.async_scheduling=False)")
     p.add_argument("--profile-steps", type=bm.nonnegative_int, default=5,
                    help="decode steps profiled after the timed ones (PyTorch's CUDA profiler: "
                         "device-busy time, host gaps, top kernels; 0: none)")
@@ -158,7 +160,8 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
                         max_model_len=positions + 1, block_size=a.block_size,
                         num_blocks=requests * per_request + 1, prefill_tile=tile,
                         key_chunk=a.key_chunk, schedule=a.schedule, comm=a.comm,
-                        attention=a.attention, max_logprobs=0, seed=a.seed)
+                        attention=a.attention, max_logprobs=0, seed=a.seed,
+                        async_scheduling=not a.sync)
 
 
 def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
@@ -168,7 +171,7 @@ def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
 
     # Requests finish prefill up to one step apart each (chunked prefill), and the earliest
     # decode meanwhile: room for every step of the run, so none finishes in the timed window.
-    max_tokens = a.warm_steps + a.steps + batch + 2
+    max_tokens = a.warm_steps + a.steps + a.profile_steps + batch + 2
     engine = LLMEngine(model, engine_config(a, batch, context + max_tokens))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):
@@ -249,6 +252,8 @@ def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
             record = {"batch": batch, "context": context, "status": "error",
                       "reason": one_line(err)}
         tqdm.write(_line(record))
+        if record.get("profile", {}).get("host_profile"):
+            print(record["profile"]["host_profile"], file=sys.stderr)
         records.append(record)
     return {"model": a.model, "layers": model.config.num_layers, "tp": a.tp,
             "bandwidth": bandwidth, "weight_bytes": weights, "records": records}

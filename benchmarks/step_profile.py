@@ -4,13 +4,17 @@ PyTorch's CUDA profiler (CUPTI) records every kernel of the process, JAX's inclu
 :func:`profile_steps` runs ``step()`` ``n`` times under it and returns per step: the wall time,
 the device-busy time (the union of the kernels' intervals, so overlapping kernels count once),
 the host gap (wall - busy: the GPU idle while Python schedules, packs, dispatches and reads
-results back) and the kernels that took the most device time. Without PyTorch or a CUDA GPU it
+results back), the kernels that took the most device time, and the host's own profile of the
+same steps (``cProfile``, the functions with the most time of their own). Without PyTorch or a CUDA GPU it
 returns a record that says so.
 """
 
 from __future__ import annotations
 
 import collections
+import cProfile
+import io
+import pstats
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,11 +41,16 @@ def profile_steps(step: Callable[[], Any], n: int, top: int = 12) -> dict[str, A
         return {"status": "skipped", "reason": "PyTorch is not installed"}
     if not torch.cuda.is_available():
         return {"status": "skipped", "reason": "no CUDA GPU for PyTorch's profiler"}
+    host = cProfile.Profile()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
+        host.enable()
         for _ in range(n):
             step()
+        host.disable()
         wall = time.perf_counter() - start
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
     kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     by_name: dict[str, float] = collections.defaultdict(float)
@@ -51,4 +60,5 @@ def profile_steps(step: Callable[[], Any], n: int, top: int = 12) -> dict[str, A
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return {"status": "ok", "steps": n, "wall_ms": wall * 1e3 / n, "busy_ms": busy,
             "gap_ms": wall * 1e3 / n - busy, "kernel_ms": sum(by_name.values()) / 1e3 / n,
-            "kernels": [{"name": k, "ms_per_step": v / 1e3 / n} for k, v in ranked]}
+            "kernels": [{"name": k, "ms_per_step": v / 1e3 / n} for k, v in ranked],
+            "host_profile": text.getvalue()}
