@@ -5,8 +5,8 @@ PyTorch's CUDA profiler (CUPTI) records every kernel of the process, JAX's inclu
 the device-busy time (the union of the kernels' intervals, so overlapping kernels count once),
 the host gap (wall - busy: the GPU idle while Python schedules, packs, dispatches and reads
 results back), the kernels that took the most device time, and the host's own profile of the
-same steps (``cProfile``, the functions with the most time of their own). Without PyTorch or a CUDA GPU it
-returns a record that says so.
+same steps (``cProfile``, the functions with the most time of their own). Without PyTorch or a
+CUDA GPU it returns a record that says so.
 """
 
 from __future__ import annotations
