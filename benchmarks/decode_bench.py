@@ -161,7 +161,7 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
                         num_blocks=requests * per_request + 1, prefill_tile=tile,
                         key_chunk=a.key_chunk, schedule=a.schedule, comm=a.comm,
                         attention=a.attention, max_logprobs=0, seed=a.seed,
-                        async_scheduling=not a.sync)
+                        async_scheduling=not getattr(a, "sync", False))
 
 
 def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
