@@ -162,14 +162,18 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
         num_blocks=per_request * min(args.num_requests, args.max_num_seqs), comm=args.comm,
         max_logprobs=0, seed=args.seed)
     runs: dict[str, dict[str, Any]] = {w: {} for w in args.workloads}
+    warmups: dict[str, dict[str, Any]] = {}
     for schedule in args.schedules:
         engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__,
                                                   "schedule": schedule}))
         start = time.perf_counter()
         layouts = engine.warmup()
         serve(engine, requests[:8], "all-at-once", f"warm-up {schedule}")   # first runs
+        warmups[schedule] = {"layouts": layouts, "seconds": time.perf_counter() - start,
+                             "compilation_cache_dir": engine.config.compilation_cache_dir}
         print(f"{schedule}: compiled {layouts} step layouts and warmed up in "
-              f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
+              f"{warmups[schedule]['seconds']:.1f}s (compilation cache: "
+              f"{engine.config.compilation_cache_dir})", file=sys.stderr)
         for workload in args.workloads:
             runs[workload][schedule] = serve(engine, requests, workload,
                                              f"{workload} {schedule}")
@@ -181,7 +185,7 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
               for w, r in runs.items() if {"weave", "baseline"} <= set(r)}
     return {"model": model_name, "layers": args.layers, "tp": tp,
             "engine": {k: v for k, v in engine_config.__dict__.items() if k != "tuning"},
-            "runs": runs, "throughput_ratio_weave_over_baseline": ratios}
+            "runs": runs, "warmup": warmups, "throughput_ratio_weave_over_baseline": ratios}
 
 
 def _line(r: dict[str, Any]) -> str:

@@ -191,6 +191,9 @@ def test_shared_communicator_follows_the_environment(monkeypatch, cpu_mesh):
 
 
 def test_reset_drops_and_closes_the_shared_communicators(monkeypatch, cpu_mesh):
+    # Start with none: earlier tests of the process (a GPU engine's auto comm) may have made
+    # shared communicators with real workspaces.
+    comm.reset_communicators()
     mesh = cpu_mesh(2)
     a = comm.get_communicator(mesh, "tp")
     released = []
