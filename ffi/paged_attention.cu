@@ -59,9 +59,11 @@ __device__ __forceinline__ int Context(const AttentionParams& p, int row) {
   return min(p.positions[row] + 1, p.width * p.block_size);
 }
 
-// Keys per split of a row: its context cut into `splits` pieces of a multiple of 32 keys.
+// Keys per split of a row: its context cut into at most `splits` pieces of a multiple of 32
+// keys, at least kMinSplitKeys (a shorter piece costs more in partial sums than it saves).
+constexpr int kMinSplitKeys = 128;
 __device__ __forceinline__ int SplitKeys(int ctx, int splits) {
-  return max(32, ((ctx + splits - 1) / splits + 31) / 32 * 32);
+  return max(kMinSplitKeys, ((ctx + splits - 1) / splits + 31) / 32 * 32);
 }
 
 __device__ __forceinline__ int64_t BlockId(const int32_t* table, int index, int num_blocks) {

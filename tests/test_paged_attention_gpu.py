@@ -190,10 +190,13 @@ def test_unavailable_reasons(platform, dtype, d, g, why):
 
 
 @pytest.mark.parametrize(("rows", "kvh", "splits"), [
-    (1, 8, 64),      # one request: 66 would be needed, capped at 64
-    (16, 8, 5),      # 16 x 8 x 5 = 640 >= 528
-    (64, 8, 2),
+    (1, 8, 16),      # fewer (row, kv head) pairs than blocks wanted: the most pieces
+    (64, 8, 16),     # an engine's decode segment of one tile: maybe one live request
+    (64, 2, 16),
+    (66, 8, 1),      # 528 pairs fill the GPU
     (256, 8, 1),
+    (300, 1, 16),    # 300 pairs: still too few
+    (400, 2, 1),
 ])
 def test_decode_splits_fill_the_gpu(rows, kvh, splits):
     assert attention_kernel.decode_splits(rows, kvh) == splits

@@ -38,7 +38,7 @@ GROUPS = (1, 2, 4, 8)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 TARGET_BLOCKS = 4 * 132
 """Decode blocks to aim for: four per multiprocessor of an H100/H200."""
-MAX_SPLITS = 64
+MAX_SPLITS = 16
 """The most pieces a decode row's context is cut into (the handler allows 256)."""
 
 
@@ -64,11 +64,14 @@ def _register() -> None:
 
 
 def decode_splits(rows: int, kv_heads: int) -> int:
-    """Pieces each decode row's context is cut into (one block each): enough for
-    :data:`TARGET_BLOCKS` blocks over ``rows`` requests, at most :data:`MAX_SPLITS`. Each row
-    cuts its own context on the device (pieces of a multiple of 32 keys, so a short row uses
-    fewer blocks), so long and short contexts both spread over the GPU."""
-    return max(1, min(MAX_SPLITS, math.ceil(TARGET_BLOCKS / (rows * kv_heads))))
+    """Blocks per (decode row, kv head): at most how many pieces a row's context is cut into.
+    Each row cuts its own context on the device, into pieces of at least 128 keys (so short
+    contexts use few blocks and the rest exit at once). With fewer than :data:`TARGET_BLOCKS`
+    (row, kv head) pairs, :data:`MAX_SPLITS`: the rows may be mostly padding (the engine pads a
+    decode segment to a whole prompt tile, 64 rows, also for one request), and a lone request
+    must still spread over the GPU; from there on, enough for :data:`TARGET_BLOCKS` blocks."""
+    pairs = rows * kv_heads
+    return MAX_SPLITS if pairs < TARGET_BLOCKS else math.ceil(TARGET_BLOCKS / pairs)
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
