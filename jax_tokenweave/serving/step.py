@@ -148,7 +148,7 @@ STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 """XLA options of the step: no command buffers. The step's inputs (positions, slots, tables,
 sampling settings) are new buffers every step, so XLA re-records its CUDA graphs on every call;
 measured on one H200 (Llama-3-8B shapes, batch 1): 11.9 ms per step with command buffers,
-8.2 ms without (``benchmarks/results/2026-11-24-h200x1``)."""
+8.2 ms without (``benchmarks/step_dispatch.py``, ``benchmarks/results/2026-11-24-h200x1``)."""
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "schedule", "comm",
