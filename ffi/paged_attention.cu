@@ -54,6 +54,18 @@ template <> struct Vec<__half> {
   }
 };
 
+// The 8 elements of a 16-byte word as floats.
+template <typename T>
+__device__ __forceinline__ void Unpack8(const uint4& w, float (&out)[8]) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = Vec<T>::ToFloat2(words[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
 // A row's keys: positions 0..p, within the block table.
 __device__ __forceinline__ int Context(const AttentionParams& p, int row) {
   return min(p.positions[row] + 1, p.width * p.block_size);
@@ -98,14 +110,9 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
   const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    const uint4 w = *reinterpret_cast<const uint4*>(qrow + g * D + d0);
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    Unpack8<T>(*reinterpret_cast<const uint4*>(qrow + g * D + d0), q[g]);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = Vec<T>::ToFloat2(words[i]);
-      q[g][2 * i] = f.x * qscale;
-      q[g][2 * i + 1] = f.y * qscale;
-    }
+    for (int i = 0; i < kVec; ++i) q[g][i] *= qscale;
   }
   float m[G], l[G], acc[G][kVec];
 #pragma unroll
@@ -146,14 +153,8 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
     float s[kUnroll][G];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t words[4] = {kw[u].x, kw[u].y, kw[u].z, kw[u].w};
       float kf[kVec];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = Vec<T>::ToFloat2(words[i]);
-        kf[2 * i] = f.x;
-        kf[2 * i + 1] = f.y;
-      }
+      Unpack8<T>(kw[u], kf);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float dot = 0.f;
@@ -185,14 +186,8 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t words[4] = {vw[u].x, vw[u].y, vw[u].z, vw[u].w};
       float vf[kVec];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = Vec<T>::ToFloat2(words[i]);
-        vf[2 * i] = f.x;
-        vf[2 * i + 1] = f.y;
-      }
+      Unpack8<T>(vw[u], vf);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float pu = exp2f(s[u][g] - m_new[g]);  // 0 for an invalid key
