@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import importlib.util
 import json
 import math
 import sys
@@ -59,14 +57,9 @@ SHAPES = {"gpu": dict(heads=32, kv_heads=8, head_dim=128, block_size=16, tile=64
           "cpu": dict(heads=8, kv_heads=2, head_dim=32, block_size=16, tile=16, key_chunk=64)}
 
 
-@functools.cache
 def _sibling(name: str) -> Any:
-    """``benchmarks/<name>.py``, loaded by path (found under ``python -P`` too)."""
-    spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}",
-                                                  Path(__file__).with_name(f"{name}.py"))
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/<name>.py`` (``benchmarking.sibling_module``)."""
+    return bm.sibling_module(__file__, name)
 
 
 def _roofline() -> Any:

@@ -23,9 +23,7 @@ tiny config and small batches (under a minute; CPU timings say nothing about GPU
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
-import importlib.util
 import json
 import sys
 import time
@@ -44,14 +42,9 @@ DEFAULTS = {"gpu": dict(model="llama3-8b", batch=[1, 64, 256], context=[1024], s
             "cpu": dict(model="tiny", batch=[1, 4], context=[64], steps=8, copy_gb=0.1)}
 
 
-@functools.cache
 def sibling(name: str) -> Any:
-    """``benchmarks/<name>.py``, loaded by path (found under ``python -P`` too)."""
-    spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}",
-                                                  Path(__file__).with_name(f"{name}.py"))
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/<name>.py`` (``benchmarking.sibling_module``)."""
+    return bm.sibling_module(__file__, name)
 
 
 def roofline() -> Any:

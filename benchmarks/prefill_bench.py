@@ -21,8 +21,6 @@ workloads (under a minute).
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import sys
 import time
 from collections.abc import Sequence
@@ -37,15 +35,9 @@ WORKLOADS = {"gpu": ["8192x1", "2048x4", "32768x1"], "cpu": ["128x1", "32x4", "5
 CPU_BUDGET = 128
 
 
-@functools.cache
 def decode_bench() -> Any:
     """``benchmarks/decode_bench.py`` (its model and engine options), loaded by path."""
-    spec = importlib.util.spec_from_file_location("_benchmarks_decode_bench",
-                                                  Path(__file__).with_name("decode_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bm.sibling_module(__file__, "decode_bench")
 
 
 def workload(text: str) -> tuple[int, int]:

@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
+import importlib.util
 import os
 import platform as _platform
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -361,3 +364,14 @@ def config_names_help() -> str:
     from jax_tokenweave.models.configs import config_names
 
     return "one of: " + ", ".join(config_names())
+
+
+@functools.cache
+def sibling_module(anchor: str, name: str) -> ModuleType:
+    """``<name>.py`` beside the file ``anchor`` (a benchmark's ``__file__``), loaded by path once
+    (benchmarks/ is no package, and ``python -P`` leaves the script's folder off the path)."""
+    spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}",
+                                                  Path(anchor).with_name(f"{name}.py"))
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
