@@ -66,6 +66,8 @@ def add_model_options(p: argparse.ArgumentParser, engine: Sequence[str] = ENGINE
     p.add_argument("--comm", choices=bm.COMMS, default="auto", help="weave's reductions")
     p.add_argument("--attention", choices=("auto", "cuda", "xla"), default="auto",
                    help="the engine's paged attention (EngineConfig.attention)")
+    p.add_argument("--sync", action="store_true",
+                   help="the synchronous engine (EngineConfig.async_scheduling=False)")
     bm.add_engine_options(p, engine)
     p.add_argument("--copy-gb", type=bm.positive_float,
                    help="bytes of the bandwidth copy, GB (default: 2 on GPUs, 0.1 on CPUs)")
@@ -87,8 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed decode steps (default: 32 on GPUs, 8 on CPUs)")
     p.add_argument("--warm-steps", type=bm.positive_int, default=3,
                    help="untimed decode steps first (the first compiles the decode layout)")
-    p.add_argument("--sync", action="store_true",
-                   help="the synchronous engine (EngineConfig.async_scheduling=False)")
     p.add_argument("--profile-steps", type=bm.nonnegative_int, default=5,
                    help="decode steps profiled after the timed ones (PyTorch's CUDA profiler: "
                         "device-busy time, host gaps, top kernels; 0: none)")
@@ -154,7 +154,7 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
                         num_blocks=requests * per_request + 1, prefill_tile=tile,
                         key_chunk=a.key_chunk, schedule=a.schedule, comm=a.comm,
                         attention=a.attention, max_logprobs=0, seed=a.seed,
-                        async_scheduling=not getattr(a, "sync", False))
+                        async_scheduling=not a.sync)
 
 
 def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,

@@ -1,19 +1,20 @@
-"""The CUDA paged-attention kernels (``ffi/paged_attention.cu``) as a JAX operation.
+"""The CUDA paged-attention kernels (``ffi/paged_attention.h``) as a JAX operation.
 
 One XLA FFI custom call, ``tokenweave_paged_attention``, per attention segment of a step, per
 rank (inside ``shard_map``):
 
-* ``tile == 1`` (decode rows): a split-K flash-decoding kernel. Grid (key splits, kv heads,
-  rows); each block reads its split's keys and values once with 16-byte loads and serves every
-  query head of its kv head (grouped-query attention), keeping an online softmax in float32;
-  a second small kernel merges the splits. The number of splits is chosen here
+* ``tile == 1`` (decode rows, ``ffi/paged_decode.cu``): a split-K flash-decoding kernel.
+  Grid (splits, kv heads, rows); each row cuts its context into at most ``splits`` pieces of at
+  least 128 keys, and each block reads its piece's keys and values once with 16-byte loads and
+  serves every query head of its kv head (grouped-query attention), keeping an online softmax
+  in float32; a second small kernel merges the pieces. The number of splits is chosen here
   (:func:`decode_splits`), from the static shapes, so that even one request fills the GPU.
-* ``tile > 1`` (prompt tiles): a flash-attention kernel on tensor cores (``mma.sync``
-  m16n8k16, bf16/fp16 in, float32 accumulation). Each block takes 64 (query, head) rows of one
-  tile (the heads of one kv head side by side, so a key tile in shared memory serves all of
-  them), streams the request's keys and values through shared memory in tiles of 64 positions
-  (``cp.async``, double-buffered, swizzled for conflict-free ``ldmatrix``), and stops at the
-  tile's last position (causal).
+* ``tile > 1`` (prompt tiles, ``ffi/paged_prefill.cu``): a flash-attention kernel on tensor
+  cores (``mma.sync`` m16n8k16, bf16/fp16 in, float32 accumulation). Each block takes 128
+  (query, head) rows of one tile (the heads of one kv head side by side, so a key tile in
+  shared memory serves all of them), streams the request's keys and values through shared
+  memory in tiles of 64 positions (``cp.async``, double-buffered, swizzled for conflict-free
+  ``ldmatrix``), and stops at the tile's last position (causal).
 
 Both read the block table and the positions on the device; nothing is decided per call on the
 host, so XLA command buffers capture the call. The caches are returned aliased to their inputs
