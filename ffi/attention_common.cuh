@@ -52,9 +52,9 @@ __device__ __forceinline__ void Unpack8(const uint4& w, float (&out)[8]) {
   }
 }
 
-// A row's keys: positions 0..p, within the block table.
+// A row's keys: positions 0..p, within the block table (none for a position < 0: padding).
 __device__ __forceinline__ int Context(const AttentionParams& p, int row) {
-  return min(p.positions[row] + 1, p.width * p.block_size);
+  return max(0, min(p.positions[row] + 1, p.width * p.block_size));
 }
 
 // Keys per split of a row: its context cut into at most `splits` pieces of a multiple of 32

@@ -35,7 +35,8 @@ ffi::Error Cuda(cudaError_t e, const char* what) {
 
 ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> tables,
-                              ffi::Buffer<ffi::S32> positions, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> live,
+                              ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
                               ffi::Result<ffi::Buffer<ffi::F32>> work, int32_t tile, int32_t splits,
                               float scale) {
@@ -64,12 +65,15 @@ ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                Dims(positions.dimensions()));
   if (Dims(out->dimensions()) != Dims(qd) || out->element_type() != q.element_type())
     return Bad("the output must match q");
+  if (live.element_count() != 1)
+    return Bad("live must hold one int32, got " + Dims(live.dimensions()));
   AttentionParams p{};
   p.q = q.untyped_data();
   p.k_cache = k_cache.untyped_data();
   p.v_cache = v_cache.untyped_data();
   p.tables = tables.typed_data();
   p.positions = positions.typed_data();
+  p.live = live.typed_data();
   p.out = out->untyped_data();
   p.work = work->typed_data();
   p.groups = static_cast<int32_t>(td[0]);
@@ -117,6 +121,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweavePagedAttention, tokenweave::PagedAttenti
                                   .Arg<ffi::AnyBuffer>()          // v_cache [NB, BS, KVH, D]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // tables [G, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions [rows]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live [1] (decode rows)
                                   .Ret<ffi::AnyBuffer>()          // out [rows, Hq, D]
                                   .Ret<ffi::AnyBuffer>()          // k_cache (aliased)
                                   .Ret<ffi::AnyBuffer>()          // v_cache (aliased)

@@ -17,8 +17,11 @@ enum class AttnDType : int32_t { kF16 = 1, kBF16 = 2 };
 //   tables     int32 [groups, width]          block table of each group's request
 //   positions  int32 [rows]                   a row attends to its request's positions 0..p
 //                                             (clamped to the table's width * block_size;
-//                                             block ids are clamped to [0, num_blocks), as
-//                                             XLA's gather clamps, so bad data cannot fault)
+//                                             none where p < 0: padding; block ids are
+//                                             clamped to [0, num_blocks), as XLA's gather
+//                                             clamps, so bad data cannot fault)
+//   live       int32 [1]                      decode: rows with a position >= 0 (how finely
+//                                             rows are cut; any value gives the same result)
 //   work       float32                        decode only: per (row, kv head, split, head of
 //                                             the group) head_dim partial sums, max, total
 struct AttentionParams {
@@ -27,11 +30,12 @@ struct AttentionParams {
   const void* v_cache;
   const int32_t* tables;
   const int32_t* positions;
+  const int32_t* live;
   void* out;
   float* work;
   int32_t groups, tile, hq, kvh, head_dim, block_size, width, num_blocks;
-  int32_t splits;  // decode: blocks per (row, kv head); each row cuts its context into this
-                   // many pieces of a multiple of 32 keys
+  int32_t splits;  // decode: blocks per (row, kv head), the most pieces a row's context is
+                   // cut into (pieces of a multiple of 32 keys, as many as `live` rows need)
   float scale;     // logit scale (1 / sqrt(head_dim) by default)
 };
 

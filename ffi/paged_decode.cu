@@ -1,38 +1,99 @@
 // Paged attention, decode rows (tile == 1): the split-K kernel and the merge of the splits.
-// Grid (split, kv head, row), 128 threads. A row's keys 0..p are cut into at most `splits`
-// pieces (multiples of 32 keys, at least 128, so a short row uses fewer); a block streams its
-// piece's K and V rows with 16-byte loads (a key row of head_dim elements is read by
-// head_dim / 8 threads) and scores them against every query head of its kv head (GQA: one read
-// of K/V serves `G` heads), an online softmax per thread in float32 with base-2 exponentials,
-// then merges its threads and writes unnormalised partial sums with their max and total. The
-// merge kernel combines the splits of each (row, head).
+// Grid (split, kv head, row), 128 threads. A row's keys 0..p are cut into pieces of a multiple
+// of 32 keys (at least 128): as many as make the step's live rows (`live`, rows with a
+// position >= 0) fill kTargetBlocks blocks, at most `splits` (the grid's x). A block streams
+// its piece's K and V through shared memory in tiles of 16 KiB (32 keys at head_dim 128):
+// cp.async, three stages, so two tiles are in flight while one is scored. Each key row is
+// scored by head_dim / 8 threads against every query head of the block's kv head (GQA: one
+// read of K/V serves `G` heads), with an online softmax per thread in float32 and base-2
+// exponentials; the threads are then merged. A row cut in one piece is normalised and written
+// to the output here; otherwise the block writes unnormalised partial sums with their max and
+// total, and the merge kernel combines the pieces of each (row, head).
 #include "attention_common.cuh"
 
 namespace tokenweave {
 namespace attn {
 namespace {
 
+constexpr int kStages = 3;              // key tiles in shared memory
+constexpr int kTileBytes = 16384;       // K and V of one tile
+constexpr int kTargetBlocks = 4 * 132;  // decode blocks to aim for: 4 per SM of an H100/H200
+
+// A row's context and how it is cut: `n` pieces of `chunk` keys (the last may be shorter).
+// The split and merge kernels call this alike, so they agree on the pieces.
+struct RowSplit {
+  int ctx, chunk, n;
+};
+__device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) {
+  const int ctx = Context(p, row);
+  const int pairs = max(*p.live, 1) * p.kvh;
+  const int pieces = max(1, min(p.splits, (kTargetBlocks + pairs - 1) / pairs));
+  const int chunk = SplitKeys(ctx, pieces);
+  return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
+}
+
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool full) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p) {
-  constexpr int kVec = 8;                        // elements per 16-byte load
+__global__ void __launch_bounds__(kThreads, G > 4 ? 3 : 4) DecodeSplitKernel(AttentionParams p) {
+  constexpr int kVec = 8;                        // elements per 16-byte word
   constexpr int kTpk = D / kVec;                 // threads per key row
-  constexpr int kKeysPerPass = kThreads / kTpk;  // keys the block reads per pass
-  constexpr int kUnroll = G > 4 ? 2 : 4;         // passes whose loads are in flight together
+  constexpr int kKeysPerPass = kThreads / kTpk;  // keys the block scores at once
+  constexpr int kKeys = kTileBytes / (4 * D);    // keys per tile (K and V, 2 bytes each)
+  constexpr int kPasses = kKeys / kKeysPerPass;
+  constexpr int kCopies = kKeys * kTpk / kThreads;  // 16-byte copies of K (and of V) per thread
+  constexpr int kSub = G > 4 ? 2 : 4;            // passes scored before their V is summed
   constexpr int kWarps = kThreads / 32;
-  __shared__ float s_m[kWarps][G], s_l[kWarps][G];
-  __shared__ float s_acc[kWarps][G][D];
+  static_assert(kPasses % kSub == 0 && kCopies * kThreads == kKeys * kTpk);
+  static_assert(kWarps * G * (D + 2) * sizeof(float) <= kStages * kTileBytes);
+  __shared__ __align__(16) unsigned char smem[kStages * kTileBytes];
 
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
-  const int ctx = Context(p, row);
-  const int chunk = SplitKeys(ctx, p.splits);
-  const int k0 = split * chunk;
-  if (k0 >= ctx) return;  // the merge reads only the splits under ctx
-  const int k1 = min(ctx, k0 + chunk);
+  const RowSplit rs = SplitRow(p, row);
+  const int k0 = split * rs.chunk;
+  if (k0 >= rs.ctx) return;  // the merge reads only the pieces under ctx
+  const int k1 = min(rs.ctx, k0 + rs.chunk);
   const int tid = threadIdx.x, slot = tid / kTpk, d0 = (tid % kTpk) * kVec;
   const int bs = p.block_size;
   const int32_t* table = p.tables + static_cast<int64_t>(row) * p.width;
+  const T* kc = static_cast<const T*>(p.k_cache);
+  const T* vc = static_cast<const T*>(p.v_cache);
+  const int64_t pos_stride = static_cast<int64_t>(p.kvh) * D;
 
-  // This thread's dims of the G query heads, pre-scaled.
+  // Tile t of the piece into stage t % kStages (zeros past k1).
+  const auto issue = [&](int t) {
+    T* sk = reinterpret_cast<T*>(smem + (t % kStages) * kTileBytes);
+    T* sv = sk + kKeys * D;
+    const int base = k0 + t * kKeys;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int c = tid + i * kThreads, r = c / kTpk, col = (c % kTpk) * kVec;
+      const int key = base + r;
+      const bool ok = key < k1;
+      const int64_t at =
+          ok ? (BlockId(table, key / bs, p.num_blocks) * bs + key % bs) * pos_stride + h * D + col
+             : 0;
+      CpAsync16(sk + r * D + col, kc + at, ok);
+      CpAsync16(sv + r * D + col, vc + at, ok);
+    }
+  };
+  const int ntiles = (k1 - k0 + kKeys - 1) / kKeys;
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < ntiles) issue(t);
+    CpAsyncCommit();
+  }
+
+  // This thread's dims of the G query heads, pre-scaled (while the first tiles load).
   const float qscale = p.scale * kLog2e;
   float q[G][kVec];
   const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
@@ -50,81 +111,70 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
 #pragma unroll
     for (int i = 0; i < kVec; ++i) acc[g][i] = 0.f;
   }
-  __syncthreads();
 
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
-  const int64_t pos_stride = static_cast<int64_t>(p.kvh) * D;
-  constexpr int kStep = kKeysPerPass * kUnroll;
-  // Loads of the pass starting at `base` into kw, vw (zeros past k1).
-  const auto load = [&](int base, uint4 (&kw)[kUnroll], uint4 (&vw)[kUnroll]) {
+  for (int t = 0; t < ntiles; ++t) {
+    CpAsyncWait<kStages - 2>();  // tile t has landed (this thread's copies) ...
+    __syncthreads();             // ... and everyone's; stage (t - 1) % kStages is free again
+    if (t + kStages - 1 < ntiles) issue(t + kStages - 1);
+    CpAsyncCommit();
+    const T* sk = reinterpret_cast<const T*>(smem + (t % kStages) * kTileBytes);
+    const T* sv = sk + kKeys * D;
+    const int base = k0 + t * kKeys;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int key = base + u * kKeysPerPass + slot;
-      if (key < k1) {
-        const int64_t at = (BlockId(table, key / bs, p.num_blocks) * bs + key % bs) *
-                               pos_stride + h * D + d0;
-        kw[u] = __ldg(reinterpret_cast<const uint4*>(kc + at));
-        vw[u] = __ldg(reinterpret_cast<const uint4*>(vc + at));
-      } else {
-        kw[u] = vw[u] = make_uint4(0, 0, 0, 0);
+    for (int u0 = 0; u0 < kPasses; u0 += kSub) {
+      float s[kSub][G];
+#pragma unroll
+      for (int u = 0; u < kSub; ++u) {
+        const int r = (u0 + u) * kKeysPerPass + slot;
+        float kf[kVec];
+        Unpack8<T>(*reinterpret_cast<const uint4*>(sk + r * D + d0), kf);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          float dot = 0.f;
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) dot = fmaf(q[g][i], kf[i], dot);
+#pragma unroll
+          for (int o = kTpk / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+          s[u][g] = base + r < k1 ? dot : -INFINITY;
+        }
       }
-    }
-  };
-  for (int base = k0; base < k1; base += kStep) {
-    // Every load of the pass is issued before the first is used (kUnroll rows in flight).
-    uint4 kw[kUnroll], vw[kUnroll];
-    bool valid[kUnroll];
-    load(base, kw, vw);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) valid[u] = base + u * kKeysPerPass + slot < k1;
-    float s[kUnroll][G];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float kf[kVec];
-      Unpack8<T>(kw[u], kf);
+      // Online softmax: new maxima and rescaling first, then each V row converted once and
+      // accumulated into every head.
+      float m_new[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float dot = 0.f;
+        m_new[g] = m[g];
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) dot = fmaf(q[g][i], kf[i], dot);
+        for (int u = 0; u < kSub; ++u) m_new[g] = fmaxf(m_new[g], s[u][g]);
+        // Still -inf: no valid key for this thread yet (exp2 of s - 0 then gives 0).
+        const float safe = m_new[g] == -INFINITY ? 0.f : m_new[g];
+        if (m_new[g] != m[g]) {
+          const float corr = exp2f(m[g] - safe);
+          l[g] *= corr;
 #pragma unroll
-        for (int o = kTpk / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        s[u][g] = valid[u] ? dot : -INFINITY;
+          for (int i = 0; i < kVec; ++i) acc[g][i] *= corr;
+        }
+        m[g] = m_new[g];
+        m_new[g] = safe;
       }
-    }
-    // Online softmax: new maxima and rescaling first, then each V row converted once and
-    // accumulated into every head.
-    float m_new[G];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      m_new[g] = m[g];
+      for (int u = 0; u < kSub; ++u) {
+        float vf[kVec];
+        Unpack8<T>(*reinterpret_cast<const uint4*>(sv + ((u0 + u) * kKeysPerPass + slot) * D +
+                                                   d0),
+                   vf);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) m_new[g] = fmaxf(m_new[g], s[u][g]);
-      // Still -inf: no valid key for this thread yet (exp2 of s - 0 then gives 0).
-      const float safe = m_new[g] == -INFINITY ? 0.f : m_new[g];
-      if (m_new[g] != m[g]) {
-        const float corr = exp2f(m[g] - safe);
-        l[g] *= corr;
+        for (int g = 0; g < G; ++g) {
+          const float pu = exp2f(s[u][g] - m_new[g]);  // 0 for an invalid key
+          l[g] += pu;
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[g][i] *= corr;
-      }
-      m[g] = m_new[g];
-      m_new[g] = safe;
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float vf[kVec];
-      Unpack8<T>(vw[u], vf);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float pu = exp2f(s[u][g] - m_new[g]);  // 0 for an invalid key
-        l[g] += pu;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[g][i] = fmaf(pu, vf[i], acc[g][i]);
+          for (int i = 0; i < kVec; ++i) acc[g][i] = fmaf(pu, vf[i], acc[g][i]);
+        }
       }
     }
   }
+  CpAsyncWait<0>();
+  __syncthreads();  // the stages are free: the merge of the warps below reuses them
 
   // Merge the key slots of a warp (lanes kTpk apart hold the same dims), then the warps.
 #pragma unroll
@@ -145,6 +195,9 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
       m[g] = mn;
     }
   }
+  float(&s_acc)[kWarps][G][D] = *reinterpret_cast<float(*)[kWarps][G][D]>(smem);
+  float(&s_m)[kWarps][G] = *reinterpret_cast<float(*)[kWarps][G]>(&s_acc[kWarps][0][0]);
+  float(&s_l)[kWarps][G] = *reinterpret_cast<float(*)[kWarps][G]>(&s_m[kWarps][0]);
   const int warp = tid / 32, lane = tid % 32;
   if (lane < kTpk) {
 #pragma unroll
@@ -155,31 +208,48 @@ __global__ void __launch_bounds__(kThreads) DecodeSplitKernel(AttentionParams p)
     }
   }
   __syncthreads();
-  // Thread t writes element t of (G heads x (D sums + max + total)) of this split.
-  float* work = p.work + ((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G * (D + 2);
-  for (int e = tid; e < G * (D + 2); e += kThreads) {
-    const int g = e / (D + 2), i = e % (D + 2);
-    float mx = -INFINITY;
+  // Element e of head g: the warps' sums (and maxima, totals) rescaled to their common max.
+  const auto combine = [&](int g, int i, float& mx, float& total) {
+    mx = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
     float v = 0.f;
+    total = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const float c = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
-      v += c * (i < D ? s_acc[w][g][i] : (i == D + 1 ? s_l[w][g] : 0.f));
+      v += c * (i < D ? s_acc[w][g][i] : 0.f);
+      total += c * s_l[w][g];
     }
-    work[e] = i == D ? mx : v;
+    return v;
+  };
+  if (rs.n == 1) {  // the row's only piece: its normalised output
+    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
+    for (int e = tid; e < G * D; e += kThreads) {
+      float mx, total;
+      const float v = combine(e / D, e % D, mx, total);
+      out[e] = Vec<T>::FromFloat(total > 0.f ? v / total : 0.f);
+    }
+    return;
+  }
+  // Thread t writes element t of (G heads x (D sums + max + total)) of this piece.
+  float* work = p.work + ((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G * (D + 2);
+  for (int e = tid; e < G * (D + 2); e += kThreads) {
+    const int g = e / (D + 2), i = e % (D + 2);
+    float mx, total;
+    const float v = combine(g, i, mx, total);
+    work[e] = i < D ? v : (i == D ? mx : total);
   }
 }
 
-// Grid (row, kv head), G warps: warp g merges head g of the group over the row's splits: its
+// Grid (row, kv head), G warps: warp g merges head g of the group over the row's pieces: its
 // lanes take the splits' maxima and totals side by side (warp reductions), then dims
 // lane, lane + 32, ... summing over the splits, and write the normalised output.
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
   const int row = blockIdx.x, h = blockIdx.y, g = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int ctx = Context(p, row), chunk = SplitKeys(ctx, p.splits);
-  const int n = ctx > 0 ? (ctx + chunk - 1) / chunk : 0;
+  const int n = SplitRow(p, row).n;
+  if (n == 1) return;  // the split kernel wrote the row's output
   const float* work = p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) +
                       g * (D + 2);
   constexpr int kStride = G * (D + 2);  // from one split's entry to the next one's

@@ -107,3 +107,16 @@ def test_jit_compiles_once_for_any_context_length(rng):
     for p in ([0, 3], [9, 15], [2, 14]):
         fn(q, cache, cache, tables, jnp.asarray(p, jnp.int32))
     assert fn._cache_size() == 1
+
+
+def test_padding_rows_with_a_negative_position_get_zeros(rng):
+    """A decode row with position -1 (padding) attends to nothing: zeros, not NaN; the other
+    rows are unchanged by it."""
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((3, 4, 16), (8, 4, 2, 16), (8, 4, 2, 16)))
+    tables = jnp.asarray(rng.permutation(8)[:6].reshape(3, 2), jnp.int32)
+    positions = jnp.asarray([5, -1, 7], jnp.int32)
+    out, _, _ = paged_attention(q, k, v, tables, positions, tile=1, key_chunk=4)
+    alone, _, _ = paged_attention(q[::2], k, v, tables[::2], positions[::2], tile=1, key_chunk=4)
+    assert not np.any(np.asarray(out[1]))
+    np.testing.assert_allclose(np.asarray(out[::2]), np.asarray(alone), rtol=1e-6, atol=1e-6)

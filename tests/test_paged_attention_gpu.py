@@ -138,6 +138,34 @@ def test_padding_rows_and_every_output_written(rng):
 
 @needs_kernel
 @pytest.mark.gpu
+@pytest.mark.parametrize(("rows", "live", "kvh"), [(64, 1, 8), (64, 5, 8), (64, 64, 8),
+                                                   (256, 256, 8), (256, 130, 2)])
+def test_decode_rows_cut_by_live_rows_and_padding_rows_zero(rng, rows, live, kvh):
+    """The decode kernel cuts rows by how many are live (position >= 0): one live row over
+    many pieces, a full segment in one piece per row (written without the merge). Padding
+    rows (position -1) get zeros; blocks are shared between rows in random order."""
+    hq, d, bs, num_blocks = 4 * kvh, 128, 16, 300
+    contexts = rng.integers(1, 2500, live)
+    contexts[0] = 2500
+    width = -(-2500 // bs)
+    tables = rng.integers(0, num_blocks, (rows, width)).astype(np.int32)
+    k_cache = rng.standard_normal((num_blocks, bs, kvh, d)).astype(np.float32)
+    v_cache = rng.standard_normal((num_blocks, bs, kvh, d)).astype(np.float32)
+    q = rng.standard_normal((rows, hq, d)).astype(np.float32)
+    positions = np.full(rows, -1, np.int32)
+    positions[:live] = contexts - 1
+    cast = lambda a: jnp.asarray(a, jnp.bfloat16)
+    got, _, _ = _run("cuda", cast(q), cast(k_cache), cast(v_cache), tables, positions, 1)
+    as_f32 = lambda a: np.asarray(cast(a).astype(jnp.float32))
+    want = _reference(as_f32(q[:live]), as_f32(k_cache), as_f32(v_cache), tables[:live],
+                      positions[:live], 1)
+    assert np.isfinite(got).all()
+    assert _rel(got[:live], want) < 1e-2, _rel(got[:live], want)
+    assert not np.any(got[live:])
+
+
+@needs_kernel
+@pytest.mark.gpu
 def test_engine_serves_the_same_tokens_with_either_kernel(rng):
     """Greedy decoding through the engine (chunked prefill over tiles, decode rows) gives the
     same tokens with the CUDA kernels as with the pure-JAX loop (float32 math would differ in

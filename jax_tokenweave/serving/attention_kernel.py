@@ -4,11 +4,13 @@ One XLA FFI custom call, ``tokenweave_paged_attention``, per attention segment o
 rank (inside ``shard_map``):
 
 * ``tile == 1`` (decode rows, ``ffi/paged_decode.cu``): a split-K flash-decoding kernel.
-  Grid (splits, kv heads, rows); each row cuts its context into at most ``splits`` pieces of at
-  least 128 keys, and each block reads its piece's keys and values once with 16-byte loads and
-  serves every query head of its kv head (grouped-query attention), keeping an online softmax
-  in float32; a second small kernel merges the pieces. The number of splits is chosen here
-  (:func:`decode_splits`), from the static shapes, so that even one request fills the GPU.
+  Grid (splits, kv heads, rows). Each row cuts its context into pieces of at least 128 keys,
+  as many as make the step's live rows (position >= 0) fill the GPU, at most ``splits``
+  (:func:`decode_splits`, from the static shapes); each block streams its piece's keys and
+  values through shared memory (cp.async, three stages) and serves every query head of its kv
+  head (grouped-query attention), keeping an online softmax in float32. A row cut in one piece
+  is written at once; a second small kernel merges the pieces of the others. Rows with a
+  negative position (padding) attend to nothing and get zeros.
 * ``tile > 1`` (prompt tiles, ``ffi/paged_prefill.cu``): a flash-attention kernel on tensor
   cores (``mma.sync`` m16n8k16, bf16/fp16 in, float32 accumulation). Each block takes 128
   (query, head) rows of one tile (the heads of one kv head side by side, so a key tile in
@@ -66,11 +68,12 @@ def _register() -> None:
 
 def decode_splits(rows: int, kv_heads: int) -> int:
     """Blocks per (decode row, kv head): at most how many pieces a row's context is cut into.
-    Each row cuts its own context on the device, into pieces of at least 128 keys (so short
-    contexts use few blocks and the rest exit at once). With fewer than :data:`TARGET_BLOCKS`
-    (row, kv head) pairs, :data:`MAX_SPLITS`: the rows may be mostly padding (the engine pads a
-    decode segment to a whole prompt tile, 64 rows, also for one request), and a lone request
-    must still spread over the GPU; from there on, enough for :data:`TARGET_BLOCKS` blocks."""
+    On the device, each row cuts its context into pieces of at least 128 keys, as many as the
+    live rows need for :data:`TARGET_BLOCKS` blocks (the rest of the grid exits at once). With
+    fewer than :data:`TARGET_BLOCKS` (row, kv head) pairs, :data:`MAX_SPLITS`: the rows may be
+    mostly padding (the engine pads a decode segment to a whole prompt tile, 64 rows, also for
+    one request), and a lone request must still spread over the GPU; from there on, enough
+    for :data:`TARGET_BLOCKS` blocks."""
     pairs = rows * kv_heads
     return MAX_SPLITS if pairs < TARGET_BLOCKS else math.ceil(TARGET_BLOCKS / pairs)
 
@@ -81,8 +84,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
     """``serving.paged_attention.paged_attention`` on the CUDA kernels (module docstring).
 
     ``q`` [G * tile, Hq, D]; ``k_cache``, ``v_cache`` [NB, BS, KVH, D] (q's dtype); ``tables``
-    int32 [G, W]; ``positions`` int32 [G * tile]. Returns ``(out [G * tile, Hq, D], k_cache,
-    v_cache)``, the caches aliased to the inputs.
+    int32 [G, W]; ``positions`` int32 [G * tile] (decode rows: < 0 for padding). Returns
+    ``(out [G * tile, Hq, D], k_cache, v_cache)``, the caches aliased to the inputs.
     """
     rows, hq, d = q.shape
     kvh = k_cache.shape[2]
@@ -104,8 +107,11 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
             jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
             jax.ShapeDtypeStruct(work, jnp.float32))
+    positions = positions.astype(jnp.int32)
+    # Live decode rows: how finely the kernel cuts each row (the prompt-tile kernel ignores it).
+    live = jnp.sum(positions >= 0, dtype=jnp.int32).reshape(1)
     call = jax.ffi.ffi_call(TARGET, outs, input_output_aliases={1: 1, 2: 2})
-    out, k_cache, v_cache, _ = call(q, k_cache, v_cache, tables.astype(jnp.int32),
-                                    positions.astype(jnp.int32), tile=np.int32(tile),
-                                    splits=np.int32(splits), scale=np.float32(scale))
+    out, k_cache, v_cache, _ = call(q, k_cache, v_cache, tables.astype(jnp.int32), positions,
+                                    live, tile=np.int32(tile), splits=np.int32(splits),
+                                    scale=np.float32(scale))
     return out, k_cache, v_cache

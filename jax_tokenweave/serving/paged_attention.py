@@ -73,7 +73,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
       q: [G * tile, Hq, D] queries (RoPE applied), in groups of ``tile`` rows.
       k_cache, v_cache: one layer's cache [NB, BS, KVH, D] (this rank's heads).
       tables: int32 [G, W] block table per group; ``W`` a multiple of ``key_chunk / BS``.
-      positions: int32 [G * tile], each row's position in its request.
+      positions: int32 [G * tile], each row's position in its request (< 0: padding, which
+        attends to nothing and gets zeros).
       tile: rows per group; key_chunk: keys per loop step (a multiple of BS; the pure-JAX
         loop's, the CUDA kernels choose their own).
       implementation: ``"xla"`` (the pure-JAX loop) or ``"cuda"`` (module docstring; resolve
@@ -156,6 +157,9 @@ class PagedAttention:
         self.k[layer] = paged_cache.write(self.k[layer], self.slots[lo:hi], k)
         self.v[layer] = paged_cache.write(self.v[layer], self.slots[lo:hi], v)
         d, tile = self.decode_rows, self.tile
+        # Padding decode rows (their slot is past the cache) attend to nothing: position -1.
+        live = self.slots[lo:min(hi, d)] < self.k[layer].shape[0] * self.k[layer].shape[1]
+        decode_positions = jnp.where(live, self.positions[lo:min(hi, d)], -1)
         parts = []
         for a, b, size, first_group in ((lo, min(hi, d), 1, lo),
                                         (max(lo, d), hi, tile, d + (max(lo, d) - d) // tile)):
@@ -166,7 +170,8 @@ class PagedAttention:
             groups = (b - a) // size
             out, self.k[layer], self.v[layer] = paged_attention(
                 q[a - lo:b - lo], self.k[layer], self.v[layer],
-                self.tables[first_group:first_group + groups], self.positions[a:b],
+                self.tables[first_group:first_group + groups],
+                decode_positions if size == 1 else self.positions[a:b],
                 tile=size, key_chunk=self.key_chunk, implementation=self.implementation)
             parts.append(out)
         return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
