@@ -4,8 +4,7 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" {
-// (q [rows, Hq, D], k_cache, v_cache [NB, BS, KVH, D], tables s32 [G, W], positions s32 [rows],
-//  live s32 [1])
+// (q [rows, Hq, D], k_cache, v_cache [NB, BS, KVH, D], tables s32 [G, W], positions s32 [rows])
 // -> (out [rows, Hq, D], k_cache, v_cache (aliased to the inputs), work f32 (decode partials)).
 // Attributes: tile i32 (rows per group; 1 = decode), splits i32 (decode blocks per row and kv
 // head), scale f32.

@@ -12,7 +12,6 @@
 #include "comm.h"
 #include "common.h"
 #include "attention_handlers.h"
-#include "stage_handler.h"
 #include "handlers.h"
 #include "loopback.h"
 #include "multicast.h"
@@ -67,7 +66,6 @@ NB_MODULE(_tokenweave_ffi, m) {
   m.def("attention_handlers", [] {
     nb::dict d;
     d["paged_attention"] = nb::capsule(reinterpret_cast<void*>(TokenweavePagedAttention));
-    d["stage"] = nb::capsule(reinterpret_cast<void*>(TokenweaveStage));
     return d;
   });
   m.def(

@@ -37,7 +37,6 @@ from jax_tokenweave.serving import sampling
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_implementation
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
-from jax_tokenweave.serving.stage import stage
 from jax_tokenweave.stack import run_stack
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
@@ -107,18 +106,13 @@ def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays
 def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: StepLayout, *,
                schedule: str, comm: str, key_chunk: int, num_logprobs: int,
                tuning: TuneEntry | None = None, attention: str = "auto",
-               prev_tokens: jax.Array | None = None,
-               stage_io: bool = False) -> tuple[StepOutputs, PagedKVCache]:
+               prev_tokens: jax.Array | None = None) -> tuple[StepOutputs, PagedKVCache]:
     """Embed, run the stack (:func:`decoder_forward`), project the sampled rows to logits,
     sample (``serving.sampling``). ``model``: a ``models.llama.LlamaModel``.
 
     ``prev_tokens`` int32 [P] (replicated; ``P >= layout.samples``): the previous step's
     sampled tokens (its ``StepOutputs.tokens``); rows whose ``token_source`` is >= 0 take their
-    token from it, on the device (async scheduling). ``stage_io``: copy the inputs in and the
-    outputs out through ``serving.stage`` (GPUs with the CUDA extension), so the rest of the
-    step touches fixed addresses and XLA's command buffers replay."""
-    if stage_io:
-        arrays, prev_tokens = stage((arrays, prev_tokens), model.mesh)
+    token from it, on the device (async scheduling)."""
     tokens = arrays.tokens
     if prev_tokens is not None:
         src = arrays.token_source
@@ -147,8 +141,7 @@ def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: Step
             raise ValueError(f"{n} sampled rows exceed prev_tokens' {prev_tokens.shape[0]}")
         tokens = jax.lax.with_sharding_constraint(
             jnp.zeros_like(prev_tokens).at[:n].set(tokens), NamedSharding(model.mesh, P()))
-    outputs = StepOutputs(tokens, chosen, top, ids)
-    return (stage(outputs, model.mesh) if stage_io else outputs), cache
+    return StepOutputs(tokens, chosen, top, ids), cache
 
 
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
@@ -160,16 +153,15 @@ measured on one H200 (Llama-3-8B shapes, batch 1): 11.9 ms per step with command
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "schedule", "comm",
                                              "key_chunk", "num_logprobs", "tuning",
-                                             "attention", "stage_io"),
+                                             "attention"),
                    donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
 def jitted_step(state: Any, cache: PagedKVCache, arrays: StepArrays,
                 prev_tokens: jax.Array | None = None, *, graphdef: Any, layout: StepLayout,
                 schedule: str, comm: str, key_chunk: int, num_logprobs: int,
                 tuning: TuneEntry | None,
-                attention: str = "auto", stage_io: bool = False) -> tuple[StepOutputs,
-                                                                          PagedKVCache]:
+                attention: str = "auto") -> tuple[StepOutputs, PagedKVCache]:
     """:func:`model_step` on ``nnx.merge(graphdef, state)``, jitted, the cache donated (shared
     by every engine of the same model structure: equal shapes compile once)."""
     return model_step(nnx.merge(graphdef, state), cache, arrays, layout, schedule=schedule,
                       comm=comm, key_chunk=key_chunk, num_logprobs=num_logprobs, tuning=tuning,
-                      attention=attention, prev_tokens=prev_tokens, stage_io=stage_io)
+                      attention=attention, prev_tokens=prev_tokens)
