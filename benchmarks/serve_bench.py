@@ -10,10 +10,12 @@ cache) on a model of named shapes with random weights, once per schedule, for ea
 
 Reported per (workload, schedule): output and total token throughput (tokens/s), time to first
 token and time per output token (p50 / p99), steps and woven steps, plus the weave/baseline
-throughput ratio. Every step layout is compiled before the clock starts (``LLMEngine.warmup``)
-and each engine serves its first eight requests once untimed; compilations during a timed run
-are counted and reported. Writes ``serve.json``, ``serve.md``
-and ``serve.png`` (``--no-plot`` to skip it; the plot needs matplotlib, the ``plot`` extra).
+throughput ratio. Every step layout is loaded from the executable cache or compiled before the
+clock starts (``LLMEngine.warmup``; the report's ``warmup`` gives how many of each, the seconds
+of that call, ``warmup_s``, and with the first runs, ``seconds``) and each engine serves its
+first eight requests once untimed; compilations during a timed run are counted and reported.
+Writes ``serve.json``, ``serve.md`` and ``serve.png`` (``--no-plot`` to skip it; the plot needs
+matplotlib, the ``plot`` extra).
 With no GPU it runs the tiny config on 8 virtual CPU devices (timings say nothing about GPUs).
 
 The GPU target (2 x H200, TP 2, Llama-3.3-70B shapes, 8 layers), install included::
@@ -167,12 +169,15 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
         engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__,
                                                   "schedule": schedule}))
         start = time.perf_counter()
-        layouts = engine.warmup()
+        report = engine.warmup(progress=True)
         serve(engine, requests[:8], "all-at-once", f"warm-up {schedule}")   # first runs
-        warmups[schedule] = {"layouts": layouts, "seconds": time.perf_counter() - start,
+        warmups[schedule] = {"layouts": report.layouts, "loaded": report.loaded,
+                             "compiled": report.compiled, "warmup_s": report.seconds,
+                             "seconds": time.perf_counter() - start,
                              "compilation_cache_dir": engine.config.compilation_cache_dir}
-        print(f"{schedule}: compiled {layouts} step layouts and warmed up in "
-              f"{warmups[schedule]['seconds']:.1f}s (compilation cache: "
+        print(f"{schedule}: {report.layouts} step layouts ({report.loaded} loaded from the "
+              f"executable cache, {report.compiled} compiled) in {report.seconds:.1f}s, warmed "
+              f"up in {warmups[schedule]['seconds']:.1f}s (compilation cache: "
               f"{engine.config.compilation_cache_dir})", file=sys.stderr)
         for workload in args.workloads:
             runs[workload][schedule] = serve(engine, requests, workload,
@@ -195,7 +200,8 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    """One table: a row per (workload, schedule), and the weave/baseline ratios."""
+    """One table: a row per (workload, schedule), the weave/baseline ratios and the warm-ups
+    (layouts loaded from the executable cache / compiled)."""
     rows = ["| workload | schedule | output tok/s | total tok/s | TTFT p50 / p99 ms | "
             "TPOT p50 / p99 ms | steps (woven) | compiles |", "|---" * 8 + "|"]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"
@@ -212,6 +218,12 @@ def to_markdown(report: dict[str, Any]) -> str:
     if ratios:
         lines += ["", "Output throughput, weave / baseline: " + ", ".join(
             f"{w} {r:.3f}x" for w, r in ratios.items())]
+    warm = report.get("warmup", {})
+    if warm:
+        lines += ["", "Warm-up: " + "; ".join(
+            f"{s} {w['layouts']} layouts ({w.get('loaded', 0)} loaded, "
+            f"{w.get('compiled', w['layouts'])} compiled) in {w.get('warmup_s', w['seconds']):.1f}"
+            f" s, {w['seconds']:.1f} s with the first runs" for s, w in warm.items())]
     return "\n".join(lines)
 
 

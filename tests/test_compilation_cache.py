@@ -5,6 +5,7 @@ cache directory and threshold are kept; None leaves JAX alone."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
 from jax_tokenweave.serving import compilation_cache as engine_cache
+from jax_tokenweave.serving import executable_cache as exe_cache
 
 CFG = EngineConfig(max_num_batched_tokens=16, max_num_seqs=2, prefill_tile=8, block_size=4,
                    num_blocks=16, max_model_len=32, key_chunk=8, split_threshold=16, comm="xla")
@@ -53,13 +55,15 @@ def test_second_engine_compiles_from_the_cache(model, tmp_path, jax_cache):
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
     with count_compilations() as cold:
-        layouts = first.warmup()
-    assert cold.count >= layouts and cold.cache_hits == 0 and any((tmp_path / "xla").iterdir())
+        layouts = first.warmup().compiled
+    assert cold.count >= layouts and cold.cache_hits == 0
+    assert any(p.name != exe_cache.SUBDIR for p in (tmp_path / "xla").iterdir())
     want = first.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids
+    shutil.rmtree(tmp_path / "xla" / exe_cache.SUBDIR)     # JAX's cache alone here
     jax.clear_caches()                      # as a new process: nothing compiled in memory
     second = LLMEngine(model, cfg)
     with count_compilations() as warm:
-        assert second.warmup() == layouts
+        assert second.warmup().compiled == layouts
         got = second.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0].token_ids
     assert warm.cache_hits == warm.count >= layouts and got == want    # all from the cache
 

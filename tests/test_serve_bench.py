@@ -40,8 +40,11 @@ def test_serve_bench_runs_both_engines_on_both_workloads(tmp_path, capsys):
             assert r["compilations"] == 0                       # warm-up compiled every layout
             assert (r["split_steps"] > 0) == (schedule == "weave")
     assert set(report["throughput_ratio_weave_over_baseline"]) == {"all-at-once", "poisson"}
+    for w in report["warmup"].values():
+        assert w["loaded"] + w["compiled"] == w["layouts"] > 0 and w["seconds"] >= w["warmup_s"]
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "weave / baseline" in (tmp_path / "serve.md").read_text()
+    assert "0 loaded" in (tmp_path / "serve.md").read_text()    # tests run with caching off
     assert "| poisson | baseline |" in capsys.readouterr().out
 
 

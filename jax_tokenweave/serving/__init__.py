@@ -11,7 +11,8 @@
   ``serving.batch`` (step layout), ``serving.step`` (the jitted step), ``serving.runner``
   (the device side of the engine: cache, dispatch, warm-up), ``serving.sampling``.
 - ``count_compilations`` (``serving.compile_count``): count XLA compilations (and persistent
-  cache hits); ``serving.compilation_cache``: the engine's persistent compilation cache.
+  cache hits); ``serving.compilation_cache``: the engine's persistent compilation cache;
+  ``serving.executable_cache``: its compiled step programs on disk (``WarmupReport``).
 - ``generate(model, prompts, max_new_tokens)``: token ids in, token ids out, in one call.
 """
 

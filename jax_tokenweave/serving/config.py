@@ -52,7 +52,9 @@ class EngineConfig:
     steps; False: one step at a time (``serving.engine``). The tokens are the same.
 
     ``compilation_cache_dir``: JAX's persistent compilation cache for the engine's programs
-    (``serving.compilation_cache``: a user-set JAX cache directory wins); None: no cache.
+    (``serving.compilation_cache``: a user-set JAX cache directory wins), and in its
+    ``executables/`` the step programs themselves (``serving.executable_cache``: a restart
+    skips tracing and compiling); None: no cache.
     """
 
     max_num_batched_tokens: int = 8192

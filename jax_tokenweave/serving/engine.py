@@ -16,8 +16,9 @@ returns the deltas of one completed step; the tokens are those of the synchronou
 ``add_request`` and ``abort`` may be called from another thread while a step runs (the async
 API does); the scheduler is only touched under the engine's lock.
 
-Compilation: one program per ``StepLayout``; :meth:`LLMEngine.warmup` compiles them all, after
-which a stream of requests compiles nothing (``serving.runner``).
+Compilation: one program per ``StepLayout``; :meth:`LLMEngine.warmup` loads (from the
+executable cache) or compiles them all, after which a stream of requests compiles nothing
+(``serving.runner``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import next_pow2
 from jax_tokenweave.serving.config import EngineConfig
+from jax_tokenweave.serving.executable_cache import WarmupReport
 from jax_tokenweave.serving.outputs import (
     RequestMetrics,
     RequestOutput,
@@ -297,10 +299,11 @@ class LLMEngine:
         """Every step layout this configuration can produce."""
         return self.runner.layouts()
 
-    def warmup(self, workers: int | None = None) -> int:
-        """Compile every layout (traced one after the other, compiled by ``workers`` threads,
-        default one per CPU); afterwards no step compiles. Returns how many layouts."""
-        return self.runner.warmup(workers)
+    def warmup(self, workers: int | None = None, progress: bool = False) -> WarmupReport:
+        """Make every layout's program, loaded from the executable cache or compiled
+        (``ModelRunner.warmup``); afterwards no step compiles. Returns how many layouts were
+        loaded and compiled, and the seconds it took."""
+        return self.runner.warmup(workers, progress)
 
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *,

@@ -11,15 +11,21 @@ every step of the synchronous engine, gets zeros of the same shape and sharding,
 modes run the same compiled programs.
 
 Compilation: one program per ``StepLayout`` (decode rows x step rows, both bucketed, see
-``serving.buckets``); :meth:`ModelRunner.warmup` compiles them all, after which a stream of
-requests compiles nothing.
+``serving.buckets``); :meth:`ModelRunner.warmup` makes them all, after which a stream of
+requests compiles nothing: it loads each from the executable cache
+(``serving.executable_cache``, under ``EngineConfig.compilation_cache_dir``) or traces, lowers
+and compiles it (and stores it there), and keeps the ``jax.stages.Compiled`` programs, which
+:meth:`ModelRunner.run` calls directly (``jitted_step`` for a layout not warmed up).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
+import threading
+import time
 from typing import Any
 
 import jax
@@ -27,14 +33,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
 
 from jax_tokenweave.serving import batch as batch_lib
+from jax_tokenweave.serving import executable_cache as exe_cache
 from jax_tokenweave.serving.buckets import decode_rows, next_pow2
 from jax_tokenweave.serving.compilation_cache import use_compilation_cache
 from jax_tokenweave.serving.config import EngineConfig
+from jax_tokenweave.serving.executable_cache import ExecutableCache, WarmupReport
 from jax_tokenweave.serving.paged_cache import init_paged_cache
 from jax_tokenweave.serving.scheduler import ScheduledStep
-from jax_tokenweave.serving.step import StepOutputs, jitted_step
+from jax_tokenweave.serving.step import STEP_COMPILER_OPTIONS, StepOutputs, jitted_step
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,6 +73,11 @@ class ModelRunner:
                                       self.axis_name)
         self.no_tokens = jax.device_put(np.zeros(config.max_num_seqs, np.int32),
                                         NamedSharding(self.mesh, P()))
+        self.model_type = f"{type(model).__module__}.{type(model).__qualname__}"
+        self.executable_cache = ExecutableCache(
+            None if config.compilation_cache_dir is None else
+            os.path.join(os.path.expanduser(config.compilation_cache_dir), exe_cache.SUBDIR))
+        self._executables: dict[batch_lib.StepLayout, Any] = {}   # warmed-up programs
 
     def _static(self, layout: batch_lib.StepLayout) -> dict[str, Any]:
         cfg = self.config
@@ -81,9 +95,13 @@ class ModelRunner:
         """Dispatch the jitted step (no wait); the cache is replaced by the step's. Returns its
         device outputs. ``prev_tokens``: the previous step's ``StepOutputs.tokens`` (default
         zeros)."""
-        outputs, self.cache = jitted_step(
-            self.state, self.cache, arrays,
-            self.no_tokens if prev_tokens is None else prev_tokens, **self._static(layout))
+        prev = self.no_tokens if prev_tokens is None else prev_tokens
+        program = self._executables.get(layout)
+        if program is None:
+            outputs, self.cache = jitted_step(self.state, self.cache, arrays, prev,
+                                              **self._static(layout))
+        else:
+            outputs, self.cache = program(self.state, self.cache, arrays, prev)
         return outputs
 
     def dispatch(self, scheduled: ScheduledStep, arrays: tuple[batch_lib.StepLayout,
@@ -120,13 +138,72 @@ class ModelRunner:
         return [batch_lib.make_layout(d, r, cfg, self.model_config, self.tp)
                 for d in decodes for r in ladder if r >= max(d, tile) and r - d <= budget - d]
 
-    def warmup(self, workers: int | None = None) -> int:
-        """Compile every layout (traced one after the other, compiled by ``workers`` threads,
-        default one per CPU); afterwards no step compiles. Returns how many layouts."""
-        lowered = [jitted_step.lower(self.state, self.cache,
-                                     batch_lib.pack_padding(layout, self.config), self.no_tokens,
-                                     **self._static(layout))
-                   for layout in self.layouts()]
-        with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-            list(pool.map(lambda program: program.compile(), lowered))
-        return len(lowered)
+    def warmup(self, workers: int | None = None, progress: bool = False) -> WarmupReport:
+        """Make every layout's program (afterwards no step compiles): load it from the
+        executable cache, else trace and lower it (one after the other) and compile it
+        (``workers`` threads, default one per CPU) and store it. ``progress``: a progress bar.
+        Returns how many layouts were loaded and compiled."""
+        start = time.perf_counter()
+        layouts = self.layouts()
+        args = {layout: (self.state, self.cache, batch_lib.pack_padding(layout, self.config),
+                         self.no_tokens) for layout in layouts}
+        cache = self.executable_cache
+        keys = ({layout: self.program_key(layout, args[layout]) for layout in layouts}
+                if cache.enabled else {})
+        out_tree = jax.tree_util.tree_structure(
+            (StepOutputs(*[0] * len(dataclasses.fields(StepOutputs))), self.cache))
+        bar = tqdm(total=len(layouts), desc="warm-up", unit="layout", disable=not progress)
+        counts = {"loaded": 0, "compiled": 0}
+        lock = threading.Lock()
+
+        def done(layout: batch_lib.StepLayout, program: Any, how: str) -> None:
+            with lock:
+                self._executables[layout] = program
+                counts[how] += 1
+                bar.set_postfix(counts, refresh=False)
+                bar.update()
+
+        def compile_and_store(layout: batch_lib.StepLayout, lowered: Any) -> None:
+            program = lowered.compile()
+            if layout in keys and program.out_tree != out_tree:  # a load would rebuild a
+                cache.disable(f"the step's output tree {program.out_tree} is not the "  # wrong
+                              f"expected {out_tree}")                                  # tree
+            elif layout in keys and exe_cache.process_local_reason(program) is None:
+                cache.store(keys[layout], program)
+            done(layout, program, "compiled")
+
+        with bar, concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+            missing = layouts
+            if keys:
+                exe_cache.register_ffi_targets()        # before XLA loads programs naming them
+                found = list(pool.map(lambda layout: cache.load(
+                    keys[layout], args[layout], out_tree, list(self.mesh.devices.flat)),
+                    layouts))
+                for layout, program in zip(layouts, found, strict=True):
+                    if program is not None:
+                        done(layout, program, "loaded")
+                missing = [layout for layout, p in zip(layouts, found, strict=True) if p is None]
+            futures = [pool.submit(compile_and_store, layout, jitted_step.lower(
+                *args[layout], **self._static(layout))) for layout in missing]
+            for future in futures:
+                future.result()
+        return WarmupReport(len(layouts), counts["loaded"], counts["compiled"],
+                            time.perf_counter() - start)
+
+    def program_key(self, layout: batch_lib.StepLayout, args: tuple[Any, ...]) -> str:
+        """The executable cache's key of ``layout``'s program on ``args`` (state, cache,
+        arrays, prev_tokens): ``executable_cache.program_key`` of everything that makes the
+        program (the static arguments, the model, the inputs' tree, shapes, dtypes and
+        shardings, the compiler options) and the environment."""
+        static = {k: repr(v) for k, v in self._static(layout).items() if k != "graphdef"}
+        return exe_cache.program_key(
+            {**self._model_key, "static": static, "inputs": exe_cache.describe_args(args)},
+            self.mesh.devices.flat)
+
+    @functools.cached_property
+    def _model_key(self) -> dict[str, Any]:
+        return {"function": f"{jitted_step.__module__}.{jitted_step.__name__}",
+                "compiler_options": STEP_COMPILER_OPTIONS, "model_type": self.model_type,
+                "model_config": repr(self.model_config),
+                "graphdef": [repr(self.graphdef), repr(getattr(self.graphdef, "attributes",
+                                                               None))]}

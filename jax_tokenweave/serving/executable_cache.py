@@ -1,0 +1,346 @@
+"""Compiled step programs on disk, so a restart of the same model skips tracing, lowering and
+compiling (``jax.experimental.serialize_executable``).
+
+JAX's persistent compilation cache (``serving.compilation_cache``) skips only XLA's compile: a
+restart still traces and lowers every step layout (``nnx.merge`` and the whole layer stack in
+Python), which dominates warm-up for deep models. This cache stores the finished
+``jax.stages.Compiled`` of each layout instead, under ``<compilation_cache_dir>/executables/``,
+one file per program named by its key (:func:`program_key`). JAX's switch for compilation
+caching (``jax_enable_compilation_cache``, ``JAX_ENABLE_COMPILATION_CACHE=0``) turns it off too.
+
+The key hashes everything that can change the program: the caller's description of it (the
+layout, every static argument, the model's type, config and graph definition, the compiler
+options, the inputs' tree, shapes, dtypes and shardings with their mesh and device ids) plus
+the environment (:func:`environment`: JAX, jaxlib, flax and Python versions, the backend's
+platform, version and device kinds, JAX's config values, the ``XLA_*``/``JAX_TOKENWEAVE_*``
+environment variables, and a hash of this package's ``.py``/``.json`` sources and of the built
+CUDA extension). A file whose key, magic or checksum does not match, or that fails to load, is
+ignored with a warning and the program is compiled (and the file rewritten). Files are written
+atomically (a temporary file renamed into place).
+
+Tree structures are not stored: the caller rebuilds the input tree from the arguments and the
+output tree from the function's known output type (see ``serving.runner``), and the loaded
+executable's argument shapes and dtypes are checked against the arguments before it is used.
+
+Trust: a file is unpickled and loaded as machine code; the directory must be as trusted as the
+package itself (as for JAX's own cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+SUBDIR = "executables"
+MAGIC = b"jax-tokenweave executable v1\n"
+_DIGEST = hashlib.sha256().digest_size
+_ENV_PREFIXES = ("XLA_", "JAX_TOKENWEAVE_", "LIBTPU_INIT_ARGS", "NCCL_", "NVIDIA_TF32")
+_ENV_SKIP = ("JAX_TOKENWEAVE_COMMIT",)
+_CONFIG_SKIP = ("cache", "log", "dump", "traceback", "pprint", "timeout", "explain",
+                "transfer_guard", "source_url", "debug_key_reuse")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What a warm-up did: ``layouts`` programs ready, ``loaded`` of them from the executable
+    cache and ``compiled`` (traced, lowered, compiled), in ``seconds``."""
+
+    layouts: int
+    loaded: int
+    compiled: int
+    seconds: float
+
+
+class Serializer(Protocol):
+    """Turns a ``jax.stages.Compiled`` into bytes and back (tests use a fake one)."""
+
+    def serialize(self, compiled: Any) -> bytes: ...
+
+    def deserialize(self, payload: bytes, in_tree: Any, out_tree: Any,
+                    devices: Sequence[Any]) -> Any: ...
+
+
+class JaxSerializer:
+    """``jax.experimental.serialize_executable`` (jax 0.10 and 0.11 share its API:
+    ``serialize(compiled) -> (bytes, in_tree, out_tree)``,
+    ``deserialize_and_load(bytes, in_tree, out_tree, backend, execution_devices)``).
+    ``devices``: the program's devices in its device assignment's order (a mesh's
+    ``devices.flat``); JAX's default, all the backend's devices, aborts the process (an XLA
+    check) for a program on fewer."""
+
+    def __init__(self) -> None:
+        from jax.experimental import serialize_executable  # ImportError: the cache is off
+
+        self._module = serialize_executable
+
+    def serialize(self, compiled: Any) -> bytes:
+        return self._module.serialize(compiled)[0]
+
+    def deserialize(self, payload: bytes, in_tree: Any, out_tree: Any,
+                    devices: Sequence[Any]) -> Any:
+        devices = list(devices)
+        return self._module.deserialize_and_load(payload, in_tree, out_tree,
+                                                 backend=devices[0].client,
+                                                 execution_devices=devices)
+
+
+def _dtype(leaf: Any) -> np.dtype:
+    dtype = getattr(leaf, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
+
+
+def describe_leaf(leaf: Any) -> tuple[Any, ...]:
+    """A leaf's part of the key: shape, dtype, weak type and placement (a ``jax.Array``'s
+    sharding with its mesh axes, shape and device ids in order; ``host`` for NumPy)."""
+    shape, dtype = tuple(np.shape(leaf)), str(_dtype(leaf))
+    if not isinstance(leaf, jax.Array):
+        return shape, dtype, "host"
+    sharding = leaf.sharding
+    mesh = getattr(sharding, "mesh", None)
+    where: tuple[Any, ...]
+    if mesh is not None and hasattr(mesh, "devices"):
+        where = (type(sharding).__name__, repr(getattr(sharding, "spec", None)),
+                 tuple(mesh.axis_names), tuple(mesh.devices.shape),
+                 tuple(int(d.id) for d in mesh.devices.flat),
+                 getattr(sharding, "memory_kind", None))
+    else:
+        where = (type(sharding).__name__, repr(sharding),
+                 tuple(sorted(int(d.id) for d in sharding.device_set)))
+    return shape, dtype, bool(getattr(leaf, "weak_type", False)), where
+
+
+def describe_args(args: Any) -> dict[str, Any]:
+    """The key's part for a pytree of arguments: its structure and every leaf (by path)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
+    return {"tree": str(treedef),
+            "leaves": [(jax.tree_util.keystr(path), describe_leaf(leaf))
+                       for path, leaf in leaves]}
+
+
+@functools.cache
+def source_hash() -> str:
+    """SHA-256 of this package's ``.py`` and ``.json`` files (paths and bytes) and of the built
+    CUDA extension's file where it imported."""
+    from jax_tokenweave import _extension
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json") and p.is_file())
+    if _extension.import_error() is None:
+        files.append(Path(_extension.get().__file__))
+    for path in files:
+        digest.update(str(path.relative_to(root) if path.is_relative_to(root) else path.name)
+                      .encode())
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def environment(devices: Iterable[Any]) -> dict[str, Any]:
+    """The key's part that is not the program's own description (module docstring), for a
+    program on ``devices``."""
+    import flax
+    import jaxlib
+
+    devices = list(devices)
+    client = devices[0].client if devices else None
+    return {
+        "python": sys.version_info[:2], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__, "numpy": np.__version__,
+        "platform": sorted({d.platform for d in devices}),
+        "device_kinds": sorted({d.device_kind for d in devices}),
+        "platform_version": getattr(client, "platform_version", None),
+        "config": {k: repr(v) for k, v in sorted(jax.config.values.items())
+                   if not any(s in k for s in _CONFIG_SKIP)},
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(_ENV_PREFIXES) and k not in _ENV_SKIP},
+        "source": source_hash(),
+    }
+
+
+def program_key(program: Mapping[str, Any], devices: Iterable[Any]) -> str:
+    """A program's cache key (hex SHA-256): ``program`` (the caller's description: layout,
+    static arguments, model, :func:`describe_args` of the inputs, compiler options; values
+    are keyed by ``repr`` where not JSON) plus :func:`environment`."""
+    text = json.dumps({"program": program, "environment": environment(devices)},
+                      sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_args(compiled: Any, args: Any) -> None:
+    """Raises ``ValueError`` where ``compiled`` was not compiled for ``args``' shapes and
+    dtypes (``args``: the positional arguments, as ``jit`` flattens them with no kwargs)."""
+    want = jax.tree_util.tree_leaves(compiled.args_info)
+    got = jax.tree_util.tree_leaves((args, {}))
+    if len(want) != len(got):
+        raise ValueError(f"{len(want)} arguments compiled, {len(got)} given")
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        if tuple(w.shape) != tuple(np.shape(g)) or np.dtype(w.dtype) != _dtype(g):
+            raise ValueError(f"argument {i}: compiled for {w.dtype}{list(w.shape)}, given "
+                             f"{_dtype(g)}{list(np.shape(g))}")
+
+
+class ExecutableCache:
+    """Compiled programs in ``directory`` (None: the cache is off: loads nothing, writes
+    nothing). ``serializer`` default :class:`JaxSerializer`; without JAX's serialization
+    module the cache turns itself off with one warning. Thread-safe."""
+
+    def __init__(self, directory: str | os.PathLike | None,
+                 serializer: Serializer | None = None) -> None:
+        self.directory = (None if directory is None
+                          else Path(os.path.expanduser(os.fspath(directory))))
+        self._lock = threading.Lock()
+        self._unserializable = False
+        self._serializer = serializer
+        if self.directory is not None and serializer is None:
+            try:
+                self._serializer = JaxSerializer()
+            except ImportError as e:
+                self.disable(f"jax.experimental.serialize_executable is unavailable ({e})")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the cache loads and stores: it has a directory and JAX's switch for
+        compilation caching (``jax_enable_compilation_cache``) is on."""
+        return self.directory is not None and bool(jax.config.jax_enable_compilation_cache)
+
+    def path(self, key: str) -> Path | None:
+        """The file of ``key``'s program (None: the cache is off)."""
+        directory = self.directory
+        return None if directory is None else directory / f"{key}.bin"
+
+    def disable(self, why: str) -> None:
+        """Turn the cache off (loads and stores nothing more), warning once with ``why``."""
+        with self._lock:
+            if self.directory is None:
+                return
+            self.directory = None
+        warnings.warn(f"executable cache off: {why}; warm-up compiles every layout",
+                      RuntimeWarning, stacklevel=3)
+
+    def load(self, key: str, args: Any, out_tree: Any, devices: Sequence[Any]) -> Any | None:
+        """The program stored under ``key``, checked against ``args`` (the positional
+        arguments it will be called with; its input tree is theirs), returning ``out_tree``,
+        loaded onto ``devices`` (its device assignment, in order: a mesh's ``devices.flat``);
+        None where there is none, or (with a warning) where the file is corrupt or does not
+        load."""
+        directory = self.directory
+        if directory is None or not self.enabled:
+            return None
+        path = directory / f"{key}.bin"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            warnings.warn(f"executable cache: cannot read {path} ({e}); compiling",
+                          RuntimeWarning, stacklevel=2)
+            return None
+        try:
+            payload = self._unpack(data, key)
+            in_tree = jax.tree_util.tree_structure((args, {}))
+            compiled = self._serializer.deserialize(payload, in_tree, out_tree, devices)
+            _check_args(compiled, args)
+            return compiled
+        except Exception as e:  # any failure to load means: compile instead
+            warnings.warn(f"executable cache: ignoring {path} ({type(e).__name__}: {e}); "
+                          f"compiling", RuntimeWarning, stacklevel=2)
+            return None
+
+    def store(self, key: str, compiled: Any) -> bool:
+        """Write ``compiled`` under ``key`` (atomically); False where the cache is off, or
+        (warning once per cache) where JAX cannot serialize the program: a backend without
+        serialization, or on XLA:CPU a program with a sort that has already run (its
+        comparator is then a built-in ``LessThan``; only an executable JAX's in-memory cache
+        hands back can have run). Such a program is compiled again at the next start."""
+        directory = self.directory
+        if directory is None or not self.enabled:
+            return False
+        try:
+            payload = self._serializer.serialize(compiled)
+        except Exception as e:  # whatever JAX raises: warm-up goes on without this file
+            with self._lock:
+                first, self._unserializable = not self._unserializable, True
+            if first:
+                warnings.warn(f"executable cache: cannot serialize a step program "
+                              f"({type(e).__name__}: {e}); it is compiled again at the next "
+                              f"start", RuntimeWarning, stacklevel=2)
+            return False
+        body = pickle.dumps({"key": key, "executable": payload}, protocol=5)
+        path = directory / f"{key}.bin"
+        try:
+            atomic_write(path, MAGIC + hashlib.sha256(body).digest() + body)
+        except OSError as e:
+            warnings.warn(f"executable cache: cannot write {path} ({e})", RuntimeWarning,
+                          stacklevel=2)
+            return False
+        return True
+
+    @staticmethod
+    def _unpack(data: bytes, key: str) -> bytes:
+        if not data.startswith(MAGIC):
+            raise ValueError("not an executable-cache file (bad magic)")
+        digest, body = data[len(MAGIC):len(MAGIC) + _DIGEST], data[len(MAGIC) + _DIGEST:]
+        if hashlib.sha256(body).digest() != digest:
+            raise ValueError("checksum mismatch (truncated or corrupt)")
+        record = pickle.loads(body)
+        if not isinstance(record, dict) or record.get("key") != key:
+            raise ValueError("stored for another key")
+        return record["executable"]
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory renamed into
+    place: readers see the old file or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def register_ffi_targets() -> None:
+    """Register the CUDA extension's FFI targets (fused all-reduce, paged attention) where it
+    is built: a loaded executable calls them by name, and XLA resolves the names when it loads
+    the program, which tracing (skipped on a load) would otherwise have done first."""
+    from jax_tokenweave import _extension, _ffi
+    from jax_tokenweave.serving import attention_kernel
+
+    if _extension.import_error() is None:
+        _ffi.register_targets()
+        attention_kernel._register()
+
+
+def process_local_reason(compiled: Any) -> str | None:
+    """Why ``compiled`` must not be stored (None: it may): the fused all-reduce kernel's calls
+    carry the id of this process's communicator workspace, which a later process does not
+    have."""
+    from jax_tokenweave import _extension, _ffi
+
+    if _extension.import_error() is not None:
+        return None
+    text = compiled.as_text() or ""
+    if any(target in text for target in _ffi.TARGETS.values()):
+        return "it calls the fused all-reduce kernel, whose communicator id is per process"
+    return None

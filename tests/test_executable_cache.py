@@ -1,0 +1,320 @@
+"""The executable cache (``serving.executable_cache``): a second engine of the same model, in
+this process or a new one, loads every step program from disk (no tracing, no compiling) and
+makes the same tokens; anything that changes the program changes the key; a corrupt file is
+ignored with a warning and recompiled; None turns the cache off. The file handling (atomic
+writes, checksums, a backend that cannot serialize) is tested with a fake serializer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache as cc
+from jax.sharding import Mesh
+
+from jax_tokenweave.models.configs import get_config
+from jax_tokenweave.models.llama import LlamaModel
+from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
+from jax_tokenweave.serving import batch as batch_lib
+from jax_tokenweave.serving import compilation_cache as engine_cache
+from jax_tokenweave.serving import executable_cache as ec
+from jax_tokenweave.tuning import TuneEntry
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=16, block_size=4,
+                   num_blocks=48, max_model_len=64, key_chunk=8, split_threshold=16, comm="xla",
+                   max_logprobs=2)
+PROMPTS = [[1, 2, 3], list(range(5, 30))]
+PARAMS = [SamplingParams(max_tokens=5),                                     # greedy
+          SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=11, logprobs=2)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_jax(monkeypatch):
+    """Caching on (tests run with it off: conftest.py) and restored afterwards, as in
+    test_compilation_cache.py; each test compiles afresh (on XLA:CPU an executable that has
+    run cannot be serialized, and JAX's in-memory cache would hand back one from an earlier
+    test)."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_enable_compilation_cache")
+    saved = {name: getattr(jax.config, name) for name in names}
+    monkeypatch.setattr(engine_cache, "_ours", None)
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_enable_compilation_cache", True)
+    cc.reset_cache()
+    jax.clear_caches()
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def model():
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("tp",))
+    return LlamaModel(get_config("tiny"), mesh, dtype=jnp.float32, rngs=nnx.Rngs(3))
+
+
+def cached(tmp_path: Path, **changes) -> EngineConfig:
+    return dataclasses.replace(CFG, compilation_cache_dir=str(tmp_path / "cache"), **changes)
+
+
+def tokens(engine: LLMEngine) -> list[list[int]]:
+    return [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
+
+
+def files(tmp_path: Path) -> list[Path]:
+    folder = tmp_path / "cache" / ec.SUBDIR
+    return sorted(folder.glob("*.bin")) if folder.exists() else []
+
+
+def test_second_engine_loads_every_layout_and_makes_the_same_tokens(model, tmp_path):
+    first = LLMEngine(model, cached(tmp_path))
+    n = len(first.layouts())
+    report = first.warmup()
+    assert (report.layouts, report.loaded, report.compiled) == (n, 0, n) and n >= 4
+    assert len(files(tmp_path)) == n
+    assert not list((tmp_path / "cache" / ec.SUBDIR).glob("*.tmp"))
+    want = tokens(first)
+    second = LLMEngine(model, cached(tmp_path))
+    with count_compilations() as compiles:
+        report = second.warmup(progress=True)
+        got = tokens(second)
+    assert (report.layouts, report.loaded, report.compiled) == (n, n, 0)
+    assert compiles.count == 0 and got == want
+    assert len(second.runner._executables) == n
+
+
+def test_a_layout_not_warmed_up_runs_through_jit(model, tmp_path):
+    engine = LLMEngine(model, dataclasses.replace(CFG, compilation_cache_dir=None))
+    want = tokens(engine)                       # no warm-up: every step goes through jit
+    assert not engine.runner._executables
+    engine.warmup()
+    assert tokens(engine) == want
+
+
+def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monkeypatch):
+    runner = LLMEngine(model, cached(tmp_path)).runner
+    layout = runner.layouts()[-1]
+
+    def key(r=runner, lay=layout) -> str:
+        return r.program_key(lay, (r.state, r.cache, batch_lib.pack_padding(lay, r.config),
+                                   r.no_tokens))
+
+    base = key()
+    assert key() == base
+    assert key(lay=runner.layouts()[0]) != base
+    for change in ({"schedule": "baseline"}, {"key_chunk": 16}, {"max_logprobs": 3},
+                   {"attention": "xla"}, {"comm": "auto"},
+                   {"tuning": TuneEntry(offset=None, num_ctas=8)}):
+        other = LLMEngine(model, cached(tmp_path, **change)).runner
+        assert key(other, other.layouts()[-1]) != base, change
+    same_shapes = LlamaModel(dataclasses.replace(get_config("tiny"), rms_norm_eps=1e-6),
+                             model.mesh, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    assert key(LLMEngine(same_shapes, cached(tmp_path)).runner) != base
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_foo")
+    assert key() != base
+    monkeypatch.undo()
+    monkeypatch.setattr(ec, "source_hash", lambda: "edited")
+    assert key() != base
+    monkeypatch.undo()
+    precision = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "bfloat16")
+    try:
+        assert key() != base
+    finally:
+        jax.config.update("jax_default_matmul_precision", precision)
+    assert key() == base
+
+
+def test_a_changed_config_misses_the_cache(model, tmp_path):
+    LLMEngine(model, cached(tmp_path)).warmup()
+    report = LLMEngine(model, cached(tmp_path, max_logprobs=1)).warmup()
+    assert report.loaded == 0 and report.compiled == report.layouts
+
+
+def test_a_corrupt_file_is_compiled_again_with_a_warning(model, tmp_path):
+    first = LLMEngine(model, cached(tmp_path))
+    n = first.warmup().layouts
+    want = tokens(first)
+    broken = files(tmp_path)[0]
+    data = bytearray(broken.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    broken.write_bytes(bytes(data))
+    second = LLMEngine(model, cached(tmp_path))
+    with pytest.warns(RuntimeWarning, match="checksum"):
+        report = second.warmup()
+    assert (report.loaded, report.compiled) == (n - 1, 1)
+    assert tokens(second) == want
+    assert LLMEngine(model, cached(tmp_path)).warmup().loaded == n     # rewritten
+
+
+def test_no_directory_or_jax_caching_off_writes_nothing(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    engine = LLMEngine(model, dataclasses.replace(CFG, compilation_cache_dir=None))
+    assert not engine.runner.executable_cache.enabled
+    report = engine.warmup()
+    assert report.loaded == 0 and report.compiled == report.layouts
+    assert not list(tmp_path.rglob("*"))
+    jax.config.update("jax_enable_compilation_cache", False)
+    engine = LLMEngine(model, cached(tmp_path / "off"))
+    assert not engine.runner.executable_cache.enabled and engine.warmup().compiled
+    assert not files(tmp_path / "off")
+
+
+# -- the file handling, with a fake serializer ---------------------------------------------
+class Fake:
+    """``serialize`` -> the program's name; ``deserialize`` -> a ``FakeProgram``."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail = fail
+
+    def serialize(self, compiled):
+        if self.fail is not None:
+            raise self.fail
+        return compiled.name.encode()
+
+    def deserialize(self, payload, in_tree, out_tree, devices):
+        if payload == b"bad":
+            raise RuntimeError("cannot load")
+        return FakeProgram(payload.decode(), args_info=((jax.ShapeDtypeStruct((2,), "f4"),),
+                                                        {}))
+
+
+@dataclasses.dataclass
+class FakeProgram:
+    name: str
+    args_info: object = None
+
+
+ARGS = (np.zeros(2, np.float32),)
+
+
+def test_store_and_load_round_trip_atomically(tmp_path):
+    cache = ec.ExecutableCache(tmp_path, Fake())
+    assert cache.load("k", ARGS, None, []) is None
+    assert cache.store("k", FakeProgram("one"))
+    assert cache.load("k", ARGS, None, []).name == "one"
+    assert cache.store("k", FakeProgram("two"))
+    assert cache.load("k", ARGS, None, []).name == "two"
+    assert [p.name for p in tmp_path.iterdir()] == ["k.bin"]     # no temporary file left
+
+
+def test_an_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "x.bin"
+    ec.atomic_write(path, b"old")
+
+    def boom(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        ec.atomic_write(path, b"new")
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["x.bin"]
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda d: d[:-3], "checksum"),
+    (lambda d: b"junk" + d, "bad magic"),
+    (lambda d: b"", "bad magic"),
+])
+def test_a_damaged_file_warns_and_loads_nothing(tmp_path, damage, message):
+    cache = ec.ExecutableCache(tmp_path, Fake())
+    cache.store("k", FakeProgram("one"))
+    cache.path("k").write_bytes(damage(cache.path("k").read_bytes()))
+    with pytest.warns(RuntimeWarning, match=message):
+        assert cache.load("k", ARGS, None, []) is None
+
+
+def test_a_file_of_another_key_or_shape_or_that_fails_to_load_is_ignored(tmp_path):
+    cache = ec.ExecutableCache(tmp_path, Fake())
+    cache.store("a", FakeProgram("one"))
+    cache.path("a").rename(cache.path("b"))
+    with pytest.warns(RuntimeWarning, match="another key"):
+        assert cache.load("b", ARGS, None, []) is None
+    cache.store("c", FakeProgram("one"))
+    with pytest.warns(RuntimeWarning, match="compiled for float32"):
+        assert cache.load("c", (np.zeros(3, np.float32),), None, []) is None
+    cache.store("d", FakeProgram("bad"))
+    with pytest.warns(RuntimeWarning, match="cannot load"):
+        assert cache.load("d", ARGS, None, []) is None
+
+
+def test_a_program_jax_cannot_serialize_is_skipped_with_one_warning(tmp_path):
+    cache = ec.ExecutableCache(tmp_path, Fake(ValueError("Compilation does not support "
+                                                         "serialization")))
+    with pytest.warns(RuntimeWarning, match="does not support serialization"):
+        assert not cache.store("k", FakeProgram("one"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not cache.store("k2", FakeProgram("two"))                   # no 2nd warning
+    assert cache.load("k", ARGS, None, []) is None and not list(tmp_path.iterdir())
+
+
+def test_a_cpu_program_with_a_sort_that_ran_is_not_stored(tmp_path):
+    """XLA:CPU: once run, a sort's comparator is a built-in that cannot be serialized; JAX's
+    in-memory cache hands that executable back to the next ``compile`` of the same program."""
+    f = jax.jit(lambda x: jnp.sort(x * 3.0))
+    x = jnp.arange(8.0)
+    f.lower(x).compile()(x)
+    cache = ec.ExecutableCache(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stored = cache.store("k", f.lower(x).compile())
+    if stored:          # a JAX that serializes it: then it must load and run
+        program = cache.load("k", (x,), f.lower(x).compile().out_tree, jax.devices()[:1])
+        np.testing.assert_array_equal(program(x), f(x))
+    else:
+        assert any("cannot serialize" in str(w.message) for w in caught)
+    assert cache.enabled
+
+
+_SECOND_PROCESS = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from jax_tokenweave.models.configs import get_config
+from jax_tokenweave.models.llama import LlamaModel
+from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
+
+mesh = Mesh(np.array(jax.devices("cpu")[2:4]), ("tp",))
+model = LlamaModel(get_config("tiny"), mesh, dtype=jnp.float32, rngs=nnx.Rngs(1))
+engine = LLMEngine(model, EngineConfig(
+    max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=16, block_size=4, num_blocks=48,
+    max_model_len=64, key_chunk=8, compilation_cache_dir=sys.argv[1]))
+with count_compilations() as compiles:
+    report = engine.warmup()
+    outs = engine.generate([[1, 2, 3], [4, 5, 6, 7]], [
+        SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, temperature=1.0, seed=5)])
+print(json.dumps({"loaded": report.loaded, "compiled": report.compiled,
+                  "seconds": report.seconds, "compilations": compiles.count,
+                  "tokens": [o.token_ids for o in outs]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_new_process_loads_every_layout_from_disk(tmp_path):
+    """The real use: a restart. JAX's in-memory caches cannot help a new process."""
+    def run() -> dict:
+        proc = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, str(tmp_path)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    n = first["compiled"]
+    assert first["loaded"] == 0 and n >= 4 and first["compilations"] >= n
+    assert (second["loaded"], second["compiled"], second["compilations"]) == (n, 0, 0)
+    assert second["tokens"] == first["tokens"]
