@@ -151,6 +151,9 @@ def test_a_corrupt_file_is_compiled_again_with_a_warning(model, tmp_path):
     data = bytearray(broken.read_bytes())
     data[len(data) // 2] ^= 0xFF
     broken.write_bytes(bytes(data))
+    # JAX's in-memory cache would hand back the program `first` ran, which XLA:CPU cannot
+    # serialize once a sort in it has run: compile it afresh, as a new process does.
+    jax.clear_caches()
     second = LLMEngine(model, cached(tmp_path))
     with pytest.warns(RuntimeWarning, match="checksum"):
         report = second.warmup()
