@@ -27,7 +27,7 @@ from jax_tokenweave.serving import (
 )
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving.sampling import sample
-from jax_tokenweave.serving.step import jitted_step
+from jax_tokenweave.serving.step import jitted_forward
 from jax_tokenweave.testing.reference import reference_logits
 
 # 32-row steps in tiles of 8 (buckets 8/16/32 rows, decode segments of 0/8 rows): few programs.
@@ -96,10 +96,10 @@ def test_step_updates_the_cache_in_place(model, schedule):
     layout = batch_lib.make_layout(8, 32, engine.config, engine.model_config, engine.tp)
     assert layout.plan.split == (schedule == "weave")
     cfg = engine.config
-    text = jitted_step.lower(
+    text = jitted_forward.lower(
         engine._state, engine.cache, batch_lib.pack_padding(layout, cfg),
         graphdef=engine._graphdef, layout=layout, schedule=schedule, comm=cfg.comm,
-        key_chunk=cfg.key_chunk, num_logprobs=cfg.max_logprobs, tuning=None).compile().as_text()
+        key_chunk=cfg.key_chunk, tuning=None).compile().as_text()
     shape = f"f32[{cfg.num_blocks},{cfg.block_size},{engine.model_config.num_kv_heads // 2},"
     copies = [line for line in text.splitlines()
               if re.search(rf"= {re.escape(shape)}\d+\]\S* copy\(", line)]

@@ -10,12 +10,14 @@ decodes whose input token is still in flight take it (async scheduling); the fir
 every step of the synchronous engine, gets zeros of the same shape and sharding, so both
 modes run the same compiled programs.
 
-Compilation: one program per ``StepLayout`` (decode rows x step rows, both bucketed, see
-``serving.buckets``); :meth:`ModelRunner.warmup` makes them all, after which a stream of
+A step is two programs (``serving.step``): the forward (one per ``StepLayout``: decode rows x
+step rows, both bucketed, see ``serving.buckets``) and a small sampler the host picks per step
+(greedy or drawn, log-probabilities or not), so the forward holds no ``lax.cond``, on which
+XLA's GPU runtime would wait. :meth:`ModelRunner.warmup` makes them all, after which a stream of
 requests compiles nothing: it loads each from the executable cache
 (``serving.executable_cache``, under ``EngineConfig.compilation_cache_dir``) or traces, lowers
 and compiles it (and stores it there), and keeps the ``jax.stages.Compiled`` programs, which
-:meth:`ModelRunner.run` calls directly (``jitted_step`` for a layout not warmed up).
+:meth:`ModelRunner.run` calls directly (``jitted_forward`` for a layout not warmed up).
 """
 
 from __future__ import annotations
@@ -43,7 +45,14 @@ from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.executable_cache import ExecutableCache, WarmupReport
 from jax_tokenweave.serving.paged_cache import init_paged_cache
 from jax_tokenweave.serving.scheduler import ScheduledStep
-from jax_tokenweave.serving.step import STEP_COMPILER_OPTIONS, StepOutputs, jitted_step
+from jax_tokenweave.serving.step import (
+    SAMPLERS,
+    STEP_COMPILER_OPTIONS,
+    StepOutputs,
+    jitted_forward,
+    jitted_sampler,
+    sampling_arrays,
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,13 +86,13 @@ class ModelRunner:
         self.executable_cache = ExecutableCache(
             None if config.compilation_cache_dir is None else
             os.path.join(os.path.expanduser(config.compilation_cache_dir), exe_cache.SUBDIR))
-        self._executables: dict[batch_lib.StepLayout, Any] = {}   # warmed-up programs
+        self._executables: dict[batch_lib.StepLayout, Any] = {}   # warmed-up forwards
+        self._samplers: dict[tuple[int, str, int], Any] = {}  # (rows, sampler, logprobs)
 
     def _static(self, layout: batch_lib.StepLayout) -> dict[str, Any]:
         cfg = self.config
         return dict(graphdef=self.graphdef, layout=layout, schedule=cfg.schedule, comm=cfg.comm,
-                    key_chunk=cfg.key_chunk, num_logprobs=cfg.max_logprobs, tuning=cfg.tuning,
-                    attention=cfg.attention)
+                    key_chunk=cfg.key_chunk, tuning=cfg.tuning, attention=cfg.attention)
 
     def pack(self, scheduled: ScheduledStep) -> tuple[batch_lib.StepLayout,
                                                       batch_lib.StepArrays]:
@@ -92,17 +101,24 @@ class ModelRunner:
 
     def run(self, layout: batch_lib.StepLayout, arrays: batch_lib.StepArrays,
             prev_tokens: jax.Array | None = None) -> StepOutputs:
-        """Dispatch the jitted step (no wait); the cache is replaced by the step's. Returns its
-        device outputs. ``prev_tokens``: the previous step's ``StepOutputs.tokens`` (default
-        zeros)."""
+        """Dispatch the step (no wait): the forward program, then the sampler program the host
+        picks (greedy where no sampled row draws; log-probabilities only where one asked).
+        The cache is replaced by the step's. Returns its device outputs. ``prev_tokens``: the
+        previous step's ``StepOutputs.tokens`` (default zeros)."""
         prev = self.no_tokens if prev_tokens is None else prev_tokens
         program = self._executables.get(layout)
         if program is None:
-            outputs, self.cache = jitted_step(self.state, self.cache, arrays, prev,
-                                              **self._static(layout))
+            logits, self.cache = jitted_forward(self.state, self.cache, arrays, prev,
+                                                **self._static(layout))
         else:
-            outputs, self.cache = program(self.state, self.cache, arrays, prev)
-        return outputs
+            logits, self.cache = program(self.state, self.cache, arrays, prev)
+        sampler = "sample" if np.any(np.asarray(arrays.temperature) > 0) else "greedy"
+        logprobs = self.config.max_logprobs if bool(arrays.want_logprobs) else 0
+        settings = sampling_arrays(arrays)
+        compiled = self._samplers.get((layout.samples, sampler, logprobs))
+        if compiled is not None:
+            return compiled(logits, *settings, prev)
+        return jitted_sampler(logits, *settings, prev, sampler=sampler, num_logprobs=logprobs)
 
     def dispatch(self, scheduled: ScheduledStep, arrays: tuple[batch_lib.StepLayout,
                                                                batch_lib.StepArrays],
@@ -150,8 +166,7 @@ class ModelRunner:
         cache = self.executable_cache
         keys = ({layout: self.program_key(layout, args[layout]) for layout in layouts}
                 if cache.enabled else {})
-        out_tree = jax.tree_util.tree_structure(
-            (StepOutputs(*[0] * len(dataclasses.fields(StepOutputs))), self.cache))
+        out_tree = jax.tree_util.tree_structure((0, self.cache))   # (logits, cache)
         bar = tqdm(total=len(layouts), desc="warm-up", unit="layout", disable=not progress)
         counts = {"loaded": 0, "compiled": 0}
         lock = threading.Lock()
@@ -183,12 +198,32 @@ class ModelRunner:
                     if program is not None:
                         done(layout, program, "loaded")
                 missing = [layout for layout, p in zip(layouts, found, strict=True) if p is None]
-            futures = [pool.submit(compile_and_store, layout, jitted_step.lower(
+            futures = [pool.submit(compile_and_store, layout, jitted_forward.lower(
                 *args[layout], **self._static(layout))) for layout in missing]
             for future in futures:
                 future.result()
+            self._warm_samplers(pool, args)
         return WarmupReport(len(layouts), counts["loaded"], counts["compiled"],
                             time.perf_counter() - start)
+
+    def _warm_samplers(self, pool: concurrent.futures.Executor,
+                       args: dict[batch_lib.StepLayout, tuple[Any, ...]]) -> None:
+        """Compile the sampler programs every warmed-up layout may pick (small; JAX's
+        persistent cache keeps them): per sampled-row count, greedy or drawn, with
+        log-probabilities or not, on the forward program's logits (shape, dtype, sharding)."""
+        wanted: dict[tuple[int, str, int], Any] = {}
+        for layout, program in self._executables.items():
+            settings = sampling_arrays(args[layout][2])
+            for sampler in SAMPLERS:
+                for logprobs in sorted({0, self.config.max_logprobs}):
+                    key = (layout.samples, sampler, logprobs)
+                    if key not in self._samplers and key not in wanted:
+                        wanted[key] = jitted_sampler.lower(
+                            program.out_info[0], *settings, self.no_tokens, sampler=sampler,
+                            num_logprobs=logprobs)
+        for key, program in zip(wanted, pool.map(lambda lowered: lowered.compile(),
+                                                 wanted.values()), strict=True):
+            self._samplers[key] = program
 
     def program_key(self, layout: batch_lib.StepLayout, args: tuple[Any, ...]) -> str:
         """The executable cache's key of ``layout``'s program on ``args`` (state, cache,
@@ -202,7 +237,7 @@ class ModelRunner:
 
     @functools.cached_property
     def _model_key(self) -> dict[str, Any]:
-        return {"function": f"{jitted_step.__module__}.{jitted_step.__name__}",
+        return {"function": f"{jitted_forward.__module__}.{jitted_forward.__name__}",
                 "compiler_options": STEP_COMPILER_OPTIONS, "model_type": self.model_type,
                 "model_config": repr(self.model_config),
                 "graphdef": [repr(self.graphdef), repr(getattr(self.graphdef, "attributes",

@@ -3,13 +3,19 @@
 Each row has its own ``temperature`` (0: greedy), ``top_k`` (0: all tokens), ``top_p`` and
 random stream: the key of a row is ``fold_in(key(seed), counter)``, ``counter`` the number of
 tokens its request has made, so a request's samples do not depend on what it is batched with.
-When every row is greedy the sort is skipped (``lax.cond``).
+:func:`sample` sorts the vocabulary; when every row is greedy, :func:`greedy` is the whole
+choice (the engine picks one of the two on the host: no ``lax.cond`` on the device).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def greedy(logits: jax.Array) -> jax.Array:
+    """The most likely token of each row of ``logits`` [S, V]: int32 [S]."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
@@ -21,26 +27,21 @@ def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature
     ``top_p`` (the most likely token is always kept).
     """
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temperature = jnp.asarray(temperature, jnp.float32)
-
-    def draw() -> jax.Array:
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        order = jnp.argsort(-scaled, axis=-1)
-        ranked = jnp.take_along_axis(scaled, order, axis=-1)
-        rank = jnp.arange(logits.shape[-1])[None, :]
-        k = jnp.asarray(top_k, jnp.int32)[:, None]
-        in_top_k = (k <= 0) | (rank < k)
-        probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs          # mass ranked above
-        keep = in_top_k & (before < jnp.asarray(top_p, jnp.float32)[:, None])
-        keep = keep.at[:, 0].set(True)
-        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
-        choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, ranked, -jnp.inf))
-        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-        return jnp.where(temperature <= 0.0, greedy, sampled)
-
-    return jax.lax.cond(jnp.any(temperature > 0.0), draw, lambda: greedy)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    k = jnp.asarray(top_k, jnp.int32)[:, None]
+    in_top_k = (k <= 0) | (rank < k)
+    probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs          # mass ranked above
+    keep = in_top_k & (before < jnp.asarray(top_p, jnp.float32)[:, None])
+    keep = keep.at[:, 0].set(True)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
+    choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, ranked, -jnp.inf))
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature <= 0.0, greedy(logits), sampled)
 
 
 def logprobs(logits: jax.Array, tokens: jax.Array,

@@ -103,12 +103,12 @@ def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays
     return out, PagedKVCache(k, v)
 
 
-def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: StepLayout, *,
-               schedule: str, comm: str, key_chunk: int, num_logprobs: int,
-               tuning: TuneEntry | None = None, attention: str = "auto",
-               prev_tokens: jax.Array | None = None) -> tuple[StepOutputs, PagedKVCache]:
-    """Embed, run the stack (:func:`decoder_forward`), project the sampled rows to logits,
-    sample (``serving.sampling``). ``model``: a ``models.llama.LlamaModel``.
+def model_forward(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: StepLayout, *,
+                  schedule: str, comm: str, key_chunk: int, tuning: TuneEntry | None = None,
+                  attention: str = "auto", prev_tokens: jax.Array | None = None
+                  ) -> tuple[jax.Array, PagedKVCache]:
+    """Embed, run the stack (:func:`decoder_forward`), project the sampled rows to logits.
+    ``model``: a ``models.llama.LlamaModel``. Returns ``(logits [S, V], cache)``.
 
     ``prev_tokens`` int32 [P] (replicated; ``P >= layout.samples``): the previous step's
     sampled tokens (its ``StepOutputs.tokens``); rows whose ``token_source`` is >= 0 take their
@@ -121,47 +121,91 @@ def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: Step
     out, cache = decoder_forward(model.decoder, hidden, arrays, cache, layout,
                                  schedule=schedule, comm=comm, key_chunk=key_chunk,
                                  tuning=tuning, attention=attention)
-    logits = model.logits(out[arrays.sample_rows])
-    tokens = sampling.sample(logits, arrays.seeds, arrays.counters, arrays.temperature,
-                             arrays.top_p, arrays.top_k)
-    k, n = num_logprobs, tokens.shape[0]
+    return model.logits(out[arrays.sample_rows]), cache
 
-    def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
-        chosen, top, ids = sampling.logprobs(logits, tokens, max(k, 1))
-        return chosen, top[:, :k], ids[:, :k]
 
-    def without() -> tuple[jax.Array, jax.Array, jax.Array]:
-        return (jnp.zeros(n, jnp.float32), jnp.zeros((n, k), jnp.float32),
-                jnp.zeros((n, k), jnp.int32))
+SAMPLERS = ("greedy", "sample")
+"""``greedy``: every sampled row has temperature 0 (an argmax); ``sample``: any row may draw
+(``sampling.sample``, which sorts the vocabulary)."""
 
-    # log_softmax + top_k over the whole vocabulary only where some row asked for them
-    chosen, top, ids = jax.lax.cond(arrays.want_logprobs, with_logprobs, without)
+
+def sample_step(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
+                temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
+                prev_tokens: jax.Array | None = None, *, sampler: str,
+                num_logprobs: int) -> StepOutputs:
+    """One token per row of ``logits`` [S, V] (``sampler``, one of :data:`SAMPLERS`; the
+    sampling settings are [S], as ``StepArrays``'), with ``num_logprobs`` top
+    log-probabilities (0: none; the log-probability fields are then zeros [S] and [S, 0]).
+    With ``prev_tokens`` [P], the tokens come back zero-padded to [P] and replicated, to feed
+    the next step."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+    if sampler == "greedy":
+        tokens = sampling.greedy(logits)
+    else:
+        tokens = sampling.sample(logits, seeds, counters, temperature, top_p, top_k)
+    n = tokens.shape[0]
+    if num_logprobs:
+        chosen, top, ids = sampling.logprobs(logits, tokens, num_logprobs)
+    else:
+        chosen, top, ids = (jnp.zeros(n, jnp.float32), jnp.zeros((n, 0), jnp.float32),
+                            jnp.zeros((n, 0), jnp.int32))
     if prev_tokens is not None:  # [P], replicated: the next step's prev_tokens
         if n > prev_tokens.shape[0]:
             raise ValueError(f"{n} sampled rows exceed prev_tokens' {prev_tokens.shape[0]}")
-        tokens = jax.lax.with_sharding_constraint(
-            jnp.zeros_like(prev_tokens).at[:n].set(tokens), NamedSharding(model.mesh, P()))
-    return StepOutputs(tokens, chosen, top, ids), cache
+        padded = jnp.zeros_like(prev_tokens).at[:n].set(tokens)
+        sharding = getattr(prev_tokens, "sharding", None)
+        tokens = (jax.lax.with_sharding_constraint(padded, NamedSharding(sharding.mesh, P()))
+                  if isinstance(sharding, NamedSharding) else padded)
+    return StepOutputs(tokens, chosen, top, ids)
+
+
+def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: StepLayout, *,
+               schedule: str, comm: str, key_chunk: int, num_logprobs: int,
+               tuning: TuneEntry | None = None, attention: str = "auto",
+               prev_tokens: jax.Array | None = None,
+               sampler: str = "sample") -> tuple[StepOutputs, PagedKVCache]:
+    """:func:`model_forward` then :func:`sample_step` in one function (one program where it is
+    jitted whole; the engine runs them as two, see ``jitted_forward``)."""
+    logits, cache = model_forward(model, cache, arrays, layout, schedule=schedule, comm=comm,
+                                  key_chunk=key_chunk, tuning=tuning, attention=attention,
+                                  prev_tokens=prev_tokens)
+    return sample_step(logits, *sampling_arrays(arrays), prev_tokens, sampler=sampler,
+                       num_logprobs=num_logprobs), cache
+
+
+def sampling_arrays(arrays: StepArrays) -> tuple[Any, ...]:
+    """The sampling settings of a step, in :func:`sample_step`'s order."""
+    return arrays.seeds, arrays.counters, arrays.temperature, arrays.top_p, arrays.top_k
 
 
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
-"""XLA options of the step: no command buffers. The step's inputs (positions, slots, tables,
-sampling settings) are new buffers every step, so XLA re-records its CUDA graphs on every call;
-measured on one H200 (Llama-3-8B shapes, batch 1): 11.9 ms per step with command buffers,
-8.2 ms without (``benchmarks/step_dispatch.py``, ``benchmarks/results/2026-11-24-h200x1``)."""
+"""XLA options of the step's forward program: no command buffers. The step's inputs (positions,
+slots, tables, sampling settings) are new buffers every step, so XLA re-records its CUDA graphs
+on every call; measured on one H200 (Llama-3-8B shapes, batch 1): 11.9 ms per step with command
+buffers, 8.2 ms without (``benchmarks/step_dispatch.py``, ``benchmarks/results/2026-11-24-h200x1``);
+with the inputs and outputs copied through an uncaptured call, 7.0 against 7.6 ms."""
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "schedule", "comm",
-                                             "key_chunk", "num_logprobs", "tuning",
-                                             "attention"),
+                                             "key_chunk", "tuning", "attention"),
                    donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
-def jitted_step(state: Any, cache: PagedKVCache, arrays: StepArrays,
-                prev_tokens: jax.Array | None = None, *, graphdef: Any, layout: StepLayout,
-                schedule: str, comm: str, key_chunk: int, num_logprobs: int,
-                tuning: TuneEntry | None,
-                attention: str = "auto") -> tuple[StepOutputs, PagedKVCache]:
-    """:func:`model_step` on ``nnx.merge(graphdef, state)``, jitted, the cache donated (shared
-    by every engine of the same model structure: equal shapes compile once)."""
-    return model_step(nnx.merge(graphdef, state), cache, arrays, layout, schedule=schedule,
-                      comm=comm, key_chunk=key_chunk, num_logprobs=num_logprobs, tuning=tuning,
-                      attention=attention, prev_tokens=prev_tokens)
+def jitted_forward(state: Any, cache: PagedKVCache, arrays: StepArrays,
+                   prev_tokens: jax.Array | None = None, *, graphdef: Any, layout: StepLayout,
+                   schedule: str, comm: str, key_chunk: int, tuning: TuneEntry | None,
+                   attention: str = "auto") -> tuple[jax.Array, PagedKVCache]:
+    """:func:`model_forward` on ``nnx.merge(graphdef, state)``, jitted, the cache donated
+    (shared by every engine of the same model structure: equal shapes compile once).
+
+    It holds no ``lax.cond``: XLA's GPU runtime waits on the host for a conditional's
+    predicate, which made each step's dispatch return only when the GPU had finished it (so
+    the host could not prepare the next step meanwhile). The choices that need a branch
+    (greedy or drawn tokens, log-probabilities or not) are made on the host, by picking the
+    sampler program (:data:`jitted_sampler`)."""
+    return model_forward(nnx.merge(graphdef, state), cache, arrays, layout, schedule=schedule,
+                         comm=comm, key_chunk=key_chunk, tuning=tuning, attention=attention,
+                         prev_tokens=prev_tokens)
+
+
+jitted_sampler = jax.jit(sample_step, static_argnames=("sampler", "num_logprobs"))
+""":func:`sample_step`, jitted: one small program per (rows, sampler, log-probabilities)."""
