@@ -23,7 +23,8 @@ ENGINE = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8,
                       comm="xla")
 CLI_ENGINE = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--prefill-tile", "8",
               "--block-size", "4", "--num-blocks", "64", "--max-model-len", "64", "--key-chunk",
-              "16", "--split-threshold", "16", "--comm", "xla", "--tp", "2", "--dtype", "float32"]
+              "16", "--split-threshold", "16", "--comm", "xla", "--tp", "2", "--dtype", "float32",
+              "--temperature", "0"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -163,3 +164,8 @@ def test_cli(checkpoint, capsys):
     assert "python -m jax_tokenweave.generate" in text and "(default: 8192)" in text
     with pytest.raises(SystemExit):
         main([checkpoint[0], "--temperature", "nan", "--prompt", "x"])
+    capsys.readouterr()
+    assert main([checkpoint[0] + "-missing", "--prompt", "x"]) == 1      # one line, no trace
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checkpoint directory does not exist" in err
+    assert "Traceback" not in err

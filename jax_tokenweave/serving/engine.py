@@ -229,6 +229,11 @@ class LLMEngine:
 
     abort_request = abort
 
+    def request_ids(self) -> list[str]:
+        """Ids of the requests the engine holds (running, waiting or finished, not released)."""
+        with self._lock:
+            return list(self._requests)
+
     def has_unfinished(self) -> bool:
         """Requests waiting or running, blocks held by a step in flight, or deltas that
         :meth:`step` has not returned yet."""
