@@ -114,8 +114,8 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
             return _error(400, f"invalid JSON: {err.get('msg')}")
-        param = ".".join(loc) or None
-        return _error(400, f"{param or 'body'}: {err.get('msg')}", param)
+        param = loc[0] if loc else None            # the request's field (not a union branch)
+        return _error(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param)
 
     @app.exception_handler(P.BadRequest)
     async def bad(_: Request, exc: P.BadRequest) -> JSONResponse:

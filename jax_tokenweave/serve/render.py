@@ -21,6 +21,10 @@ from typing import Any
 from jax_tokenweave.serve import protocol as P
 from jax_tokenweave.serving import SamplingParams, StreamDelta, TokenLogprob
 
+# ``LLMEngine.check_request``'s messages -> the request field at fault (else the prompt)
+_CHECK_FIELDS = (("logprobs=", "logprobs"), (": n=", "n"), ("stop strings", "stop"),
+                 ("KV cache blocks", "max_tokens"), ("max_tokens", "max_tokens"))
+
 
 @dataclasses.dataclass
 class Sample:
@@ -117,7 +121,7 @@ class Renderer:
             self.state.llm.engine.check_request(ids, params, what)
         except ValueError as err:
             text = str(err)
-            param = next((f for f in ("logprobs", "n", "stop", "max_tokens") if f in text), what)
+            param = next((field for key, field in _CHECK_FIELDS if key in text), what)
             raise P.BadRequest(text, param) from None
 
     # -- responses -----------------------------------------------------------------------

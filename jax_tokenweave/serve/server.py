@@ -4,8 +4,9 @@ are aborted and the process exits 0)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -22,6 +23,12 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._state = state
         self._startup_line = startup_line
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()   # drained: exit 0, not re-raise the signal
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self._state.engine.stop_accepting()

@@ -347,7 +347,19 @@ class LLMEngine:
                     deltas.append(self._delta(seq, i, outputs, now))
                 except Exception as err:
                     self._fail(seq, err)
-            return deltas
+            return self._mark_last(deltas)
+
+    def _mark_last(self, deltas: list[StreamDelta]) -> list[StreamDelta]:
+        """``request_finished`` on the last delta of each finished request only (its samples
+        may all finish in one step)."""
+        seen: set[str] = set()
+        for k in range(len(deltas) - 1, -1, -1):
+            d = deltas[k]
+            last = d.request_id not in seen and self._requests[d.request_id].finished
+            seen.add(d.request_id)
+            if d.request_finished != last:
+                deltas[k] = dataclasses.replace(d, request_finished=last)
+        return deltas
 
     def _count(self, step: ScheduledStep, layout: batch_lib.StepLayout) -> None:
         stats = self.stats
@@ -382,7 +394,7 @@ class LLMEngine:
             request.metrics.finish_time = now
         return StreamDelta(seq.request_id, (token,), text,
                            None if logprob is None else (logprob,), seq.finish_reason,
-                           seq.index, request.finished)
+                           seq.index)
 
     # -- conveniences --------------------------------------------------------------------
     def generate(self, prompts: Iterable[Sequence[int]],

@@ -127,6 +127,7 @@ class LLM:
             raise ValueError(f"LLM tp={tp} and tensor_parallel_size={tensor_parallel_size} "
                              f"disagree (tp is an alias)")
         tp = tensor_parallel_size if tensor_parallel_size is not None else tp
+        resolve.check_utilization(gpu_memory_utilization)
         if tokenizer is not None and tokenizer is not False and not isinstance(
                 tokenizer, str | os.PathLike):
             check_tokenizer(tokenizer)

@@ -94,12 +94,18 @@ def activation_reserve(model_config: Any, tokens: int, tp: int) -> int:
     return 4 * 4 * tokens * per_row
 
 
-def cache_blocks(devices: Any, model_config: Any, engine: Any, dtype: Any,
-                 utilization: float) -> int:
-    """Blocks for a cache of ``utilization`` of the devices' memory (module docstring)."""
+def check_utilization(utilization: Any) -> float:
+    """``gpu_memory_utilization`` in (0, 1] (``ValueError`` naming it else)."""
     if not (isinstance(utilization, int | float) and not isinstance(utilization, bool)
             and 0 < utilization <= 1):
         raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+    return float(utilization)
+
+
+def cache_blocks(devices: Any, model_config: Any, engine: Any, dtype: Any,
+                 utilization: float) -> int:
+    """Blocks for a cache of ``utilization`` of the devices' memory (module docstring)."""
+    check_utilization(utilization)
     tp = len(devices)
     per_block = block_bytes(model_config, engine.block_size, tp, dtype)
     request_blocks = -(-engine.max_model_len // engine.block_size)
