@@ -15,14 +15,16 @@
   (the device side of the engine: cache, dispatch, warm-up), ``serving.sampling``.
 - ``count_compilations`` (``serving.compile_count``): count XLA compilations (and persistent
   cache hits); ``serving.compilation_cache``: the engine's persistent compilation cache.
-- ``generate(model, prompts, max_new_tokens)``: token ids in, token ids out, in one call.
+- ``generate(model, prompts, max_new_tokens)`` (``serving.oneshot``): token ids in, token ids
+  out, in one call.
 """
 
 from jax_tokenweave.serving.blocks import OutOfBlocksError
 from jax_tokenweave.serving.compile_count import count_compilations
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.engine import LLMEngine, generate
+from jax_tokenweave.serving.engine import LLMEngine
 from jax_tokenweave.serving.llm import LLM, RequestFailed
+from jax_tokenweave.serving.oneshot import generate
 from jax_tokenweave.serving.outputs import (
     CompletionOutput,
     Logprob,

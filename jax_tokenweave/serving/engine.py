@@ -44,17 +44,15 @@ import numpy as np
 
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import checks
-from jax_tokenweave.serving.buckets import next_pow2
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.outputs import (
-    CompletionOutput,
     RequestMetrics,
     RequestOutput,
     StreamDelta,
     TextState,
     TokenLogprob,
-    vllm_logprobs,
 )
+from jax_tokenweave.serving.requests import Request, Sample
 from jax_tokenweave.serving.runner import InFlight, ModelRunner
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import ScheduledStep, Scheduler
@@ -70,27 +68,6 @@ class EngineStats:
     split_steps: int = 0
     cut_steps: int = 0
     tokens: int = 0
-
-
-@dataclasses.dataclass(eq=False)
-class _Sample:
-    seq: Seq
-    text: TextState | None
-    logprobs: list[TokenLogprob] | None
-    error: str | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt_text: str | None
-    prompt_ids: list[int]
-    samples: list[_Sample]
-    metrics: RequestMetrics
-
-    @property
-    def finished(self) -> bool:
-        return all(s.seq.finished for s in self.samples)
 
 
 class LLMEngine:
@@ -119,7 +96,7 @@ class LLMEngine:
             else (info.eos_token_ids if info is not None else None)))
         self.scheduler = Scheduler(config)
         self.stats = EngineStats()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         self._lock = threading.RLock()          # the scheduler and the request table
         self._step_lock = threading.Lock()      # one step at a time (the cache)
         self._ids = itertools.count()
@@ -166,7 +143,7 @@ class LLMEngine:
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             seed = params.seed if params.seed is not None else int(self._rng.integers(1 << 31))
-            samples = [_Sample(Seq(rid, ids, params, params.sample_seed(seed, i),
+            samples = [Sample(Seq(rid, ids, params, params.sample_seed(seed, i),
                                    stop_ids, index=i),
                                TextState(self.tokenizer, params.stop)
                                if self.tokenizer is not None else None,
@@ -174,7 +151,7 @@ class LLMEngine:
                        for i in range(params.n)]
             for sample in samples:
                 self.scheduler.add(sample.seq)
-            self._requests[rid] = _Request(
+            self._requests[rid] = Request(
                 rid, prompt, ids, samples,
                 RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time))
         return rid
@@ -245,15 +222,7 @@ class LLMEngine:
         with self._lock:
             r = self._requests[request_id]
             return RequestOutput(r.request_id, r.prompt_text, list(r.prompt_ids),
-                                 [self._completion(s) for s in r.samples], r.metrics)
-
-    def _completion(self, s: _Sample) -> CompletionOutput:
-        lps = None if s.logprobs is None else list(s.logprobs)
-        return CompletionOutput(
-            s.seq.index, None if s.text is None else s.text.text, list(s.seq.output),
-            None if lps is None else float(sum(e.logprob for e in lps)),
-            None if lps is None else vllm_logprobs(lps, self.tokenizer),
-            s.seq.finish_reason, lps, s.error)
+                                 [s.completion(self.tokenizer) for s in r.samples], r.metrics)
 
     def release(self, request_id: str) -> RequestOutput:
         """:meth:`output` of a finished request, then forget it."""
@@ -317,7 +286,7 @@ class LLMEngine:
                 self.scheduler.finish(sample.seq, "error")
                 self._notices.append(self._end_delta(request, sample))
 
-    def _end_delta(self, request: _Request, sample: _Sample) -> StreamDelta:
+    def _end_delta(self, request: Request, sample: Sample) -> StreamDelta:
         if request.finished:
             request.metrics.finish_time = time.perf_counter()
         text = None if sample.text is None else ""
@@ -441,22 +410,3 @@ class LLMEngine:
         default one per CPU); afterwards no step compiles. Returns how many layouts."""
         return self.runner.warmup(workers)
 
-
-def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             eos_token_ids: int | Sequence[int] | None = None,
-             config: EngineConfig | None = None) -> list[list[int]]:
-    """Token ids in, new token ids out: a new :class:`LLMEngine` (and its compilations) per
-    call; keep an engine (or an ``LLM``) to serve a stream. Without ``config``, one sized for
-    these prompts (CPU-friendly: a 256-row budget, 16-row tiles)."""
-    prompts = list(prompts)
-    if config is None:
-        longest = max((len(p) for p in prompts if hasattr(p, "__len__")), default=1)
-        new = checks.at_least(max_new_tokens, 1, "max_new_tokens")
-        config = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8, prefill_tile=16,
-                              max_model_len=next_pow2(longest + new), key_chunk=64,
-                              num_blocks=8 * next_pow2(longest + new) // 16, seed=seed)
-    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
-                            max_tokens=max_new_tokens)
-    engine = LLMEngine(model, config, eos_token_ids=eos_token_ids)
-    return [out.token_ids for out in engine.generate(prompts, params)]
