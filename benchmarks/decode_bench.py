@@ -166,7 +166,7 @@ def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
     # decode meanwhile: room for every step of the run, so none finishes in the timed window.
     max_tokens = a.warm_steps + a.steps + a.profile_steps + batch + 2
     engine = LLMEngine(model, engine_config(a, batch, context + max_tokens))
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(rng.integers(0, model.config.vocab_size, context).tolist(), params)
     sched = engine.scheduler

@@ -85,7 +85,7 @@ def engine_run(engine: Any, prompts: list[list[int]]) -> list[float]:
     """Add ``prompts`` (one new token each) and step until they are done; each step's ms."""
     from jax_tokenweave.serving import SamplingParams
 
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     times = []
     while engine.has_unfinished():

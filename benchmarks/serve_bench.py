@@ -120,7 +120,8 @@ def serve(engine: Any, requests: list[dict[str, Any]], workload: str,
                 r = requests[order[pending]]
                 arrival = start + (r["arrival_s"] if poisson else 0.0)
                 ids[order[pending]] = engine.add_request(
-                    r["prompt"], SamplingParams(max_tokens=r["output_len"], ignore_eos=True),
+                    r["prompt"], SamplingParams(temperature=0.0,
+                                                max_tokens=r["output_len"], ignore_eos=True),
                     arrival_time=arrival)
                 pending += 1
             if not engine.has_unfinished():

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
     engine = LLMEngine(model, cfg)
     vocab = model.config.vocab_size
     engine.add_request([i % vocab for i in range(1, context + 1)],
-                       SamplingParams(max_tokens=150, ignore_eos=True))
+                       SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
     for _ in range(10):
         engine.step()
     runner = engine.runner

@@ -6,19 +6,21 @@ Loads the checkpoint tensor-parallel over ``--tp`` devices and serves the prompt
 ``jax_tokenweave.LLM`` (continuous batching, chunked prefill, paged KV cache; steps of at least
 ``--split-threshold`` tokens are woven). Text needs the tokenizer files in the directory;
 ``--ids 1,2,3`` passes token ids instead. ``--stream`` prints tokens as they are made. On a
-CPU-only host, ``--cpu-devices N`` asks for N virtual devices.
+CPU-only host, ``--tp N`` makes N virtual devices (``--cpu-devices`` to ask for more). Known
+errors (a bad checkpoint, a bad argument) print one line, not a traceback. The checkpoint may be
+a Hugging Face model id in the local cache.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.serving.config import SERVING_SCHEDULES, EngineConfig
+from jax_tokenweave.serving import cli
 
 PROG = "python -m jax_tokenweave.generate"
 _ENGINE_OPTIONS = tuple(bm.ENGINE_OPTIONS)
@@ -36,29 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=bm.HelpFormatter)
-    p.add_argument("checkpoint", help="directory with config.json + *.safetensors (+ tokenizer)")
+    p.add_argument("checkpoint", help="directory with config.json + *.safetensors (+ tokenizer), "
+                                      "or a Hugging Face model id in the local cache")
     p.add_argument("--prompt", action="append", help="a text prompt (repeat)")
     p.add_argument("--ids", action="append", type=token_ids,
                    help="a prompt of comma-separated token ids (repeat)")
-    p.add_argument("--tp", type=bm.positive_int, default=1, help="tensor-parallel degree")
-    p.add_argument("--dtype", choices=tuple(bm.DTYPES), default="bfloat16",
-                   help="parameter dtype")
     p.add_argument("--max-tokens", type=bm.positive_int, default=64,
                    help="new tokens per prompt at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (vLLM's default: 1)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--stop", action="append", help="a stop string (repeat)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are made")
-    defaults = EngineConfig()
-    p.add_argument("--schedule", choices=SERVING_SCHEDULES, default=defaults.schedule,
-                   help="weave (TokenWeave) or baseline (plain TP)")
-    p.add_argument("--comm", choices=bm.COMMS, default=defaults.comm,
-                   help="weave's reductions: the fused kernel (ffi), XLA, or auto")
-    bm.add_engine_options(p, _ENGINE_OPTIONS)
-    p.add_argument("--cpu-devices", type=bm.positive_int,
-                   help="virtual CPU devices to ask for (CPU-only hosts)")
+    cli.add_llm_options(p, _ENGINE_OPTIONS)
     return p
 
 
@@ -68,10 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.prompt, args.ids, args.stop = args.prompt or [], args.ids or [], args.stop or []
     if not args.prompt and not args.ids:
         parser.error("give at least one --prompt or --ids")
-    if args.cpu_devices:
-        note = bm.use_cpu_devices(args.cpu_devices)
-        if note:
-            print(f"note: {note}", file=sys.stderr)
+    cli.start_devices(args.tp, args.cpu_devices)
 
     from jax_tokenweave.serving import LLM, SamplingParams
 
@@ -79,15 +69,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens,
                                 stop=tuple(args.stop))
-        config = dataclasses.replace(EngineConfig(), schedule=args.schedule, comm=args.comm,
-                                     **bm.engine_options(args, _ENGINE_OPTIONS))
     except ValueError as err:
         parser.error(str(err))
-    start = time.perf_counter()
-    llm = LLM(args.checkpoint, tp=args.tp, dtype=bm.DTYPES[args.dtype], config=config)
-    print(f"loaded {args.checkpoint} in {time.perf_counter() - start:.1f}s (TP {args.tp}, "
-          f"{args.dtype}, {'text' if llm.tokenizer else 'token ids only: no tokenizer'})",
-          file=sys.stderr)
+    try:
+        return _run(args, LLM(args.checkpoint, **cli.llm_kwargs(args, _ENGINE_OPTIONS)), params)
+    except cli.known_errors() as err:
+        return cli.fail(err, PROG)
+
+
+def _run(args: argparse.Namespace, llm: Any, params: Any) -> int:
+    print(f"loaded {args.checkpoint} (TP {args.tp}, {llm.engine.runner.cache.k[0].dtype}, "
+          f"{'text' if llm.tokenizer else 'token ids only: no tokenizer'})", file=sys.stderr)
     prompts: list[str | list[int]] = [*args.prompt, *args.ids]
     start = time.perf_counter()
     made = 0
@@ -100,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(shown, end="", flush=True)
             print()
     else:
-        for out in llm.generate(prompts, params):
+        for out in llm.generate(prompts, params, use_tqdm=False):
             made += len(out.token_ids)
             head = out.prompt if out.prompt is not None else ",".join(map(str,
                                                                          out.prompt_token_ids))

@@ -81,10 +81,17 @@ def save_checkpoint(model, path: str, max_shard_size: str = "40KB") -> str:
     return path
 
 
-def save_char_tokenizer(path: str, vocab_size: int = 256) -> str:
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | "
+                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+"""A chat template of printable characters only (every one a token of the char tokenizer)."""
+
+
+def save_char_tokenizer(path: str, vocab_size: int = 256, chat_template: str | None = None
+                        ) -> str:
     """A character-level fast tokenizer of ``vocab_size`` ids saved into ``path`` (as
     ``save_pretrained`` does): ``<unk>`` 0, ``<s>`` 1 (prepended to every encoding), ``</s>`` 2,
-    then printable ASCII and further single characters, so every id decodes to text."""
+    then printable ASCII and further single characters, so every id decodes to text; with
+    ``chat_template`` (e.g. :data:`CHAT_TEMPLATE`) saved in its config."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -96,6 +103,9 @@ def save_char_tokenizer(path: str, vocab_size: int = 256) -> str:
     tok.decoder = decoders.Fuse()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A",
                                                        special_tokens=[("<s>", 1)])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(path)
     return path

@@ -64,8 +64,9 @@ def same(got, want):
     assert got[0] == want[0]
     for g, w in zip(got[1], want[1], strict=True):
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
-        assert (g.logprobs is None) == (w.logprobs is None)
-        for a, b in zip(g.logprobs or [], w.logprobs or [], strict=True):
+        g, w = g.outputs[0], w.outputs[0]
+        assert (g.token_logprobs is None) == (w.token_logprobs is None)
+        for a, b in zip(g.token_logprobs or [], w.token_logprobs or [], strict=True):
             assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
             np.testing.assert_allclose(a.logprob, b.logprob, atol=1e-5)
 
@@ -121,7 +122,7 @@ def test_no_block_reused_while_a_step_writing_it_is_in_flight(model, rng):
     requests' blocks when dispatched); stops and aborts make the frees wait a step."""
     engine = LLMEngine(model, dataclasses.replace(CFG, num_blocks=24))
     in_flight: dict[int, set[int]] = {}
-    dispatch, take = engine.runner.dispatch, engine._take
+    dispatch, take = engine.runner.dispatch, engine._take_oldest
     allocate = engine.scheduler.allocator.allocate
     seen = {"allocations": 0, "deferred": 0}
 
@@ -130,8 +131,9 @@ def test_no_block_reused_while_a_step_writing_it_is_in_flight(model, rng):
         in_flight[id(step)] = {b for q in scheduled.seqs for b in q.blocks}
         return step
 
-    def watched_take(done):
-        deltas = take(done)
+    def watched_take():
+        done = engine._inflight[0]
+        deltas = take()
         del in_flight[id(done)]
         seen["deferred"] += bool(engine.scheduler.deferred)
         return deltas
@@ -143,7 +145,7 @@ def test_no_block_reused_while_a_step_writing_it_is_in_flight(model, rng):
         seen["allocations"] += bool(busy)
         return got
 
-    engine.runner.dispatch, engine._take = watched_dispatch, watched_take
+    engine.runner.dispatch, engine._take_oldest = watched_dispatch, watched_take
     engine.scheduler.allocator.allocate = watched_allocate
     workload = [(arrival, prompt, dataclasses.replace(params, temperature=0.0))
                 for arrival, prompt, params in random_workload(rng, 12)]
@@ -164,8 +166,9 @@ def test_scheduler_steps_in_flight():
     cfg = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
                        num_blocks=16, max_model_len=40, key_chunk=8)
     s = Scheduler(cfg)
-    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=2), 0, frozenset({99}))
-    b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(max_tokens=9), 0, frozenset({99}))
+    a = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), 0, frozenset({99}))
+    b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(temperature=0.0,
+                                                      max_tokens=9), 0, frozenset({99}))
     s.add(a)
     s.add(b)
     one = s.schedule()                          # a and b prefill, each samples its first token

@@ -91,7 +91,7 @@ def test_engine_greedy_parity(reference, cpu_mesh, kind, tp, schedule):
     ref = reference[kind]
     model = from_pretrained(ref["path"], cpu_mesh(tp), jnp.float32)
     engine = LLMEngine(model, dataclasses.replace(ENGINE, schedule=schedule))
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ids, step = [], 0
     while len(ids) < len(ARRIVALS) or engine.has_unfinished():
         ids += [engine.add_request(p, params) for p, arrival in

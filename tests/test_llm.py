@@ -23,8 +23,9 @@ ENGINE = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8,
                       comm="xla")
 CLI_ENGINE = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--prefill-tile", "8",
               "--block-size", "4", "--num-blocks", "64", "--max-model-len", "64", "--key-chunk",
-              "16", "--split-threshold", "16", "--comm", "xla", "--tp", "2", "--dtype", "float32"]
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+              "16", "--split-threshold", "16", "--comm", "xla", "--tp", "2", "--dtype", "float32",
+              "--temperature", "0"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_stream_equals_generate(llm):
     deltas = list(llm.stream("The cat", params))
     assert [t for d in deltas for t in d.token_ids] == want.token_ids
     assert "".join(d.text for d in deltas) == want.text
-    assert [lp for d in deltas for lp in d.logprobs] == want.logprobs
+    assert [lp for d in deltas for lp in d.logprobs] == want.outputs[0].token_logprobs
     assert deltas[-1].finish_reason == "length" and not any(d.finished for d in deltas[:-1])
 
 
@@ -139,8 +140,8 @@ def test_without_tokenizer(checkpoint, cpu_mesh):
     with pytest.raises(ValueError, match="need a tokenizer"):
         bare.generate("text")
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
-        bare.generate([[1, 2]], SamplingParams(stop=("x",)))
-    with pytest.raises(ValueError, match="tp and mesh apply to a checkpoint"):
+        bare.generate([[1, 2]], SamplingParams(temperature=0.0, stop=("x",)))
+    with pytest.raises(ValueError, match="tensor_parallel_size and mesh apply to a checkpoint"):
         LLM(model, tp=2)
     assert generate is not None
 
@@ -152,13 +153,19 @@ def test_cli(checkpoint, capsys):
         == 0
     printed = capsys.readouterr().out
     llm = LLM(checkpoint[0], tp=2, dtype=jnp.float32, config=ENGINE)
-    want = llm.generate("Hello, world", SamplingParams(max_tokens=12))[0]
+    want = llm.generate("Hello, world", SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert f"Hello, world -> {want.text}  [{want.finish_reason}]" in printed
     assert main([checkpoint[0], "--ids", "1,2,3", "--max-tokens", "3", "--stream",
                  *CLI_ENGINE]) == 0
-    assert capsys.readouterr().out == llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[
+    assert capsys.readouterr().out == llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0,
+                                                                               max_tokens=3))[
         0].text + "\n"
     text = build_parser().format_help()
     assert "python -m jax_tokenweave.generate" in text and "(default: 8192)" in text
     with pytest.raises(SystemExit):
         main([checkpoint[0], "--temperature", "nan", "--prompt", "x"])
+    capsys.readouterr()
+    assert main([checkpoint[0] + "-missing", "--prompt", "x"]) == 1      # one line, no trace
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checkpoint directory does not exist" in err
+    assert "Traceback" not in err

@@ -89,19 +89,44 @@ def _requirement_name(req: str) -> str:
     return re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].lower().replace("_", "-")
 
 
+# Package modules that may import an extra's packages besides the core dependencies: the HTTP
+# server's subpackage uses the serve extra (and says to install it where it is missing).
+EXTRA_MODULES = {"jax_tokenweave.serve": "serve"}
+
+
+def extras_of(module: str) -> set[str]:
+    """The extras ``module`` may import from (:data:`EXTRA_MODULES`)."""
+    return {extra for prefix, extra in EXTRA_MODULES.items()
+            if module == prefix or module.startswith(prefix + ".")}
+
+
 def test_every_third_party_import_is_declared():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
     core = {_requirement_name(r) for r in project["dependencies"]}
-    plot = {_requirement_name(r) for r in project["optional-dependencies"]["plot"]}
+    plot = {_requirement_name(r) for r in extras["plot"]}
+    test = {_requirement_name(r) for r in extras["test"]}
     dists = importlib.metadata.packages_distributions()
     for name, path in modules().items():
+        allowed_extras = {_requirement_name(r) for extra in extras_of(name)
+                          for r in extras[extra]}
+        # the tests import every module: the test extra must bring what the extras' modules use
+        assert allowed_extras <= test, f"{name}: test extra lacks {allowed_extras - test}"
         for imported in _imported(path):
             top = imported.split(".")[0]
             if top in sys.stdlib_module_names or top == "jax_tokenweave" or top == "__future__":
                 continue
             declared = {d.lower().replace("_", "-") for d in dists.get(top, [top])}
-            allowed = core | (plot if top == "matplotlib" else set())
+            allowed = core | allowed_extras | (plot if top == "matplotlib" else set())
             assert declared & allowed, f"{name} imports {top}, not declared in pyproject.toml"
+
+
+def test_extra_modules_are_confined():
+    """Only the modules of :data:`EXTRA_MODULES` get an extra's packages: the serving engine
+    itself imports none of them."""
+    assert extras_of("jax_tokenweave.serve.app") == {"serve"}
+    assert extras_of("jax_tokenweave.serving.llm") == set()
+    assert extras_of("jax_tokenweave.server") == set()
 
 
 def test_importing_any_module_changes_no_global_state():

@@ -22,7 +22,8 @@ MODEL = get_config("tiny")
 
 
 def seq(name: str, prompt_len: int, max_tokens: int = 4, **params) -> Sequence:
-    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens,
+    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(temperature=0.0,
+                                                                         max_tokens=max_tokens,
                                                                          **params),
                     seed=0, stop_ids=frozenset({99}))
 

@@ -74,13 +74,14 @@ def test_greedy_matches_reference_with_arrivals_and_chunks(rng, cpu_mesh, tp):
     engine = LLMEngine(model, CFG)                              # weave
     # 45 tokens need two 32-row steps; 21 arrives while the first decodes; 3 comes late.
     arrivals = {0: prompts(rng, (45, 6)), 2: prompts(rng, (21,)), 5: prompts(rng, (3,))}
-    outs = run_with_arrivals(engine, arrivals, SamplingParams(max_tokens=8, logprobs=3))
+    outs = run_with_arrivals(engine, arrivals, SamplingParams(temperature=0.0,
+                                                              max_tokens=8, logprobs=3))
     weights = logical_weights(model)
     for out, prompt in zip(outs, [p for s in sorted(arrivals) for p in arrivals[s]],
                            strict=True):
         want, lps = reference_greedy(weights, config, prompt, 8)
         assert out.token_ids == want and out.finish_reason == "length"
-        for got, lp in zip(out.logprobs, lps, strict=True):
+        for got, lp in zip(out.outputs[0].token_logprobs, lps, strict=True):
             top = np.argsort(-lp)[:3]
             assert [t for t, _ in got.top] == top.tolist()
             np.testing.assert_allclose([v for _, v in got.top], lp[top], atol=1e-4)
@@ -108,7 +109,8 @@ def test_step_updates_the_cache_in_place(model, schedule):
 
 def test_stream_of_deltas_equals_final_output(model, rng):
     engine = LLMEngine(model, CFG)
-    ids = [engine.add_request(p, SamplingParams(max_tokens=6)) for p in prompts(rng, (9, 30))]
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0,
+                                                max_tokens=6)) for p in prompts(rng, (9, 30))]
     seen: dict[str, list[int]] = {i: [] for i in ids}
     finished = {}
     while engine.has_unfinished():
@@ -126,12 +128,12 @@ def test_sampling_is_per_request_and_seeded(model, rng):
     ps = prompts(rng, (7, 12, 20))
     hot = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=8)
     alone = engine.generate([ps[0]], hot)[0].token_ids
-    mixed = engine.generate(ps, [hot, SamplingParams(max_tokens=8),
+    mixed = engine.generate(ps, [hot, SamplingParams(temperature=0.0, max_tokens=8),
                                  SamplingParams(temperature=0.7, seed=3, max_tokens=8)])
     assert mixed[0].token_ids == alone                          # batching does not matter
     other = engine.generate([ps[0]], dataclasses.replace(hot, seed=12))[0].token_ids
     assert other != alone
-    greedy = engine.generate([ps[2]], SamplingParams(max_tokens=8))[0].token_ids
+    greedy = engine.generate([ps[2]], SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
     top1 = engine.generate([ps[2]], SamplingParams(temperature=5.0, top_k=1, seed=1,
                                                    max_tokens=8))[0].token_ids
     assert top1 == greedy
@@ -156,16 +158,17 @@ def test_sample_distribution():
 
 def test_stop_tokens_and_ignore_eos(model, rng):
     ps = prompts(rng, (5, 8))
-    full = LLMEngine(model, CFG).generate(ps, SamplingParams(max_tokens=10))
+    full = LLMEngine(model, CFG).generate(ps, SamplingParams(temperature=0.0, max_tokens=10))
     stop = full[0].token_ids[3]
     first = full[0].token_ids.index(stop)
-    out = LLMEngine(model, CFG).generate(ps, SamplingParams(max_tokens=10,
+    out = LLMEngine(model, CFG).generate(ps, SamplingParams(temperature=0.0, max_tokens=10,
                                                              stop_token_ids=(stop,)))
     assert out[0].token_ids == full[0].token_ids[:first + 1]
     assert out[0].finish_reason == "stop"
     eos = LLMEngine(model, CFG, eos_token_ids=stop)
-    assert eos.generate([ps[0]], SamplingParams(max_tokens=10))[0].finish_reason == "stop"
-    kept = eos.generate([ps[0]], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert eos.generate([ps[0]], SamplingParams(temperature=0.0,
+                                                max_tokens=10))[0].finish_reason == "stop"
+    kept = eos.generate([ps[0]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
     assert kept.token_ids == full[0].token_ids and kept.finish_reason == "length"
 
 
@@ -192,7 +195,7 @@ def test_full_cache_makes_requests_wait_not_fail(model, rng):
     """Six requests of ~13 blocks each, a cache of 48 blocks: they queue (three run at a time)
     and all finish with the outputs they have alone; the cache is free again at the end."""
     ps = prompts(rng, (40, 35, 44, 30, 38, 41))
-    params = SamplingParams(max_tokens=12)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
     engine = LLMEngine(model, CFG)
     alone = [engine.generate([p], params)[0].token_ids for p in ps]
     ids = [engine.add_request(p, params) for p in ps]
@@ -208,7 +211,7 @@ def test_full_cache_makes_requests_wait_not_fail(model, rng):
 
 def test_failed_request_does_not_disturb_the_others(model, rng):
     ps = prompts(rng, (13, 6))
-    params = SamplingParams(max_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
     want = [o.token_ids for o in LLMEngine(model, CFG).generate(ps, params)]
     engine = LLMEngine(model, CFG)
     ids = [engine.add_request(p, params) for p in ps]
@@ -233,11 +236,12 @@ def test_failed_request_does_not_disturb_the_others(model, rng):
     (lambda e: e.generate([[1.7, 2.2]]), "prompt 0's token id must be an integer"),
     (lambda e: e.generate([[True, 2]]), "token id must be an integer"),
     (lambda e: e.generate([1, 2, 3]), "prompt 0 must be a sequence of token ids"),
-    (lambda e: e.generate([[1] * 60], SamplingParams(max_tokens=8)), "max_model_len"),
-    (lambda e: e.generate([[1]], SamplingParams(stop=("x",))), "tokenizer"),
-    (lambda e: e.generate([[1]], SamplingParams(logprobs=5)), "max_logprobs"),
+    (lambda e: e.generate([[1] * 60], SamplingParams(temperature=0.0,
+                                                     max_tokens=8)), "max_model_len"),
+    (lambda e: e.generate([[1]], SamplingParams(temperature=0.0, stop=("x",))), "tokenizer"),
+    (lambda e: e.generate([[1]], SamplingParams(temperature=0.0, logprobs=5)), "max_logprobs"),
     (lambda e: e.generate([[1]], {"max_tokens": 3}), "SamplingParams"),
-    (lambda e: e.generate([[1], [2]], [SamplingParams()]), "2 prompts"),
+    (lambda e: e.generate([[1], [2]], [SamplingParams(temperature=0.0)]), "2 prompts"),
     (lambda e: LLMEngine(e.model, {"max_num_seqs": 2}), "EngineConfig"),
 ])
 def test_input_errors(model, call, match):
@@ -277,13 +281,15 @@ def test_sampling_params_checked(kwargs, match):
 def test_sampling_params_normalised():
     p = SamplingParams(temperature=1, stop="end", stop_token_ids=[np.int64(3)])
     assert p.temperature == 1.0 and p.stop == ("end",) and p.stop_token_ids == (3,)
-    assert SamplingParams().greedy and not p.greedy
+    assert SamplingParams(temperature=0.0).greedy and not p.greedy
+    assert SamplingParams().temperature == 1.0 and SamplingParams().n == 1      # vLLM's
 
 
 def test_generate_one_call(model, rng):
     ps = prompts(rng, (4, 10))
     got = generate(model, ps, 5)
-    want = [o.token_ids for o in LLMEngine(model, CFG).generate(ps, SamplingParams(max_tokens=5))]
+    want = [o.token_ids for o in LLMEngine(model, CFG).generate(ps, SamplingParams(temperature=0.0,
+                                                                                   max_tokens=5))]
     assert got == want
 
 
@@ -292,17 +298,18 @@ def test_logprobs_only_where_asked(model, rng):
     request's log-probabilities do not depend on whether its neighbours asked for them."""
     ps = prompts(rng, (9, 14))
     engine = LLMEngine(model, CFG)
-    both = engine.generate(ps, SamplingParams(max_tokens=5, logprobs=2))
-    mixed = engine.generate(ps, [SamplingParams(max_tokens=5, logprobs=2),
-                                 SamplingParams(max_tokens=5)])
-    assert mixed[1].logprobs is None and [o.token_ids for o in mixed] == \
+    both = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=5, logprobs=2))
+    mixed = engine.generate(ps, [SamplingParams(temperature=0.0, max_tokens=5, logprobs=2),
+                                 SamplingParams(temperature=0.0, max_tokens=5)])
+    assert mixed[1].outputs[0].logprobs is None and [o.token_ids for o in mixed] == \
         [o.token_ids for o in both]
-    for got, want in zip(mixed[0].logprobs, both[0].logprobs, strict=True):
+    for got, want in zip(mixed[0].outputs[0].token_logprobs, both[0].outputs[0].token_logprobs,
+                         strict=True):
         assert got.token_id == want.token_id and [t for t, _ in got.top] == \
             [t for t, _ in want.top]
         np.testing.assert_allclose([got.logprob, *(v for _, v in got.top)],
                                    [want.logprob, *(v for _, v in want.top)], atol=1e-5)
-    engine.add_request(ps[0], SamplingParams(max_tokens=2))
+    engine.add_request(ps[0], SamplingParams(temperature=0.0, max_tokens=2))
     layout, arrays = engine.runner.pack(engine.scheduler.schedule())
     assert not arrays.want_logprobs
     outputs = engine.runner.run(layout, arrays)

@@ -33,6 +33,7 @@ class HFModelInfo:
     bos_token_id: int | None
     pad_token_id: int | None
     torch_dtype: str | None
+    max_position_embeddings: int | None = None
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -74,6 +75,8 @@ def load_hf_config(path: str) -> HFModelInfo:
         bos_token_id=_optional_id(*pick("bos_token_id"), "bos_token_id"),
         pad_token_id=_optional_id(*pick("pad_token_id"), "pad_token_id"),
         torch_dtype=torch_dtype if isinstance(torch_dtype, str) else None,
+        max_position_embeddings=_optional_id(raw.get("max_position_embeddings"), config_path,
+                                             "max_position_embeddings"),
     )
 
 

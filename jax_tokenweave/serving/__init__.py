@@ -1,11 +1,14 @@
 """Serving: continuous batching with chunked prefill over a paged KV cache, woven steps.
 
-- ``LLM`` (``serving.llm``): the user API: a checkpoint directory (or a model) and its
-  tokenizer; ``generate``, ``stream``, ``astream``.
+- ``LLM`` (``serving.llm``): the user API, in vLLM's shape: a checkpoint directory, a cached
+  Hugging Face model id or a model, and its tokenizer; ``generate``, ``chat``, ``stream``,
+  ``astream``; ``serving.resolve``: model ids, ``dtype="auto"``, ``max_model_len`` and the KV
+  cache's size from free memory.
 - ``SamplingParams`` (``serving.sampling_params``): per-request sampling and stopping.
 - ``LLMEngine``, ``EngineConfig`` (``serving.engine``, ``serving.config``): the engine under
-  ``LLM``: ``add_request`` / ``step`` / ``abort``.
-- ``RequestOutput``, ``StreamDelta``, ``TokenLogprob`` (``serving.outputs``): results.
+  ``LLM``: ``add_request`` / ``step`` / ``abort``; a failure stays with its request.
+- ``RequestOutput``, ``CompletionOutput``, ``Logprob``, ``StreamDelta``, ``TokenLogprob``
+  (``serving.outputs``): results.
 - ``serving.scheduler`` (continuous batching), ``serving.blocks`` (block allocator,
   ``OutOfBlocksError``), ``serving.paged_cache``, ``serving.paged_attention``,
   ``serving.batch`` (step layout), ``serving.step`` (the jitted step), ``serving.runner``
@@ -13,16 +16,25 @@
 - ``count_compilations`` (``serving.compile_count``): count XLA compilations (and persistent
   cache hits); ``serving.compilation_cache``: the engine's persistent compilation cache;
   ``serving.executable_cache``: its compiled step programs on disk (``WarmupReport``).
-- ``generate(model, prompts, max_new_tokens)``: token ids in, token ids out, in one call.
+- ``generate(model, prompts, max_new_tokens)`` (``serving.oneshot``): token ids in, token ids
+  out, in one call.
 """
 
 from jax_tokenweave.serving.blocks import OutOfBlocksError
 from jax_tokenweave.serving.compile_count import count_compilations
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.engine import LLMEngine, generate
-from jax_tokenweave.serving.llm import LLM
-from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta, TokenLogprob
+from jax_tokenweave.serving.engine import LLMEngine
+from jax_tokenweave.serving.llm import LLM, RequestFailed
+from jax_tokenweave.serving.oneshot import generate
+from jax_tokenweave.serving.outputs import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    StreamDelta,
+    TokenLogprob,
+)
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "OutOfBlocksError", "RequestOutput",
-           "SamplingParams", "StreamDelta", "TokenLogprob", "count_compilations", "generate"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "OutOfBlocksError",
+           "RequestFailed", "RequestOutput", "SamplingParams", "StreamDelta", "TokenLogprob",
+           "count_compilations", "generate"]

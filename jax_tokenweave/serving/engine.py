@@ -14,7 +14,17 @@ step n+1 made for it; its blocks are freed after step n+1 is processed. Each cal
 returns the deltas of one completed step; the tokens are those of the synchronous engine.
 
 ``add_request`` and ``abort`` may be called from another thread while a step runs (the async
-API does); the scheduler is only touched under the engine's lock.
+API and the HTTP server do); the scheduler is only touched under the engine's lock.
+
+A request of ``n`` samples (``SamplingParams.n``) runs as ``n`` sequences sharing its id; its
+deltas carry the sample's ``index``. Failures stay with their request: a request whose host
+work fails (detokenizing, stop strings) finishes with ``"error"`` (the delta and its output's
+``error`` say why) and frees its blocks; a step that cannot be scheduled, packed, dispatched or
+read back fails the requests it holds the same way, and the engine goes on with the others.
+Arguments are checked where they enter (``add_request``), so a request's own values cannot
+fail a step. An interrupted :meth:`LLMEngine.step` (``KeyboardInterrupt``) leaves the engine
+consistent: a dispatched step whose tokens were not taken is taken by the next call, or by
+:meth:`LLMEngine.abort`.
 
 Compilation: one program per ``StepLayout``; :meth:`LLMEngine.warmup` loads (from the
 executable cache) or compiles them all, after which a stream of requests compiles nothing
@@ -23,6 +33,7 @@ executable cache) or compiles them all, after which a stream of requests compile
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
@@ -34,7 +45,6 @@ import numpy as np
 
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import checks
-from jax_tokenweave.serving.buckets import next_pow2
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.executable_cache import WarmupReport
 from jax_tokenweave.serving.outputs import (
@@ -44,6 +54,7 @@ from jax_tokenweave.serving.outputs import (
     TextState,
     TokenLogprob,
 )
+from jax_tokenweave.serving.requests import Request, Sample
 from jax_tokenweave.serving.runner import InFlight, ModelRunner
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import ScheduledStep, Scheduler
@@ -61,15 +72,6 @@ class EngineStats:
     tokens: int = 0
 
 
-@dataclasses.dataclass(eq=False)
-class _Tracked:
-    seq: Seq
-    prompt_text: str | None
-    text: TextState | None
-    metrics: RequestMetrics
-    logprobs: list[TokenLogprob] | None
-
-
 class LLMEngine:
     """Serves a causal LM (``models.llama.LlamaModel`` or a subclass) with continuous batching.
 
@@ -82,6 +84,9 @@ class LLMEngine:
                  eos_token_ids: int | Sequence[int] | None = None) -> None:
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise ValueError(f"tokenizer must have a decode method (a transformers tokenizer), "
+                             f"got {type(tokenizer).__name__}")
         self.config = config = config or EngineConfig()
         self.runner = ModelRunner(model, config)
         self.model_config, self.tp = self.runner.model_config, self.runner.tp
@@ -93,13 +98,13 @@ class LLMEngine:
             else (info.eos_token_ids if info is not None else None)))
         self.scheduler = Scheduler(config)
         self.stats = EngineStats()
-        self._tracked: dict[str, _Tracked] = {}
+        self._requests: dict[str, Request] = {}
         self._lock = threading.RLock()          # the scheduler and the request table
         self._step_lock = threading.Lock()      # one step at a time (the cache)
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
-        self._pending: InFlight | None = None          # dispatched, tokens not taken yet
-        self._ready: list[StreamDelta] = []            # a step taken early (abort), to return
+        self._inflight: collections.deque[InFlight] = collections.deque()  # tokens not taken
+        self._notices: list[StreamDelta] = []   # deltas made outside step() (abort, failures)
 
     @property
     def cache(self) -> Any:
@@ -114,28 +119,43 @@ class LLMEngine:
     def _graphdef(self) -> Any:
         return self.runner.graphdef
 
+    @property
+    def num_blocks_in_use(self) -> int:
+        """KV cache blocks held by requests (waiting for a step in flight included)."""
+        return self.config.num_blocks - self.scheduler.allocator.num_free
+
+    def counts(self) -> tuple[int, int]:
+        """Requests ``(running, waiting)`` now, each counted once whatever its ``n``."""
+        with self._lock:
+            return (len({s.request_id for s in self.scheduler.running}),
+                    len({s.request_id for s in self.scheduler.waiting}))
+
     # -- requests ------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     *, request_id: str | None = None, prompt: str | None = None,
                     arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. ``ValueError`` (nothing queued) for bad token ids,
-        bad params, stop strings without a tokenizer, too many logprobs, or a request that
-        could never fit the cache or ``max_model_len``."""
+        """Queue a request (``params.n`` samples); returns its id. ``ValueError`` (nothing
+        queued) for bad token ids, bad params, stop strings without a tokenizer, too many
+        logprobs, or a request that could never fit the cache or ``max_model_len``."""
         ids, params = self.check_request(prompt_token_ids, params)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos
-                                                 else set(self.eos_token_ids))
+        stop_ids = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos
+                                                           else set(self.eos_token_ids)))
         with self._lock:
             rid = str(next(self._ids)) if request_id is None else str(request_id)
-            if rid in self._tracked:
+            if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             seed = params.seed if params.seed is not None else int(self._rng.integers(1 << 31))
-            seq = Seq(rid, ids, params, seed, frozenset(stop_ids))
-            self.scheduler.add(seq)
-            self._tracked[rid] = _Tracked(
-                seq, prompt,
-                TextState(self.tokenizer, params.stop) if self.tokenizer is not None else None,
-                RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
-                [] if params.logprobs is not None else None)
+            samples = [Sample(Seq(rid, ids, params, params.sample_seed(seed, i),
+                                   stop_ids, index=i),
+                               TextState(self.tokenizer, params.stop)
+                               if self.tokenizer is not None else None,
+                               [] if params.logprobs is not None else None)
+                       for i in range(params.n)]
+            for sample in samples:
+                self.scheduler.add(sample.seq)
+            self._requests[rid] = Request(
+                rid, prompt, ids, samples,
+                RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time))
         return rid
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None,
@@ -152,45 +172,59 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"{what}: logprobs={params.logprobs} exceeds the engine's "
                              f"max_logprobs ({self.config.max_logprobs})")
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"{what}: stop_token_ids must be in [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"{what}: n={params.n} exceeds max_num_seqs "
+                             f"({self.config.max_num_seqs})")
         try:
-            self.scheduler.check_fits(len(ids), params.max_tokens)
+            self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
         except ValueError as err:
             raise ValueError(f"{what} cannot fit: {err}") from None
         return ids, params
 
     def abort(self, request_id: str) -> None:
-        """Finish a request now with ``"abort"``. Its blocks are freed at once, or, where a
-        dispatched step holds it, when that step completes: here (waiting for it) unless
-        another thread is stepping, else by that thread's step."""
+        """Finish a request's samples now with ``"abort"`` (a no-op for an unknown or finished
+        one); the next :meth:`step` returns an ``"abort"`` delta per sample. Blocks are freed
+        at once, or, where a dispatched step holds them, when that step's tokens are taken:
+        here unless another thread is stepping (its step then does)."""
         with self._lock:
-            tracked = self._tracked.get(request_id)
-            if tracked is None or tracked.seq.finished:
+            request = self._requests.get(request_id)
+            if request is None or request.finished:
                 return
-            self.scheduler.finish(tracked.seq, "abort")
-            tracked.metrics.finish_time = time.perf_counter()
-            held = tracked.seq.in_flight > 0
+            held = False
+            for sample in request.samples:
+                if not sample.seq.finished:
+                    self.scheduler.finish(sample.seq, "abort")
+                    self._notices.append(self._end_delta(request, sample))
+                held |= sample.seq.in_flight > 0
         if held and self._step_lock.acquire(blocking=False):
-            try:    # take the in-flight step now; the next step() returns its deltas
-                if self._pending is not None:
-                    done, self._pending = self._pending, None
-                    self._ready += self._take(done)
+            try:    # take the steps in flight now; the next step() returns their deltas
+                while self._inflight:
+                    self._notices += self._take_oldest()
             finally:
                 self._step_lock.release()
 
-    def has_unfinished(self) -> bool:
-        """Requests waiting or running, blocks held by a step in flight, or deltas of a
-        completed step that :meth:`step` has not returned yet."""
+    abort_request = abort
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests the engine holds (running, waiting or finished, not released)."""
         with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._ready)
+            return list(self._requests)
+
+    def has_unfinished(self) -> bool:
+        """Requests waiting or running, blocks held by a step in flight, or deltas that
+        :meth:`step` has not returned yet."""
+        with self._lock:
+            return self.scheduler.has_unfinished() or bool(self._notices)
 
     def output(self, request_id: str) -> RequestOutput:
         """The request's output so far (final once it finished)."""
         with self._lock:
-            t = self._tracked[request_id]
-            return RequestOutput(request_id, t.prompt_text, list(t.seq.prompt),
-                                 list(t.seq.output), None if t.text is None else t.text.text,
-                                 t.seq.finish_reason,
-                                 None if t.logprobs is None else list(t.logprobs), t.metrics)
+            r = self._requests[request_id]
+            return RequestOutput(r.request_id, r.prompt_text, list(r.prompt_ids),
+                                 [s.completion(self.tokenizer) for s in r.samples], r.metrics)
 
     def release(self, request_id: str) -> RequestOutput:
         """:meth:`output` of a finished request, then forget it."""
@@ -198,49 +232,105 @@ class LLMEngine:
             out = self.output(request_id)
             if not out.finished:
                 raise ValueError(f"request {request_id!r} has not finished")
-            del self._tracked[request_id]
+            del self._requests[request_id]
+            self._notices = [d for d in self._notices if d.request_id != request_id]
             return out
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
-        """Run one step; what each request gained from one completed step (module docstring).
-        [] when idle."""
+        """Run one step; what each request gained from one completed step (module docstring),
+        and the abort and failure deltas since the last call. [] when idle."""
         with self._step_lock:
-            if self._ready:
-                ready, self._ready = self._ready, []
-                return ready
-            if not self.config.async_scheduling:
-                done = self._dispatch(None)
-                return [] if done is None else self._take(done)
-            if self._pending is None:
-                self._pending = self._dispatch(None)
-                if self._pending is None:
-                    return []
-            done = self._pending
-            self._pending = self._dispatch(done)        # step n+1 out before step n's tokens
-            return self._take(done)
+            depth = 2 if self.config.async_scheduling else 1
+            if not self._inflight:
+                self._dispatch_next()
+            if self._inflight and len(self._inflight) < depth:
+                self._dispatch_next()       # step n+1 out before step n's tokens
+            taken = self._take_oldest() if self._inflight else []
+            with self._lock:
+                notices, self._notices = self._notices, []
+                return [d for d in notices + taken if d.request_id in self._requests]
 
-    def _dispatch(self, previous: InFlight | None) -> InFlight | None:
-        """Schedule, pack and dispatch the next step (None when there is nothing to run); its
-        decodes take in-flight tokens from ``previous``."""
+    def _dispatch_next(self) -> None:
+        """Schedule, pack and dispatch the next step (nothing when there is nothing to run);
+        its decodes take in-flight tokens from the step dispatched before it. A failure
+        fails the step's requests (module docstring)."""
+        scheduled = None
+        try:
+            with self._lock:
+                scheduled = self.scheduler.schedule()
+                if scheduled.empty:
+                    return
+                packed = self.runner.pack(scheduled)
+            self._count(scheduled, packed[0])
+            previous = self._inflight[-1] if self._inflight else None
+            self._inflight.append(self.runner.dispatch(scheduled, packed, previous))
+        except Exception as err:
+            if scheduled is None:
+                raise
+            self._fail_step(scheduled, err)
+
+    def _fail_step(self, scheduled: ScheduledStep, err: BaseException) -> None:
         with self._lock:
-            scheduled = self.scheduler.schedule()
-            if scheduled.empty:
-                return None
-            packed = self.runner.pack(scheduled)
-        self._count(scheduled, packed[0])
-        return self.runner.dispatch(scheduled, packed, previous)
+            for seq in scheduled.seqs:
+                self._fail(seq, err)
+            self.scheduler.drop(scheduled)
 
-    def _take(self, done: InFlight) -> list[StreamDelta]:
-        """Wait for ``done``'s tokens, advance its requests; their deltas."""
-        outputs = self.runner.fetch(done)
+    def _fail(self, seq: Seq, err: BaseException) -> None:
+        """Finish ``seq``'s request with ``"error"`` (each sample) and queue its deltas."""
+        request = self._requests.get(seq.request_id)
+        if request is None:
+            self.scheduler.finish(seq, "error")
+            return
+        for sample in request.samples:
+            if not sample.seq.finished:
+                sample.error = f"{type(err).__name__}: {err}"
+                self.scheduler.finish(sample.seq, "error")
+                self._notices.append(self._end_delta(request, sample))
+
+    def _end_delta(self, request: Request, sample: Sample) -> StreamDelta:
+        if request.finished:
+            request.metrics.finish_time = time.perf_counter()
+        text = None if sample.text is None else ""
+        return StreamDelta(request.request_id, (), text, None, sample.seq.finish_reason,
+                           sample.seq.index, request.finished, sample.error)
+
+    def _take_oldest(self) -> list[StreamDelta]:
+        """Wait for the oldest step in flight's tokens, advance its requests; their deltas."""
+        done = self._inflight[0]
+        try:
+            outputs = self.runner.fetch(done)
+        except Exception as err:
+            self._inflight.popleft()
+            self._fail_step(done.scheduled, err)
+            return []
         now = time.perf_counter()
         sampled = done.scheduled.sampled
         with self._lock:
+            self._inflight.popleft()
             gained = set(self.scheduler.update(done.scheduled,
                                                outputs.tokens[:len(sampled)].tolist()))
-            return [self._delta(seq, i, outputs, now) for i, seq in enumerate(sampled)
-                    if seq in gained]
+            deltas = []
+            for i, seq in enumerate(sampled):
+                if seq not in gained:
+                    continue
+                try:
+                    deltas.append(self._delta(seq, i, outputs, now))
+                except Exception as err:
+                    self._fail(seq, err)
+            return self._mark_last(deltas)
+
+    def _mark_last(self, deltas: list[StreamDelta]) -> list[StreamDelta]:
+        """``request_finished`` on the last delta of each finished request only (its samples
+        may all finish in one step)."""
+        seen: set[str] = set()
+        for k in range(len(deltas) - 1, -1, -1):
+            d = deltas[k]
+            last = d.request_id not in seen and self._requests[d.request_id].finished
+            seen.add(d.request_id)
+            if d.request_finished != last:
+                deltas[k] = dataclasses.replace(d, request_finished=last)
+        return deltas
 
     def _count(self, step: ScheduledStep, layout: batch_lib.StepLayout) -> None:
         stats = self.stats
@@ -254,26 +344,28 @@ class LLMEngine:
                 row += -(-c.length // layout.tile) * layout.tile
 
     def _delta(self, seq: Seq, row: int, outputs: Any, now: float) -> StreamDelta:
-        t = self._tracked[seq.request_id]
+        request = self._requests[seq.request_id]
+        sample = request.samples[seq.index]
         token = seq.output[-1]
-        if t.metrics.first_token_time is None:
-            t.metrics.first_token_time = now
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
         logprob = None
-        if t.logprobs is not None:
+        if sample.logprobs is not None:
             k = seq.params.logprobs
             top = zip(outputs.top_ids[row, :k].tolist(), outputs.top_logprobs[row, :k].tolist(),
                       strict=True)
             logprob = TokenLogprob(token, float(outputs.logprob[row]), tuple(top))
-            t.logprobs.append(logprob)
+            sample.logprobs.append(logprob)
         text = None
-        if t.text is not None:
-            if t.text.update(seq.output) and not seq.finished:
+        if sample.text is not None:
+            if sample.text.update(seq.output) and not seq.finished:
                 self.scheduler.finish(seq, "stop")
-            text = t.text.delta(final=seq.finished)
-        if seq.finished:
-            t.metrics.finish_time = now
+            text = sample.text.delta(final=seq.finished)
+        if request.finished:
+            request.metrics.finish_time = now
         return StreamDelta(seq.request_id, (token,), text,
-                           None if logprob is None else (logprob,), seq.finish_reason)
+                           None if logprob is None else (logprob,), seq.finish_reason,
+                           seq.index)
 
     # -- conveniences --------------------------------------------------------------------
     def generate(self, prompts: Iterable[Sequence[int]],
@@ -290,10 +382,26 @@ class LLMEngine:
             raise ValueError(f"got {len(per)} SamplingParams for {len(prompts)} prompts")
         for i, (p, sp) in enumerate(zip(prompts, per, strict=True)):
             self.check_request(p, sp, f"prompt {i}")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
-        while any(not self._tracked[i].seq.finished for i in ids):
-            self.step()
-        return [self.release(i) for i in ids]
+        ids: list[str] = []
+        try:
+            ids += [self.add_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
+            while any(not self._requests[i].finished for i in ids):
+                self.step()
+            return [self.release(i) for i in ids]
+        except BaseException:      # interrupted or failed: nothing of this call stays queued
+            self.abort_all(ids)
+            raise
+
+    def abort_all(self, request_ids: Iterable[str]) -> None:
+        """Abort and forget these requests (unknown ids ignored); their blocks return to the
+        pool once no step in flight holds them (taken here where no other thread steps)."""
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            self.abort(rid)
+        with self._lock:
+            for rid in request_ids:
+                self._requests.pop(rid, None)
+            self._notices = [d for d in self._notices if d.request_id in self._requests]
 
     def layouts(self) -> list[batch_lib.StepLayout]:
         """Every step layout this configuration can produce."""
@@ -305,22 +413,3 @@ class LLMEngine:
         loaded and compiled, and the seconds it took."""
         return self.runner.warmup(workers, progress)
 
-
-def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             eos_token_ids: int | Sequence[int] | None = None,
-             config: EngineConfig | None = None) -> list[list[int]]:
-    """Token ids in, new token ids out: a new :class:`LLMEngine` (and its compilations) per
-    call; keep an engine (or an ``LLM``) to serve a stream. Without ``config``, one sized for
-    these prompts (CPU-friendly: a 256-row budget, 16-row tiles)."""
-    prompts = list(prompts)
-    if config is None:
-        longest = max((len(p) for p in prompts if hasattr(p, "__len__")), default=1)
-        new = checks.at_least(max_new_tokens, 1, "max_new_tokens")
-        config = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8, prefill_tile=16,
-                              max_model_len=next_pow2(longest + new), key_chunk=64,
-                              num_blocks=8 * next_pow2(longest + new) // 16, seed=seed)
-    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed,
-                            max_tokens=max_new_tokens)
-    engine = LLMEngine(model, config, eos_token_ids=eos_token_ids)
-    return [out.token_ids for out in engine.generate(prompts, params)]

@@ -1,27 +1,35 @@
-"""``LLM``: the user API. A checkpoint directory (or a model) in, text or token ids in and out.
+"""``LLM``: the user API, in vLLM's shape. A checkpoint (directory or cached Hugging Face id) or a
+model in; text or token ids in and out.
 
 ::
 
-    llm = LLM("/path/to/checkpoint", tp=2)
-    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
-    print(outs[0].text)
+    llm = LLM(model="/path/to/checkpoint", tensor_parallel_size=2, dtype="auto")
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=32)
+    for out in llm.generate(["The capital of France is"], sampling_params=params):
+        print(out.prompt, [o.text for o in out.outputs])
     for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=64)):
         print(delta.text, end="")
 
-Prompts are strings (encoded with the checkpoint's tokenizer, ``transformers.AutoTokenizer``)
-or sequences of token ids; ``generate`` takes one prompt or a list. Every prompt and every
-``SamplingParams`` is checked before anything runs (``ValueError`` naming the prompt). The
-engine serves every request of every caller together (continuous batching): ``stream`` and
-``astream`` consumers share steps with each other and with ``generate``. Use one LLM either
-from synchronous code or from one asyncio event loop at a time.
+Prompts are strings (encoded with the checkpoint's tokenizer, ``transformers.AutoTokenizer``),
+sequences of token ids, or dicts ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` as
+vLLM's; ``generate`` takes one prompt or a list, and one ``SamplingParams`` or one per prompt.
+Every argument is checked where it enters (``ValueError`` naming it; an unknown keyword of
+``LLM`` is a ``TypeError``). The engine serves every request of every caller together
+(continuous batching): ``stream`` and ``astream`` consumers share steps with each other and
+with ``generate``. Every way out of a call (an error, ``KeyboardInterrupt``, a closed stream)
+aborts the call's requests and frees their KV blocks; a request that fails inside a step ends
+alone (``serving.engine``), and the ``LLM`` serves later requests as before. Use one LLM either
+from synchronous code or from one asyncio event loop at a time (the HTTP server,
+``jax_tokenweave.serve``, drives the engine from one thread of its own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +38,19 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jax_tokenweave.serving import checks
+from jax_tokenweave.serving import checks, resolve
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
 from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+class RequestFailed(RuntimeError):
+    """A request failed inside a step (the engine goes on serving the others)."""
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
@@ -50,6 +63,14 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def check_tokenizer(tokenizer: Any) -> Any:
+    """``tokenizer`` if it can encode and decode (``ValueError`` naming ``tokenizer`` else)."""
+    if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
+        raise ValueError(f"LLM tokenizer must be a tokenizer (with encode and decode), a "
+                         f"directory, None or False; got {type(tokenizer).__name__}")
+    return tokenizer
+
+
 def make_mesh(mesh: Mesh | None, tp: int | None, axis_name: str = "tp") -> Mesh:
     """``mesh`` as given, or a 1-D ``axis_name`` mesh over the first ``tp`` devices (default 1)."""
     if mesh is not None:
@@ -57,49 +78,114 @@ def make_mesh(mesh: Mesh | None, tp: int | None, axis_name: str = "tp") -> Mesh:
             raise ValueError(f"tp={tp} disagrees with the mesh's {axis_name!r} axis "
                              f"({dict(mesh.shape)})")
         return mesh
-    tp = 1 if tp is None else checks.at_least(tp, 1, "tp")
+    tp = 1 if tp is None else checks.at_least(tp, 1, "tensor_parallel_size")
     devices = jax.devices()
     if len(devices) < tp:
-        raise ValueError(f"tp={tp} needs {tp} devices, have {len(devices)}")
+        hint = (f"; on a CPU-only host set JAX_NUM_CPU_DEVICES={tp} (or XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={tp}) before JAX starts"
+                if devices[0].platform == "cpu" else "")
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, have {len(devices)}"
+                         f"{hint}")
     return Mesh(np.array(devices[:tp]), (axis_name,))
 
 
 class LLM:
-    """Serve a model (module docstring).
+    """Serve a model (module docstring); vLLM's ``LLM`` arguments where they overlap.
 
     Args:
-      model: a Hugging Face checkpoint directory (``jax_tokenweave.from_pretrained``), or a
-        model (``models.llama.LlamaModel``).
-      tp / mesh: the tensor-parallel degree (the first ``tp`` devices) or a mesh with a
-        ``"tp"`` axis; only for a directory.
-      dtype: parameter dtype for a directory (default bfloat16).
+      model: a Hugging Face checkpoint directory, a Hugging Face model id in the local cache
+        (``serving.resolve``), or a model (``models.llama.LlamaModel``).
+      tensor_parallel_size (alias ``tp``) / mesh: the first ``tensor_parallel_size`` devices or
+        a mesh with a ``"tp"`` axis; only for a checkpoint.
+      dtype: ``"auto"`` (the checkpoint's ``torch_dtype``), a name (``"bfloat16"``, ...) or a
+        dtype; only for a checkpoint.
+      max_model_len: positions per request; default and upper bound: the checkpoint's
+        ``max_position_embeddings``.
+      gpu_memory_utilization: the share of each device's memory the weights, activations and
+        KV cache may use; sizes ``num_blocks`` unless given (``serving.resolve``).
       tokenizer: a tokenizer object, a directory to load one from, None (the checkpoint's, if
         it has one) or False (none: token ids only).
+      seed: seeds the requests that bring none.
+      use_tqdm: progress bars for loading and warm-up.
+      warmup: compile every step program before returning (``LLMEngine.warmup``), so no
+        request waits for a compilation.
       config: an ``EngineConfig``; ``**engine`` overrides its fields (``max_num_seqs=...``).
     """
 
-    def __init__(self, model: Any, *, tp: int | None = None, mesh: Mesh | None = None,
-                 dtype: Any = None, tokenizer: Any = None, config: EngineConfig | None = None,
+    def __init__(self, model: Any, *, tensor_parallel_size: int | None = None,
+                 tp: int | None = None, mesh: Mesh | None = None, dtype: Any = "auto",
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                 tokenizer: Any = None, seed: int | None = None, use_tqdm: bool = True,
+                 warmup: bool = False, config: EngineConfig | None = None,
                  **engine: Any) -> None:
-        source = model if isinstance(model, str | os.PathLike) else None
-        if source is not None:
-            from jax_tokenweave.models.auto import from_pretrained
+        unknown = sorted(set(engine) - _ENGINE_FIELDS)
+        if unknown:
+            raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise ValueError(f"LLM config must be an EngineConfig, got {type(config).__name__}")
+        if tp is not None and tensor_parallel_size is not None and tp != tensor_parallel_size:
+            raise ValueError(f"LLM tp={tp} and tensor_parallel_size={tensor_parallel_size} "
+                             f"disagree (tp is an alias)")
+        tp = tensor_parallel_size if tensor_parallel_size is not None else tp
+        resolve.check_utilization(gpu_memory_utilization)
+        if tokenizer is not None and tokenizer is not False and not isinstance(
+                tokenizer, str | os.PathLike):
+            check_tokenizer(tokenizer)
+        bar = tqdm(total=3, desc="LLM: loading weights", disable=not use_tqdm, leave=False)
+        with bar:
+            source = None
+            if isinstance(model, str | os.PathLike):
+                from jax_tokenweave.hf.config import load_hf_config
+                from jax_tokenweave.models.auto import from_pretrained
 
-            model = from_pretrained(str(source), make_mesh(mesh, tp), dtype)
-        elif tp is not None or mesh is not None:
-            raise ValueError("tp and mesh apply to a checkpoint directory; a model brings its "
-                             "own mesh")
-        if isinstance(tokenizer, str | os.PathLike):
-            tokenizer = load_tokenizer(tokenizer)
-        elif tokenizer is None and source is not None:
-            tokenizer = load_tokenizer(source)
-        self.tokenizer = tokenizer or None
-        config = EngineConfig(**engine) if config is None else (
-            EngineConfig(**{**config.__dict__, **engine}) if engine else config)
-        self.engine = LLMEngine(model, config, tokenizer=self.tokenizer)
+                source = resolve.checkpoint_dir(model)
+                info = load_hf_config(source)
+                model = from_pretrained(source, make_mesh(mesh, tp),
+                                        resolve.param_dtype(dtype, info.torch_dtype))
+            elif tp is not None or mesh is not None:
+                raise ValueError("tensor_parallel_size and mesh apply to a checkpoint; a model "
+                                 "brings its own mesh")
+            elif dtype != "auto":
+                raise ValueError("dtype applies to a checkpoint; a model has its own")
+            bar.update()
+            bar.set_description("LLM: tokenizer and KV cache")
+            if isinstance(tokenizer, str | os.PathLike):
+                tokenizer = load_tokenizer(tokenizer)
+            elif tokenizer is None and source is not None:
+                tokenizer = load_tokenizer(source)
+            self.tokenizer = tokenizer or None
+            self.model_path = source
+            engine_config = self._engine_config(model, config, engine, max_model_len, seed,
+                                                gpu_memory_utilization)
+            self.engine = LLMEngine(model, engine_config, tokenizer=self.tokenizer)
+            bar.update()
+            if warmup:
+                bar.set_description("LLM: compiling step programs")
+                self.engine.warmup()
+            bar.update()
         self._sync: dict[str, collections.deque[StreamDelta]] = {}
         self._async: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
         self._driver: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def _engine_config(model: Any, config: EngineConfig | None, engine: dict[str, Any],
+                       max_model_len: int | None, seed: int | None,
+                       utilization: float) -> EngineConfig:
+        fields = {**(config.__dict__ if config is not None else {}), **engine}
+        info = getattr(model, "hf_info", None)
+        limit = None if info is None else info.max_position_embeddings
+        fields["max_model_len"] = resolve.model_len(
+            max_model_len if max_model_len is not None else fields.get("max_model_len"), limit,
+            EngineConfig.max_model_len)
+        if seed is not None:
+            fields["seed"] = checks.at_least(seed, 0, "LLM seed")
+        if "num_blocks" not in fields:
+            probe = EngineConfig(**fields)
+            mesh = model.mesh
+            fields["num_blocks"] = resolve.cache_blocks(
+                list(mesh.devices.flat), model.config, probe,
+                model.embed.get_value().dtype, utilization)
+        return EngineConfig(**fields)
 
     # -- prompts -------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -108,8 +194,26 @@ class LLM:
             raise ValueError("text prompts need a tokenizer (this LLM has none: pass token ids)")
         return list(self.tokenizer.encode(text))
 
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the tokenizer's chat template, with the
+        assistant's turn opened (``add_generation_prompt``)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages need a tokenizer with a chat template (this LLM has none)")
+        if not messages:
+            raise ValueError("messages is empty")
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def _prepare(self, prompt: Any, params: SamplingParams | None,
                  what: str) -> tuple[str | None, list[int], SamplingParams]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"{what} is a dict without 'prompt' or 'prompt_token_ids'")
         text = prompt if isinstance(prompt, str) else None
         if text is not None:
             if not text:
@@ -120,18 +224,22 @@ class LLM:
 
     def _prepare_all(self, prompts: Any, params: Any) -> list[tuple[str | None, list[int],
                                                                     SamplingParams]]:
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, str | Mapping) or (
                 isinstance(prompts, Sequence) and prompts and
-                all(not isinstance(t, str | bytes | Sequence | np.ndarray) for t in prompts)):
+                all(not isinstance(t, str | bytes | Sequence | np.ndarray | Mapping)
+                    for t in prompts)):
             prompts = [prompts]                                 # one prompt
         if isinstance(prompts, bytes) or not isinstance(prompts, Sequence | Iterator):
-            raise ValueError(f"prompts must be a string, token ids or a list of them, got "
-                             f"{type(prompts).__name__}")
+            raise ValueError(f"prompts must be a string, token ids, a dict or a list of them, "
+                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("no prompts: give at least one prompt")
         if isinstance(params, SamplingParams) or params is None:
             params = [params] * len(prompts)
+        elif not isinstance(params, Sequence) or isinstance(params, str | bytes):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(params).__name__}")
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return [self._prepare(p, sp, f"prompt {i}")
@@ -151,32 +259,52 @@ class LLM:
         """A stream's end: stop routing, abort the request if it still runs, forget it."""
         self._sync.pop(request_id, None)
         self._async.pop(request_id, None)
-        self.engine.abort(request_id)
-        self.engine.release(request_id)
+        self.engine.abort_all([request_id])
 
-    def _finished(self, request_id: str) -> bool:
-        return self.engine.output(request_id).finished
+    @staticmethod
+    def _raise_failed(out: RequestOutput, what: str) -> None:
+        errors = [o.error for o in out.outputs if o.finish_reason == "error"]
+        if errors:
+            raise RequestFailed(f"{what} failed inside a step: {errors[0]}")
 
     # -- API -----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Serve the prompts to the end; one ``RequestOutput`` per prompt, in order."""
-        prepared = self._prepare_all(prompts, params)
-        ids = [self.engine.add_request(tokens, sp, prompt=text) for text, tokens, sp in prepared]
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="requests") as bar:
-            left = set(ids)
-            while left:
-                self._route(self.engine.step())
-                done = {i for i in left if self._finished(i)}
-                bar.update(len(done))
-                left -= done
-        return [self.engine.release(i) for i in ids]
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Serve the prompts to the end; one ``RequestOutput`` per prompt, in order (each with
+        ``n`` outputs). A request that failed inside a step raises ``RequestFailed``."""
+        prepared = self._prepare_all(prompts, sampling_params)
+        ids: list[str] = []
+        try:
+            ids += [self.engine.add_request(tokens, sp, prompt=text)
+                    for text, tokens, sp in prepared]
+            with tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts",
+                      leave=False) as bar:
+                left = set(ids)
+                while left:
+                    self._route(self.engine.step())
+                    done = {i for i in left if self.engine.output(i).finished}
+                    bar.update(len(done))
+                    left -= done
+            outs = [self.engine.release(i) for i in ids]
+        finally:   # an error or an interrupt: nothing of this call stays in the engine
+            self.engine.abort_all(ids)
+        for i, out in enumerate(outs):
+            self._raise_failed(out, f"prompt {i}")
+        return outs
+
+    def chat(self, messages: Sequence[Mapping[str, Any]],
+             sampling_params: SamplingParams | None = None, *,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """:meth:`generate` of one conversation rendered by :meth:`chat_prompt`."""
+        return self.generate({"prompt_token_ids": self.chat_prompt(messages)}, sampling_params,
+                             use_tqdm=use_tqdm)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None
                ) -> Iterator[StreamDelta]:
         """Yield the request's :class:`StreamDelta` as each step makes a token (others' requests
-        advance too). Closing the iterator early aborts the request."""
+        advance too); with ``n`` > 1 the samples' deltas interleave (``delta.index``). Closing
+        the iterator early aborts the request."""
         text, tokens, params = self._prepare(prompt, params, "prompt")
         rid = self.engine.add_request(tokens, params, prompt=text)
         queue: collections.deque[StreamDelta] = collections.deque()
@@ -186,8 +314,10 @@ class LLM:
                 while not queue:
                     self._route(self.engine.step())
                 delta = queue.popleft()
+                if delta.finish_reason == "error":
+                    raise RequestFailed(f"the request failed inside a step: {delta.error}")
                 yield delta
-                if delta.finished:
+                if delta.request_finished:
                     return
         finally:
             self._close(rid)
@@ -207,8 +337,10 @@ class LLM:
                 delta = await queue.get()
                 if isinstance(delta, BaseException):
                     raise RuntimeError("the serving engine failed") from delta
+                if delta.finish_reason == "error":
+                    raise RequestFailed(f"the request failed inside a step: {delta.error}")
                 yield delta
-                if delta.finished:
+                if delta.request_finished:
                     return
         finally:
             self._close(rid)

@@ -45,39 +45,103 @@ class RequestMetrics:
         return (self.finish_time - self.first_token_time) / (num_tokens - 1)
 
 
-@dataclasses.dataclass
-class RequestOutput:
-    """A request's result. ``text`` is None without a tokenizer. ``finish_reason``: ``"stop"``
-    (a stop token or string), ``"length"`` (``max_tokens`` made) or ``"abort"``; None while it
-    runs. ``logprobs``: one :class:`TokenLogprob` per new token where asked for."""
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """vLLM's ``Logprob``: a token's log-probability, its rank in the model's distribution (1:
+    the most likely; None where the token is not among the ``top`` computed) and its text."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One sample of a request (vLLM's ``CompletionOutput``). ``text`` is None without a
+    tokenizer. ``finish_reason``: ``"stop"`` (a stop token or string), ``"length"``
+    (``max_tokens`` made), ``"abort"`` (aborted) or ``"error"`` (failed inside a step:
+    ``error`` says why); None while it runs. ``logprobs``: where asked for, vLLM's list (one
+    per new token) of ``{token id: Logprob}``, the chosen token and the ``top`` most likely;
+    ``token_logprobs`` the same as :class:`TokenLogprob`."""
+
+    index: int
     text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
-    logprobs: list[TokenLogprob] | None
-    metrics: RequestMetrics
+    token_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's result, in vLLM's shape: ``prompt`` (None for token ids), its
+    ``prompt_token_ids`` and one :class:`CompletionOutput` per sample (``n``) in ``outputs``;
+    ``finished`` once every sample has. ``text``, ``token_ids`` and ``finish_reason`` forward
+    to ``outputs[0]`` (this library's earlier shape)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    prompt_logprobs: None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def vllm_logprobs(entries: list[TokenLogprob], tokenizer: Any) -> list[dict[int, Logprob]]:
+    """:class:`TokenLogprob` entries as vLLM's ``[{token id: Logprob}]`` (decoded where there
+    is a tokenizer)."""
+    decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: None)
+    out = []
+    for e in entries:
+        entry = {tok: Logprob(lp, rank, decode(tok)) for rank, (tok, lp) in
+                 enumerate(e.top, start=1)}
+        if e.token_id not in entry:
+            entry = {e.token_id: Logprob(e.logprob, None, decode(e.token_id)), **entry}
+        out.append(entry)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class StreamDelta:
-    """What one step added to a request: new ``token_ids``, new ``text`` ("" while held back;
-    None without a tokenizer), their ``logprobs``; ``finish_reason`` on its last delta."""
+    """What one step added to sample ``index`` of a request: new ``token_ids``, new ``text``
+    ("" while held back; None without a tokenizer), their ``logprobs``; ``finish_reason`` on
+    the sample's last delta (``"abort"`` / ``"error"`` deltas carry no tokens; ``error`` says
+    why); ``request_finished`` on the request's last delta (every sample finished)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str | None
     logprobs: tuple[TokenLogprob, ...] | None
     finish_reason: str | None
+    index: int = 0
+    request_finished: bool = False
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
+        """Whether this sample finished (see ``request_finished`` for the request)."""
         return self.finish_reason is not None
 
 

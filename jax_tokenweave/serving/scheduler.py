@@ -53,6 +53,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     stop_ids: frozenset[int]
+    index: int = 0                  # which sample of its request (SamplingParams.n)
     output: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)
@@ -156,13 +157,13 @@ class Scheduler:
         self.deferred: set[Sequence] = set()    # finished, blocks held by unprocessed steps
         self._serial = 0                        # non-empty steps scheduled
 
-    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        """``ValueError`` where a request of this size could never run."""
+    def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
+        """``ValueError`` where a request of this size (``n`` samples) could never run."""
         cfg, needed = self.config, prompt_len + max_tokens - 1
         if prompt_len + max_tokens > cfg.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({cfg.max_model_len})")
-        blocks = self.allocator.blocks_for(needed)
+        blocks = self.allocator.blocks_for(needed) * n
         if blocks > cfg.num_blocks:
             raise ValueError(f"the request needs {blocks} KV cache blocks of {cfg.block_size} "
                              f"positions but the cache has only {cfg.num_blocks} (num_blocks)")
@@ -253,6 +254,18 @@ class Scheduler:
             if seq.finished and not seq.in_flight:
                 self._free(seq)
         return gained
+
+    def drop(self, step: ScheduledStep) -> None:
+        """Forget a scheduled step that will never run (it failed): its requests' bookkeeping as
+        if :meth:`update` took it with no tokens. Its requests must be finished; their blocks
+        are freed where no other unprocessed step holds them."""
+        for seq in step.seqs:
+            seq.in_flight -= 1
+        for seq in step.sampled:
+            seq.num_pending -= 1
+        for seq in step.seqs:
+            if seq.finished and not seq.in_flight:
+                self._free(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish ``seq`` with ``reason`` (also a waiting one); its blocks are freed now, or

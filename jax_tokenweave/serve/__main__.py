@@ -1,0 +1,112 @@
+"""``python -m jax_tokenweave.serve CHECKPOINT --tp N --host 127.0.0.1 --port 8000``: an
+OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/health``, ``/metrics``) over a Hugging Face checkpoint (a directory or a model id in the
+local cache), tensor-parallel over ``--tp`` devices (on a CPU-only host, as many virtual
+devices).
+
+``--random NAME`` serves a named config (``llama3-8b``, ``tiny``, ...) with random weights and
+no tokenizer instead: token-id prompts only (benchmarks). Every step program is compiled before
+the server listens (``--no-warmup`` skips that). A startup line says where it listens and what
+it serves. SIGTERM or Ctrl-C stops taking requests (503), lets those in flight finish for up to
+``--drain-timeout`` seconds, aborts the rest and exits. Known errors (a bad checkpoint, too few
+devices) print one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.serve import INSTALL_HINT  # noqa: F401  (the dependency check first)
+from jax_tokenweave.serving import cli
+
+PROG = "python -m jax_tokenweave.serve"
+ENGINE_OPTIONS = tuple(bm.ENGINE_OPTIONS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser; see ``--help``."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=bm.HelpFormatter)
+    p.add_argument("model", nargs="?", help="checkpoint directory or Hugging Face model id in "
+                                            "the local cache")
+    p.add_argument("--random", metavar="NAME",
+                   help=f"serve this named config with random weights instead "
+                        f"({bm.config_names_help()})")
+    p.add_argument("--layers", type=bm.positive_int, help="--random: decoder layers to stack "
+                                                           "(default: the config's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=bm.nonnegative_int, default=8000, help="port to listen on")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL, "
+                                               "or the --random name)")
+    p.add_argument("--max-waiting", type=bm.positive_int, default=1024,
+                   help="requests waiting for admission at most; beyond: 429")
+    p.add_argument("--drain-timeout", type=bm.positive_float, default=30.0,
+                   help="seconds requests in flight may take to finish after SIGTERM")
+    p.add_argument("--max-logprobs", type=bm.nonnegative_int, default=20,
+                   help="top log-probabilities a request may ask for")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="do not compile every step program before listening")
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
+    cli.add_llm_options(p, ENGINE_OPTIONS)
+    return p
+
+
+def load(args: argparse.Namespace) -> Any:
+    """The ``LLM`` the options describe."""
+    from jax_tokenweave.serving import LLM
+
+    kw = cli.llm_kwargs(args, ENGINE_OPTIONS)
+    kw.update(max_logprobs=args.max_logprobs, warmup=not args.no_warmup)
+    if args.random is None:
+        return LLM(args.model, **kw)
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_tokenweave.models.llama import LlamaModel
+    from jax_tokenweave.serving.llm import make_mesh
+
+    config = bm.load_config(args.random, args.layers)
+    dtype = jnp.bfloat16 if kw["dtype"] == "auto" else kw["dtype"]
+    model = LlamaModel(config, make_mesh(None, args.tp), dtype=dtype,
+                       rngs=nnx.Rngs(args.engine_seed))
+    for key in ("tensor_parallel_size", "dtype"):
+        kw.pop(key)
+    return LLM(model, tokenizer=False, **kw)
+
+
+def describe(llm: Any, name: str, host: str, port: int) -> str:
+    """The startup line."""
+    cfg = llm.engine.config
+    return (f"jax-tokenweave: serving {name!r} (TP {llm.engine.tp}, "
+            f"{llm.engine.cache.k[0].dtype}, max_model_len {cfg.max_model_len}, "
+            f"{cfg.num_blocks} KV blocks of {cfg.block_size}, max_num_seqs {cfg.max_num_seqs}, "
+            f"{'text' if llm.tokenizer else 'token ids only'}) on http://{host}:{port}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.model is None) == (args.random is None):
+        parser.error("give a MODEL (checkpoint) or --random NAME, not both")
+    cli.start_devices(args.tp, args.cpu_devices)
+    try:
+        llm = load(args)
+    except cli.known_errors() as err:
+        return cli.fail(err, PROG)
+    name = args.served_model_name or args.model or args.random
+    from jax_tokenweave.serve.server import run
+
+    return run(llm, name, args.host, args.port, max_waiting=args.max_waiting,
+               drain_timeout=args.drain_timeout, log_level=args.log_level,
+               startup_line=lambda port: describe(llm, name, args.host, port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
