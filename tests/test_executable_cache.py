@@ -35,7 +35,7 @@ CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=16, b
                    num_blocks=48, max_model_len=64, key_chunk=8, split_threshold=16, comm="xla",
                    max_logprobs=2)
 PROMPTS = [[1, 2, 3], list(range(5, 30))]
-PARAMS = [SamplingParams(max_tokens=5),                                     # greedy
+PARAMS = [SamplingParams(max_tokens=5, temperature=0.0),                    # greedy
           SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=11, logprobs=2)]
 
 
@@ -83,7 +83,7 @@ def test_second_engine_loads_every_layout_and_makes_the_same_tokens(model, tmp_p
     n = len(first.layouts())
     report = first.warmup()
     assert (report.layouts, report.loaded, report.compiled) == (n, 0, n) and n >= 4
-    assert len(files(tmp_path)) == n
+    assert len(files(tmp_path)) == n + len(first.runner._samplers)    # forwards + samplers
     assert not list((tmp_path / "cache" / ec.SUBDIR).glob("*.tmp"))
     want = tokens(first)
     second = LLMEngine(model, cached(tmp_path))
@@ -114,7 +114,7 @@ def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monk
     base = key()
     assert key() == base
     assert key(lay=runner.layouts()[0]) != base
-    for change in ({"schedule": "baseline"}, {"key_chunk": 16}, {"max_logprobs": 3},
+    for change in ({"schedule": "baseline"}, {"key_chunk": 16},
                    {"attention": "xla"}, {"comm": "auto"},
                    {"tuning": TuneEntry(offset=None, num_ctas=8)}):
         other = LLMEngine(model, cached(tmp_path, **change)).runner
@@ -139,15 +139,19 @@ def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monk
 
 def test_a_changed_config_misses_the_cache(model, tmp_path):
     LLMEngine(model, cached(tmp_path)).warmup()
-    report = LLMEngine(model, cached(tmp_path, max_logprobs=1)).warmup()
+    report = LLMEngine(model, cached(tmp_path, key_chunk=16)).warmup()
     assert report.loaded == 0 and report.compiled == report.layouts
 
 
 def test_a_corrupt_file_is_compiled_again_with_a_warning(model, tmp_path):
     first = LLMEngine(model, cached(tmp_path))
     n = first.warmup().layouts
+    # a forward program's file (the key, as warm-up made it, before any step replaced the cache)
+    runner, layout = first.runner, first.runner.layouts()[0]
+    broken = runner.executable_cache.path(runner.program_key(layout, (
+        runner.state, runner.cache, batch_lib.pack_padding(layout, runner.config),
+        runner.no_tokens)))
     want = tokens(first)
-    broken = files(tmp_path)[0]
     data = bytearray(broken.read_bytes())
     data[len(data) // 2] ^= 0xFF
     broken.write_bytes(bytes(data))
@@ -300,7 +304,8 @@ engine = LLMEngine(model, EngineConfig(
 with count_compilations() as compiles:
     report = engine.warmup()
     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7]], [
-        SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, temperature=1.0, seed=5)])
+        SamplingParams(max_tokens=4, temperature=0.0),
+        SamplingParams(max_tokens=4, temperature=1.0, seed=5)])
 print(json.dumps({"loaded": report.loaded, "compiled": report.compiled,
                   "seconds": report.seconds, "compilations": compiles.count,
                   "tokens": [o.token_ids for o in outs]}))

@@ -187,24 +187,25 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Finish a request's samples now with ``"abort"`` (a no-op for an unknown or finished
         one); the next :meth:`step` returns an ``"abort"`` delta per sample. Blocks are freed
-        at once, or, where a dispatched step holds them, when that step's tokens are taken:
-        here unless another thread is stepping (its step then does)."""
+        at once, or, where a dispatched step holds them, when that step's tokens are taken (by
+        the next :meth:`step`; :meth:`abort_all` takes them at once). Taking them here would
+        advance the other requests in the middle of a caller's loop over a step's deltas: one
+        of those aborted next would then get a token the synchronous engine never makes."""
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        """:meth:`abort`; whether a dispatched step still holds the request's blocks."""
         with self._lock:
             request = self._requests.get(request_id)
             if request is None or request.finished:
-                return
+                return False
             held = False
             for sample in request.samples:
                 if not sample.seq.finished:
                     self.scheduler.finish(sample.seq, "abort")
                     self._notices.append(self._end_delta(request, sample))
                 held |= sample.seq.in_flight > 0
-        if held and self._step_lock.acquire(blocking=False):
-            try:    # take the steps in flight now; the next step() returns their deltas
-                while self._inflight:
-                    self._notices += self._take_oldest()
-            finally:
-                self._step_lock.release()
+        return held
 
     abort_request = abort
 
@@ -396,8 +397,13 @@ class LLMEngine:
         """Abort and forget these requests (unknown ids ignored); their blocks return to the
         pool once no step in flight holds them (taken here where no other thread steps)."""
         request_ids = list(request_ids)
-        for rid in request_ids:
-            self.abort(rid)
+        held = [self._abort(rid) for rid in request_ids]
+        if any(held) and self._step_lock.acquire(blocking=False):
+            try:    # take the steps in flight now; the next step() returns their deltas
+                while self._inflight:
+                    self._notices += self._take_oldest()
+            finally:
+                self._step_lock.release()
         with self._lock:
             for rid in request_ids:
                 self._requests.pop(rid, None)

@@ -104,11 +104,17 @@ def _dtype(leaf: Any) -> np.dtype:
     return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
 
 
+def _shape(leaf: Any) -> tuple[int, ...]:
+    shape = getattr(leaf, "shape", None)
+    return tuple(shape) if shape is not None else tuple(np.shape(leaf))
+
+
 def describe_leaf(leaf: Any) -> tuple[Any, ...]:
-    """A leaf's part of the key: shape, dtype, weak type and placement (a ``jax.Array``'s
-    sharding with its mesh axes, shape and device ids in order; ``host`` for NumPy)."""
-    shape, dtype = tuple(np.shape(leaf)), str(_dtype(leaf))
-    if not isinstance(leaf, jax.Array):
+    """A leaf's part of the key: shape, dtype, weak type and placement (a ``jax.Array``'s or
+    ``jax.ShapeDtypeStruct``'s sharding with its mesh axes, shape and device ids in order;
+    ``host`` for NumPy)."""
+    shape, dtype = _shape(leaf), str(_dtype(leaf))
+    if getattr(leaf, "sharding", None) is None:
         return shape, dtype, "host"
     sharding = leaf.sharding
     mesh = getattr(sharding, "mesh", None)
@@ -189,9 +195,9 @@ def _check_args(compiled: Any, args: Any) -> None:
     if len(want) != len(got):
         raise ValueError(f"{len(want)} arguments compiled, {len(got)} given")
     for i, (w, g) in enumerate(zip(want, got, strict=True)):
-        if tuple(w.shape) != tuple(np.shape(g)) or np.dtype(w.dtype) != _dtype(g):
+        if tuple(w.shape) != _shape(g) or np.dtype(w.dtype) != _dtype(g):
             raise ValueError(f"argument {i}: compiled for {w.dtype}{list(w.shape)}, given "
-                             f"{_dtype(g)}{list(np.shape(g))}")
+                             f"{_dtype(g)}{list(_shape(g))}")
 
 
 class ExecutableCache:

@@ -208,22 +208,34 @@ class ModelRunner:
 
     def _warm_samplers(self, pool: concurrent.futures.Executor,
                        args: dict[batch_lib.StepLayout, tuple[Any, ...]]) -> None:
-        """Compile the sampler programs every warmed-up layout may pick (small; JAX's
-        persistent cache keeps them): per sampled-row count, greedy or drawn, with
-        log-probabilities or not, on the forward program's logits (shape, dtype, sharding)."""
-        wanted: dict[tuple[int, str, int], Any] = {}
+        """Make the sampler programs every warmed-up layout may pick: per sampled-row count,
+        greedy or drawn, with log-probabilities or not, on the forward program's logits
+        (shape, dtype, sharding from its ``out_info``); loaded from the executable cache, else
+        compiled (small) and stored."""
+        cache, devices = self.executable_cache, list(self.mesh.devices.flat)
+        out_tree = jax.tree_util.tree_structure(StepOutputs(0, 0, 0, 0))
+        wanted: dict[tuple[int, str, int], tuple[tuple[Any, ...], dict[str, Any]]] = {}
         for layout, program in self._executables.items():
-            settings = sampling_arrays(args[layout][2])
+            inputs = (program.out_info[0], *sampling_arrays(args[layout][2]), self.no_tokens)
             for sampler in SAMPLERS:
                 for logprobs in sorted({0, self.config.max_logprobs}):
-                    key = (layout.samples, sampler, logprobs)
-                    if key not in self._samplers and key not in wanted:
-                        wanted[key] = jitted_sampler.lower(
-                            program.out_info[0], *settings, self.no_tokens, sampler=sampler,
-                            num_logprobs=logprobs)
-        for key, program in zip(wanted, pool.map(lambda lowered: lowered.compile(),
-                                                 wanted.values()), strict=True):
-            self._samplers[key] = program
+                    which = (layout.samples, sampler, logprobs)
+                    if which not in self._samplers:
+                        wanted[which] = inputs, {"sampler": sampler, "num_logprobs": logprobs}
+
+        def make(inputs: tuple[Any, ...], static: dict[str, Any]) -> Any:
+            key = exe_cache.program_key(
+                {"function": f"{jitted_sampler.__module__}.sample_step", "static": static,
+                 "inputs": exe_cache.describe_args(inputs)}, devices) if cache.enabled else None
+            program = None if key is None else cache.load(key, inputs, out_tree, devices)
+            if program is None:
+                program = jitted_sampler.lower(*inputs, **static).compile()
+                if key is not None:
+                    cache.store(key, program)
+            return program
+
+        made = pool.map(lambda item: make(*item), wanted.values())
+        self._samplers.update(zip(wanted, made, strict=True))
 
     def program_key(self, layout: batch_lib.StepLayout, args: tuple[Any, ...]) -> str:
         """The executable cache's key of ``layout``'s program on ``args`` (state, cache,
