@@ -1,15 +1,17 @@
-// Paged attention, decode rows (tile == 1): the split-K kernel and the merge of the splits.
-// Grid (split, kv head, row), 128 threads. A row's keys 0..p are cut into pieces of a multiple
-// of 32 keys (at least 128): as many as make the step's live rows (`live`, rows with a
-// position >= 0) fill kTargetBlocks blocks, at most `splits` (the grid's x). A block streams
-// its piece's K and V through shared memory in tiles of 16 KiB (32 keys at head_dim 128):
-// cp.async, three stages, so two tiles are in flight while one is scored. Each key row is
-// scored by head_dim / 8 threads against every query head of the block's kv head (GQA: one
-// read of K/V serves `G` heads), with an online softmax per thread in float32 and base-2
-// exponentials; the threads are then merged. A row cut in one piece is normalised and written
-// to the output here; otherwise the block writes unnormalised partial sums with their max and
-// total, and the merge kernel combines the pieces of each (row, head).
+// Paged attention, decode rows (tile == 1): the split-K kernel and the merge of the pieces.
+// Grid (split, kv head, row), 4 warps. A row's keys 0..p are cut into pieces of a multiple of
+// 32 keys (at least 128): as many as make the step's live rows (`live`, rows with a position
+// >= 0) fill kTargetBlocks blocks, at most `splits` (the grid's x). A block streams its piece's
+// K and V through shared memory in tiles of 16 KiB (32 keys at head_dim 128; cp.async, three
+// stages, so two tiles are in flight while one is used; 16-byte chunks XOR-swizzled for
+// ldmatrix). The G query heads of the block's kv head are the rows of one 16-row mma tile
+// (grouped-query attention: one read of K/V serves them all): every warp computes
+// S = Q K^T for the whole tile on tensor cores (mma.sync m16n8k16, float32 accumulators) and
+// keeps the same online softmax (base-2, float32), then adds P V for its quarter of head_dim.
+// A row cut in one piece is normalised and written here; otherwise the block writes
+// unnormalised partial sums with their max and total, and the merge kernel combines them.
 #include "attention_common.cuh"
+#include "attention_mma.cuh"
 
 namespace tokenweave {
 namespace attn {
@@ -18,6 +20,7 @@ namespace {
 constexpr int kStages = 3;              // key tiles in shared memory
 constexpr int kTileBytes = 16384;       // K and V of one tile
 constexpr int kTargetBlocks = 4 * 132;  // decode blocks to aim for: 4 per SM of an H100/H200
+constexpr int kWarps = kThreads / 32;
 
 // A row's context and how it is cut: `n` pieces of `chunk` keys (the last may be shorter).
 // The split and merge kernels call this alike, so they agree on the pieces.
@@ -32,37 +35,31 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }
 
-__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool full) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(full ? 16 : 0));
+__device__ __forceinline__ uint32_t Pack2(float a, float b, __nv_bfloat16*) {
+  return Vec<__nv_bfloat16>::FromFloat2(a, b);
 }
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+__device__ __forceinline__ uint32_t Pack2(float a, float b, __half*) {
+  return Vec<__half>::FromFloat2(a, b);
 }
 
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(kThreads, G > 4 ? 3 : 4) DecodeSplitKernel(AttentionParams p) {
-  constexpr int kVec = 8;                        // elements per 16-byte word
-  constexpr int kTpk = D / kVec;                 // threads per key row
-  constexpr int kKeysPerPass = kThreads / kTpk;  // keys the block scores at once
-  constexpr int kKeys = kTileBytes / (4 * D);    // keys per tile (K and V, 2 bytes each)
-  constexpr int kPasses = kKeys / kKeysPerPass;
-  constexpr int kCopies = kKeys * kTpk / kThreads;  // 16-byte copies of K (and of V) per thread
-  constexpr int kSub = G > 4 ? 2 : 4;            // passes scored before their V is summed
-  constexpr int kWarps = kThreads / 32;
-  static_assert(kPasses % kSub == 0 && kCopies * kThreads == kKeys * kTpk);
-  static_assert(kWarps * G * (D + 2) * sizeof(float) <= kStages * kTileBytes);
-  __shared__ __align__(16) unsigned char smem[kStages * kTileBytes];
+__global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams p) {
+  constexpr int kKeys = kTileBytes / (4 * D);   // keys per tile (K and V, 2 bytes each)
+  constexpr int kChunks = D / 8;                // 16-byte chunks per key row
+  constexpr int kCopies = kKeys * kChunks / kThreads;  // cp.async of K (and of V) per thread
+  constexpr int kKeyTiles = kKeys / 8;          // n-tiles of S
+  constexpr int kKSteps = D / 16;               // k-steps of S = Q K^T
+  constexpr int kDimTiles = D / kWarps / 8;     // n-tiles of O per warp
+  static_assert(kCopies * kThreads == kKeys * kChunks && kDimTiles % 2 == 0 && kKSteps % 2 == 0);
+  static_assert(G <= 8, "the heads of a kv head are the rows 0..7 of one mma tile");
+  __shared__ __align__(128) unsigned char smem[kStages * kTileBytes];
 
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
   const RowSplit rs = SplitRow(p, row);
   const int k0 = split * rs.chunk;
   if (k0 >= rs.ctx) return;  // the merge reads only the pieces under ctx
   const int k1 = min(rs.ctx, k0 + rs.chunk);
-  const int tid = threadIdx.x, slot = tid / kTpk, d0 = (tid % kTpk) * kVec;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int bs = p.block_size;
   const int32_t* table = p.tables + static_cast<int64_t>(row) * p.width;
   const T* kc = static_cast<const T*>(p.k_cache);
@@ -76,14 +73,14 @@ __global__ void __launch_bounds__(kThreads, G > 4 ? 3 : 4) DecodeSplitKernel(Att
     const int base = k0 + t * kKeys;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      const int c = tid + i * kThreads, r = c / kTpk, col = (c % kTpk) * kVec;
+      const int c = tid + i * kThreads, r = c / kChunks, chunk = c % kChunks;
       const int key = base + r;
       const bool ok = key < k1;
-      const int64_t at =
-          ok ? (BlockId(table, key / bs, p.num_blocks) * bs + key % bs) * pos_stride + h * D + col
-             : 0;
-      CpAsync16(sk + r * D + col, kc + at, ok);
-      CpAsync16(sv + r * D + col, vc + at, ok);
+      const int64_t at = ok ? (BlockId(table, key / bs, p.num_blocks) * bs + key % bs) *
+                                      pos_stride + h * D + chunk * 8
+                            : 0;
+      CpAsync16(sk + Swizzled<D>(r, chunk), kc + at, ok);
+      CpAsync16(sv + Swizzled<D>(r, chunk), vc + at, ok);
     }
   };
   const int ntiles = (k1 - k0 + kKeys - 1) / kKeys;
@@ -93,24 +90,24 @@ __global__ void __launch_bounds__(kThreads, G > 4 ? 3 : 4) DecodeSplitKernel(Att
     CpAsyncCommit();
   }
 
-  // This thread's dims of the G query heads, pre-scaled (while the first tiles load).
-  const float qscale = p.scale * kLog2e;
-  float q[G][kVec];
+  // Q as the A operand (row = head of the group; rows >= G and 8..15 are zero), while the
+  // first tiles load: qa[ks] = {a0, a2} of k-step ks (a1 = a3 = 0).
+  const int g = lane / 4, quad = lane % 4;
+  uint32_t qa[kKSteps][2];
   const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    Unpack8<T>(*reinterpret_cast<const uint4*>(qrow + g * D + d0), q[g]);
+  for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) q[g][i] *= qscale;
+    for (int j = 0; j < 2; ++j)
+      qa[ks][j] = g < G ? *reinterpret_cast<const uint32_t*>(qrow + g * D + ks * 16 + j * 8 +
+                                                             quad * 2)
+                        : 0u;
   }
-  float m[G], l[G], acc[G][kVec];
+  const float qscale = p.scale * kLog2e;
+  float m = -INFINITY, l = 0.f;  // row g's running max (base 2) and this thread's partial total
+  float o[kDimTiles][4];         // O[g][dims of this warp]: c0, c1 (c2, c3: rows 8..15)
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[g][i] = 0.f;
-  }
+  for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
 
   for (int t = 0; t < ntiles; ++t) {
     CpAsyncWait<kStages - 2>();  // tile t has landed (this thread's copies) ...
@@ -120,126 +117,86 @@ __global__ void __launch_bounds__(kThreads, G > 4 ? 3 : 4) DecodeSplitKernel(Att
     const T* sk = reinterpret_cast<const T*>(smem + (t % kStages) * kTileBytes);
     const T* sv = sk + kKeys * D;
     const int base = k0 + t * kKeys;
+
+    // S = Q K^T over the tile's keys: s[nt] = keys nt * 8 .. + 7 (c0, c1: keys quad * 2 + 0, 1).
+    float s[kKeyTiles][4];
 #pragma unroll
-    for (int u0 = 0; u0 < kPasses; u0 += kSub) {
-      float s[kSub][G];
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-      for (int u = 0; u < kSub; ++u) {
-        const int r = (u0 + u) * kKeysPerPass + slot;
-        float kf[kVec];
-        Unpack8<T>(*reinterpret_cast<const uint4*>(sk + r * D + d0), kf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float dot = 0.f;
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) dot = fmaf(q[g][i], kf[i], dot);
-#pragma unroll
-          for (int o = kTpk / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-          s[u][g] = base + r < k1 ? dot : -INFINITY;
-        }
+      for (int kp = 0; kp < kKSteps / 2; ++kp) {  // two k-steps per ldmatrix.x4
+        uint32_t b[4];
+        Ldmatrix4(b, sk + Swizzled<D>(nt * 8 + lane % 8, kp * 4 + lane / 8));
+        const uint32_t a0[4] = {qa[2 * kp][0], 0u, qa[2 * kp][1], 0u};
+        const uint32_t a1[4] = {qa[2 * kp + 1][0], 0u, qa[2 * kp + 1][1], 0u};
+        Mma<T>::Run(s[nt], a0, b[0], b[1]);
+        Mma<T>::Run(s[nt], a1, b[2], b[3]);
       }
-      // Online softmax: new maxima and rescaling first, then each V row converted once and
-      // accumulated into every head.
-      float m_new[G];
+    }
+    // Online softmax of row g over the tile (the quad's four lanes hold its keys).
+    float tile_max = -INFINITY;
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        m_new[g] = m[g];
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
-        for (int u = 0; u < kSub; ++u) m_new[g] = fmaxf(m_new[g], s[u][g]);
-        // Still -inf: no valid key for this thread yet (exp2 of s - 0 then gives 0).
-        const float safe = m_new[g] == -INFINITY ? 0.f : m_new[g];
-        if (m_new[g] != m[g]) {
-          const float corr = exp2f(m[g] - safe);
-          l[g] *= corr;
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) acc[g][i] *= corr;
-        }
-        m[g] = m_new[g];
-        m_new[g] = safe;
+      for (int j = 0; j < 2; ++j) {
+        const bool valid = base + nt * 8 + quad * 2 + j < k1;
+        s[nt][j] = valid ? s[nt][j] * qscale : -INFINITY;
+        tile_max = fmaxf(tile_max, s[nt][j]);
       }
+    }
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const float m_new = fmaxf(m, tile_max);  // finite: a tile has a valid key
+    const float corr = exp2f(m - m_new);     // 0 on the first tile (m = -inf)
+    m = m_new;
+    l *= corr;
 #pragma unroll
-      for (int u = 0; u < kSub; ++u) {
-        float vf[kVec];
-        Unpack8<T>(*reinterpret_cast<const uint4*>(sv + ((u0 + u) * kKeysPerPass + slot) * D +
-                                                   d0),
-                   vf);
+    for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] *= corr, o[dt][1] *= corr;
+    uint32_t pa[kKeyTiles];  // P of row g, two keys per register (bf16/fp16)
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float pu = exp2f(s[u][g] - m_new[g]);  // 0 for an invalid key
-          l[g] += pu;
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
+      const float p0 = exp2f(s[nt][0] - m), p1 = exp2f(s[nt][1] - m);
+      l += p0 + p1;
+      pa[nt] = Pack2(p0, p1, static_cast<T*>(nullptr));
+    }
+    // O[:, this warp's dims] += P V: k16 steps of 16 keys; ldmatrix.trans gives V's B operand
+    // for two dim tiles (rows: keys, lanes / 8: which 8 keys and which dim tile).
 #pragma unroll
-          for (int i = 0; i < kVec; ++i) acc[g][i] = fmaf(pu, vf[i], acc[g][i]);
-        }
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      const uint32_t a[4] = {pa[2 * kk], 0u, pa[2 * kk + 1], 0u};
+#pragma unroll
+      for (int dp = 0; dp < kDimTiles / 2; ++dp) {
+        uint32_t b[4];
+        Ldmatrix4Trans(b, sv + Swizzled<D>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
+                                           (warp * kDimTiles + 2 * dp + lane / 16)));
+        Mma<T>::Run(o[2 * dp], a, b[0], b[1]);
+        Mma<T>::Run(o[2 * dp + 1], a, b[2], b[3]);
       }
     }
   }
   CpAsyncWait<0>();
-  __syncthreads();  // the stages are free: the merge of the warps below reuses them
 
-  // Merge the key slots of a warp (lanes kTpk apart hold the same dims), then the warps.
-#pragma unroll
-  for (int o = kTpk; o < 32; o *= 2) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
-      const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
-      const float mn = fmaxf(m[g], mo);
-      const float ca = mn == -INFINITY ? 0.f : exp2f(m[g] - mn);
-      const float cb = mn == -INFINITY ? 0.f : exp2f(mo - mn);
-      l[g] = l[g] * ca + lo * cb;
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        const float ao = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
-        acc[g][i] = acc[g][i] * ca + ao * cb;
-      }
-      m[g] = mn;
-    }
-  }
-  float(&s_acc)[kWarps][G][D] = *reinterpret_cast<float(*)[kWarps][G][D]>(smem);
-  float(&s_m)[kWarps][G] = *reinterpret_cast<float(*)[kWarps][G]>(&s_acc[kWarps][0][0]);
-  float(&s_l)[kWarps][G] = *reinterpret_cast<float(*)[kWarps][G]>(&s_m[kWarps][0]);
-  const int warp = tid / 32, lane = tid % 32;
-  if (lane < kTpk) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      if (lane == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) s_acc[warp][g][d0 + i] = acc[g][i];
-    }
-  }
-  __syncthreads();
-  // Element e of head g: the warps' sums (and maxima, totals) rescaled to their common max.
-  const auto combine = [&](int g, int i, float& mx, float& total) {
-    mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_m[w][g]);
-    float v = 0.f;
-    total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float c = s_m[w][g] == -INFINITY ? 0.f : exp2f(s_m[w][g] - mx);
-      v += c * (i < D ? s_acc[w][g][i] : 0.f);
-      total += c * s_l[w][g];
-    }
-    return v;
-  };
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (g >= G) return;
+  // This thread's outputs: head g, dims warp * D / 4 + dt * 8 + quad * 2 + {0, 1}.
   if (rs.n == 1) {  // the row's only piece: its normalised output
-    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
-    for (int e = tid; e < G * D; e += kThreads) {
-      float mx, total;
-      const float v = combine(e / D, e % D, mx, total);
-      out[e] = Vec<T>::FromFloat(total > 0.f ? v / total : 0.f);
-    }
+    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int dt = 0; dt < kDimTiles; ++dt)
+      *reinterpret_cast<uint32_t*>(out + (warp * kDimTiles + dt) * 8 + quad * 2) =
+          Pack2(o[dt][0] * inv, o[dt][1] * inv, static_cast<T*>(nullptr));
     return;
   }
-  // Thread t writes element t of (G heads x (D sums + max + total)) of this piece.
-  float* work = p.work + ((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G * (D + 2);
-  for (int e = tid; e < G * (D + 2); e += kThreads) {
-    const int g = e / (D + 2), i = e % (D + 2);
-    float mx, total;
-    const float v = combine(g, i, mx, total);
-    work[e] = i < D ? v : (i == D ? mx : total);
-  }
+  // Head g's entry of this piece: D unnormalised sums, then the max and the total.
+  float* work = p.work +
+                (((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G + g) * (D + 2);
+#pragma unroll
+  for (int dt = 0; dt < kDimTiles; ++dt)
+    *reinterpret_cast<float2*>(work + (warp * kDimTiles + dt) * 8 + quad * 2) =
+        make_float2(o[dt][0], o[dt][1]);
+  if (warp == 0 && quad == 0) work[D] = m, work[D + 1] = l;
 }
 
 // Grid (row, kv head), G warps: warp g merges head g of the group over the row's pieces: its

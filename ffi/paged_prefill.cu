@@ -7,53 +7,11 @@
 // by row so ldmatrix is conflict-free); S = Q K^T and O += P V run on mma.sync m16n8k16 with
 // float32 accumulators; the block stops at its last row's position (causal).
 #include "attention_common.cuh"
+#include "attention_mma.cuh"
 
 namespace tokenweave {
 namespace attn {
 namespace {
-
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool full) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
-               "r"(full ? 16 : 0));
-}
-
-__device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-
-__device__ __forceinline__ void Ldmatrix4Trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-
-template <typename T> struct Mma;
-template <> struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ void Run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-template <> struct Mma<__half> {
-  static __device__ __forceinline__ void Run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
 
 constexpr int kMTiles = 2;                      // 16-row mma tiles per warp
 constexpr int kTileRows = kThreads / 32 * 16 * kMTiles;  // (query, head) rows per block: 128
@@ -63,12 +21,6 @@ constexpr int kSubKeys = 32;                     // keys per softmax step (S in 
 template <int D>
 constexpr int TileSmemBytes() {
   return (kTileRows + 2 /*stages*/ * 2 /*K, V*/ * kTileKeys) * D * 2 /*bytes*/;
-}
-
-// Element offset of 16-byte chunk `c` of row `r` in a swizzled [rows, D] tile.
-template <int D>
-__device__ __forceinline__ int Swizzled(int r, int c) {
-  return r * D + ((c ^ (r & 7)) * 8);
 }
 
 template <typename T, int D>
