@@ -30,9 +30,7 @@ struct RowSplit {
 __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) {
   const int ctx = Context(p, row);
   const int pairs = max(*p.live, 1) * p.kvh;
-  // The nearest whole number of pieces (not the next): 512 pairs run as one wave of 512
-  // blocks rather than two of 1024.
-  const int pieces = max(1, min(p.splits, (kTargetBlocks + pairs / 2) / pairs));
+  const int pieces = max(1, min(p.splits, (kTargetBlocks + pairs - 1) / pairs));
   const int chunk = SplitKeys(ctx, pieces);
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }
