@@ -12,35 +12,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache as cc
 from jax.sharding import Mesh
+from testutil import fresh_process_jax_cache
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
-from jax_tokenweave.serving import compilation_cache as engine_cache
 from jax_tokenweave.serving import executable_cache as exe_cache
 
 CFG = EngineConfig(max_num_batched_tokens=16, max_num_seqs=2, prefill_tile=8, block_size=4,
                    num_blocks=16, max_model_len=32, key_chunk=8, split_threshold=16, comm="xla")
-SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_enable_compilation_cache")
-
-
 @pytest.fixture
 def jax_cache(monkeypatch):
-    """JAX's cache settings as a fresh process has them (the cache on, no directory), restored
-    afterwards (tests run with the cache off: conftest.py)."""
-    saved = {name: getattr(jax.config, name) for name in SETTINGS}
-    monkeypatch.setattr(engine_cache, "_ours", None)
-    jax.config.update("jax_compilation_cache_dir", None)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    jax.config.update("jax_enable_compilation_cache", True)
-    cc.reset_cache()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
+    """JAX's cache settings as a fresh process has them, restored afterwards."""
+    yield from fresh_process_jax_cache(monkeypatch)
 
 
 @pytest.fixture(scope="module")

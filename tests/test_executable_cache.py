@@ -19,14 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache as cc
 from jax.sharding import Mesh
+from testutil import fresh_process_jax_cache
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
 from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving import compilation_cache as engine_cache
 from jax_tokenweave.serving import executable_cache as ec
 from jax_tokenweave.tuning import TuneEntry
 
@@ -41,22 +40,11 @@ PARAMS = [SamplingParams(max_tokens=5, temperature=0.0),                    # gr
 
 @pytest.fixture(autouse=True)
 def fresh_jax(monkeypatch):
-    """Caching on (tests run with it off: conftest.py) and restored afterwards, as in
-    test_compilation_cache.py; each test compiles afresh (on XLA:CPU an executable that has
-    run cannot be serialized, and JAX's in-memory cache would hand back one from an earlier
-    test)."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_enable_compilation_cache")
-    saved = {name: getattr(jax.config, name) for name in names}
-    monkeypatch.setattr(engine_cache, "_ours", None)
-    jax.config.update("jax_compilation_cache_dir", None)
-    jax.config.update("jax_enable_compilation_cache", True)
-    cc.reset_cache()
+    """JAX's cache settings as a fresh process has them (``testutil``), and each test compiles
+    afresh (on XLA:CPU an executable that has run cannot be serialized, and JAX's in-memory
+    cache would hand back one from an earlier test)."""
     jax.clear_caches()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    cc.reset_cache()
+    yield from fresh_process_jax_cache(monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,10 @@
 """Helpers shared by the tests: the relative error against a reference, a randomised
-``WeaveDecoder``, pure-JAX stand-ins for the fused kernel injected as reducers."""
+``WeaveDecoder``, pure-JAX stand-ins for the fused kernel injected as reducers, JAX's cache
+settings of a fresh process."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -76,3 +79,29 @@ class FakeKernel:
                 assert slot in inflight, self.log
                 inflight.remove(slot)
         assert not inflight, self.log
+
+
+CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                  "jax_enable_compilation_cache")
+
+
+def fresh_process_jax_cache(monkeypatch) -> Iterator[None]:
+    """For a fixture: JAX's cache settings as a fresh process has them (the cache on, no
+    directory, the default minimum compile time), the engine's choice of cache forgotten;
+    restored afterwards (tests run with the cache off: conftest.py)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    from jax_tokenweave.serving import compilation_cache as engine_cache
+
+    saved = {name: getattr(jax.config, name) for name in CACHE_SETTINGS}
+    monkeypatch.setattr(engine_cache, "_ours", None)
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax.config.update("jax_enable_compilation_cache", True)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        cc.reset_cache()
