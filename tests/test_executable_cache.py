@@ -25,7 +25,6 @@ from testutil import fresh_process_jax_cache
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
-from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import executable_cache as ec
 from jax_tokenweave.tuning import TuneEntry
 
@@ -96,8 +95,7 @@ def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monk
     layout = runner.layouts()[-1]
 
     def key(r=runner, lay=layout) -> str:
-        return r.program_key(lay, (r.state, r.cache, batch_lib.pack_padding(lay, r.config),
-                                   r.no_tokens))
+        return r.program_key(lay, r.padding_args(lay))
 
     base = key()
     assert key() == base
@@ -136,9 +134,8 @@ def test_a_corrupt_file_is_compiled_again_with_a_warning(model, tmp_path):
     n = first.warmup().layouts
     # a forward program's file (the key, as warm-up made it, before any step replaced the cache)
     runner, layout = first.runner, first.runner.layouts()[0]
-    broken = runner.executable_cache.path(runner.program_key(layout, (
-        runner.state, runner.cache, batch_lib.pack_padding(layout, runner.config),
-        runner.no_tokens)))
+    broken = runner.executable_cache.path(runner.program_key(layout,
+                                                             runner.padding_args(layout)))
     want = tokens(first)
     data = bytearray(broken.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -77,6 +77,7 @@ class ModelRunner:
         self.mesh, self.axis_name = model.mesh, model.axis_name
         self.tp = self.mesh.shape[self.axis_name]
         self.graphdef, self.state = nnx.split(model)
+        self._leaves, self._state_def = jax.tree_util.tree_flatten(self.state)
         self.cache = init_paged_cache(self.model_config, self.mesh, config.num_blocks,
                                       config.block_size, model.embed.get_value().dtype,
                                       self.axis_name)
@@ -92,7 +93,8 @@ class ModelRunner:
     def _static(self, layout: batch_lib.StepLayout) -> dict[str, Any]:
         cfg = self.config
         return dict(graphdef=self.graphdef, layout=layout, schedule=cfg.schedule, comm=cfg.comm,
-                    key_chunk=cfg.key_chunk, tuning=cfg.tuning, attention=cfg.attention)
+                    key_chunk=cfg.key_chunk, tuning=cfg.tuning, attention=cfg.attention,
+                    state_def=self._state_def)
 
     def pack(self, scheduled: ScheduledStep) -> tuple[batch_lib.StepLayout,
                                                       batch_lib.StepArrays]:
@@ -108,10 +110,10 @@ class ModelRunner:
         prev = self.no_tokens if prev_tokens is None else prev_tokens
         program = self._executables.get(layout)
         if program is None:
-            logits, self.cache = jitted_forward(self.state, self.cache, arrays, prev,
+            logits, self.cache = jitted_forward(self._leaves, self.cache, arrays, prev,
                                                 **self._static(layout))
         else:
-            logits, self.cache = program(self.state, self.cache, arrays, prev)
+            logits, self.cache = program(self._leaves, self.cache, arrays, prev)
         sampler = "sample" if np.any(np.asarray(arrays.temperature) > 0) else "greedy"
         logprobs = self.config.max_logprobs if bool(arrays.want_logprobs) else 0
         settings = sampling_arrays(arrays)
@@ -161,8 +163,7 @@ class ModelRunner:
         Returns how many layouts were loaded and compiled."""
         start = time.perf_counter()
         layouts = self.layouts()
-        args = {layout: (self.state, self.cache, batch_lib.pack_padding(layout, self.config),
-                         self.no_tokens) for layout in layouts}
+        args = {layout: self.padding_args(layout) for layout in layouts}
         cache = self.executable_cache
         keys = ({layout: self.program_key(layout, args[layout]) for layout in layouts}
                 if cache.enabled else {})
@@ -236,6 +237,12 @@ class ModelRunner:
 
         made = pool.map(lambda item: make(*item), wanted.values())
         self._samplers.update(zip(wanted, made, strict=True))
+
+    def padding_args(self, layout: batch_lib.StepLayout) -> tuple[Any, ...]:
+        """The forward program's arguments for ``layout`` with padding rows only (what warm-up
+        compiles with): the state's leaves, the cache, the arrays, the previous tokens."""
+        return (self._leaves, self.cache, batch_lib.pack_padding(layout, self.config),
+                self.no_tokens)
 
     def program_key(self, layout: batch_lib.StepLayout, args: tuple[Any, ...]) -> str:
         """The executable cache's key of ``layout``'s program on ``args`` (state, cache,

@@ -188,20 +188,26 @@ with the inputs and outputs copied through an uncaptured call, 7.0 against 7.6 m
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "layout", "schedule", "comm",
-                                             "key_chunk", "tuning", "attention"),
+                                             "key_chunk", "tuning", "attention", "state_def"),
                    donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
 def jitted_forward(state: Any, cache: PagedKVCache, arrays: StepArrays,
                    prev_tokens: jax.Array | None = None, *, graphdef: Any, layout: StepLayout,
                    schedule: str, comm: str, key_chunk: int, tuning: TuneEntry | None,
-                   attention: str = "auto") -> tuple[jax.Array, PagedKVCache]:
+                   attention: str = "auto", state_def: Any = None
+                   ) -> tuple[jax.Array, PagedKVCache]:
     """:func:`model_forward` on ``nnx.merge(graphdef, state)``, jitted, the cache donated
     (shared by every engine of the same model structure: equal shapes compile once).
+    ``state_def``: ``state`` is the list of the state's leaves, of this tree (a flat list
+    passes through dispatch faster than the ``nnx.State``: measured 0.05 against 0.21 ms per
+    call for 195 leaves on a CPU).
 
     It holds no ``lax.cond``: XLA's GPU runtime waits on the host for a conditional's
     predicate, which made each step's dispatch return only when the GPU had finished it (so
     the host could not prepare the next step meanwhile). The choices that need a branch
     (greedy or drawn tokens, log-probabilities or not) are made on the host, by picking the
     sampler program (:data:`jitted_sampler`)."""
+    if state_def is not None:
+        state = jax.tree_util.tree_unflatten(state_def, state)
     return model_forward(nnx.merge(graphdef, state), cache, arrays, layout, schedule=schedule,
                          comm=comm, key_chunk=key_chunk, tuning=tuning, attention=attention,
                          prev_tokens=prev_tokens)
