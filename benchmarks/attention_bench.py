@@ -43,6 +43,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.util import ceil_div
 
 IMPLS = ("xla", "cuda", "pallas")
 # (GPU default, GPU --quick, CPU default, CPU --quick) per sweep option.
@@ -170,8 +171,8 @@ def make_inputs(case: Case, a: argparse.Namespace, seed: int) -> dict[str, Any]:
     import jax.numpy as jnp
 
     bs, per_chunk = a.block_size, a.key_chunk // a.block_size
-    per_request = -(-case.keys // bs)
-    width = -(-per_request // per_chunk) * per_chunk
+    per_request = ceil_div(case.keys, bs)
+    width = ceil_div(per_request, per_chunk) * per_chunk
     rng = np.random.default_rng(seed)
     perm = rng.permutation(case.requests * per_request).astype(np.int32)
     tables = np.zeros((case.requests, width), np.int32)
@@ -339,7 +340,7 @@ def run(a: argparse.Namespace, device: Any, platform: str, seed: int) -> dict[st
     start = time.perf_counter()
     todo = cases(a)
     for i, case in enumerate(tqdm(todo, desc="attention_bench")):
-        keys = case.requests * -(-case.keys // a.block_size) * a.block_size
+        keys = case.requests * ceil_div(case.keys, a.block_size) * a.block_size
         cache_gb = rf.kv_bytes(keys, a.kv_heads, a.head_dim, itemsize) / rf.GB
         reason = None
         if cache_gb > a.max_cache_gb:

@@ -35,6 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.util import ceil_div
 
 ENGINE_OPTIONS = ("block_size", "prefill_tile", "key_chunk", "max_num_batched_tokens")
 DEFAULTS = {"gpu": dict(model="llama3-8b", batch=[1, 64, 256], context=[1024], steps=32,
@@ -148,8 +149,8 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
 
     tile = a.prefill_tile
     budget = max(a.max_num_batched_tokens, decode_rows(requests, tile) + tile)
-    per_request = -(-positions // a.block_size)
-    return EngineConfig(max_num_batched_tokens=-(-budget // tile) * tile, max_num_seqs=requests,
+    per_request = ceil_div(positions, a.block_size)
+    return EngineConfig(max_num_batched_tokens=ceil_div(budget, tile) * tile, max_num_seqs=requests,
                         max_model_len=positions + 1, block_size=a.block_size,
                         num_blocks=requests * per_request + 1, prefill_tile=tile,
                         key_chunk=a.key_chunk, schedule=a.schedule, comm=a.comm,

@@ -44,6 +44,7 @@ import jax
 
 from jax_tokenweave import benchmarking as bm
 from jax_tokenweave.modes import Mode, measure
+from jax_tokenweave.util import ceil_div
 
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("baseline"), Mode("weave", "ffi", split=False), Mode("weave", "xla"),
@@ -246,7 +247,7 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     if not groups:
         return False
     ncols = min(2, len(groups))
-    nrows = -(-len(groups) // ncols)
+    nrows = ceil_div(len(groups), ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.6 * nrows), squeeze=False)
     for ax, ((kind, model, tp), recs) in zip(axes.flat, groups.items(), strict=False):
         base = {r["tokens"]: r["median_ms"] for r in recs

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.util import ceil_div
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_OPTIONS = ("max_num_batched_tokens", "prefill_tile", "block_size", "key_chunk")
@@ -117,7 +118,7 @@ def engine_sizes(a: argparse.Namespace) -> dict[str, int]:
     longest = a.prompt_len[1] + a.output_len[1]
     block = a.block_size or 16
     sizes = {"max_num_seqs": a.clients, "max_model_len": longest + 1,
-             "num_blocks": a.clients * -(-longest // block) + 1}
+             "num_blocks": a.clients * ceil_div(longest, block) + 1}
     sizes.update({n: getattr(a, n) for n in ENGINE_OPTIONS if getattr(a, n) is not None})
     return sizes
 

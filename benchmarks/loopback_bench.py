@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from jax_tokenweave.comm import CommSettings
 from jax_tokenweave.loopback import LoopbackComm, reference
+from jax_tokenweave.util import ceil_div
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     points = [(n, t, a) for n in args.ranks for t in args.tokens for a in args.algos]
     for n, tokens, algo in tqdm(points, desc="loopback_bench"):
-        q = -(-tokens // n)
+        q = ceil_div(tokens, n)
         partial = rng.standard_normal((n, tokens, args.hidden)).astype(ml_dtypes.bfloat16)
         residual = rng.standard_normal((n, q, args.hidden)).astype(ml_dtypes.bfloat16)
         weight = rng.standard_normal(args.hidden).astype(np.float32)

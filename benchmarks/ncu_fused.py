@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jax_tokenweave.util import ceil_div
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_kernels import _chain
 
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     n, t, h = args.tp, args.tokens, args.hidden
     part = jnp.asarray(rng.standard_normal((n * t, h)), jnp.bfloat16)
-    res = jnp.asarray(rng.standard_normal((n * -(-t // n), h)), jnp.bfloat16)
+    res = jnp.asarray(rng.standard_normal((n * ceil_div(t, n), h)), jnp.bfloat16)
     w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), jnp.float32)
     fn = _chain(mesh, "ffi", args.calls, args.algo, args.ctas or None)
     for _ in range(args.runs):

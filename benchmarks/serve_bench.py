@@ -38,6 +38,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.util import ceil_div
 
 WORKLOADS = ("all-at-once", "poisson")
 SCHEDULES = ("weave", "baseline")
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
     model = LlamaModel(config, mesh, dtype=bm.DTYPES[args.dtype], rngs=nnx.Rngs(args.seed))
     requests = make_requests(args, config.vocab_size)
     longest = args.prompt_len[1] + args.output_len[1]
-    per_request = -(-longest // args.block_size)
+    per_request = ceil_div(longest, args.block_size)
     engine_config = EngineConfig(
         **bm.engine_options(args, ENGINE_OPTIONS), max_model_len=longest,
         num_blocks=per_request * min(args.num_requests, args.max_num_seqs), comm=args.comm,

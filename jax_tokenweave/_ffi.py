@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from jax_tokenweave import _extension
 from jax_tokenweave.comm import Communicator, get_communicator
+from jax_tokenweave.util import ceil_div
 
 TARGETS = {
     "allreduce_rmsnorm": "tokenweave_allreduce_rmsnorm",
@@ -78,7 +79,7 @@ def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo
     if reason is not None:
         raise RuntimeError(f"the fused allreduce_rmsnorm kernel is unavailable: {reason}")
     register_targets()
-    rows = -(-partial.shape[0] // comm.axis_size)
+    rows = ceil_div(partial.shape[0], comm.axis_size)
     if residual.shape != (rows, partial.shape[1]):
         raise ValueError(f"residual must be token-sharded {(rows, partial.shape[1])}, "
                          f"got {residual.shape}")

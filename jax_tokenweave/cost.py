@@ -26,6 +26,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jax_tokenweave.util import ceil_div
+
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
@@ -91,7 +93,7 @@ class CostModel:
             lo, hi = (lo, mid) if a >= b else (mid + 1, hi)
         candidates = {lo - 1, lo} if lo > 1 else {lo}
         tile = self.tile_m
-        aligned = {(c // tile) * tile for c in candidates} | {-(-c // tile) * tile
+        aligned = {(c // tile) * tile for c in candidates} | {ceil_div(c, tile) * tile
                                                               for c in candidates}
         aligned = {c for c in aligned if 1 <= c <= total - 1}
         pool = aligned or candidates

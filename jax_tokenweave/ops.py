@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jax_tokenweave.util import ceil_div
+
 Impl = Literal["auto", "xla", "xla_rsag", "ffi"]
 IMPLS: tuple[str, ...] = get_args(Impl)
 SHARDED_RESIDUAL_IMPLS = ("auto", "xla_rsag", "ffi")
@@ -35,7 +37,7 @@ def rows_per_rank(num_tokens: int, axis_size: int) -> int:
     """Rows of the token-sharded residual each rank holds: ``ceil(num_tokens / axis_size)``."""
     if num_tokens < 1 or axis_size < 1:
         raise ValueError(f"need num_tokens >= 1 and axis_size >= 1, got {num_tokens}, {axis_size}")
-    return -(-num_tokens // axis_size)
+    return ceil_div(num_tokens, axis_size)
 
 
 def residual_rows(num_tokens: int, axis_size: int, impl: str) -> int:

@@ -70,6 +70,7 @@ import numpy as np
 from jax_tokenweave import tuning as tuning_lib
 from jax_tokenweave.cost import CostModel
 from jax_tokenweave.tuning import DEFAULT_THRESHOLD, TuneEntry, TuneTable
+from jax_tokenweave.util import ceil_div
 
 if TYPE_CHECKING:
     from jax_tokenweave.config import DecoderConfig
@@ -93,7 +94,7 @@ PAD_MULTIPLE = 256
 
 def round_up(value: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is ``>= value``."""
-    return -(-value // multiple) * multiple
+    return ceil_div(value, multiple) * multiple
 
 
 def midpoint(num_tokens: int) -> int:

@@ -69,9 +69,30 @@ def ffi_mesh2(gpu_mesh):
     return mesh
 
 
+DEFAULT_SEED = 0
+"""The ``rng`` fixture's seed unless ``TEST_SEED`` names another (``TEST_SEED=random``: one
+drawn from the OS)."""
+
+
+def seed_from_env() -> int:
+    """The seed of this run: ``TEST_SEED`` (an int, or ``random``) else :data:`DEFAULT_SEED`."""
+    value = os.environ.get("TEST_SEED", "").strip()
+    if not value:
+        return DEFAULT_SEED
+    if value.lower() == "random":
+        return int(np.random.SeedSequence().entropy % (2**32))
+    return int(value)
+
+
+def pytest_report_header(config) -> str:
+    seed = os.environ.get("TEST_SEED", "").strip() or DEFAULT_SEED
+    return f"numpy seed (rng fixture): {seed} (TEST_SEED overrides it)"
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
-    """Fresh random inputs every run (seed from the OS), printed so a failure can be replayed."""
-    seed = int(os.environ.get("TEST_SEED") or np.random.SeedSequence().entropy % (2**32))
+    """Random inputs from a fixed seed (``TEST_SEED`` overrides it), printed so a failure can be
+    replayed with ``TEST_SEED=<seed>``."""
+    seed = seed_from_env()
     print(f"numpy seed: {seed}")
     return np.random.default_rng(seed)

@@ -28,6 +28,7 @@ from jax_tokenweave import _ffi
 from jax_tokenweave.benchmarking import global_array, local_data
 from jax_tokenweave.comm import CommFailed, get_communicator
 from jax_tokenweave.loopback import reference
+from jax_tokenweave.util import ceil_div
 
 
 def _run(mesh, partial, residual, weight, algo):
@@ -55,7 +56,7 @@ def main() -> int:
     cases = [("one_shot", 1, 8192), ("one_shot", 13, 4096), ("two_shot", 64, 4096),
              ("two_shot", 5, 2048)] if scenario == "correct" else [("one_shot", 4, 4096)]
     for algo, tokens, hidden in cases:
-        q = -(-tokens // nproc)
+        q = ceil_div(tokens, nproc)
         partial = rng.standard_normal((nproc, tokens, hidden)).astype(ml_dtypes.bfloat16)
         residual = rng.standard_normal((nproc, q, hidden)).astype(ml_dtypes.bfloat16)
         weight = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)

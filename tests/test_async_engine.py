@@ -88,6 +88,7 @@ def random_workload(rng, n=9):
     return workload
 
 
+@pytest.mark.slow
 def test_async_equals_sync(model, rng):
     """Identical streams; then again with stop tokens and stop strings taken from the first
     run's outputs and aborts after a few tokens."""
@@ -117,6 +118,7 @@ def test_async_equals_sync(model, rng):
         assert not engine.scheduler.deferred and not engine.has_unfinished()
 
 
+@pytest.mark.slow
 def test_no_block_reused_while_a_step_writing_it_is_in_flight(model, rng):
     """Every allocation avoids the blocks of the steps dispatched and not yet taken (their
     requests' blocks when dispatched); stops and aborts make the frees wait a step."""

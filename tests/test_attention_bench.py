@@ -30,6 +30,7 @@ def bench():
     sys.modules.pop(spec.name, None)
 
 
+@pytest.mark.slow
 def test_runs_every_implementation_on_tiny_shapes(bench, tmp_path, capsys):
     plot = [] if bench.bm.matplotlib_missing() is None else ["--no-plot"]
     assert bench.main(["--out", str(tmp_path), *TINY, "--pallas-interpret", *plot]) == 0

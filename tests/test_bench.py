@@ -77,6 +77,7 @@ def test_request_lengths():
         bm.request_lengths(0, 40)
 
 
+@pytest.mark.slow
 def test_main_job_in_process(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert bench.main([*TINY, "--tokens", "96,64", "--json", str(out), "--seed", "7"]) == 0
@@ -111,6 +112,7 @@ def test_main_job_refuses_to_report_when_weave_disagrees(monkeypatch, capsys, tm
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_main_job_subprocess_uses_eight_cpu_devices(tmp_path):
     """As a newcomer runs it: a fresh process sets up the 8 virtual CPU devices itself."""
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
@@ -185,6 +187,7 @@ def _load_e2e():
     return _load_script("e2e_bench")
 
 
+@pytest.mark.slow
 def test_e2e_bench_runs_and_skips_unavailable_modes(tmp_path):
     e2e = _load_e2e()
     argv = ["--out", str(tmp_path), "--models", "tiny", "--layers", "1", "--tp", "2", "16",
@@ -302,6 +305,7 @@ def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys, tmp_p
     assert (tmp_path / "e2e.json").exists() and not (tmp_path / "e2e.png").exists()
 
 
+@pytest.mark.slow
 def test_cpu_devices_when_jax_started_first(tmp_path):
     """The main job called after JAX started (with its default of one CPU device): it says so,
     and runs on the device there is."""
@@ -363,6 +367,7 @@ def test_tune_skips_without_gpus(capsys):
 
 # ---------------------------------------------------------------------------- breakdown.py ---
 
+@pytest.mark.slow
 def test_breakdown_runs_on_cpu(tmp_path, capsys):
     """The breakdown on 8 virtual CPU devices: every mode that can run here is measured and the
     model-computing ones checked; the fused kernel's modes are skipped saying why."""

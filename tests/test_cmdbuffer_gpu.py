@@ -21,6 +21,7 @@ _STEP = textwrap.dedent("""
     from jax.sharding import Mesh, PartitionSpec as P
     from jax_tokenweave import _ffi
     from jax_tokenweave.comm import Communicator, CommSettings
+    from jax_tokenweave.util import ceil_div
 
     n, seed, algo, path, kind = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                  sys.argv[5])
@@ -29,7 +30,7 @@ _STEP = textwrap.dedent("""
     layers, tokens, hidden, iters = 4, 8, 4096, 20
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
-    res = jnp.asarray(rng.standard_normal((n * -(-tokens // n), hidden)), jnp.bfloat16)
+    res = jnp.asarray(rng.standard_normal((n * ceil_div(tokens, n), hidden)), jnp.bfloat16)
     w = jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), jnp.float32)
     mats = jnp.asarray(rng.standard_normal((layers, hidden, hidden)) / 64, jnp.bfloat16)
 

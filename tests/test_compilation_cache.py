@@ -34,6 +34,7 @@ def model():
     return LlamaModel(get_config("tiny"), mesh, dtype=jnp.float32, rngs=nnx.Rngs(5))
 
 
+@pytest.mark.slow
 def test_second_engine_compiles_from_the_cache(model, tmp_path, jax_cache):
     cfg = dataclasses.replace(CFG, compilation_cache_dir=str(tmp_path / "xla"))
     first = LLMEngine(model, cfg)

@@ -30,6 +30,7 @@ def bench():
     return load("decode_bench")
 
 
+@pytest.mark.slow
 def test_decode_bench_times_pure_decode_steps(bench, tmp_path, capsys):
     plot = [] if bench.bm.matplotlib_missing() is None else ["--no-plot"]
     assert bench.main(["--out", str(tmp_path), *DECODE, *plot]) == 0
@@ -52,6 +53,7 @@ def test_decode_bench_times_pure_decode_steps(bench, tmp_path, capsys):
     assert "roofline" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_prefill_bench_compares_engine_and_bare_stack(tmp_path):
     prefill = load("prefill_bench")
     argv = ["--out", str(tmp_path), *MODEL, "--workloads", "24x1", "8x2", "40x1",

@@ -65,6 +65,7 @@ def files(tmp_path: Path) -> list[Path]:
     return sorted(folder.glob("*.bin")) if folder.exists() else []
 
 
+@pytest.mark.slow
 def test_second_engine_loads_every_layout_and_makes_the_same_tokens(model, tmp_path):
     first = LLMEngine(model, cached(tmp_path))
     n = len(first.layouts())
@@ -82,6 +83,7 @@ def test_second_engine_loads_every_layout_and_makes_the_same_tokens(model, tmp_p
     assert len(second.runner._executables) == n
 
 
+@pytest.mark.slow
 def test_a_layout_not_warmed_up_runs_through_jit(model, tmp_path):
     engine = LLMEngine(model, dataclasses.replace(CFG, compilation_cache_dir=None))
     want = tokens(engine)                       # no warm-up: every step goes through jit
@@ -123,12 +125,14 @@ def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monk
     assert key() == base
 
 
+@pytest.mark.slow
 def test_a_changed_config_misses_the_cache(model, tmp_path):
     LLMEngine(model, cached(tmp_path)).warmup()
     report = LLMEngine(model, cached(tmp_path, key_chunk=16)).warmup()
     assert report.loaded == 0 and report.compiled == report.layouts
 
 
+@pytest.mark.slow
 def test_a_corrupt_file_is_compiled_again_with_a_warning(model, tmp_path):
     first = LLMEngine(model, cached(tmp_path))
     n = first.warmup().layouts
@@ -151,6 +155,7 @@ def test_a_corrupt_file_is_compiled_again_with_a_warning(model, tmp_path):
     assert LLMEngine(model, cached(tmp_path)).warmup().loaded == n     # rewritten
 
 
+@pytest.mark.slow
 def test_no_directory_or_jax_caching_off_writes_nothing(model, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jax_tokenweave import _extension, _ffi, comm, kernel_policy, ops, tuning
 from jax_tokenweave.comm import CommSettings, Communicator
 from jax_tokenweave.kernel_policy import KernelPolicy, PolicyRow
+from jax_tokenweave.util import ceil_div
 
 needs_ext = pytest.mark.skipif(_extension.import_error() is not None,
                                reason=f"extension not built: {_extension.import_error()}")
@@ -55,7 +56,7 @@ def test_extension_exports_only_its_init_function():
 def test_needed_bytes_per_algo(n):
     ext = _extension.get()
     tokens, hidden = 37, 1024
-    q = -(-tokens // n)
+    q = ceil_div(tokens, n)
     # one-shot receive buffer: every peer's T partial rows and q residual rows
     assert ext.needed_bytes("one_shot", n, tokens, hidden, 2) == (n - 1) * (tokens + q) * hidden * 2
     # two-shot: reduce-scatter + all-gather staging of q rows per peer

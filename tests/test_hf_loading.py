@@ -331,6 +331,7 @@ def test_from_pretrained_warns_unused(ckpts, cpu_mesh, tmp_path):
         from_pretrained(path, cpu_mesh(1), np.float32)
 
 
+@pytest.mark.slow
 def test_generate_cli_with_token_ids(ckpts, capsys):
     """``python -m jax_tokenweave.generate`` on a checkpoint without a tokenizer: ids in, ids
     out."""

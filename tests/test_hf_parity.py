@@ -80,10 +80,15 @@ def test_parity(reference, cpu_mesh, kind, tp):
         assert rel < 1e-4, (schedule, rel)
 
 
+def _slow(*args):
+    return pytest.param(*args, marks=pytest.mark.slow)
+
+
+# End to end, about 2 s each on a CPU: the fast run (-m "not slow") keeps one case.
 @pytest.mark.parametrize(("kind", "tp", "schedule"), [
-    ("llama", 1, "weave"), ("llama", 2, "weave"), ("llama", 4, "weave"),
-    ("llama", 1, "baseline"), ("llama", 2, "baseline"), ("llama", 4, "baseline"),
-    ("qwen2", 2, "weave"), ("mixtral", 4, "weave")])
+    _slow("llama", 1, "weave"), ("llama", 2, "weave"), _slow("llama", 4, "weave"),
+    _slow("llama", 1, "baseline"), _slow("llama", 2, "baseline"), _slow("llama", 4, "baseline"),
+    _slow("qwen2", 2, "weave"), _slow("mixtral", 4, "weave")])
 def test_engine_greedy_parity(reference, cpu_mesh, kind, tp, schedule):
     """The serving engine's greedy tokens equal ``transformers``' ``generate`` for requests that
     arrive at different steps and whose prompts are chunked across steps (and, with weave,

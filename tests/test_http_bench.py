@@ -14,6 +14,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 
+@pytest.mark.slow
 def test_http_bench_runs_both_ways(tmp_path, capsys):
     bench_file = Path(__file__).resolve().parents[1] / "benchmarks" / "http_bench.py"
     bench = bm.sibling_module(str(bench_file), "http_bench")

@@ -33,6 +33,9 @@ import_or_skip("transformers")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+# One server process and one in-process LLM for the whole file: end to end, slow on a CPU.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
 SIZES = dict(max_num_batched_tokens=64, max_num_seqs=16, prefill_tile=16, block_size=16,

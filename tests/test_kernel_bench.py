@@ -65,6 +65,7 @@ def test_policy_uses_wall_time_without_device_time(kernel_bench):
     assert kernel_bench.policy_from_rows(rows, meta).choose(4, 1).algo == "one_shot"
 
 
+@pytest.mark.slow
 def test_runs_with_one_process_per_device(tmp_path):
     """Under the launcher (two CPU processes, XLA's collectives over gloo) every process builds
     the same inputs and process 0 alone writes the results."""

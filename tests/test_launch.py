@@ -147,6 +147,7 @@ def run_launcher(args: list[str], timeout: float = 120) -> tuple[subprocess.Comp
     return result, time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_exchange_a_value(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent("""
@@ -172,6 +173,7 @@ def test_two_cpu_processes_exchange_a_value(tmp_path):
     assert out == {0: "rank 0 of 2 got from-1\n", 1: "rank 1 of 2 got from-0\n"}, err
 
 
+@pytest.mark.slow
 def test_a_failing_rank_stops_the_others(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(f"""
@@ -238,6 +240,7 @@ def test_module_runs_as_documented():
     assert Path(launch.__file__).name == "launch.py"
 
 
+@pytest.mark.slow
 def test_the_main_job_runs_one_process_per_device(tmp_path):
     """``python -m jax_tokenweave.bench`` under the launcher: two CPU processes (XLA's
     collectives over gloo) build the same model; the first one alone prints and writes."""

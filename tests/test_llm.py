@@ -87,6 +87,7 @@ def test_stop_strings_cut_the_text(llm):
     assert streamed[-1].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_async_streams_run_together_and_a_bad_one_fails_alone(llm):
     prompts = ["one", "two two", "three three three"]
     want = [o.token_ids for o in llm.generate(prompts, GREEDY)]

@@ -64,6 +64,7 @@ def idle(llm):
     assert llm.engine.num_blocks_in_use == 0
 
 
+@pytest.mark.slow
 def test_a_vllm_script_runs_with_only_the_import_changed(checkpoint, capsys):
     code = VLLM_SCRIPT.replace("from vllm import", "from jax_tokenweave import")
     namespace = {"MODEL": checkpoint}

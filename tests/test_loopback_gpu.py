@@ -19,6 +19,7 @@ from testutil import rel_err
 
 from jax_tokenweave.comm import CommSettings
 from jax_tokenweave.loopback import reference
+from jax_tokenweave.util import ceil_div
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +43,7 @@ def loopback():
 
 
 def _inputs(rng, n, tokens, hidden, dtype):
-    q = -(-tokens // n)
+    q = ceil_div(tokens, n)
     t = NP[dtype]
     partial = rng.standard_normal((n, tokens, hidden)).astype(t)
     residual = rng.standard_normal((n, q, hidden)).astype(t)

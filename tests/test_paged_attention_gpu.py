@@ -15,6 +15,7 @@ from flax import nnx
 
 from jax_tokenweave.serving import attention_kernel
 from jax_tokenweave.serving.paged_attention import paged_attention, resolve_implementation
+from jax_tokenweave.util import ceil_div
 
 needs_kernel = pytest.mark.skipif(
     not gpu_devices() or attention_kernel.unavailable_reason(
@@ -52,7 +53,7 @@ def _case(rng, *, groups, tile, contexts, hq, kvh, d, bs, dtype, width=None):
     """Random ``(q, k_cache, v_cache)`` in ``dtype`` and the int32 ``tables``, ``positions``:
     group i's rows end at context ``contexts[i]`` (a prompt tile holds positions
     ``ctx - tile .. ctx - 1``); blocks in random order."""
-    width = width or max(-(-c // bs) for c in contexts) + 1
+    width = width or max(ceil_div(c, bs) for c in contexts) + 1
     num_blocks = groups * width + 3
     perm = rng.permutation(num_blocks).astype(np.int32)
     tables = perm[:groups * width].reshape(groups, width)
@@ -147,7 +148,7 @@ def test_decode_rows_cut_by_live_rows_and_padding_rows_zero(rng, rows, live, kvh
     hq, d, bs, num_blocks = 4 * kvh, 128, 16, 300
     contexts = rng.integers(1, 2500, live)
     contexts[0] = 2500
-    width = -(-2500 // bs)
+    width = ceil_div(2500, bs)
     tables = rng.integers(0, num_blocks, (rows, width)).astype(np.int32)
     k_cache = rng.standard_normal((num_blocks, bs, kvh, d)).astype(np.float32)
     v_cache = rng.standard_normal((num_blocks, bs, kvh, d)).astype(np.float32)

@@ -150,6 +150,7 @@ def test_readme_api_example_runs():
     assert out.shape == (plan.num_tokens, config.hidden_size)
 
 
+@pytest.mark.slow
 def test_readme_serving_example_runs(tmp_path, capsys):
     """The serving example, on a tiny checkpoint (made with ``transformers``, with a tokenizer)
     in place of ``/path/to/checkpoint``."""

@@ -15,6 +15,7 @@ from jax_tokenweave.serving.buckets import decode_rows, next_pow2, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import Chunk, ScheduledStep, Scheduler, Sequence
+from jax_tokenweave.util import ceil_div
 
 CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
                    num_blocks=16, max_model_len=40, key_chunk=8, split_threshold=16)
@@ -158,7 +159,7 @@ def reference_pack(step, cfg, model, tp):
     """``batch.pack`` written plainly (one token at a time), to check the vectorized one."""
     tile, bs = cfg.prefill_tile, cfg.block_size
     decode = decode_rows(len(step.decodes), tile)
-    used = decode + sum(-(-c.length // tile) * tile for c in step.chunks)
+    used = decode + sum(ceil_div(c.length, tile) * tile for c in step.chunks)
     layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model,
                          tp)
     r, s = layout.rows, layout.samples
@@ -182,7 +183,7 @@ def reference_pack(step, cfg, model, tp):
         q = chunk.seq
         for j in range(chunk.length):
             place(row + j, q.blocks, q.prompt[chunk.start + j], chunk.start + j)
-        tiles = -(-chunk.length // tile)
+        tiles = ceil_div(chunk.length, tile)
         group = decode + (row - decode) // tile
         tables[group:group + tiles, :len(q.blocks)] = q.blocks
         if chunk.last:
@@ -219,7 +220,7 @@ def random_step(rng, cfg):
                                     logprobs=None if rng.random() < 0.9 else 1),
                      seed=int(rng.integers(1 << 40)), stop_ids=frozenset())
         q.num_computed, q.output = computed, rng.integers(0, 1000, made).tolist()
-        need = -(-(prompt_len + max_tokens - 1) // bs)
+        need = ceil_div(prompt_len + max_tokens - 1, bs)
         q.blocks = [int(free.pop()) for _ in range(need)]
         return q
 
@@ -232,7 +233,7 @@ def random_step(rng, cfg):
         start = int(rng.integers(0, prompt_len))
         length = min(int(rng.integers(1, prompt_len - start + 1)), room)
         chunks.append(Chunk(make(prompt_len, start, 0), start, length))
-        room -= -(-length // tile) * tile
+        room -= ceil_div(length, tile) * tile
     step = ScheduledStep(tuple(decodes), tuple(chunks))
     prev = int(rng.integers(1, cfg.max_num_seqs + 1))
     return dataclasses.replace(

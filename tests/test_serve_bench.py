@@ -26,6 +26,7 @@ def load():
     return module
 
 
+@pytest.mark.slow
 def test_serve_bench_runs_both_engines_on_both_workloads(tmp_path, capsys):
     bench = load()
     assert bench.main(["--out", str(tmp_path), *TINY]) == 0

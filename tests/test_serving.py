@@ -66,6 +66,7 @@ def run_with_arrivals(engine, arrivals, params):
     return [engine.release(i) for i in ids]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])     # baseline and TP 1: tests/test_hf_parity.py
 def test_greedy_matches_reference_with_arrivals_and_chunks(rng, cpu_mesh, tp):
     config = get_config("tiny")
@@ -172,6 +173,7 @@ def test_stop_tokens_and_ignore_eos(model, rng):
     assert kept.token_ids == full[0].token_ids and kept.finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_no_compilation_after_warmup_over_a_stream_of_arrivals(model, rng):
     engine = LLMEngine(model, dataclasses.replace(CFG, schedule="weave"))
     assert engine.warmup().layouts == len(engine.layouts()) >= 6

@@ -166,7 +166,10 @@ def test_offset_emptying_a_half_raises(lengths, data):
     if total < 2:
         return
     mid = midpoint(total)
-    bad = data.draw(st.one_of(st.integers(-10_000, -mid), st.integers(total - mid, 10_000)))
+    # offsets that leave the first half (<= -mid) or the second (>= total - mid) empty; the
+    # ranges move with mid, which exceeds 10_000 for the longest batches (up to 30_000 tokens)
+    bad = data.draw(st.one_of(st.integers(-mid - 10_000, -mid),
+                              st.integers(total - mid, total - mid + 10_000)))
     with pytest.raises(ValueError, match="non-empty"):
         plan_batch(lengths, offset=bad, split=True)
 

@@ -38,6 +38,7 @@ from jax_tokenweave.serving.buckets import decode_rows, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.scheduler import ScheduledStep
 from jax_tokenweave.split import BatchPlan, WaveModel, midpoint, plan_batch
+from jax_tokenweave.util import ceil_div
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +106,7 @@ def pack(step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig,
     tile, bs, width = cfg.prefill_tile, cfg.block_size, cfg.table_width
     decodes, chunks = step.decodes, step.chunks
     lengths = np.fromiter((c.length for c in chunks), np.int64, len(chunks))
-    tiles = -(-lengths // tile)                                     # [C]
+    tiles = ceil_div(lengths, tile)                                 # [C]
     decode = decode_rows(len(decodes), tile)
     used = decode + int(tiles.sum()) * tile
     layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from jax_tokenweave.serving import checks
+from jax_tokenweave.util import ceil_div
 
 
 class OutOfBlocksError(RuntimeError):
@@ -34,7 +35,7 @@ class BlockAllocator:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` positions."""
-        return -(-checks.at_least(num_tokens, 0, "num_tokens") // self.block_size)
+        return ceil_div(checks.at_least(num_tokens, 0, "num_tokens"), self.block_size)
 
     def can_allocate(self, count: int) -> bool:
         """Whether ``count`` blocks are free now."""

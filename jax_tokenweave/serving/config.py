@@ -11,6 +11,7 @@ from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.compilation_cache import DEFAULT_DIR
 from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
 from jax_tokenweave.tuning import TuneEntry
+from jax_tokenweave.util import ceil_div
 
 SERVING_SCHEDULES = ("weave", "baseline")
 
@@ -124,6 +125,6 @@ class EngineConfig:
         """Block-table entries per request: ``max_model_len`` positions, padded to whole
         ``key_chunk``s."""
         per_chunk = self.key_chunk // self.block_size
-        blocks = -(-self.max_model_len // self.block_size)
-        return -(-blocks // per_chunk) * per_chunk
+        blocks = ceil_div(self.max_model_len, self.block_size)
+        return ceil_div(blocks, per_chunk) * per_chunk
 

@@ -59,6 +59,7 @@ from jax_tokenweave.serving.runner import InFlight, ModelRunner
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import ScheduledStep, Scheduler
 from jax_tokenweave.serving.scheduler import Sequence as Seq
+from jax_tokenweave.util import ceil_div
 
 
 @dataclasses.dataclass
@@ -342,7 +343,7 @@ class LLMEngine:
             cut, row = layout.plan.halves[1].start, layout.decode_rows
             for c in step.chunks:
                 stats.cut_steps += row < cut < row + c.length
-                row += -(-c.length // layout.tile) * layout.tile
+                row += ceil_div(c.length, layout.tile) * layout.tile
 
     def _delta(self, seq: Seq, row: int, outputs: Any, now: float) -> StreamDelta:
         request = self._requests[seq.request_id]

@@ -25,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jax_tokenweave.hf.errors import CheckpointError
+from jax_tokenweave.util import ceil_div
 
 CPU_CACHE_BYTES = 1 << 30
 TORCH_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "half": jnp.float16,
@@ -81,7 +82,7 @@ def model_len(max_model_len: int | None, limit: int | None, default: int) -> int
 
 def block_bytes(model_config: Any, block_size: int, tp: int, dtype: Any) -> int:
     """Bytes of one KV cache block on each device (K and V of every layer, its KV heads)."""
-    heads = -(-model_config.num_kv_heads // tp)
+    heads = ceil_div(model_config.num_kv_heads, tp)
     return (2 * model_config.num_layers * block_size * heads * model_config.head_dim
             * jnp.dtype(dtype).itemsize)
 
@@ -108,7 +109,7 @@ def cache_blocks(devices: Any, model_config: Any, engine: Any, dtype: Any,
     check_utilization(utilization)
     tp = len(devices)
     per_block = block_bytes(model_config, engine.block_size, tp, dtype)
-    request_blocks = -(-engine.max_model_len // engine.block_size)
+    request_blocks = ceil_div(engine.max_model_len, engine.block_size)
     stats = [d.memory_stats() for d in devices]
     if any(not s or "bytes_limit" not in s for s in stats):
         fit = max(CPU_CACHE_BYTES // per_block, request_blocks)

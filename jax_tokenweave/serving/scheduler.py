@@ -40,6 +40,7 @@ from jax_tokenweave.serving.blocks import BlockAllocator
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.sampling_params import SamplingParams
+from jax_tokenweave.util import ceil_div
 
 
 @dataclasses.dataclass(eq=False)
@@ -189,7 +190,7 @@ class Scheduler:
             nonlocal room
             length = min(len(seq.prompt) - seq.num_computed, room)
             chunks.append(Chunk(seq, seq.num_computed, length))
-            room -= -(-length // tile) * tile
+            room -= ceil_div(length, tile) * tile
 
         for seq in self.running:
             if not seq.prefilled and room >= tile:
