@@ -150,6 +150,10 @@ class PagedAttention:
         self.slots, self.positions, self.tables = slots, positions, tables
         self.decode_rows, self.tile, self.key_chunk = decode_rows, tile, key_chunk
         self.implementation = implementation
+        # Padding decode rows (their slot is past the cache) attend to nothing: position -1.
+        num_slots = self.k[0].shape[0] * self.k[0].shape[1]
+        self.decode_positions = jnp.where(slots[:decode_rows] < num_slots,
+                                          positions[:decode_rows], -1)
 
     def __call__(self, layer: int, j: int, q: jax.Array, k: jax.Array,
                  v: jax.Array) -> jax.Array:
@@ -157,9 +161,6 @@ class PagedAttention:
         self.k[layer] = paged_cache.write(self.k[layer], self.slots[lo:hi], k)
         self.v[layer] = paged_cache.write(self.v[layer], self.slots[lo:hi], v)
         d, tile = self.decode_rows, self.tile
-        # Padding decode rows (their slot is past the cache) attend to nothing: position -1.
-        live = self.slots[lo:min(hi, d)] < self.k[layer].shape[0] * self.k[layer].shape[1]
-        decode_positions = jnp.where(live, self.positions[lo:min(hi, d)], -1)
         parts = []
         for a, b, size, first_group in ((lo, min(hi, d), 1, lo),
                                         (max(lo, d), hi, tile, d + (max(lo, d) - d) // tile)):
@@ -171,7 +172,7 @@ class PagedAttention:
             out, self.k[layer], self.v[layer] = paged_attention(
                 q[a - lo:b - lo], self.k[layer], self.v[layer],
                 self.tables[first_group:first_group + groups],
-                decode_positions if size == 1 else self.positions[a:b],
+                self.decode_positions[a:b] if size == 1 else self.positions[a:b],
                 tile=size, key_chunk=self.key_chunk, implementation=self.implementation)
             parts.append(out)
         return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]

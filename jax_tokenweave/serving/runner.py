@@ -120,7 +120,8 @@ class ModelRunner:
         compiled = self._samplers.get((layout.samples, sampler, logprobs))
         if compiled is not None:
             return compiled(logits, *settings, prev)
-        return jitted_sampler(logits, *settings, prev, sampler=sampler, num_logprobs=logprobs)
+        return jitted_sampler(logits, *settings, prev, sampler=sampler, num_logprobs=logprobs,
+                              mesh=self.mesh)
 
     def dispatch(self, scheduled: ScheduledStep, arrays: tuple[batch_lib.StepLayout,
                                                                batch_lib.StepArrays],
@@ -222,7 +223,8 @@ class ModelRunner:
                 for logprobs in sorted({0, self.config.max_logprobs}):
                     which = (layout.samples, sampler, logprobs)
                     if which not in self._samplers:
-                        wanted[which] = inputs, {"sampler": sampler, "num_logprobs": logprobs}
+                        wanted[which] = inputs, {"sampler": sampler, "num_logprobs": logprobs,
+                                                  "mesh": self.mesh}
 
         def make(inputs: tuple[Any, ...], static: dict[str, Any]) -> Any:
             key = exe_cache.program_key(

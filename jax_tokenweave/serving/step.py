@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.layers import WeaveDecoder
@@ -132,12 +132,12 @@ SAMPLERS = ("greedy", "sample")
 def sample_step(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
                 temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
                 prev_tokens: jax.Array | None = None, *, sampler: str,
-                num_logprobs: int) -> StepOutputs:
+                num_logprobs: int, mesh: Mesh | None = None) -> StepOutputs:
     """One token per row of ``logits`` [S, V] (``sampler``, one of :data:`SAMPLERS`; the
     sampling settings are [S], as ``StepArrays``'), with ``num_logprobs`` top
     log-probabilities (0: none; the log-probability fields are then zeros [S] and [S, 0]).
-    With ``prev_tokens`` [P], the tokens come back zero-padded to [P] and replicated, to feed
-    the next step."""
+    With ``prev_tokens`` [P], the tokens come back zero-padded to [P] (replicated over
+    ``mesh`` where given), to feed the next step."""
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     if sampler == "greedy":
@@ -153,10 +153,9 @@ def sample_step(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
     if prev_tokens is not None:  # [P], replicated: the next step's prev_tokens
         if n > prev_tokens.shape[0]:
             raise ValueError(f"{n} sampled rows exceed prev_tokens' {prev_tokens.shape[0]}")
-        padded = jnp.zeros_like(prev_tokens).at[:n].set(tokens)
-        sharding = getattr(prev_tokens, "sharding", None)
-        tokens = (jax.lax.with_sharding_constraint(padded, NamedSharding(sharding.mesh, P()))
-                  if isinstance(sharding, NamedSharding) else padded)
+        tokens = jnp.zeros_like(prev_tokens).at[:n].set(tokens)
+        if mesh is not None:
+            tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, P()))
     return StepOutputs(tokens, chosen, top, ids)
 
 
@@ -171,7 +170,7 @@ def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: Step
                                   key_chunk=key_chunk, tuning=tuning, attention=attention,
                                   prev_tokens=prev_tokens)
     return sample_step(logits, *sampling_arrays(arrays), prev_tokens, sampler=sampler,
-                       num_logprobs=num_logprobs), cache
+                       num_logprobs=num_logprobs, mesh=model.mesh), cache
 
 
 def sampling_arrays(arrays: StepArrays) -> tuple[Any, ...]:
@@ -213,5 +212,5 @@ def jitted_forward(state: Any, cache: PagedKVCache, arrays: StepArrays,
                          prev_tokens=prev_tokens)
 
 
-jitted_sampler = jax.jit(sample_step, static_argnames=("sampler", "num_logprobs"))
+jitted_sampler = jax.jit(sample_step, static_argnames=("sampler", "num_logprobs", "mesh"))
 """:func:`sample_step`, jitted: one small program per (rows, sampler, log-probabilities)."""
