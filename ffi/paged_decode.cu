@@ -35,13 +35,6 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }
 
-__device__ __forceinline__ uint32_t Pack2(float a, float b, __nv_bfloat16*) {
-  return Vec<__nv_bfloat16>::FromFloat2(a, b);
-}
-__device__ __forceinline__ uint32_t Pack2(float a, float b, __half*) {
-  return Vec<__half>::FromFloat2(a, b);
-}
-
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams p) {
   constexpr int kKeys = kTileBytes / (4 * D);   // keys per tile (K and V, 2 bytes each)
@@ -157,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
     for (int nt = 0; nt < kKeyTiles; ++nt) {
       const float p0 = exp2f(s[nt][0] - m), p1 = exp2f(s[nt][1] - m);
       l += p0 + p1;
-      pa[nt] = Pack2(p0, p1, static_cast<T*>(nullptr));
+      pa[nt] = Vec<T>::FromFloat2(p0, p1);
     }
     // O[:, this warp's dims] += P V: k16 steps of 16 keys; ldmatrix.trans gives V's B operand
     // for two dim tiles (rows: keys, lanes / 8: which 8 keys and which dim tile).
@@ -186,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
 #pragma unroll
     for (int dt = 0; dt < kDimTiles; ++dt)
       *reinterpret_cast<uint32_t*>(out + (warp * kDimTiles + dt) * 8 + quad * 2) =
-          Pack2(o[dt][0] * inv, o[dt][1] * inv, static_cast<T*>(nullptr));
+          Vec<T>::FromFloat2(o[dt][0] * inv, o[dt][1] * inv);
     return;
   }
   // Head g's entry of this piece: D unnormalised sums, then the max and the total.
