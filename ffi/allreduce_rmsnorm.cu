@@ -204,11 +204,13 @@ cudaError_t PreloadFor() {
 cudaError_t PreloadKernels() {
   for (cudaError_t e : {PreloadFor<float>(), PreloadFor<__half>(), PreloadFor<__nv_bfloat16>()})
     if (e != cudaSuccess) return e;
+  if (cudaError_t e = PreloadLocalRowsKernels(); e != cudaSuccess) return e;
   return PreloadOneShotKernels();
 }
 
 cudaError_t LaunchAllreduceRmsnorm(const KernelParams& p, DType dtype, Algo algo, bool multimem,
                                    int num_ctas, cudaStream_t stream) {
+  if (p.nranks == 1 && !multimem) return LaunchLocalRows(p, dtype, stream);
   if (algo == Algo::kOneShot && !multimem) return LaunchOneShot(p, dtype, num_ctas, stream);
   switch (dtype) {
     case DType::kF32: return Launch<float>(p, algo, multimem, num_ctas, stream);

@@ -108,6 +108,10 @@ bool OneShotRowsFits(int tokens, int hidden, DType dtype, int num_ctas);
 cudaError_t LaunchOneShotRows(const KernelParams& p, DType dtype, int num_ctas,
                               cudaStream_t stream);
 cudaError_t PreloadOneShotRowsKernels();
+// The call of a one-rank group (local_rows.cu): add + RMSNorm, no sync state. Every call of a
+// comm of one rank takes it, whatever the algo and CTA count asked for.
+cudaError_t LaunchLocalRows(const KernelParams& p, DType dtype, cudaStream_t stream);
+cudaError_t PreloadLocalRowsKernels();
 // Loads every kernel of the extension into the current device's context (see
 // allreduce_rmsnorm.cu: a lazy load behind a spinning kernel can stall a launch).
 cudaError_t PreloadKernels();

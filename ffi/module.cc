@@ -66,6 +66,7 @@ NB_MODULE(_tokenweave_ffi, m) {
   m.def("attention_handlers", [] {
     nb::dict d;
     d["paged_attention"] = nb::capsule(reinterpret_cast<void*>(TokenweavePagedAttention));
+    d["rope_cache_write"] = nb::capsule(reinterpret_cast<void*>(TokenweaveRopeCacheWrite));
     return d;
   });
   m.def(

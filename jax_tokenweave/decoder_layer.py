@@ -89,19 +89,24 @@ class DecoderLayer(nnx.Module):
         """RMSNorm with ``input_layernorm`` (local, no communication): [T, H] -> [T, H]."""
         return ops.rms_norm(x, self.input_layernorm[...], self.config.rms_norm_eps)
 
-    def qkv(self, x_normed: jax.Array,
-            positions: jax.Array | np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Local heads: ``x_normed`` [T, H], ``positions`` [T] -> q [T, Nq/N, D],
-        k, v [T, Nkv/N, D]; RoPE applied to q and k. One GEMM with the local ``qkv_proj``
-        block ``[q_r | k_r | v_r]``."""
+    def qkv_heads(self, x_normed: jax.Array) -> tuple[jax.Array, int]:
+        """The projection before RoPE: ``x_normed`` [T, H] -> ``(qkv [T, heads, D], nq)``,
+        the local heads in the order q (``nq`` of them), k, v. One GEMM with the local
+        ``qkv_proj`` block ``[q_r | k_r | v_r]``."""
         c = self.config
         qkv = jnp.dot(x_normed, self.qkv_proj[...])
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...]
         heads = qkv.shape[-1] // c.head_dim                   # local q + k + v heads
         nq = heads * c.num_heads // (c.num_heads + 2 * c.num_kv_heads)
-        nkv = (heads - nq) // 2
-        qkv = qkv.reshape(qkv.shape[0], heads, c.head_dim)
+        return qkv.reshape(qkv.shape[0], heads, c.head_dim), nq
+
+    def qkv(self, x_normed: jax.Array,
+            positions: jax.Array | np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Local heads: ``x_normed`` [T, H], ``positions`` [T] -> q [T, Nq/N, D],
+        k, v [T, Nkv/N, D]; RoPE applied to q and k (:meth:`qkv_heads`, then RoPE)."""
+        qkv, nq = self.qkv_heads(x_normed)
+        nkv = (qkv.shape[1] - nq) // 2
         q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
         inv_freq = inv_frequencies(self.config)
         return attn_lib.apply_rope(q, positions, inv_freq), \

@@ -27,7 +27,10 @@ serving, baseline   one            ``Psum``                     ``PagedAttention
 
 An attention function is ``attention(layer, half, q, k, v) -> [T_j, Nq/N, D]`` with q/k/v of
 half ``j`` (RoPE applied; ``[T_j, heads/N, D]``); it may keep state (the earlier halves' K/V of
-the same layer, a paged KV cache it writes before reading).
+the same layer, a paged KV cache it writes before reading). One that applies RoPE itself
+(fused with its cache write) has ``fuses_rope`` true and a method ``rope_and_attend(layer,
+half, qkv, nq, inv_freq)`` taking the projection's heads before RoPE (``DecoderLayer.
+qkv_heads``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tokenweave import attention as attn_lib
+from jax_tokenweave.decoder_layer import inv_frequencies
 from jax_tokenweave.reducers import Reducer
 from jax_tokenweave.split import Half
 
@@ -66,8 +70,12 @@ def run_stack(dec: Any, inputs: Sequence[jax.Array],
     for i, layer in enumerate(layers):
         next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else dec.final_norm
         for j in halves:
-            q, k, v = layer.qkv(reducer.ready(j), positions[j])
-            attn = attention(i, j, q, k, v)
+            if getattr(attention, "fuses_rope", False):
+                qkv, nq = layer.qkv_heads(reducer.ready(j))
+                attn = attention.rope_and_attend(i, j, qkv, nq, inv_frequencies(layer.config))
+            else:
+                q, k, v = layer.qkv(reducer.ready(j), positions[j])
+                attn = attention(i, j, q, k, v)
             reducer.reduce(j, layer.attention_out(attn), layer.post_attention_layernorm[...])
         for j in halves:
             reducer.reduce(j, layer.mlp(reducer.ready(j)), next_norm[...])

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../../ffi/oneshot.cu"
+#include "../../ffi/local_rows.cu"
 #include "../../ffi/oneshot_rows.cu"
 
 namespace {
@@ -166,7 +167,7 @@ void* Alloc(size_t bytes) {
 int main() {
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const int kMaxT = 64;
+  const int kMaxT = 256;
   const size_t row_bytes = kH * sizeof(Bf);
   // Random bf16 inputs (never zeros only), weights near 1.
   std::vector<Bf> host(kMaxT * kH);
@@ -199,7 +200,7 @@ int main() {
   std::printf("| variant | T | CTAs | us per launch | minus empty |\n|---|---|---|---|---|\n");
   const double empty = UsPerLaunch([&](cudaStream_t s) { Empty<<<1, 32, 0, s>>>(); }, stream);
   std::printf("| empty kernel | - | 1 | %.2f | 0 |\n", empty);
-  for (int t : {1, 16, 64}) {
+  for (int t : {1, 16, 64, 256}) {
     p.tokens = t; p.rows = t;
     const Small small{static_cast<const Bf*>(partial), static_cast<const Bf*>(residual), weight,
                       static_cast<Bf*>(normed), static_cast<Bf*>(residual_out), t, 1e-5f};
@@ -217,6 +218,9 @@ int main() {
         [&](cudaStream_t s) { WithCallState<<<ctas, kThreads, 0, s>>>(p); });
     run("+ local (stack) array", ctas,
         [&](cudaStream_t s) { WithStack<<<ctas, kThreads, 0, s>>>(p); });
+    run("N = 1 kernel (local_rows.cu, no call state)", t, [&](cudaStream_t s) {
+      tokenweave::LocalRowsKernel<Bf><<<t, kThreads, 0, s>>>(p);
+    });
     run("decode one-shot kernel (a row per block)", ctas, [&](cudaStream_t s) {
       tokenweave::OneShotRowsKernel<Bf, 2><<<ctas, kThreads, 0, s>>>(p);
     });

@@ -36,6 +36,7 @@ import numpy as np
 from jax_tokenweave import _extension
 
 TARGET = "tokenweave_paged_attention"
+ROPE_TARGET = "tokenweave_rope_cache_write"
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -62,8 +63,9 @@ def unavailable_reason(platform: str, dtype: jnp.dtype, head_dim: int, group: in
 
 @functools.cache
 def _register() -> None:
-    jax.ffi.register_ffi_target(TARGET, _extension.get().attention_handlers()["paged_attention"],
-                                platform="CUDA")
+    handlers = _extension.get().attention_handlers()
+    jax.ffi.register_ffi_target(TARGET, handlers["paged_attention"], platform="CUDA")
+    jax.ffi.register_ffi_target(ROPE_TARGET, handlers["rope_cache_write"], platform="CUDA")
 
 
 def decode_splits(rows: int, kv_heads: int) -> int:
@@ -115,3 +117,36 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
                                     live, tile=np.int32(tile), splits=np.int32(splits),
                                     scale=np.float32(scale))
     return out, k_cache, v_cache
+
+
+def rope_cache_write(qkv: jax.Array, positions: jax.Array, slots: jax.Array,
+                     inv_freq: np.ndarray, k_cache: jax.Array, v_cache: jax.Array, *,
+                     num_q_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """RoPE and the cache write of one step's rows in one CUDA kernel (``ffi/rope_cache.h``),
+    per rank: what ``attention.apply_rope`` on q and k and two ``paged_cache.write`` compute.
+
+    ``qkv`` [R, Hq + 2 KVH, D] (the projection's heads in the order q, k, v); ``positions``,
+    ``slots`` int32 [R] (a slot outside the cache is dropped); ``inv_freq`` [D / 2];
+    ``k_cache``, ``v_cache`` [NB, BS, KVH, D] in qkv's dtype. Returns ``(q [R, Hq, D],
+    k_cache, v_cache)``, the caches aliased to the inputs.
+    """
+    rows, heads, d = qkv.shape
+    kvh = k_cache.shape[2]
+    if jnp.dtype(qkv.dtype) not in DTYPES or d % 16 or heads != num_q_heads + 2 * kvh:
+        raise ValueError(f"rope_cache_write (cuda): qkv {qkv.shape} {qkv.dtype} does not hold "
+                         f"{num_q_heads} query heads and 2 x {kvh} kv heads of a multiple of 16 "
+                         f"in bfloat16 or float16")
+    if (k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype
+            or v_cache.shape != k_cache.shape or k_cache.shape[3] != d
+            or positions.shape != (rows,) or slots.shape != (rows,)
+            or np.shape(inv_freq) != (d // 2,)):
+        raise ValueError(f"rope_cache_write (cuda): bad shapes qkv {qkv.shape}, caches "
+                         f"{k_cache.shape} {k_cache.dtype} / {v_cache.shape}, positions "
+                         f"{positions.shape}, slots {slots.shape}, inv_freq {np.shape(inv_freq)}")
+    _register()
+    outs = (jax.ShapeDtypeStruct((rows, num_q_heads, d), qkv.dtype),
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    call = jax.ffi.ffi_call(ROPE_TARGET, outs, input_output_aliases={4: 1, 5: 2})
+    return call(qkv, positions.astype(jnp.int32), slots.astype(jnp.int32),
+                jnp.asarray(inv_freq, jnp.float32), k_cache, v_cache)

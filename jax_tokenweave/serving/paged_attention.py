@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_tokenweave.serving import attention_kernel, paged_cache
 from jax_tokenweave.split import Half
@@ -155,11 +156,32 @@ class PagedAttention:
         self.decode_positions = jnp.where(slots[:decode_rows] < num_slots,
                                           positions[:decode_rows], -1)
 
+    @property
+    def fuses_rope(self) -> bool:
+        """With the CUDA kernels, RoPE and the cache write are one kernel
+        (:meth:`rope_and_attend`; ``stack.run_stack`` calls it)."""
+        return self.implementation == "cuda"
+
     def __call__(self, layer: int, j: int, q: jax.Array, k: jax.Array,
                  v: jax.Array) -> jax.Array:
         lo, hi = self.halves[j].start, self.halves[j].end
         self.k[layer] = paged_cache.write(self.k[layer], self.slots[lo:hi], k)
         self.v[layer] = paged_cache.write(self.v[layer], self.slots[lo:hi], v)
+        return self._attend(layer, lo, hi, q)
+
+    def rope_and_attend(self, layer: int, j: int, qkv: jax.Array, nq: int,
+                        inv_freq: np.ndarray) -> jax.Array:
+        """As ``__call__``, from the projection's heads before RoPE (``qkv`` [T_j, heads, D],
+        q's ``nq`` first): RoPE and the K/V write in one CUDA kernel
+        (``attention_kernel.rope_cache_write``), then the attention."""
+        lo, hi = self.halves[j].start, self.halves[j].end
+        q, self.k[layer], self.v[layer] = attention_kernel.rope_cache_write(
+            qkv, self.positions[lo:hi], self.slots[lo:hi], inv_freq, self.k[layer],
+            self.v[layer], num_q_heads=nq)
+        return self._attend(layer, lo, hi, q)
+
+    def _attend(self, layer: int, lo: int, hi: int, q: jax.Array) -> jax.Array:
+        """Rows [lo, hi) of the step attend over layer ``layer``'s cache (written)."""
         d, tile = self.decode_rows, self.tile
         parts = []
         for a, b, size, first_group in ((lo, min(hi, d), 1, lo),
