@@ -14,46 +14,59 @@
 namespace tokenweave {
 namespace {
 
-constexpr int kLocalU = 2;           // 16-byte vectors per thread per step of a row
 constexpr int kMaxLocalGrid = 4096;  // blocks at most; more rows are taken grid-stride
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) LocalRowsKernel(const __grid_constant__ KernelParams p) {
-  __shared__ float red[kThreads / 32];
+// kBlock threads per row, kU 16-byte vectors per thread per step (one pass while vpr <= kBlock *
+// kU). The comm's failure word is loaded first and looked at last (its latency hides behind
+// the row's): a comm closed since a command buffer recorded this call leaves NaN, as every
+// other variant does.
+template <typename T, int kBlock, int kU>
+__global__ void __launch_bounds__(kBlock) LocalRowsKernel(const __grid_constant__ KernelParams p) {
+  __shared__ float red[kBlock / 32];
+  const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
   const int vpr = p.hidden / Vec<T>::kN;
   const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
   for (int row = blockIdx.x; row < p.tokens; row += gridDim.x) {
     const char* partial = static_cast<const char*>(p.partial) + row * rb;
     const char* residual = static_cast<const char*>(p.residual) + row * rb;
     char* normed = static_cast<char*>(p.normed) + row * rb;
-    FusedRow<T, kThreads, kLocalU, true>(
+    char* residual_out = static_cast<char*>(p.residual_out) + row * rb;
+    FusedRow<T, kBlock, kU, true>(
         p,
         [&](int v0, float (*acc)[Vec<T>::kN]) {
-          uint4 a[kLocalU], b[kLocalU];  // all loads in flight before the first add
+          uint4 a[kU], b[kU];  // all loads in flight before the first add
 #pragma unroll
-          for (int u = 0; u < kLocalU; ++u) {
-            const int v = v0 + u * kThreads;
+          for (int u = 0; u < kU; ++u) {
+            const int v = v0 + u * kBlock;
             if (v < vpr) {
               a[u] = Ldg(partial + v * 16);
               b[u] = Ldg(residual + v * 16);
             }
           }
 #pragma unroll
-          for (int u = 0; u < kLocalU; ++u)
-            if (v0 + u * kThreads < vpr) {
+          for (int u = 0; u < kU; ++u)
+            if (v0 + u * kBlock < vpr) {
               AddVec<T>(acc[u], a[u]);
               AddVec<T>(acc[u], b[u]);
             }
         },
-        static_cast<char*>(p.residual_out) + row * rb, normed,
-        [&](int v, uint4 o) { St(normed + v * 16, o); }, red, 0);
+        residual_out, normed, [&](int v, uint4 o) { St(normed + v * 16, o); }, red, 0);
+    if (failed != 0) {
+      __syncthreads();  // after every thread's stores of the row
+      for (int v = threadIdx.x; v < vpr; v += kBlock) {
+        St(normed + v * 16, NanVec<T>());
+        St(residual_out + v * 16, NanVec<T>());
+      }
+    }
   }
 }
+
+constexpr int kLocalBlock = kThreads, kLocalU = 2;  // rows of 8192 bf16 in registers
 
 template <typename T>
 cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   const int grid = p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid;
-  LocalRowsKernel<T><<<grid, kThreads, 0, stream>>>(p);
+  LocalRowsKernel<T, kLocalBlock, kLocalU><<<grid, kLocalBlock, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -71,9 +84,10 @@ cudaError_t LaunchLocalRows(const KernelParams& p, DType dtype, cudaStream_t str
 
 cudaError_t PreloadLocalRowsKernels() {
   cudaFuncAttributes a;
-  for (const void* k : {reinterpret_cast<const void*>(LocalRowsKernel<float>),
-                        reinterpret_cast<const void*>(LocalRowsKernel<__half>),
-                        reinterpret_cast<const void*>(LocalRowsKernel<__nv_bfloat16>)})
+  for (const void* k :
+       {reinterpret_cast<const void*>(LocalRowsKernel<float, kLocalBlock, kLocalU>),
+        reinterpret_cast<const void*>(LocalRowsKernel<__half, kLocalBlock, kLocalU>),
+        reinterpret_cast<const void*>(LocalRowsKernel<__nv_bfloat16, kLocalBlock, kLocalU>)})
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;
 }

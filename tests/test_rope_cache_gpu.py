@@ -21,10 +21,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     is not None, reason="needs a GPU and the CUDA extension")]
 
 
-def _case(rng, rows, hq, kvh, d, dtype, num_blocks=64, bs=16, pad=3):
+def _case(rng, rows, hq, kvh, d, dtype, num_blocks=64, bs=16, pad=None):
     qkv = jnp.asarray(rng.standard_normal((rows, hq + 2 * kvh, d)), dtype)
     positions = rng.integers(0, 20_000, rows).astype(np.int32)
     slots = rng.permutation(num_blocks * bs)[:rows].astype(np.int32)
+    pad = rows // 4 if pad is None else pad
     slots[rng.permutation(rows)[:pad]] = num_blocks * bs + 5  # padding rows: dropped
     cache = [jnp.asarray(rng.standard_normal((num_blocks, bs, kvh, d)), dtype) for _ in range(2)]
     return qkv, positions, slots, cache
