@@ -63,7 +63,7 @@ struct ErrorRecord {
 struct KernelParams {
   const void* partial;      // [T, H], local
   const void* residual;     // [q, H], local
-  const float* weight;      // [H], local (float32)
+  const void* weight;       // [H], local: float32, or the rows' dtype (weight_in_dtype)
   void* normed;             // [T, H], local output
   void* residual_out;       // [q, H], local output
   char* data[kMaxRanks];    // this slot's two-shot/direct area (2 parities) on every rank
@@ -77,6 +77,7 @@ struct KernelParams {
   int64_t oneshot_bytes;    // one one-shot buffer
   int32_t rank, nranks, tokens, hidden, rows;  // rows = q = ceil(T / N)
   int32_t device, slot;
+  int32_t weight_in_dtype;  // 1: weight has the rows' dtype (bf16/f16); 0: float32
   float eps;
   uint64_t timeout_ns;
 };

@@ -38,7 +38,9 @@ struct Call {
 // The comm and this device's state; refuses a comm whose group failed (the sticky error).
 ffi::Error Lookup(int64_t comm_id, int32_t ordinal, Comm** comm, DeviceState** dev) {
   // The primary context of this device: the one XLA runs on and the workspace lives in.
-  TW_FFI_CHECK(cudaSetDevice(ordinal));
+  int current = -1;  // cudaSetDevice only where XLA's thread is on another device
+  TW_FFI_CHECK(cudaGetDevice(&current));
+  if (current != ordinal) TW_FFI_CHECK(cudaSetDevice(ordinal));
   *comm = LookupComm(comm_id);
   if (*comm == nullptr) return Invalid("unknown comm id " + std::to_string(comm_id));
   if (std::string why = FailureMessage(**comm); !why.empty()) return ffi::Error::Internal(why);
@@ -81,9 +83,10 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
       normed.element_type() != partial.element_type() ||
       residual_out.element_type() != partial.element_type())
     return Invalid("partial, residual and outputs must share a dtype");
-  if (weight.element_type() != ffi::DataType::F32 || weight.dimensions().size() != 1 ||
-      weight.dimensions()[0] != hidden)
-    return Invalid("weight must be float32 [H]");
+  if ((weight.element_type() != ffi::DataType::F32 &&
+       weight.element_type() != partial.element_type()) ||
+      weight.dimensions().size() != 1 || weight.dimensions()[0] != hidden)
+    return Invalid("weight must be [H], float32 or the partial's dtype");
   if (slot < 0 || slot >= opt.num_slots)
     return Invalid("slot " + std::to_string(slot) + " out of range [0, " +
                    std::to_string(opt.num_slots) + ")");
@@ -125,7 +128,8 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
   comm.Fill(*call->dev, slot, p);
   p.partial = partial.untyped_data();
   p.residual = residual.untyped_data();
-  p.weight = static_cast<const float*>(weight.untyped_data());
+  p.weight = weight.untyped_data();
+  p.weight_in_dtype = weight.element_type() != ffi::DataType::F32;
   p.normed = normed.untyped_data();
   p.residual_out = residual_out.untyped_data();
   p.tokens = static_cast<int32_t>(tokens);

@@ -65,12 +65,22 @@ __device__ __forceinline__ float SumStep(LoadSum& load_sum, int v0, int vpr,
   return ss;
 }
 
-// The weights of vector v (kN floats).
+// The weights of vector v (kN floats), from float32 or from the rows' dtype (one 16-byte load,
+// converted exactly).
 template <typename T>
 __device__ __forceinline__ void LoadWeights(const KernelParams& p, int v, float4* w) {
+  if (sizeof(T) == 2 && p.weight_in_dtype) {
+    const uint4 x = Ldg(static_cast<const char*>(p.weight) + v * 16);
+    const T* e = reinterpret_cast<const T*>(&x);
+    float* f = reinterpret_cast<float*>(w);
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kN; ++i) f[i] = ToF(e[i]);
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < Vec<T>::kN / 4; ++i)
-    w[i] = __ldg(reinterpret_cast<const float4*>(p.weight + v * Vec<T>::kN) + i);
+    w[i] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.weight) +
+                                                 v * Vec<T>::kN) + i);
 }
 
 // emit(v, x * inv * w), rounded to T.

@@ -88,7 +88,10 @@ def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo
                  num_ctas=np.int32(num_ctas), algo=np.int32(ALGO_IDS[algo]))
     outs = (jax.ShapeDtypeStruct(partial.shape, partial.dtype),
             jax.ShapeDtypeStruct(residual.shape, residual.dtype))
-    return weight.astype(jnp.float32), attrs, outs
+    # The kernel reads the weight in the rows' dtype or in float32 (no convert kernel per call).
+    if weight.dtype not in (partial.dtype, jnp.dtype(jnp.float32)):
+        weight = weight.astype(jnp.float32)
+    return weight, attrs, outs
 
 
 def allreduce_rmsnorm(partial: jax.Array, residual: jax.Array, weight: jax.Array, *,
@@ -100,9 +103,9 @@ def allreduce_rmsnorm(partial: jax.Array, residual: jax.Array, weight: jax.Array
     replicated, residual_out). ``algo``: "auto" (the communicator's policy), "one_shot",
     "two_shot" or "direct" (see ffi/README.md); ``num_ctas`` None: the policy's."""
     comm = _communicator(comm, mesh, axis_name)
-    w32, attrs, outs = _prepare(comm, partial, residual, weight, num_ctas, slot, algo)
+    w, attrs, outs = _prepare(comm, partial, residual, weight, num_ctas, slot, algo)
     call = jax.ffi.ffi_call(TARGETS["allreduce_rmsnorm"], outs)
-    return call(partial, residual, w32, eps=np.float32(eps), **attrs)
+    return call(partial, residual, w, eps=np.float32(eps), **attrs)
 
 
 class Pending(NamedTuple):
@@ -113,7 +116,7 @@ class Pending(NamedTuple):
     residual_out: jax.Array
     partial: jax.Array
     residual: jax.Array
-    weight: jax.Array  # float32, the very buffer the kernel reads
+    weight: jax.Array  # the very buffer the kernel reads (float32 or the rows' dtype)
 
 
 def allreduce_rmsnorm_start(partial: jax.Array, residual: jax.Array, weight: jax.Array, *,
@@ -131,10 +134,10 @@ def allreduce_rmsnorm_start(partial: jax.Array, residual: jax.Array, weight: jax
     runs after ``start``), and pass ``pending`` and the compute's output through another
     ``optimization_barrier`` before ``done`` (so ``done`` waits after it)."""
     comm = _communicator(comm, mesh, axis_name)
-    w32, attrs, outs = _prepare(comm, partial, residual, weight, num_ctas, slot, algo)
+    w, attrs, outs = _prepare(comm, partial, residual, weight, num_ctas, slot, algo)
     call = jax.ffi.ffi_call(TARGETS["allreduce_rmsnorm_start"], outs)
-    normed, residual_out = call(partial, residual, w32, eps=np.float32(eps), **attrs)
-    return Pending(normed, residual_out, partial, residual, w32)
+    normed, residual_out = call(partial, residual, w, eps=np.float32(eps), **attrs)
+    return Pending(normed, residual_out, partial, residual, w)
 
 
 def allreduce_rmsnorm_done(pending: Pending, *, axis_name: str, mesh: Mesh | None = None,

@@ -94,8 +94,10 @@ def test_start_done_and_a_chain_of_calls(mesh1, rng):
 
 
 def test_matches_xla_add_rmsnorm(mesh1, rng):
-    """Same rounding as XLA's add + RMSNorm (the sum rounded to bf16, then normed in float32)."""
-    args = _inputs(rng, 64, 8192, jnp.bfloat16)
+    """Same rounding as XLA's add + RMSNorm (the sum rounded to bf16, then normed in float32),
+    with a bf16 weight (no float32 copy of it)."""
+    p, r, w = _inputs(rng, 64, 8192, jnp.bfloat16)
+    args = (p, r, w.astype(jnp.bfloat16))  # the weight in the rows' dtype: read as it is
     got = _call(mesh1)(*args)
     want = jax.jit(lambda p, r, w: ops.add_rmsnorm(p, r, w, EPS))(*args)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

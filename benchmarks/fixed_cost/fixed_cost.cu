@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) Minimal(Small s) {
 
 __global__ void __launch_bounds__(kThreads) BigParams(const __grid_constant__ KernelParams p) {
   if (blockIdx.x < p.tokens)
-    Row<false>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual), p.weight,
+    Row<false>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual), static_cast<const float*>(p.weight),
                static_cast<Bf*>(p.normed), static_cast<Bf*>(p.residual_out), blockIdx.x, p.eps, 0);
 }
 
@@ -115,13 +115,13 @@ __global__ void __launch_bounds__(kThreads) WithCallState(const __grid_constant_
   const tokenweave::CallState c = tokenweave::BeginCall(p);
   if (c.abort) return;
   if (blockIdx.x < p.tokens)
-    Row<false>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual), p.weight,
+    Row<false>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual), static_cast<const float*>(p.weight),
                static_cast<Bf*>(p.normed), static_cast<Bf*>(p.residual_out), blockIdx.x, p.eps, 0);
 }
 
 __global__ void __launch_bounds__(kThreads) WithStack(const __grid_constant__ KernelParams p) {
   if (blockIdx.x < p.tokens)
-    Row<true>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual), p.weight,
+    Row<true>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual), static_cast<const float*>(p.weight),
               static_cast<Bf*>(p.normed), static_cast<Bf*>(p.residual_out), blockIdx.x, p.eps,
               p.slot);
 }
