@@ -51,6 +51,7 @@ from jax_tokenweave.schedules import (
     configure,
     ffi_unavailable,
     resolve_comm,
+    resolve_schedule,
 )
 from jax_tokenweave.split import BatchPlan, plan_batch
 from jax_tokenweave.stack import PrefillAttention, concat, run_stack
@@ -121,6 +122,8 @@ class WeaveDecoder(nnx.Module):
             raise ValueError(f"tuning must be a tuning.TuneEntry or None, got {type(tuning)}")
         entry = tuning or batch.tuning or tuning_lib.lookup(
             tuning_lib.model_name(self.config), self.tp, batch.num_tokens)
+        if reducer is None:
+            schedule = resolve_schedule(schedule, comm, self.mesh, self.axis_name)
         resolved = (resolve_comm(comm, self.mesh, self.axis_name, self.dtype, batch,
                                  self.config.hidden_size, entry)
                     if schedule == "weave" and reducer is None else "xla")

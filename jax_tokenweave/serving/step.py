@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.params import partition_specs
-from jax_tokenweave.schedules import configure, resolve_comm
+from jax_tokenweave.schedules import configure, resolve_comm, resolve_schedule
 from jax_tokenweave.serving import sampling
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_implementation
@@ -74,6 +74,7 @@ def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays
     """
     entry = tuning_entry(layout, tuning)
     plan = layout.plan
+    schedule = resolve_schedule(schedule, comm, decoder.mesh, decoder.axis_name)
     resolved = resolve_comm(comm, decoder.mesh, decoder.axis_name, decoder.dtype, plan,
                             decoder.config.hidden_size, entry) if schedule == "weave" else "xla"
     halves, factory = configure(schedule, resolved, plan)
