@@ -149,6 +149,8 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], n: int) -> 
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                raise RuntimeError(f"the server failed the request: {chunk['error']}")
             if chunk.get("choices"):
                 times.append(time.perf_counter())
             if chunk.get("usage"):
@@ -195,7 +197,7 @@ def start_server(a: argparse.Namespace, sizes: dict[str, int], log: Path) -> tup
            *(["--layers", str(a.layers)] if a.layers and not a.model else []),
            "--port", str(port), "--tp", str(a.tp), "--dtype", a.dtype, "--served-model-name",
            "bench", "--schedule", a.schedule, "--engine-seed", str(a.seed),
-           "--max-logprobs", "0", "--log-level", "warning",
+           "--max-logprobs", "0", "--log-level", "debug",
            *[x for k, v in sizes.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(ROOT), os.environ.get("PYTHONPATH")]))}

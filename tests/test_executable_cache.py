@@ -145,8 +145,12 @@ def test_a_corrupt_file_is_compiled_again_with_a_warning(model, tmp_path):
     data[len(data) // 2] ^= 0xFF
     broken.write_bytes(bytes(data))
     # JAX's in-memory cache would hand back the program `first` ran, which XLA:CPU cannot
-    # serialize once a sort in it has run: compile it afresh, as a new process does.
+    # serialize once a sort in it has run: compile it afresh, as a new process does; and not
+    # from JAX's persistent cache, whose XLA:CPU programs are never stored again (below).
     jax.clear_caches()
+    for entry in (tmp_path / "cache").iterdir():
+        if entry.name != ec.SUBDIR:
+            entry.unlink()
     second = LLMEngine(model, cached(tmp_path))
     with pytest.warns(RuntimeWarning, match="checksum"):
         report = second.warmup()
@@ -316,3 +320,21 @@ def test_a_new_process_loads_every_layout_from_disk(tmp_path):
     assert first["loaded"] == 0 and n >= 4 and first["compilations"] >= n
     assert (second["loaded"], second["compiled"], second["compilations"]) == (n, 0, 0)
     assert second["tokens"] == first["tokens"]
+
+
+def test_an_xla_cpu_program_from_jax_persistent_cache_is_not_stored(tmp_path):
+    """Serialized a second time, such a program loads and then fails at its first run
+    ("Function ... not found"): compile_to_store says so, and the engine does not store it."""
+    from jax_tokenweave.serving.compilation_cache import use_compilation_cache
+
+    use_compilation_cache(tmp_path / "jax")
+    fn = jax.jit(lambda x: jnp.concatenate([jnp.sin(x), x[::-1]]) @ x.T)
+    x = jnp.ones((2, 4))
+    _, first = ec.compile_to_store(fn.lower(x), "cpu")
+    assert first is None                                       # compiled here
+    jax.clear_caches()
+    compiled, second = ec.compile_to_store(fn.lower(x), "cpu")
+    assert second is not None and "persistent" in second      # from JAX's cache
+    np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(fn(x)))
+    jax.clear_caches()
+    assert ec.compile_to_store(fn.lower(x), "gpu")[1] is None  # GPU programs round-trip

@@ -338,6 +338,37 @@ def register_ffi_targets() -> None:
         attention_kernel._register()
 
 
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_hits = threading.local()        # JAX persistent-cache hits seen by this thread
+_listener_lock = threading.Lock()
+_listening = False
+
+
+def _count_cache_hits(event: str, *args: Any, **kwargs: Any) -> None:
+    if event == _CACHE_HIT_EVENT:
+        _hits.count = getattr(_hits, "count", 0) + 1
+
+
+def compile_to_store(lowered: Any, platform: str) -> tuple[Any, str | None]:
+    """``(lowered.compile(), why it must not be stored or None)``. On XLA:CPU a program that JAX
+    took from its persistent compilation cache must not be stored: serialized again, it loads
+    and then fails at its first run ("Error dispatching computation: Function
+    bitcast_concatenate_fusion not found", jax 0.10.2; reproduced by a restart with
+    ``executables/`` removed and JAX's cache kept). The cache hit is seen through JAX's
+    monitoring event, which JAX records in the compiling thread. GPU programs round-trip."""
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_count_cache_hits)
+            _listening = True
+    before = getattr(_hits, "count", 0)
+    compiled = lowered.compile()
+    if platform == "cpu" and getattr(_hits, "count", 0) > before:
+        return compiled, ("XLA:CPU took it from JAX's persistent compilation cache, and such a "
+                          "program does not survive a second serialization")
+    return compiled, None
+
+
 def process_local_reason(compiled: Any) -> str | None:
     """Why ``compiled`` must not be stored (None: it may): the fused all-reduce kernel's calls
     carry the id of this process's communicator workspace, which a later process does not

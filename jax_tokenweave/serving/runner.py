@@ -84,6 +84,7 @@ class ModelRunner:
         self.no_tokens = jax.device_put(np.zeros(config.max_num_seqs, np.int32),
                                         NamedSharding(self.mesh, P()))
         self.model_type = f"{type(model).__module__}.{type(model).__qualname__}"
+        self.platform = str(self.mesh.devices.flat[0].platform)
         self.executable_cache = ExecutableCache(
             None if config.compilation_cache_dir is None else
             os.path.join(os.path.expanduser(config.compilation_cache_dir), exe_cache.SUBDIR))
@@ -181,11 +182,12 @@ class ModelRunner:
                 bar.update()
 
         def compile_and_store(layout: batch_lib.StepLayout, lowered: Any) -> None:
-            program = lowered.compile()
+            program, unstorable = exe_cache.compile_to_store(lowered, self.platform)
             if layout in keys and program.out_tree != out_tree:  # a load would rebuild a
                 cache.disable(f"the step's output tree {program.out_tree} is not the "  # wrong
                               f"expected {out_tree}")                                  # tree
-            elif layout in keys and exe_cache.process_local_reason(program) is None:
+            elif (layout in keys and unstorable is None
+                  and exe_cache.process_local_reason(program) is None):
                 cache.store(keys[layout], program)
             done(layout, program, "compiled")
 
@@ -232,8 +234,9 @@ class ModelRunner:
                  "inputs": exe_cache.describe_args(inputs)}, devices) if cache.enabled else None
             program = None if key is None else cache.load(key, inputs, out_tree, devices)
             if program is None:
-                program = jitted_sampler.lower(*inputs, **static).compile()
-                if key is not None:
+                program, unstorable = exe_cache.compile_to_store(
+                    jitted_sampler.lower(*inputs, **static), self.platform)
+                if key is not None and unstorable is None:
                     cache.store(key, program)
             return program
 
