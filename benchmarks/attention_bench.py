@@ -54,8 +54,10 @@ SWEEPS: dict[str, tuple[list[int], ...]] = {
     "prefixes": ([0, 8192, 24576], [0, 8192], [0, 96], [48]),
 }
 # Per-rank shapes: Llama-3-8B at TP 1 on GPUs, tiny ones on CPUs.
-SHAPES = {"gpu": dict(heads=32, kv_heads=8, head_dim=128, block_size=16, tile=64, key_chunk=512),
-          "cpu": dict(heads=8, kv_heads=2, head_dim=32, block_size=16, tile=16, key_chunk=64)}
+SHAPES = {
+    "gpu": dict(heads=32, kv_heads=8, head_dim=128, block_size=16, tile=64, key_chunk=512),
+    "cpu": dict(heads=8, kv_heads=2, head_dim=32, block_size=16, tile=16, key_chunk=64),
+}
 
 
 def _sibling(name: str) -> Any:
@@ -79,38 +81,77 @@ def _ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
-    p = argparse.ArgumentParser(prog="attention_bench.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=bm.HelpFormatter)
-    p.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="folder for attention.json, attention.md and attention.png")
-    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
-                   help="implementations to time (xla is always run: it is the reference)")
-    for name, help_ in (("batch", "decode: requests"), ("context", "decode: keys per request"),
-                        ("chunks", "prefill: rows of the chunk"),
-                        ("prefixes", "prefill: cached positions before the chunk")):
-        p.add_argument("--" + name, type=_ints, nargs="+", action=bm.Flatten,
-                       help=f"{help_} (default: {' '.join(map(str, SWEEPS[name][0]))} on GPUs, "
-                            f"{' '.join(map(str, SWEEPS[name][2]))} on CPUs)")
+    p = argparse.ArgumentParser(
+        prog="attention_bench.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=bm.HelpFormatter,
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="folder for attention.json, attention.md and attention.png",
+    )
+    p.add_argument(
+        "--impls",
+        nargs="+",
+        choices=IMPLS,
+        default=list(IMPLS),
+        help="implementations to time (xla is always run: it is the reference)",
+    )
+    for name, help_ in (
+        ("batch", "decode: requests"),
+        ("context", "decode: keys per request"),
+        ("chunks", "prefill: rows of the chunk"),
+        ("prefixes", "prefill: cached positions before the chunk"),
+    ):
+        p.add_argument(
+            "--" + name,
+            type=_ints,
+            nargs="+",
+            action=bm.Flatten,
+            help=f"{help_} (default: {' '.join(map(str, SWEEPS[name][0]))} on GPUs, "
+            f"{' '.join(map(str, SWEEPS[name][2]))} on CPUs)",
+        )
     p.add_argument("--quick", action="store_true", help="a small subset of the default sweep")
     p.add_argument("--no-decode", action="store_true", help="skip the decode cases")
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill cases")
     for name in SHAPES["gpu"]:
-        p.add_argument("--" + name.replace("_", "-"), type=bm.positive_int,
-                       help=f"(default: {SHAPES['gpu'][name]} on GPUs, {SHAPES['cpu'][name]} "
-                            "on CPUs)")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=bm.positive_int,
+            help=f"(default: {SHAPES['gpu'][name]} on GPUs, {SHAPES['cpu'][name]} on CPUs)",
+        )
     bm.add_run_options(p, warmup=2, iters=10, unit="case and implementation")
-    p.add_argument("--inner", type=bm.positive_int,
-                   help="chained calls per timed dispatch (default: 10 on GPUs, 1 on CPUs)")
-    p.add_argument("--tolerance", type=bm.positive_float,
-                   help="relative error vs xla above which a result is flagged (default: 2e-2 "
-                        "in bfloat16/float16, 1e-4 in float32)")
-    p.add_argument("--max-cache-gb", type=bm.positive_float, default=40.0,
-                   help="skip cases whose cache (K + V, our layout) exceeds this many GB")
-    p.add_argument("--copy-gb", type=bm.positive_float,
-                   help="bytes of the bandwidth copy, GB (default: 2 on GPUs, 0.1 on CPUs)")
-    p.add_argument("--pallas-interpret", action="store_true",
-                   help="run the Pallas kernel in interpret mode (slow; lets a CPU check the "
-                        "layout adaptation)")
+    p.add_argument(
+        "--inner",
+        type=bm.positive_int,
+        help="chained calls per timed dispatch (default: 10 on GPUs, 1 on CPUs)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=bm.positive_float,
+        help="relative error vs xla above which a result is flagged (default: 2e-2 "
+        "in bfloat16/float16, 1e-4 in float32)",
+    )
+    p.add_argument(
+        "--max-cache-gb",
+        type=bm.positive_float,
+        default=40.0,
+        help="skip cases whose cache (K + V, our layout) exceeds this many GB",
+    )
+    p.add_argument(
+        "--copy-gb",
+        type=bm.positive_float,
+        help="bytes of the bandwidth copy, GB (default: 2 on GPUs, 0.1 on CPUs)",
+    )
+    p.add_argument(
+        "--pallas-interpret",
+        action="store_true",
+        help="run the Pallas kernel in interpret mode (slow; lets a CPU check the "
+        "layout adaptation)",
+    )
     bm.add_sweep_options(p, plot="attention.png")
     return p
 
@@ -146,8 +187,9 @@ def resolve(args: argparse.Namespace, platform: str) -> argparse.Namespace:
     if a.heads % a.kv_heads:
         raise ValueError(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
     if a.key_chunk % a.block_size:
-        raise ValueError(f"--key-chunk {a.key_chunk} is not a multiple of --block-size "
-                         f"{a.block_size}")
+        raise ValueError(
+            f"--key-chunk {a.key_chunk} is not a multiple of --block-size {a.block_size}"
+        )
     if bad := [c for c in a.chunks if c % a.tile]:
         raise ValueError(f"--chunks {bad} are not multiples of --tile {a.tile}")
     return a
@@ -155,15 +197,20 @@ def resolve(args: argparse.Namespace, platform: str) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------------- cases ---
 
+
 def cases(a: argparse.Namespace) -> list[Case]:
-    out = [] if a.no_decode else [Case("decode", batch=b, context=c) for b in a.batch
-                                  for c in a.context]
+    out = (
+        []
+        if a.no_decode
+        else [Case("decode", batch=b, context=c) for b in a.batch for c in a.context]
+    )
     if not a.no_prefill:
         out += [Case("prefill", chunk=c, prefix=p) for c in a.chunks for p in a.prefixes]
     return out
 
 
 # ---------------------------------------------------------------------------------- inputs ---
+
 
 def make_inputs(case: Case, a: argparse.Namespace, seed: int) -> dict[str, Any]:
     """Random queries and caches, a random permutation of blocks as the block tables."""
@@ -186,10 +233,15 @@ def make_inputs(case: Case, a: argparse.Namespace, seed: int) -> dict[str, Any]:
     shape = (case.requests * per_request, bs, a.kv_heads, a.head_dim)
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(kq, (case.rows, a.heads, a.head_dim), dtype)
-    return {"q": q, "k": jax.jit(lambda: jax.random.normal(kk, shape, dtype))(),
-            "v": jax.jit(lambda: jax.random.normal(kv, shape, dtype))(),
-            "keys": (kk, kv, shape, dtype), "tables": jnp.asarray(tables),
-            "positions": jnp.asarray(positions), "tile": 1 if case.kind == "decode" else a.tile}
+    return {
+        "q": q,
+        "k": jax.jit(lambda: jax.random.normal(kk, shape, dtype))(),
+        "v": jax.jit(lambda: jax.random.normal(kv, shape, dtype))(),
+        "keys": (kk, kv, shape, dtype),
+        "tables": jnp.asarray(tables),
+        "positions": jnp.asarray(positions),
+        "tile": 1 if case.kind == "decode" else a.tile,
+    }
 
 
 def unavailable(impl: str, case: Case, a: argparse.Namespace, platform: str) -> str | None:
@@ -197,8 +249,9 @@ def unavailable(impl: str, case: Case, a: argparse.Namespace, platform: str) -> 
     from jax_tokenweave.serving import attention_kernel
 
     if impl == "cuda":
-        return attention_kernel.unavailable_reason(platform, bm.DTYPES[a.dtype], a.head_dim,
-                                                   a.heads // a.kv_heads)
+        return attention_kernel.unavailable_reason(
+            platform, bm.DTYPES[a.dtype], a.head_dim, a.heads // a.kv_heads
+        )
     if impl == "pallas":
         if case.kind != "decode":
             return "JAX's Pallas paged attention is a decode kernel"
@@ -217,8 +270,12 @@ def chained(step: Any, inner: int, donate: bool) -> Any:
         out = first
         if inner > 1:
             out, k, v = jax.lax.fori_loop(
-                0, inner - 1, lambda _, c: step(c[0], c[1], c[2], tables, positions),
-                (first, k, v), unroll=True)
+                0,
+                inner - 1,
+                lambda _, c: step(c[0], c[1], c[2], tables, positions),
+                (first, k, v),
+                unroll=True,
+            )
         return first, out, k, v
 
     return jax.jit(f, donate_argnums=(1, 2) if donate else ())
@@ -229,8 +286,9 @@ def step_fn(impl: str, a: argparse.Namespace, tile: int) -> Any:
     from jax_tokenweave.serving.paged_attention import paged_attention
 
     if impl != "pallas":
-        return lambda q, k, v, t, p: paged_attention(q, k, v, t, p, tile=tile,
-                                                     key_chunk=a.key_chunk, implementation=impl)
+        return lambda q, k, v, t, p: paged_attention(
+            q, k, v, t, p, tile=tile, key_chunk=a.key_chunk, implementation=impl
+        )
     from jax.experimental.pallas.ops.gpu import paged_attention as pallas
 
     pages = None
@@ -239,16 +297,22 @@ def step_fn(impl: str, a: argparse.Namespace, tile: int) -> Any:
         nonlocal pages
         pages = tables.shape[1]
         splits = next(s for s in (16, 8, 4, 2, 1) if pages % s == 0)
-        out = pallas.paged_attention(q, k, v, tables, positions + 1, k_splits=splits,
-                                     pages_per_compute_block=min(8, pages // splits),
-                                     interpret=a.pallas_interpret)
+        out = pallas.paged_attention(
+            q,
+            k,
+            v,
+            tables,
+            positions + 1,
+            k_splits=splits,
+            pages_per_compute_block=min(8, pages // splits),
+            interpret=a.pallas_interpret,
+        )
         return out, k, v
 
     return step
 
 
-def prepare(impl: str, a: argparse.Namespace, inp: dict[str, Any],
-            state: dict[str, Any]) -> Any:
+def prepare(impl: str, a: argparse.Namespace, inp: dict[str, Any], state: dict[str, Any]) -> Any:
     """A zero-argument call of ``impl``'s chained function on the case's inputs (-> first out,
     last out). ``xla`` and ``cuda`` share ``state``'s caches (donated, handed on); ``pallas``
     gets its own copy in its layout ``[KVH, NB, BS, D]`` and queries times the scale."""
@@ -260,8 +324,9 @@ def prepare(impl: str, a: argparse.Namespace, inp: dict[str, Any],
     q = inp["q"]
     if pallas:
         kk, kv, shape, dtype = inp["keys"]
-        layout = jax.jit(lambda key: jnp.transpose(jax.random.normal(key, shape, dtype),
-                                                   (2, 0, 1, 3)))
+        layout = jax.jit(
+            lambda key: jnp.transpose(jax.random.normal(key, shape, dtype), (2, 0, 1, 3))
+        )
         state = {"k": layout(kk), "v": layout(kv)}
         q = q * jnp.asarray(1.0 / math.sqrt(a.head_dim), q.dtype)
     compiled = f.lower(q, state["k"], state["v"], inp["tables"], inp["positions"]).compile()
@@ -275,8 +340,9 @@ def prepare(impl: str, a: argparse.Namespace, inp: dict[str, Any],
     return call
 
 
-def run_case(case: Case, a: argparse.Namespace, platform: str, seed: int,
-             impls: Sequence[str]) -> list[dict[str, Any]]:
+def run_case(
+    case: Case, a: argparse.Namespace, platform: str, seed: int, impls: Sequence[str]
+) -> list[dict[str, Any]]:
     """Compile, check against ``xla`` and time every implementation on one case."""
     import jax.numpy as jnp
 
@@ -286,12 +352,14 @@ def run_case(case: Case, a: argparse.Namespace, platform: str, seed: int,
     rf = _roofline()
     inp = make_inputs(case, a, seed)
     itemsize = jnp.dtype(bm.DTYPES[a.dtype]).itemsize
-    base = {**dataclasses.asdict(case), "bytes": moved_bytes(case, a.heads, a.kv_heads,
-                                                             a.head_dim, itemsize),
-            "flops": attention_flops(case, a.heads, a.head_dim)}
+    base = {
+        **dataclasses.asdict(case),
+        "bytes": moved_bytes(case, a.heads, a.kv_heads, a.head_dim, itemsize),
+        "flops": attention_flops(case, a.heads, a.head_dim),
+    }
     info: dict[str, dict[str, Any]] = {}
     fns: dict[str, Any] = {}
-    state = {"k": inp["k"], "v": inp["v"]}      # our layout, donated from call to call
+    state = {"k": inp["k"], "v": inp["v"]}  # our layout, donated from call to call
     firsts: dict[str, Any] = {}
     for impl in dict.fromkeys(["xla", *impls]):
         why = unavailable(impl, case, a, platform)
@@ -301,7 +369,7 @@ def run_case(case: Case, a: argparse.Namespace, platform: str, seed: int,
         try:
             start = time.perf_counter()
             fns[impl] = prepare(impl, a, inp, state)
-            firsts[impl] = np.asarray(fns[impl]()[0], np.float32)   # compiles
+            firsts[impl] = np.asarray(fns[impl]()[0], np.float32)  # compiles
             info[impl] = {"status": "ok", "compile_s": time.perf_counter() - start}
         except Exception as err:  # a refusal must not end the sweep
             info[impl] = {"status": "error", "reason": one_line(err)}
@@ -313,16 +381,21 @@ def run_case(case: Case, a: argparse.Namespace, platform: str, seed: int,
             err = timing.rel_error(first, ref)
             info[impl].update(rel_err=err, flagged=not err <= a.tolerance)
             if not err <= a.tolerance:
-                print(f"MISMATCH {impl} {case}: relative error {err:.3g} > {a.tolerance}",
-                      file=sys.stderr)
+                print(
+                    f"MISMATCH {impl} {case}: relative error {err:.3g} > {a.tolerance}",
+                    file=sys.stderr,
+                )
     timed = {impl: fns[impl] for impl in impls if impl in fns}
     if timed:
         for impl, stats in timing.benchmark(timed, warmup=a.warmup, iters=a.iters).items():
             us = stats.median_ms * 1e3 / a.inner
-            info[impl].update(median_us=us, p10_us=stats.p10_ms * 1e3 / a.inner,
-                              p90_us=stats.p90_ms * 1e3 / a.inner,
-                              gb_s=base["bytes"] / (us * 1e-6) / rf.GB,
-                              tflop_s=base["flops"] / (us * 1e-6) / 1e12)
+            info[impl].update(
+                median_us=us,
+                p10_us=stats.p10_ms * 1e3 / a.inner,
+                p90_us=stats.p90_ms * 1e3 / a.inner,
+                gb_s=base["bytes"] / (us * 1e-6) / rf.GB,
+                tflop_s=base["flops"] / (us * 1e-6) / 1e12,
+            )
     return [{**base, "impl": impl, **info[impl]} for impl in impls]
 
 
@@ -331,10 +404,14 @@ def run(a: argparse.Namespace, device: Any, platform: str, seed: int) -> dict[st
     import jax.numpy as jnp
 
     rf = _roofline()
-    bandwidth = rf.copy_bandwidth(device, int(a.copy_gb * rf.GB), warmup=a.warmup,
-                                  iters=max(a.iters, 5))
-    print(f"copy bandwidth: {bandwidth['gb_s']:.0f} GB/s (read + write of "
-          f"{bandwidth['bytes'] / rf.GB:.2f} GB)", file=sys.stderr)
+    bandwidth = rf.copy_bandwidth(
+        device, int(a.copy_gb * rf.GB), warmup=a.warmup, iters=max(a.iters, 5)
+    )
+    print(
+        f"copy bandwidth: {bandwidth['gb_s']:.0f} GB/s (read + write of "
+        f"{bandwidth['bytes'] / rf.GB:.2f} GB)",
+        file=sys.stderr,
+    )
     itemsize = jnp.dtype(bm.DTYPES[a.dtype]).itemsize
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
@@ -348,16 +425,19 @@ def run(a: argparse.Namespace, device: Any, platform: str, seed: int) -> dict[st
         elif a.time_budget is not None and time.perf_counter() - start > a.time_budget:
             reason = "time budget exhausted"
         if reason:
-            records += [{**dataclasses.asdict(case), "impl": impl, "status": "skipped",
-                         "reason": reason} for impl in a.impls]
+            records += [
+                {**dataclasses.asdict(case), "impl": impl, "status": "skipped", "reason": reason}
+                for impl in a.impls
+            ]
             continue
         records += run_case(case, a, platform, seed + i, a.impls)
-        for r in records[-len(a.impls):]:
+        for r in records[-len(a.impls) :]:
             r["pct_bw"] = 100 * r["gb_s"] / bandwidth["gb_s"] if "gb_s" in r else None
     return {"bandwidth": bandwidth, "records": records}
 
 
 # ---------------------------------------------------------------------------------- output ---
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep and write the outputs; 1 where a result was flagged, else 0."""

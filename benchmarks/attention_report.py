@@ -11,22 +11,32 @@ def to_markdown(report: dict[str, Any]) -> str:
     """A decode table and a prefill table: per implementation time, GB/s, % of the copy's."""
     env, cfg, bw = report["environment"], report["config"], report["bandwidth"]
     impls = cfg["impls"]
-    lines = [f"# Paged attention, one layer, one rank ({env['device_kind']})", "",
-             f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; Hq "
-             f"{cfg['heads']}, KVH {cfg['kv_heads']}, D {cfg['head_dim']}, block "
-             f"{cfg['block_size']}, {cfg['dtype']}; per call, median of {cfg['iters']} "
-             f"dispatches of {cfg['inner']} chained calls. Copy bandwidth {bw['gb_s']:.0f} GB/s "
-             f"(read + write). err: relative error vs xla (* above {cfg['tolerance']:g}).", ""]
+    lines = [
+        f"# Paged attention, one layer, one rank ({env['device_kind']})",
+        "",
+        f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; Hq "
+        f"{cfg['heads']}, KVH {cfg['kv_heads']}, D {cfg['head_dim']}, block "
+        f"{cfg['block_size']}, {cfg['dtype']}; per call, median of {cfg['iters']} "
+        f"dispatches of {cfg['inner']} chained calls. Copy bandwidth {bw['gb_s']:.0f} GB/s "
+        f"(read + write). err: relative error vs xla (* above {cfg['tolerance']:g}).",
+        "",
+    ]
     notes: dict[str, int] = {}
-    for kind, keys, extra in (("decode", ("batch", "context"), ()),
-                              ("prefill", ("chunk", "prefix"), ("TFLOP/s",))):
+    for kind, keys, extra in (
+        ("decode", ("batch", "context"), ()),
+        ("prefill", ("chunk", "prefix"), ("TFLOP/s",)),
+    ):
         recs = [r for r in report["records"] if r["kind"] == kind]
         if not recs:
             continue
         cols = functools.partial(_columns, extra)
         head = [f"{i} {c}" for i in impls for c in cols(i)]
-        lines += [f"## {kind}", "", "| " + " | ".join([*keys, *head]) + " |",
-                  "|---" * (len(keys) + len(head)) + "|"]
+        lines += [
+            f"## {kind}",
+            "",
+            "| " + " | ".join([*keys, *head]) + " |",
+            "|---" * (len(keys) + len(head)) + "|",
+        ]
         cell = {(tuple(r[k] for k in keys), r["impl"]): r for r in recs}
         for point in dict.fromkeys(tuple(r[k] for k in keys) for r in recs):
             row = [str(v) for v in point]
@@ -39,8 +49,12 @@ def to_markdown(report: dict[str, Any]) -> str:
                     row += ["-"] * (len(cols(impl)) - 1)
                     continue
                 err = r.get("rel_err")
-                row += [_num(r["median_us"]), _num(r["gb_s"]), _num(r["pct_bw"]),
-                        *([_num(r["tflop_s"])] if extra else [])]
+                row += [
+                    _num(r["median_us"]),
+                    _num(r["gb_s"]),
+                    _num(r["pct_bw"]),
+                    *([_num(r["tflop_s"])] if extra else []),
+                ]
                 if impl != "xla":
                     row.append("-" if err is None else f"{err:.1e}" + "*" * r["flagged"])
             lines.append("| " + " | ".join(row) + " |")
@@ -70,14 +84,14 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 3.8), squeeze=False)
     for ax, batch in zip(axes[0], batches, strict=True):
         for impl in report["config"]["impls"]:
-            pts = sorted((r["context"], r["gb_s"]) for r in ok
-                         if r["batch"] == batch and r["impl"] == impl)
+            pts = sorted(
+                (r["context"], r["gb_s"]) for r in ok if r["batch"] == batch and r["impl"] == impl
+            )
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
         ax.axhline(report["bandwidth"]["gb_s"], color="gray", ls="--", label="copy")
         ax.set_xscale("log", base=2)
-        ax.set(title=f"decode, batch {batch}", xlabel="context (keys per request)",
-               ylabel="GB/s")
+        ax.set(title=f"decode, batch {batch}", xlabel="context (keys per request)", ylabel="GB/s")
         ax.legend(fontsize=8)
     fig.suptitle(f"paged attention, one layer ({report['environment']['device_kind']})")
     fig.tight_layout()

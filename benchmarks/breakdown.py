@@ -44,10 +44,18 @@ from typing import Any
 from jax_tokenweave import benchmarking as bm
 from jax_tokenweave.modes import Mode, measure
 
-MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("baseline"), Mode("nocomm"), Mode("weave", "local", split=True),
-    Mode("weave", "ffi-sync", split=True), Mode("weave", "xla", split=True),
-    Mode("weave", "ffi", split=True), Mode("weave", "auto"))}
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("baseline"),
+        Mode("nocomm"),
+        Mode("weave", "local", split=True),
+        Mode("weave", "ffi-sync", split=True),
+        Mode("weave", "xla", split=True),
+        Mode("weave", "ffi", split=True),
+        Mode("weave", "auto"),
+    )
+}
 GPU = {"model": "llama3-70b", "tokens": (2048, 4096, 8192, 16384), "request_len": 1024}
 CPU = {"model": "tiny", "tokens": (128, 256), "request_len": 64}
 
@@ -60,21 +68,42 @@ def _per_platform(key: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     p = bm.result_parser("breakdown.py", __doc__, "breakdown")
-    p.add_argument("--model", help=f"model config name, {bm.config_names_help()} "
-                                   + _per_platform("model"))
-    p.add_argument("--tp", type=bm.positive_int,
-                   help="tensor-parallel degree (default: all devices)")
-    p.add_argument("--tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,
-                   help="batch sizes in tokens " + _per_platform("tokens"))
-    p.add_argument("--request-len", type=bm.positive_int,
-                   help="tokens per request (the last one shorter if need be; one request of "
-                        "all the tokens: --request-len 16384 --tokens 16384) "
-                        + _per_platform("request_len"))
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
-                   metavar="MODE", help="modes to run")
-    p.add_argument("--ctas", type=bm.positive_ints, nargs="+", action=bm.Flatten, default=[],
-                   help="also time weave-ffi with each of these CTA counts (weave-ffi@<n>; "
-                        "default: none, the tuning table's counts only)")
+    p.add_argument(
+        "--model", help=f"model config name, {bm.config_names_help()} " + _per_platform("model")
+    )
+    p.add_argument(
+        "--tp", type=bm.positive_int, help="tensor-parallel degree (default: all devices)"
+    )
+    p.add_argument(
+        "--tokens",
+        type=bm.positive_ints,
+        nargs="+",
+        action=bm.Flatten,
+        help="batch sizes in tokens " + _per_platform("tokens"),
+    )
+    p.add_argument(
+        "--request-len",
+        type=bm.positive_int,
+        help="tokens per request (the last one shorter if need be; one request of "
+        "all the tokens: --request-len 16384 --tokens 16384) " + _per_platform("request_len"),
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES),
+        choices=list(MODES),
+        metavar="MODE",
+        help="modes to run",
+    )
+    p.add_argument(
+        "--ctas",
+        type=bm.positive_ints,
+        nargs="+",
+        action=bm.Flatten,
+        default=[],
+        help="also time weave-ffi with each of these CTA counts (weave-ffi@<n>; "
+        "default: none, the tuning table's counts only)",
+    )
     bm.add_run_options(p, warmup=2, iters=7, unit="mode and batch")
     bm.add_sweep_options(p, plot="breakdown.png")
     return p
@@ -101,13 +130,18 @@ def derived(cell: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     diff = lambda a, b: ms[a] - ms[b] if a in ms and b in ms else None
     ratio = lambda a, b: ms[a] / ms[b] if a in ms and b in ms else None
     gap = diff("baseline", "nocomm")
-    return {"split_cost_ms": diff("weave-local", "nocomm"),
-            "exposed_comm_ms": diff("weave-ffi", "weave-local"),
-            "overlap_gain_ms": diff("weave-ffi-sync", "weave-ffi"),
-            "gap_recovered": (diff("baseline", "weave-ffi") / gap
-                              if gap and diff("baseline", "weave-ffi") is not None else None),
-            "weave_ffi_over_nocomm": ratio("weave-ffi", "nocomm"),
-            "weave_auto_over_baseline": ratio("weave-auto", "baseline")}
+    return {
+        "split_cost_ms": diff("weave-local", "nocomm"),
+        "exposed_comm_ms": diff("weave-ffi", "weave-local"),
+        "overlap_gain_ms": diff("weave-ffi-sync", "weave-ffi"),
+        "gap_recovered": (
+            diff("baseline", "weave-ffi") / gap
+            if gap and diff("baseline", "weave-ffi") is not None
+            else None
+        ),
+        "weave_ffi_over_nocomm": ratio("weave-ffi", "nocomm"),
+        "weave_auto_over_baseline": ratio("weave-auto", "baseline"),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,16 +153,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.request_len = args.request_len or d["request_len"]
     args.tp = args.tp or len(devices)
     if args.tp > len(devices):
-        args.parser.error(f"--tp {args.tp} needs {args.tp} devices; this machine has "
-                          f"{len(devices)}")
+        args.parser.error(
+            f"--tp {args.tp} needs {args.tp} devices; this machine has {len(devices)}"
+        )
     config = bm.load_config(args.model, args.layers)
     try:
         config.check_tensor_parallel(args.tp)
     except ValueError as err:
         args.parser.error(f"--tp {args.tp} does not fit --model {args.model}: {err}")
     modes = {n: MODES[n] for n in args.modes}
-    modes.update({m.name: m for m in (Mode("weave", "ffi", split=True, ctas=c)
-                                      for c in args.ctas)})
+    modes.update({m.name: m for m in (Mode("weave", "ffi", split=True, ctas=c) for c in args.ctas)})
     seed = args.seed if args.seed is not None else bm.resolve_seed()
     dtype, tol = bm.DTYPES[args.dtype], bm.TOLERANCE[args.dtype]
     mesh = bm.make_mesh(devices, args.tp)
@@ -136,23 +170,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start, rows = time.perf_counter(), []
     for i, tokens in enumerate(args.tokens):
         if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
-            rows.append({"tokens": tokens, "modes": {n: {"status": "skipped", "reason":
-                         "time budget exhausted"} for n in modes}})
+            rows.append(
+                {
+                    "tokens": tokens,
+                    "modes": {
+                        n: {"status": "skipped", "reason": "time budget exhausted"} for n in modes
+                    },
+                }
+            )
             continue
         print(f"-- T={tokens}: {', '.join(modes)}", flush=True)
         lengths = bm.request_lengths(tokens, args.request_len)
         hidden = bm.random_hidden(tokens, config.hidden_size, dtype, mesh, seed + 1 + i)
-        cell = measure(decoder, config, args.model, lengths, hidden, modes, tol=tol,
-                       warmup=args.warmup, iters=args.iters,
-                       ffi_reason=bm.ffi_unavailable(mesh, dtype, (tokens, config.hidden_size)))
-        rows.append({"tokens": tokens, "request_lengths": list(lengths), "modes": cell,
-                     "derived": derived(cell)})
-    keep = ("model", "layers", "tp", "tokens", "request_len", "modes", "ctas", "warmup", "iters",
-            "dtype")
-    return {"environment": bm.environment(devices, ["benchmarks/breakdown.py", *args.argv]),
-            "config": {**{k: getattr(args, k) for k in keep}, "seed": seed, "tolerance": tol,
-                       "modes": list(modes)},
-            "rows": rows}
+        cell = measure(
+            decoder,
+            config,
+            args.model,
+            lengths,
+            hidden,
+            modes,
+            tol=tol,
+            warmup=args.warmup,
+            iters=args.iters,
+            ffi_reason=bm.ffi_unavailable(mesh, dtype, (tokens, config.hidden_size)),
+        )
+        rows.append(
+            {
+                "tokens": tokens,
+                "request_lengths": list(lengths),
+                "modes": cell,
+                "derived": derived(cell),
+            }
+        )
+    keep = (
+        "model",
+        "layers",
+        "tp",
+        "tokens",
+        "request_len",
+        "modes",
+        "ctas",
+        "warmup",
+        "iters",
+        "dtype",
+    )
+    return {
+        "environment": bm.environment(devices, ["benchmarks/breakdown.py", *args.argv]),
+        "config": {
+            **{k: getattr(args, k) for k in keep},
+            "seed": seed,
+            "tolerance": tol,
+            "modes": list(modes),
+        },
+        "rows": rows,
+    }
 
 
 def _cell(record: dict[str, Any]) -> str:
@@ -165,17 +236,25 @@ def to_markdown(report: dict[str, Any]) -> str:
     """The breakdown table (median ms per mode, derived columns) and the notes."""
     env, cfg = report["environment"], report["config"]
     modes = cfg["modes"]
-    names = {"split_cost_ms": "split cost ms", "exposed_comm_ms": "exposed comm ms",
-             "overlap_gain_ms": "overlap gain ms", "gap_recovered": "gap recovered",
-             "weave_ffi_over_nocomm": "weave-ffi / nocomm",
-             "weave_auto_over_baseline": "weave-auto / baseline"}
-    lines = [f"# Breakdown ({env['num_devices']} x {env['device_kind']})", "",
-             f"{cfg['model']}, {cfg['layers']} layers, TP={cfg['tp']}, {cfg['dtype']}, requests "
-             f"of {cfg['request_len']} tokens; jax {env['jax_version']}, commit "
-             f"{env['git_commit']}, {env['date']}; ms, median of {cfg['iters']} runs after "
-             f"{cfg['warmup']} warm-up, all modes interleaved in one process.", "",
-             "| tokens | " + " | ".join(modes) + " | " + " | ".join(names.values()) + " |",
-             "|---" * (1 + len(modes) + len(names)) + "|"]
+    names = {
+        "split_cost_ms": "split cost ms",
+        "exposed_comm_ms": "exposed comm ms",
+        "overlap_gain_ms": "overlap gain ms",
+        "gap_recovered": "gap recovered",
+        "weave_ffi_over_nocomm": "weave-ffi / nocomm",
+        "weave_auto_over_baseline": "weave-auto / baseline",
+    }
+    lines = [
+        f"# Breakdown ({env['num_devices']} x {env['device_kind']})",
+        "",
+        f"{cfg['model']}, {cfg['layers']} layers, TP={cfg['tp']}, {cfg['dtype']}, requests "
+        f"of {cfg['request_len']} tokens; jax {env['jax_version']}, commit "
+        f"{env['git_commit']}, {env['date']}; ms, median of {cfg['iters']} runs after "
+        f"{cfg['warmup']} warm-up, all modes interleaved in one process.",
+        "",
+        "| tokens | " + " | ".join(modes) + " | " + " | ".join(names.values()) + " |",
+        "|---" * (1 + len(modes) + len(names)) + "|",
+    ]
     notes: dict[str, int] = {}
     for row in report["rows"]:
         cells = [str(row["tokens"])]
@@ -187,8 +266,13 @@ def to_markdown(report: dict[str, Any]) -> str:
                 cells[-1] += f" [{n}]"
         for key in names:
             value = row.get("derived", {}).get(key)
-            cells.append("-" if value is None else f"{value:.3f}" if "over" in key
-                         or key == "gap_recovered" else f"{value:.2f}")
+            cells.append(
+                "-"
+                if value is None
+                else f"{value:.3f}"
+                if "over" in key or key == "gap_recovered"
+                else f"{value:.2f}"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *(f"[{n}] {text}" for text, n in notes.items())]
     return "\n".join(lines).rstrip() + "\n"
@@ -203,15 +287,22 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     import numpy as np
 
     rows = [r for r in report["rows"] if r["modes"].get("nocomm", {}).get("status") == "ok"]
-    modes = [m for m in report["config"]["modes"]
-             if any(r["modes"].get(m, {}).get("status") == "ok" for r in rows)]
+    modes = [
+        m
+        for m in report["config"]["modes"]
+        if any(r["modes"].get(m, {}).get("status") == "ok" for r in rows)
+    ]
     if not rows or not modes:
         return False
     fig, ax = plt.subplots(figsize=(8, 4))
     width, x = 0.8 / len(modes), np.arange(len(rows))
     for i, m in enumerate(modes):
-        vals = [r["modes"][m]["median_ms"] / r["modes"]["nocomm"]["median_ms"]
-                if r["modes"].get(m, {}).get("status") == "ok" else np.nan for r in rows]
+        vals = [
+            r["modes"][m]["median_ms"] / r["modes"]["nocomm"]["median_ms"]
+            if r["modes"].get(m, {}).get("status") == "ok"
+            else np.nan
+            for r in rows
+        ]
         ax.bar(x + (i - (len(modes) - 1) / 2) * width, vals, width, label=m)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.axhline(1.02, color="gray", lw=0.8, ls=":")
@@ -219,8 +310,10 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     ax.set_xlabel("tokens in the batch")
     ax.set_ylabel("median time / nocomm")
     cfg = report["config"]
-    ax.set_title(f"{cfg['model']} x{cfg['layers']}, TP={cfg['tp']}, "
-                 f"{report['environment']['device_kind']}", fontsize=10)
+    ax.set_title(
+        f"{cfg['model']} x{cfg['layers']}, TP={cfg['tp']}, {report['environment']['device_kind']}",
+        fontsize=10,
+    )
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -245,8 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {', '.join(wrote)} in {args.out}")
     if report["environment"]["platform"] == "cpu":
         print(bm.CPU_NOTE)
-    mismatch = any(r.get("status") == "mismatch" for row in report["rows"]
-                   for r in row["modes"].values())
+    mismatch = any(
+        r.get("status") == "mismatch" for row in report["rows"] for r in row["modes"].values()
+    )
     return 1 if mismatch else 0
 
 

@@ -38,9 +38,10 @@ from jax_tokenweave import benchmarking as bm
 from jax_tokenweave.util import ceil_div
 
 ENGINE_OPTIONS = ("block_size", "prefill_tile", "key_chunk", "max_num_batched_tokens")
-DEFAULTS = {"gpu": dict(model="llama3-8b", batch=[1, 64, 256], context=[1024], steps=32,
-                        copy_gb=2.0),
-            "cpu": dict(model="tiny", batch=[1, 4], context=[64], steps=8, copy_gb=0.1)}
+DEFAULTS = {
+    "gpu": dict(model="llama3-8b", batch=[1, 64, 256], context=[1024], steps=32, copy_gb=2.0),
+    "cpu": dict(model="tiny", batch=[1, 4], context=[64], steps=8, copy_gb=0.1),
+}
 
 
 def sibling(name: str) -> Any:
@@ -53,51 +54,96 @@ def roofline() -> Any:
     return sibling("roofline")
 
 
-def add_model_options(p: argparse.ArgumentParser, engine: Sequence[str] = ENGINE_OPTIONS,
-                      plot: bool = True) -> None:
+def add_model_options(
+    p: argparse.ArgumentParser, engine: Sequence[str] = ENGINE_OPTIONS, plot: bool = True
+) -> None:
     """The model and engine options ``decode_bench.py`` and ``prefill_bench.py`` share."""
     p.set_defaults(layers=None)
-    p.add_argument("--model", help=f"model config name, {bm.config_names_help()} (default: "
-                                   "llama3-8b on GPUs, tiny on CPUs)")
+    p.add_argument(
+        "--model",
+        help=f"model config name, {bm.config_names_help()} (default: "
+        "llama3-8b on GPUs, tiny on CPUs)",
+    )
     p.add_argument("--tp", type=bm.positive_int, default=1, help="tensor-parallel degree")
-    p.add_argument("--dtype", choices=tuple(bm.DTYPES), default="bfloat16",
-                   help="parameter, activation and cache dtype")
-    p.add_argument("--schedule", choices=("auto", "weave", "baseline"), default="auto",
-                   help="the engine's schedule (auto: baseline at TP 1, weave above)")
+    p.add_argument(
+        "--dtype",
+        choices=tuple(bm.DTYPES),
+        default="bfloat16",
+        help="parameter, activation and cache dtype",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("auto", "weave", "baseline"),
+        default="auto",
+        help="the engine's schedule (auto: baseline at TP 1, weave above)",
+    )
     p.add_argument("--comm", choices=bm.COMMS, default="auto", help="weave's reductions")
-    p.add_argument("--attention", choices=("auto", "cuda", "xla"), default="auto",
-                   help="the engine's paged attention (EngineConfig.attention)")
-    p.add_argument("--sync", action="store_true",
-                   help="the synchronous engine (EngineConfig.async_scheduling=False)")
+    p.add_argument(
+        "--attention",
+        choices=("auto", "cuda", "xla"),
+        default="auto",
+        help="the engine's paged attention (EngineConfig.attention)",
+    )
+    p.add_argument(
+        "--sync",
+        action="store_true",
+        help="the synchronous engine (EngineConfig.async_scheduling=False)",
+    )
     bm.add_engine_options(p, engine)
-    p.add_argument("--copy-gb", type=bm.positive_float,
-                   help="bytes of the bandwidth copy, GB (default: 2 on GPUs, 0.1 on CPUs)")
+    p.add_argument(
+        "--copy-gb",
+        type=bm.positive_float,
+        help="bytes of the bandwidth copy, GB (default: 2 on GPUs, 0.1 on CPUs)",
+    )
     p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="weights and prompts seed")
     if plot:
-        p.add_argument("--no-plot", action="store_true",
-                       help="write no plot (the plot needs matplotlib: the plot extra)")
+        p.add_argument(
+            "--no-plot",
+            action="store_true",
+            help="write no plot (the plot needs matplotlib: the plot extra)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     p = bm.result_parser("decode_bench.py", __doc__, "decode")
     add_model_options(p)
-    p.add_argument("--batch", type=bm.positive_ints, nargs="+", action=bm.Flatten,
-                   help="requests decoding together (default: 1 64 256 on GPUs, 1 4 on CPUs)")
-    p.add_argument("--context", type=bm.positive_ints, nargs="+", action=bm.Flatten,
-                   help="prompt tokens per request (default: 1024 on GPUs, 64 on CPUs)")
-    p.add_argument("--steps", type=bm.positive_int,
-                   help="timed decode steps (default: 32 on GPUs, 8 on CPUs)")
-    p.add_argument("--warm-steps", type=bm.positive_int, default=3,
-                   help="untimed decode steps first (the first compiles the decode layout)")
-    p.add_argument("--profile-steps", type=bm.nonnegative_int, default=5,
-                   help="decode steps profiled after the timed ones (PyTorch's CUDA profiler: "
-                        "device-busy time, host gaps, top kernels; 0: none)")
+    p.add_argument(
+        "--batch",
+        type=bm.positive_ints,
+        nargs="+",
+        action=bm.Flatten,
+        help="requests decoding together (default: 1 64 256 on GPUs, 1 4 on CPUs)",
+    )
+    p.add_argument(
+        "--context",
+        type=bm.positive_ints,
+        nargs="+",
+        action=bm.Flatten,
+        help="prompt tokens per request (default: 1024 on GPUs, 64 on CPUs)",
+    )
+    p.add_argument(
+        "--steps", type=bm.positive_int, help="timed decode steps (default: 32 on GPUs, 8 on CPUs)"
+    )
+    p.add_argument(
+        "--warm-steps",
+        type=bm.positive_int,
+        default=3,
+        help="untimed decode steps first (the first compiles the decode layout)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=bm.nonnegative_int,
+        default=5,
+        help="decode steps profiled after the timed ones (PyTorch's CUDA profiler: "
+        "device-busy time, host gaps, top kernels; 0: none)",
+    )
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None,
-               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
     """Parse and check the options (``parser.error`` before any work on bad ones)."""
     p = parser or build_parser()
     args = p.parse_args(argv)
@@ -109,12 +155,13 @@ def parse_args(argv: Sequence[str] | None = None,
         except ValueError as err:
             p.error(f"--model: {err}")
     if args.key_chunk % args.block_size:
-        p.error(f"--key-chunk {args.key_chunk} is not a multiple of --block-size "
-                f"{args.block_size}")
+        p.error(f"--key-chunk {args.key_chunk} is not a multiple of --block-size {args.block_size}")
     budget = getattr(args, "max_num_batched_tokens", None)
     if budget and budget % args.prefill_tile:
-        p.error(f"--max-num-batched-tokens {budget} is not a multiple of --prefill-tile "
-                f"{args.prefill_tile}")
+        p.error(
+            f"--max-num-batched-tokens {budget} is not a multiple of --prefill-tile "
+            f"{args.prefill_tile}"
+        )
     if not getattr(args, "no_plot", True) and (hint := bm.matplotlib_missing()):
         p.error(f"the plot {hint} (or pass --no-plot)")
     return args
@@ -150,16 +197,26 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
     tile = a.prefill_tile
     budget = max(a.max_num_batched_tokens, decode_rows(requests, tile) + tile)
     per_request = ceil_div(positions, a.block_size)
-    return EngineConfig(max_num_batched_tokens=ceil_div(budget, tile) * tile, max_num_seqs=requests,
-                        max_model_len=positions + 1, block_size=a.block_size,
-                        num_blocks=requests * per_request + 1, prefill_tile=tile,
-                        key_chunk=a.key_chunk, schedule=a.schedule, comm=a.comm,
-                        attention=a.attention, max_logprobs=0, seed=a.seed,
-                        async_scheduling=not a.sync)
+    return EngineConfig(
+        max_num_batched_tokens=ceil_div(budget, tile) * tile,
+        max_num_seqs=requests,
+        max_model_len=positions + 1,
+        block_size=a.block_size,
+        num_blocks=requests * per_request + 1,
+        prefill_tile=tile,
+        key_chunk=a.key_chunk,
+        schedule=a.schedule,
+        comm=a.comm,
+        attention=a.attention,
+        max_logprobs=0,
+        seed=a.seed,
+        async_scheduling=not a.sync,
+    )
 
 
-def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
-              rng: np.random.Generator) -> dict[str, Any]:
+def run_point(
+    model: Any, a: argparse.Namespace, batch: int, context: int, rng: np.random.Generator
+) -> dict[str, Any]:
     """Prefill ``batch`` prompts of ``context`` tokens, warm up, time the decode steps."""
     from jax_tokenweave.serving import LLMEngine, SamplingParams, count_compilations
 
@@ -187,18 +244,32 @@ def run_point(model: Any, a: argparse.Namespace, batch: int, context: int,
             times.append(time.perf_counter() - t0)
             if len(gained) != batch:
                 raise RuntimeError(f"a timed step gave {len(gained)} tokens for {batch} requests")
-    profile = (sibling("step_profile").profile_steps(engine.step, a.profile_steps)
-               if a.profile_steps else {"status": "skipped", "reason": "--profile-steps 0"})
+    profile = (
+        sibling("step_profile").profile_steps(engine.step, a.profile_steps)
+        if a.profile_steps
+        else {"status": "skipped", "reason": "--profile-steps 0"}
+    )
     layout = batch_layout(engine, batch)
     del engine
     gc.collect()
     ms = np.asarray(times) * 1e3
-    return {"batch": batch, "context": context, "status": "ok", "steps": a.steps,
-            "step_p50_ms": float(np.median(ms)), "step_p90_ms": float(np.percentile(ms, 90)),
-            "step_mean_ms": float(ms.mean()), "tok_s": batch / (np.median(ms) * 1e-3),
-            "tok_s_total": batch * a.steps / (ms.sum() * 1e-3), "mean_keys": float(np.mean(keys)),
-            "compilations": compiles.count, "prefill_steps": prefill_steps,
-            "prefill_s": prefill_s, "layout": layout, "profile": profile}
+    return {
+        "batch": batch,
+        "context": context,
+        "status": "ok",
+        "steps": a.steps,
+        "step_p50_ms": float(np.median(ms)),
+        "step_p90_ms": float(np.percentile(ms, 90)),
+        "step_mean_ms": float(ms.mean()),
+        "tok_s": batch / (np.median(ms) * 1e-3),
+        "tok_s_total": batch * a.steps / (ms.sum() * 1e-3),
+        "mean_keys": float(np.mean(keys)),
+        "compilations": compiles.count,
+        "prefill_steps": prefill_steps,
+        "prefill_s": prefill_s,
+        "layout": layout,
+        "profile": profile,
+    }
 
 
 def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
@@ -210,9 +281,13 @@ def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
     cfg, mc = engine.config, engine.model_config
     rows = decode_rows(batch, cfg.prefill_tile)
     layout = make_layout(rows, rows, cfg, mc, engine.tp)
-    impl = resolve_implementation(cfg.attention, engine.mesh.devices.flat[0].platform,
-                                  engine.cache.k[0].dtype, mc.head_dim,
-                                  mc.num_heads // mc.num_kv_heads)
+    impl = resolve_implementation(
+        cfg.attention,
+        engine.mesh.devices.flat[0].platform,
+        engine.cache.k[0].dtype,
+        mc.head_dim,
+        mc.num_heads // mc.num_kv_heads,
+    )
     return {"rows": rows, "split": layout.plan.split, "attention": impl}
 
 
@@ -220,10 +295,19 @@ def add_roofline(record: dict[str, Any], model: Any, weights: int, gb_s: float) 
     """The record's bytes per step, roofline time and ratio (module docstring)."""
     rf, c = roofline(), model.config
     itemsize = np.dtype(model.embed.get_value().dtype).itemsize
-    kv = rf.kv_bytes(round(record["mean_keys"]), c.num_kv_heads // model.mesh.size,
-                     c.head_dim, itemsize, c.num_layers)
-    record.update(weight_bytes=weights, kv_bytes=kv, bytes=weights + kv,
-                  roofline_ms=(weights + kv) / (gb_s * rf.GB) * 1e3)
+    kv = rf.kv_bytes(
+        round(record["mean_keys"]),
+        c.num_kv_heads // model.mesh.size,
+        c.head_dim,
+        itemsize,
+        c.num_layers,
+    )
+    record.update(
+        weight_bytes=weights,
+        kv_bytes=kv,
+        bytes=weights + kv,
+        roofline_ms=(weights + kv) / (gb_s * rf.GB) * 1e3,
+    )
     record["ratio"] = record["step_p50_ms"] / record["roofline_ms"]
 
 
@@ -243,57 +327,85 @@ def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
             record = run_point(model, a, batch, context, rng)
             add_roofline(record, model, weights, bandwidth["gb_s"])
         except Exception as err:  # one failing point must not end the sweep
-            record = {"batch": batch, "context": context, "status": "error",
-                      "reason": one_line(err)}
+            record = {
+                "batch": batch,
+                "context": context,
+                "status": "error",
+                "reason": one_line(err),
+            }
         tqdm.write(_line(record))
         if record.get("profile", {}).get("host_profile"):
             print(record["profile"]["host_profile"], file=sys.stderr)
         records.append(record)
-    return {"model": a.model, "layers": model.config.num_layers, "tp": a.tp,
-            "bandwidth": bandwidth, "weight_bytes": weights, "records": records}
+    return {
+        "model": a.model,
+        "layers": model.config.num_layers,
+        "tp": a.tp,
+        "bandwidth": bandwidth,
+        "weight_bytes": weights,
+        "records": records,
+    }
 
 
 def _line(r: dict[str, Any]) -> str:
     if r["status"] != "ok":
         return f"batch {r['batch']} context {r['context']}: {r['status']}: {r['reason']}"
     prof = r.get("profile", {})
-    busy = (f"; profiled: GPU busy {prof['busy_ms']:.2f} ms, host gap {prof['gap_ms']:.2f} ms "
-            f"per step" if prof.get("status") == "ok" else "")
-    return (f"batch {r['batch']} context {r['context']}: step {r['step_p50_ms']:.2f} ms "
-            f"(roofline {r['roofline_ms']:.2f} ms, x{r['ratio']:.2f}), {r['tok_s']:.0f} tok/s, "
-            f"{r['compilations']} compilations{busy}")
+    busy = (
+        f"; profiled: GPU busy {prof['busy_ms']:.2f} ms, host gap {prof['gap_ms']:.2f} ms per step"
+        if prof.get("status") == "ok"
+        else ""
+    )
+    return (
+        f"batch {r['batch']} context {r['context']}: step {r['step_p50_ms']:.2f} ms "
+        f"(roofline {r['roofline_ms']:.2f} ms, x{r['ratio']:.2f}), {r['tok_s']:.0f} tok/s, "
+        f"{r['compilations']} compilations{busy}"
+    )
 
 
 def to_markdown(report: dict[str, Any]) -> str:
     """One table: a row per (batch, context)."""
     env, bw = report["environment"], report["bandwidth"]
-    lines = [f"# Decode step vs roofline: {report['model']}, {report['layers']} layers, TP "
-             f"{report['tp']} ({env['device_kind']})", "",
-             f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; weights "
-             f"{report['weight_bytes'] / 1e9:.2f} GB per GPU, copy bandwidth {bw['gb_s']:.0f} "
-             "GB/s (read + write). Ratio = step p50 / roofline.", "",
-             "| batch | context | step p50 ms | step p90 ms | roofline ms | ratio | tok/s | "
-             "compiles |", "|---" * 8 + "|"]
+    lines = [
+        f"# Decode step vs roofline: {report['model']}, {report['layers']} layers, TP "
+        f"{report['tp']} ({env['device_kind']})",
+        "",
+        f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; weights "
+        f"{report['weight_bytes'] / 1e9:.2f} GB per GPU, copy bandwidth {bw['gb_s']:.0f} "
+        "GB/s (read + write). Ratio = step p50 / roofline.",
+        "",
+        "| batch | context | step p50 ms | step p90 ms | roofline ms | ratio | tok/s | compiles |",
+        "|---" * 8 + "|",
+    ]
     for r in report["records"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['batch']} | {r['context']} | {r['status']}: {r['reason']} |"
-                         + " - |" * 5)
+            lines.append(
+                f"| {r['batch']} | {r['context']} | {r['status']}: {r['reason']} |" + " - |" * 5
+            )
             continue
-        lines.append(f"| {r['batch']} | {r['context']} | {r['step_p50_ms']:.3f} | "
-                     f"{r['step_p90_ms']:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | "
-                     f"{r['tok_s']:.0f} | {r['compilations']} |")
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['step_p50_ms']:.3f} | "
+            f"{r['step_p90_ms']:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | "
+            f"{r['tok_s']:.0f} | {r['compilations']} |"
+        )
     profiled = [r for r in report["records"] if r.get("profile", {}).get("status") == "ok"]
     if profiled:
-        lines += ["", "## Profiled steps (PyTorch CUDA profiler)", "",
-                  "GPU busy = union of the kernels' intervals; host gap = wall - busy.", "",
-                  "| batch | context | wall ms | GPU busy ms | host gap ms | top kernels "
-                  "(ms per step) |", "|---" * 6 + "|"]
+        lines += [
+            "",
+            "## Profiled steps (PyTorch CUDA profiler)",
+            "",
+            "GPU busy = union of the kernels' intervals; host gap = wall - busy.",
+            "",
+            "| batch | context | wall ms | GPU busy ms | host gap ms | top kernels (ms per step) |",
+            "|---" * 6 + "|",
+        ]
         for r in profiled:
             prof = r["profile"]
-            top = "; ".join(f"{k['name'][:48]} {k['ms_per_step']:.3f}"
-                            for k in prof["kernels"][:5])
-            lines.append(f"| {r['batch']} | {r['context']} | {prof['wall_ms']:.3f} | "
-                         f"{prof['busy_ms']:.3f} | {prof['gap_ms']:.3f} | {top} |")
+            top = "; ".join(f"{k['name'][:48]} {k['ms_per_step']:.3f}" for k in prof["kernels"][:5])
+            lines.append(
+                f"| {r['batch']} | {r['context']} | {prof['wall_ms']:.3f} | "
+                f"{prof['busy_ms']:.3f} | {prof['gap_ms']:.3f} | {top} |"
+            )
     return "\n".join(lines)
 
 
@@ -310,24 +422,28 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
         return False
     fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 3.8), squeeze=False)
     for ax, context in zip(axes[0], contexts, strict=True):
-        pts = sorted((r["batch"], r["step_p50_ms"], r["roofline_ms"]) for r in ok
-                     if r["context"] == context)
+        pts = sorted(
+            (r["batch"], r["step_p50_ms"], r["roofline_ms"]) for r in ok if r["context"] == context
+        )
         xs, step, roof = zip(*pts, strict=True)
         ax.plot(xs, step, marker="o", label="step p50")
         ax.plot(xs, roof, marker="x", ls="--", label="roofline")
         ax.set_xscale("log", base=2)
         ax.set(title=f"context {context}", xlabel="batch (requests)", ylabel="ms per step")
         ax.legend(fontsize=8)
-    fig.suptitle(f"decode step, {report['model']} x{report['layers']}, TP {report['tp']} "
-                 f"({report['environment']['device_kind']})")
+    fig.suptitle(
+        f"decode step, {report['model']} x{report['layers']}, TP {report['tp']} "
+        f"({report['environment']['device_kind']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
 
 
-def write_outputs(report: dict[str, Any], out: Path, stem: str, markdown: str,
-                  plot: Any = None) -> None:
+def write_outputs(
+    report: dict[str, Any], out: Path, stem: str, markdown: str, plot: Any = None
+) -> None:
     """``<stem>.json``, ``<stem>.md`` and (``plot(report, path)``) ``<stem>.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -344,10 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     platform, devices = bm.start_devices(max(args.tp, 1))
     a = resolve(args, platform)
     report = run(a, devices)
-    report["environment"] = bm.environment(devices[:a.tp], ["benchmarks/decode_bench.py", *argv])
+    report["environment"] = bm.environment(devices[: a.tp], ["benchmarks/decode_bench.py", *argv])
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
-    write_outputs(report, a.out, "decode", to_markdown(report),
-                  None if a.no_plot else write_plot)
+    write_outputs(report, a.out, "decode", to_markdown(report), None if a.no_plot else write_plot)
     if platform == "cpu":
         print(bm.CPU_NOTE)
     bad = [r for r in report["records"] if r["status"] != "ok" or r["compilations"]]

@@ -46,11 +46,20 @@ from jax_tokenweave import benchmarking as bm
 from jax_tokenweave.modes import Mode, measure
 from jax_tokenweave.util import ceil_div
 
-MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("baseline"), Mode("weave", "ffi", split=False), Mode("weave", "xla"),
-    Mode("weave", "ffi"), Mode("nocomm"))}
-DECODE_MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("baseline"), Mode("weave", "ffi"), Mode("weave", "xla"), Mode("nocomm"))}
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("baseline"),
+        Mode("weave", "ffi", split=False),
+        Mode("weave", "xla"),
+        Mode("weave", "ffi"),
+        Mode("nocomm"),
+    )
+}
+DECODE_MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (Mode("baseline"), Mode("weave", "ffi"), Mode("weave", "xla"), Mode("nocomm"))
+}
 MODELS = ("llama3-70b", "qwen2.5-72b", "mixtral-8x22b")
 TOKENS = (1024, 2048, 4096, 8192, 16384)
 DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
@@ -60,26 +69,66 @@ TPS = (2, 4)
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     p = bm.result_parser("e2e_bench.py", __doc__, "e2e")
-    p.add_argument("--models", nargs="+", default=list(MODELS), metavar="MODEL",
-                   help=f"model config names, {bm.config_names_help()}")
-    p.add_argument("--tp", type=bm.positive_ints, nargs="+", action=bm.Flatten,
-                   default=list(TPS), help="tensor-parallel degrees, run in this order")
-    p.add_argument("--tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,
-                   default=list(TOKENS), help="prefill batch sizes in tokens")
-    p.add_argument("--request-len", type=bm.positive_int, default=1024,
-                   help="tokens per prefill request")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
-                   metavar="MODE", help="prefill modes to run")
-    p.add_argument("--decode-tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,
-                   default=list(DECODE_TOKENS), help="decode batch sizes (one token per request)")
-    p.add_argument("--decode-modes", nargs="+", default=list(DECODE_MODES),
-                   choices=list(DECODE_MODES), metavar="MODE", help="decode modes to run")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=list(MODELS),
+        metavar="MODEL",
+        help=f"model config names, {bm.config_names_help()}",
+    )
+    p.add_argument(
+        "--tp",
+        type=bm.positive_ints,
+        nargs="+",
+        action=bm.Flatten,
+        default=list(TPS),
+        help="tensor-parallel degrees, run in this order",
+    )
+    p.add_argument(
+        "--tokens",
+        type=bm.positive_ints,
+        nargs="+",
+        action=bm.Flatten,
+        default=list(TOKENS),
+        help="prefill batch sizes in tokens",
+    )
+    p.add_argument(
+        "--request-len", type=bm.positive_int, default=1024, help="tokens per prefill request"
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES),
+        choices=list(MODES),
+        metavar="MODE",
+        help="prefill modes to run",
+    )
+    p.add_argument(
+        "--decode-tokens",
+        type=bm.positive_ints,
+        nargs="+",
+        action=bm.Flatten,
+        default=list(DECODE_TOKENS),
+        help="decode batch sizes (one token per request)",
+    )
+    p.add_argument(
+        "--decode-modes",
+        nargs="+",
+        default=list(DECODE_MODES),
+        choices=list(DECODE_MODES),
+        metavar="MODE",
+        help="decode modes to run",
+    )
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill sweep")
     p.add_argument("--no-decode", action="store_true", help="skip the decode sweep")
     bm.add_run_options(p, warmup=2, iters=10, unit="mode and batch")
     bm.add_sweep_options(p, plot="e2e.png")
-    p.add_argument("--replot", type=Path, metavar="JSON",
-                   help="only redraw the markdown and plot from an earlier e2e.json")
+    p.add_argument(
+        "--replot",
+        type=Path,
+        metavar="JSON",
+        help="only redraw the markdown and plot from an earlier e2e.json",
+    )
     return p
 
 
@@ -127,8 +176,9 @@ class Runner:
                 if not a.no_prefill:
                     work += [("prefill", t, MODES, a.modes, a.request_len) for t in a.tokens]
                 if not a.no_decode:
-                    work += [("decode", t, DECODE_MODES, a.decode_modes, 1)
-                             for t in a.decode_tokens]
+                    work += [
+                        ("decode", t, DECODE_MODES, a.decode_modes, 1) for t in a.decode_tokens
+                    ]
                 self.run_model(model, tp, work)
 
     def run_model(self, model: str, tp: int, work: list[tuple]) -> None:
@@ -162,21 +212,38 @@ class Runner:
             gc.collect()
             jax.clear_caches()
 
-    def run_point(self, base: dict[str, Any], config: Any, mesh: Any, decoder: Any,
-                  table: dict[str, Mode], modes: Sequence[str], request_len: int,
-                  index: int) -> None:
+    def run_point(
+        self,
+        base: dict[str, Any],
+        config: Any,
+        mesh: Any,
+        decoder: Any,
+        table: dict[str, Mode],
+        modes: Sequence[str],
+        request_len: int,
+        index: int,
+    ) -> None:
         """Compile, check against baseline and time every mode for one batch."""
         tokens, tp = base["tokens"], base["tp"]
         lengths = bm.request_lengths(tokens, request_len)
-        hidden = bm.random_hidden(tokens, config.hidden_size, self.dtype, mesh,
-                                  self.seed + 1 + index)
-        print(f"   {base['kind']} {base['model']} TP={tp} T={tokens}: {', '.join(modes)}",
-              flush=True)
-        info = measure(decoder, config, base["model"], lengths, hidden,
-                       {name: table[name] for name in modes}, tol=self.tol,
-                       warmup=self.args.warmup, iters=self.args.iters,
-                       ffi_reason=bm.ffi_unavailable(mesh, self.dtype,
-                                                     (tokens, config.hidden_size)))
+        hidden = bm.random_hidden(
+            tokens, config.hidden_size, self.dtype, mesh, self.seed + 1 + index
+        )
+        print(
+            f"   {base['kind']} {base['model']} TP={tp} T={tokens}: {', '.join(modes)}", flush=True
+        )
+        info = measure(
+            decoder,
+            config,
+            base["model"],
+            lengths,
+            hidden,
+            {name: table[name] for name in modes},
+            tol=self.tol,
+            warmup=self.args.warmup,
+            iters=self.args.iters,
+            ffi_reason=bm.ffi_unavailable(mesh, self.dtype, (tokens, config.hidden_size)),
+        )
         for name in modes:
             self.records.append({**base, "mode": name, **info[name]})
 
@@ -186,6 +253,7 @@ def _base(kind: str, model: str, tp: int, tokens: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- output ---
+
 
 def _groups(records: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
@@ -197,20 +265,30 @@ def _groups(records: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[di
 def to_markdown(report: dict[str, Any]) -> str:
     """One table per (kind, model, TP): median ms per mode, and speedups over baseline."""
     env, cfg = report["environment"], report["config"]
-    lines = [f"# End-to-end latency ({env['num_devices']} x {env['device_kind']})", "",
-             f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; "
-             f"{cfg['layers']} layers, {cfg['dtype']}, prefill requests of "
-             f"{cfg['request_len']} tokens; median of {cfg['iters']} runs "
-             f"(after {cfg['warmup']} warm-up). Speedup = baseline / mode.", ""]
+    lines = [
+        f"# End-to-end latency ({env['num_devices']} x {env['device_kind']})",
+        "",
+        f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; "
+        f"{cfg['layers']} layers, {cfg['dtype']}, prefill requests of "
+        f"{cfg['request_len']} tokens; median of {cfg['iters']} runs "
+        f"(after {cfg['warmup']} warm-up). Speedup = baseline / mode.",
+        "",
+    ]
     for (kind, model, tp), recs in _groups(report["records"]).items():
         modes = list(dict.fromkeys(r["mode"] for r in recs))
         tokens = list(dict.fromkeys(r["tokens"] for r in recs))
         cell = {(r["tokens"], r["mode"]): r for r in recs}
         speed = [m for m in modes if m != "baseline"]
-        lines += [f"## {kind}: {model}, TP={tp}", "",
-                  "| tokens | " + " | ".join(f"{m} ms" for m in modes) + " | "
-                  + " | ".join(f"speedup {m}" for m in speed) + " |",
-                  "|---" * (1 + len(modes) + len(speed)) + "|"]
+        lines += [
+            f"## {kind}: {model}, TP={tp}",
+            "",
+            "| tokens | "
+            + " | ".join(f"{m} ms" for m in modes)
+            + " | "
+            + " | ".join(f"speedup {m}" for m in speed)
+            + " |",
+            "|---" * (1 + len(modes) + len(speed)) + "|",
+        ]
         notes: dict[str, int] = {}
         for t in tokens:
             row = [str(t)]
@@ -242,21 +320,30 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = {k: v for k, v in _groups(report["records"]).items()
-              if any(r.get("status") == "ok" and r["mode"] != "baseline" for r in v)}
+    groups = {
+        k: v
+        for k, v in _groups(report["records"]).items()
+        if any(r.get("status") == "ok" and r["mode"] != "baseline" for r in v)
+    }
     if not groups:
         return False
     ncols = min(2, len(groups))
     nrows = ceil_div(len(groups), ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.6 * nrows), squeeze=False)
     for ax, ((kind, model, tp), recs) in zip(axes.flat, groups.items(), strict=False):
-        base = {r["tokens"]: r["median_ms"] for r in recs
-                if r["mode"] == "baseline" and r.get("status") == "ok"}
+        base = {
+            r["tokens"]: r["median_ms"]
+            for r in recs
+            if r["mode"] == "baseline" and r.get("status") == "ok"
+        }
         for mode in dict.fromkeys(r["mode"] for r in recs):
             if mode == "baseline":
                 continue
-            pts = sorted((r["tokens"], base[r["tokens"]] / r["median_ms"]) for r in recs
-                         if r["mode"] == mode and r.get("status") == "ok" and r["tokens"] in base)
+            pts = sorted(
+                (r["tokens"], base[r["tokens"]] / r["median_ms"])
+                for r in recs
+                if r["mode"] == mode and r.get("status") == "ok" and r["tokens"] in base
+            )
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
@@ -265,10 +352,12 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
         ax.set_xlabel("tokens")
         ax.set_ylabel("speedup over baseline")
         ax.legend(fontsize=8)
-    for ax in list(axes.flat)[len(groups):]:
+    for ax in list(axes.flat)[len(groups) :]:
         ax.set_visible(False)
-    fig.suptitle(f"{report['environment']['num_devices']} x "
-                 f"{report['environment']['device_kind']}", fontsize=11)
+    fig.suptitle(
+        f"{report['environment']['num_devices']} x {report['environment']['device_kind']}",
+        fontsize=11,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -304,8 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         env = bm.environment(devices, ["benchmarks/e2e_bench.py", *argv])
         config = {k: v for k, v in vars(args).items() if k not in ("out", "replot", "no_plot")}
-        config.update(seed=runner.seed, tolerance=runner.tol,
-                      wall_s=round(time.perf_counter() - runner.start, 1))
+        config.update(
+            seed=runner.seed,
+            tolerance=runner.tol,
+            wall_s=round(time.perf_counter() - runner.start, 1),
+        )
         report = {"environment": env, "config": config, "records": runner.records}
         if bm.is_lead():  # one process per device: the first one writes
             write_outputs(report, args.out, plot=not args.no_plot)

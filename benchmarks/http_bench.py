@@ -48,45 +48,102 @@ from jax_tokenweave.util import ceil_div
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_OPTIONS = ("max_num_batched_tokens", "prefill_tile", "block_size", "key_chunk")
-DEFAULTS = {"gpu": dict(random="llama3-8b", clients=64, num_requests=256, prompt_len=[128, 1024],
-                        output_len=[128, 512], dtype="bfloat16"),
-            "cpu": dict(random="tiny", layers=1, clients=4, num_requests=8, prompt_len=[4, 24],
-                        output_len=[2, 8], dtype="float32", max_num_batched_tokens=64,
-                        prefill_tile=16, key_chunk=64)}
+DEFAULTS = {
+    "gpu": dict(
+        random="llama3-8b",
+        clients=64,
+        num_requests=256,
+        prompt_len=[128, 1024],
+        output_len=[128, 512],
+        dtype="bfloat16",
+    ),
+    "cpu": dict(
+        random="tiny",
+        layers=1,
+        clients=4,
+        num_requests=8,
+        prompt_len=[4, 24],
+        output_len=[2, 8],
+        dtype="float32",
+        max_num_batched_tokens=64,
+        prefill_tile=16,
+        key_chunk=64,
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
-    p = argparse.ArgumentParser(prog="http_bench.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=bm.HelpFormatter)
-    p.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="folder for http.json and http.md")
+    p = argparse.ArgumentParser(
+        prog="http_bench.py", description=__doc__.split("\n\n")[0], formatter_class=bm.HelpFormatter
+    )
+    p.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="folder for http.json and http.md"
+    )
     p.add_argument("--model", help="checkpoint directory or cached Hugging Face model id")
-    p.add_argument("--random", metavar="NAME", help="a named config with random weights "
-                   f"({bm.config_names_help()}; default: llama3-8b on GPUs, tiny on CPUs)")
+    p.add_argument(
+        "--random",
+        metavar="NAME",
+        help="a named config with random weights "
+        f"({bm.config_names_help()}; default: llama3-8b on GPUs, tiny on CPUs)",
+    )
     p.add_argument("--layers", type=bm.positive_int, help="--random: decoder layers")
-    p.add_argument("--platform", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="whose defaults to use (auto: gpu where nvidia-smi runs)")
+    p.add_argument(
+        "--platform",
+        choices=("auto", "gpu", "cpu"),
+        default="auto",
+        help="whose defaults to use (auto: gpu where nvidia-smi runs)",
+    )
     p.add_argument("--tp", type=bm.positive_int, default=1, help="tensor-parallel degree")
-    p.add_argument("--dtype", choices=tuple(bm.DTYPES), help="parameter dtype (default: "
-                                                             "bfloat16 on GPUs, float32 on CPUs)")
-    p.add_argument("--clients", type=bm.positive_int, help="concurrent streaming clients "
-                                                           "(default: 64 on GPUs, 4 on CPUs)")
-    p.add_argument("--num-requests", type=bm.positive_int,
-                   help="requests per run (default: 256 on GPUs, 8 on CPUs)")
-    p.add_argument("--prompt-len", type=bm.positive_int, nargs=2, metavar=("MIN", "MAX"),
-                   help="prompt lengths (default: 128 1024 on GPUs, 4 24 on CPUs)")
-    p.add_argument("--output-len", type=bm.positive_int, nargs=2, metavar=("MIN", "MAX"),
-                   help="output lengths (default: 128 512 on GPUs, 2 8 on CPUs)")
-    p.add_argument("--schedule", choices=("weave", "baseline"), default="baseline",
-                   help="the engine's schedule (baseline at TP 1)")
+    p.add_argument(
+        "--dtype",
+        choices=tuple(bm.DTYPES),
+        help="parameter dtype (default: bfloat16 on GPUs, float32 on CPUs)",
+    )
+    p.add_argument(
+        "--clients",
+        type=bm.positive_int,
+        help="concurrent streaming clients (default: 64 on GPUs, 4 on CPUs)",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=bm.positive_int,
+        help="requests per run (default: 256 on GPUs, 8 on CPUs)",
+    )
+    p.add_argument(
+        "--prompt-len",
+        type=bm.positive_int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="prompt lengths (default: 128 1024 on GPUs, 4 24 on CPUs)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=bm.positive_int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="output lengths (default: 128 512 on GPUs, 2 8 on CPUs)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("weave", "baseline"),
+        default="baseline",
+        help="the engine's schedule (baseline at TP 1)",
+    )
     for name in ENGINE_OPTIONS:
-        p.add_argument("--" + name.replace("_", "-"), type=bm.positive_int,
-                       help=bm.ENGINE_OPTIONS[name] + " (default: the engine's)")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=bm.positive_int,
+            help=bm.ENGINE_OPTIONS[name] + " (default: the engine's)",
+        )
     p.add_argument("--url", help="a running server (its engine options are its own)")
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process run")
-    p.add_argument("--startup-timeout", type=bm.positive_float, default=1800.0,
-                   help="seconds the server may take to load and compile")
+    p.add_argument(
+        "--startup-timeout",
+        type=bm.positive_float,
+        default=1800.0,
+        help="seconds the server may take to load and compile",
+    )
     p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="workload/weights seed")
     return p
 
@@ -109,16 +166,20 @@ def make_requests(a: argparse.Namespace, vocab: int) -> list[tuple[list[int], in
     rng = np.random.default_rng(a.seed)
     lens = rng.integers(a.prompt_len[0], a.prompt_len[1] + 1, a.num_requests)
     outs = rng.integers(a.output_len[0], a.output_len[1] + 1, a.num_requests)
-    return [(rng.integers(3, vocab, int(n)).tolist(), int(m)) for n, m in zip(lens, outs,
-                                                                               strict=True)]
+    return [
+        (rng.integers(3, vocab, int(n)).tolist(), int(m)) for n, m in zip(lens, outs, strict=True)
+    ]
 
 
 def engine_sizes(a: argparse.Namespace) -> dict[str, int]:
     """The engine sizes both runs share: a cache for ``clients`` requests of the longest."""
     longest = a.prompt_len[1] + a.output_len[1]
     block = a.block_size or 16
-    sizes = {"max_num_seqs": a.clients, "max_model_len": longest + 1,
-             "num_blocks": a.clients * ceil_div(longest, block) + 1}
+    sizes = {
+        "max_num_seqs": a.clients,
+        "max_model_len": longest + 1,
+        "num_blocks": a.clients * ceil_div(longest, block) + 1,
+    }
     sizes.update({n: getattr(a, n) for n in ENGINE_OPTIONS if getattr(a, n) is not None})
     return sizes
 
@@ -130,17 +191,33 @@ def summary(records: list[dict[str, float]], seconds: float) -> dict[str, Any]:
     ttft = [r["ttft"] for r in records]
     tpot = [r["tpot"] for r in records if r["tpot"] is not None]
     ms = lambda xs, q: float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else None
-    return {"seconds": seconds, "requests": len(records), "output_tokens": made,
-            "output_tok_s": made / seconds, "total_tok_s": (made + prompt) / seconds,
-            "requests_s": len(records) / seconds, "ttft_p50_ms": ms(ttft, 50),
-            "ttft_p99_ms": ms(ttft, 99), "tpot_p50_ms": ms(tpot, 50), "tpot_p99_ms": ms(tpot, 99)}
+    return {
+        "seconds": seconds,
+        "requests": len(records),
+        "output_tokens": made,
+        "output_tok_s": made / seconds,
+        "total_tok_s": (made + prompt) / seconds,
+        "requests_s": len(records) / seconds,
+        "ttft_p50_ms": ms(ttft, 50),
+        "ttft_p99_ms": ms(ttft, 99),
+        "tpot_p50_ms": ms(tpot, 50),
+        "tpot_p99_ms": ms(tpot, 99),
+    }
 
 
 # ------------------------------------------------------------------------------- HTTP ---
 
+
 async def _one(client: Any, url: str, model: str, prompt: list[int], n: int) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start, times, usage = time.perf_counter(), [], None
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -157,12 +234,17 @@ async def _one(client: Any, url: str, model: str, prompt: list[int], n: int) -> 
                 usage = chunk["usage"]
     if usage is None or usage["completion_tokens"] != n or len(times) != n:
         raise RuntimeError(f"expected {n} tokens, got {len(times)} chunks, usage {usage}")
-    return {"tokens": n, "prompt": len(prompt), "ttft": times[0] - start,
-            "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None}
+    return {
+        "tokens": n,
+        "prompt": len(prompt),
+        "ttft": times[0] - start,
+        "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None,
+    }
 
 
-async def _closed_loop(url: str, model: str, requests: list[tuple[list[int], int]],
-                       clients: int) -> tuple[list[dict[str, Any]], float]:
+async def _closed_loop(
+    url: str, model: str, requests: list[tuple[list[int], int]], clients: int
+) -> tuple[list[dict[str, Any]], float]:
     import httpx
 
     queue: asyncio.Queue[tuple[list[int], int]] = asyncio.Queue()
@@ -171,6 +253,7 @@ async def _closed_loop(url: str, model: str, requests: list[tuple[list[int], int
     records: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+
         async def worker() -> None:
             while not queue.empty():
                 prompt, n = queue.get_nowait()
@@ -192,15 +275,34 @@ def start_server(a: argparse.Namespace, sizes: dict[str, int], log: Path) -> tup
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "jax_tokenweave.serve",
-           *([a.model] if a.model else ["--random", a.random]),
-           *(["--layers", str(a.layers)] if a.layers and not a.model else []),
-           "--port", str(port), "--tp", str(a.tp), "--dtype", a.dtype, "--served-model-name",
-           "bench", "--schedule", a.schedule, "--engine-seed", str(a.seed),
-           "--max-logprobs", "0", "--log-level", "debug",
-           *[x for k, v in sizes.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [
+        sys.executable,
+        "-m",
+        "jax_tokenweave.serve",
+        *([a.model] if a.model else ["--random", a.random]),
+        *(["--layers", str(a.layers)] if a.layers and not a.model else []),
+        "--port",
+        str(port),
+        "--tp",
+        str(a.tp),
+        "--dtype",
+        a.dtype,
+        "--served-model-name",
+        "bench",
+        "--schedule",
+        a.schedule,
+        "--engine-seed",
+        str(a.seed),
+        "--max-logprobs",
+        "0",
+        "--log-level",
+        "debug",
+        *[x for k, v in sizes.items() for x in (f"--{k.replace('_', '-')}", str(v))],
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     out = open(log, "w")  # noqa: SIM115 (the server's lifetime)
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -221,14 +323,13 @@ def start_server(a: argparse.Namespace, sizes: dict[str, int], log: Path) -> tup
 
 def run_http(a: argparse.Namespace, requests: list, sizes: dict[str, int]) -> dict[str, Any]:
     """The HTTP run (a server started here unless ``--url``)."""
-    proc, url = (None, a.url.rstrip("/")) if a.url else start_server(
-        a, sizes, a.out / "server.log")
+    proc, url = (None, a.url.rstrip("/")) if a.url else start_server(a, sizes, a.out / "server.log")
     try:
         import httpx
 
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        warm = requests[:a.clients]
-        asyncio.run(_closed_loop(url, model, warm, a.clients))            # untimed
+        warm = requests[: a.clients]
+        asyncio.run(_closed_loop(url, model, warm, a.clients))  # untimed
         records, seconds = asyncio.run(_closed_loop(url, model, requests, a.clients))
         metrics = httpx.get(url + "/metrics", timeout=30).text
         leaked = [x for x in metrics.splitlines() if x.startswith("tokenweave_kv_blocks_in_use")]
@@ -240,6 +341,7 @@ def run_http(a: argparse.Namespace, requests: list, sizes: dict[str, int]) -> di
 
 
 # -------------------------------------------------------------------------- in-process ---
+
 
 def run_inprocess(a: argparse.Namespace, requests: list, sizes: dict[str, int]) -> dict[str, Any]:
     """The same closed loop through the engine of an in-process ``LLM``."""
@@ -256,8 +358,9 @@ def run_inprocess(a: argparse.Namespace, requests: list, sizes: dict[str, int]) 
         from jax_tokenweave.serving.llm import make_mesh
 
         config = bm.load_config(a.random, a.layers)
-        model = LlamaModel(config, make_mesh(None, a.tp), dtype=bm.DTYPES[a.dtype],
-                           rngs=nnx.Rngs(a.seed))
+        model = LlamaModel(
+            config, make_mesh(None, a.tp), dtype=bm.DTYPES[a.dtype], rngs=nnx.Rngs(a.seed)
+        )
         llm = LLM(model, tokenizer=False, **kw)
     engine = llm.engine
 
@@ -267,40 +370,57 @@ def run_inprocess(a: argparse.Namespace, requests: list, sizes: dict[str, int]) 
         while todo or live:
             while todo and len(live) < a.clients:
                 prompt, n = todo.pop()
-                live.add(engine.add_request(prompt, SamplingParams(
-                    temperature=0.0, max_tokens=n, ignore_eos=True)))
+                live.add(
+                    engine.add_request(
+                        prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                    )
+                )
             for d in engine.step():
                 if d.request_finished:
                     out = engine.release(d.request_id)
                     live.discard(d.request_id)
                     k = len(out.token_ids)
-                    records.append({"tokens": k, "prompt": len(out.prompt_token_ids),
-                                    "ttft": out.metrics.ttft, "tpot": out.metrics.tpot(k)})
+                    records.append(
+                        {
+                            "tokens": k,
+                            "prompt": len(out.prompt_token_ids),
+                            "ttft": out.metrics.ttft,
+                            "tpot": out.metrics.tpot(k),
+                        }
+                    )
         return records, time.perf_counter() - start
 
-    closed_loop(requests[:a.clients])                                     # untimed
+    closed_loop(requests[: a.clients])  # untimed
     records, seconds = closed_loop(requests)
     return summary(records, seconds)
 
 
 # ------------------------------------------------------------------------------ report ---
 
+
 def to_markdown(report: dict[str, Any]) -> str:
-    rows = ["| run | output tok/s | total tok/s | req/s | TTFT p50 / p99 ms | "
-            "TPOT p50 / p99 ms |", "|---" * 6 + "|"]
+    rows = [
+        "| run | output tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms |",
+        "|---" * 6 + "|",
+    ]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"
     for name, r in report["runs"].items():
-        rows.append(f"| {name} | {fmt(r['output_tok_s'])} | {fmt(r['total_tok_s'])} | "
-                    f"{fmt(r['requests_s'], 2)} | {fmt(r['ttft_p50_ms'])} / "
-                    f"{fmt(r['ttft_p99_ms'])} | {fmt(r['tpot_p50_ms'], 2)} / "
-                    f"{fmt(r['tpot_p99_ms'], 2)} |")
+        rows.append(
+            f"| {name} | {fmt(r['output_tok_s'])} | {fmt(r['total_tok_s'])} | "
+            f"{fmt(r['requests_s'], 2)} | {fmt(r['ttft_p50_ms'])} / "
+            f"{fmt(r['ttft_p99_ms'])} | {fmt(r['tpot_p50_ms'], 2)} / "
+            f"{fmt(r['tpot_p99_ms'], 2)} |"
+        )
     w = report["workload"]
-    lines = [f"HTTP serving: {report['model']}, TP {w['tp']}, {w['clients']} concurrent "
-             f"streaming clients, {w['num_requests']} requests (prompt {w['prompt_len']}, "
-             f"output {w['output_len']} tokens)", "", *rows]
+    lines = [
+        f"HTTP serving: {report['model']}, TP {w['tp']}, {w['clients']} concurrent "
+        f"streaming clients, {w['num_requests']} requests (prompt {w['prompt_len']}, "
+        f"output {w['output_len']} tokens)",
+        "",
+        *rows,
+    ]
     if report.get("http_over_inprocess") is not None:
-        lines += ["", f"Output throughput, HTTP / in-process: "
-                      f"{report['http_over_inprocess']:.3f}"]
+        lines += ["", f"Output throughput, HTTP / in-process: {report['http_over_inprocess']:.3f}"]
     return "\n".join(lines)
 
 
@@ -317,19 +437,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"http: {runs['http']['output_tok_s']:.1f} output tok/s", file=sys.stderr)
     if not a.no_inprocess:
         runs["inprocess"] = run_inprocess(a, requests, sizes)
-        print(f"inprocess: {runs['inprocess']['output_tok_s']:.1f} output tok/s",
-              file=sys.stderr)
-    ratio = (runs["http"]["output_tok_s"] / runs["inprocess"]["output_tok_s"]
-             if "inprocess" in runs else None)
+        print(f"inprocess: {runs['inprocess']['output_tok_s']:.1f} output tok/s", file=sys.stderr)
+    ratio = (
+        runs["http"]["output_tok_s"] / runs["inprocess"]["output_tok_s"]
+        if "inprocess" in runs
+        else None
+    )
     import jax
 
-    report = {"model": a.model or f"{a.random} (random weights"
-                                   f"{f', {a.layers} layers' if a.layers else ''})",
-              "workload": {"tp": a.tp, "clients": a.clients, "num_requests": a.num_requests,
-                           "prompt_len": a.prompt_len, "output_len": a.output_len,
-                           "dtype": a.dtype, "schedule": a.schedule, "seed": a.seed},
-              "engine": sizes, "runs": runs, "http_over_inprocess": ratio,
-              "environment": bm.environment(jax.devices(), ["benchmarks/http_bench.py", *argv])}
+    report = {
+        "model": a.model
+        or f"{a.random} (random weights{f', {a.layers} layers' if a.layers else ''})",
+        "workload": {
+            "tp": a.tp,
+            "clients": a.clients,
+            "num_requests": a.num_requests,
+            "prompt_len": a.prompt_len,
+            "output_len": a.output_len,
+            "dtype": a.dtype,
+            "schedule": a.schedule,
+            "seed": a.seed,
+        },
+        "engine": sizes,
+        "runs": runs,
+        "http_over_inprocess": ratio,
+        "environment": bm.environment(jax.devices(), ["benchmarks/http_bench.py", *argv]),
+    }
     (a.out / "http.json").write_text(json.dumps(report, indent=2) + "\n")
     (a.out / "http.md").write_text(to_markdown(report) + "\n")
     print(to_markdown(report))

@@ -46,14 +46,22 @@ def _fn(mesh, impl, iters, num_ctas, algo):
     def body(p, r, w):
         def step(_, c):
             if impl == "ffi":
-                return _ffi.allreduce_rmsnorm(c[0], c[1], w, axis_name="tp", mesh=mesh,
-                                              num_ctas=num_ctas, algo=algo)
+                return _ffi.allreduce_rmsnorm(
+                    c[0], c[1], w, axis_name="tp", mesh=mesh, num_ctas=num_ctas, algo=algo
+                )
             return ops.allreduce_rmsnorm(c[0], c[1], w, axis_name="tp", impl=impl)
 
         return jax.lax.fori_loop(0, iters, step, (p, r), unroll=True)
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
-                                 out_specs=(P("tp"), P("tp")), check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("tp"), P("tp"), P()),
+            out_specs=(P("tp"), P("tp")),
+            check_vma=False,
+        )
+    )
 
 
 def _time(f, args, reps):
@@ -78,14 +86,30 @@ def main():
     ap.add_argument("--impls", nargs="+", default=["ffi", "xla", "xla_rsag"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--time-budget", type=float, default=float("inf"), metavar="SECONDS",
-                    help="start no new measurement after this many seconds")
-    ap.add_argument("--device-time", action="store_true",
-                    help="also profile device time per call (torch.profiler)")
-    ap.add_argument("--write-policy", default=None, metavar="PATH",
-                    help="write the size policy table from the fastest ffi rows")
-    ap.add_argument("--seed", type=int, default=None,
-                    help="input seed (default: fresh, the first process's when there are several)")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=float("inf"),
+        metavar="SECONDS",
+        help="start no new measurement after this many seconds",
+    )
+    ap.add_argument(
+        "--device-time",
+        action="store_true",
+        help="also profile device time per call (torch.profiler)",
+    )
+    ap.add_argument(
+        "--write-policy",
+        default=None,
+        metavar="PATH",
+        help="write the size policy table from the fastest ffi rows",
+    )
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="input seed (default: fresh, the first process's when there are several)",
+    )
     args = ap.parse_args()
     _, gpus = bm.start_devices()  # joins the other processes when started by the launcher
     lead = bm.is_lead()
@@ -106,26 +130,34 @@ def main():
                     else:
                         configs.append((tp, h, t, impl, None, None))
     rows, checked = [], set()
-    meta = dict(date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                device=gpus[0].device_kind, n_devices=len(gpus), jax=jax.__version__,
-                processes=jax.process_count(), seed=seed,
-                commit=bm.git_commit() or "unknown", method=__doc__.split("\n\n")[1],
-                argv=" ".join(sys.argv))
+    meta = dict(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        device=gpus[0].device_kind,
+        n_devices=len(gpus),
+        jax=jax.__version__,
+        processes=jax.process_count(),
+        seed=seed,
+        commit=bm.git_commit() or "unknown",
+        method=__doc__.split("\n\n")[1],
+        argv=" ".join(sys.argv),
+    )
     for tp, h, t, impl, ctas, algo in tqdm(configs, desc="kernel_bench", disable=not lead):
         if time.perf_counter() - start > args.time_budget:
             tqdm.write(f"time budget of {args.time_budget:.0f} s spent: stopping")
             break
         mesh = Mesh(np.array(gpus[:tp]), ("tp",))
         if impl == "ffi" and _ffi.unavailable_reason(mesh, "tp", dtype, (t, h)) is not None:
-            tqdm.write(f"skip ffi tp={tp} H={h} T={t}: "
-                       f"{_ffi.unavailable_reason(mesh, 'tp', dtype, (t, h))}")
+            tqdm.write(
+                f"skip ffi tp={tp} H={h} T={t}: "
+                f"{_ffi.unavailable_reason(mesh, 'tp', dtype, (t, h))}"
+            )
             continue
         q = ops.rows_per_rank(t, tp)
         res_rows = t if impl == "xla" else q
-        part = bm.global_array(mesh, (rng.standard_normal((tp * t, h)) * 0.01).astype(dtype),
-                               P("tp"))
-        res = bm.global_array(mesh, rng.standard_normal((tp * res_rows, h)).astype(dtype),
-                              P("tp"))
+        part = bm.global_array(
+            mesh, (rng.standard_normal((tp * t, h)) * 0.01).astype(dtype), P("tp")
+        )
+        res = bm.global_array(mesh, rng.standard_normal((tp * res_rows, h)).astype(dtype), P("tp"))
         w = bm.global_array(mesh, (1 + 0.1 * rng.standard_normal(h)).astype(dtype), P())
         if impl == "ffi" and (tp, h, t, algo) not in checked:  # check once against xla_rsag
             got = _fn(mesh, "ffi", 1, ctas, algo)(part, res, w)
@@ -139,8 +171,16 @@ def main():
         iters = 50 if nbytes <= 4 << 20 else 10
         fn = _fn(mesh, impl, iters, ctas, algo)
         sec = _time(fn, (part, res, w), args.reps) / iters
-        row = dict(tp=tp, hidden=h, tokens=t, impl=impl, num_ctas=ctas, algo=algo,
-                   dtype=str(dtype), us=sec * 1e6)
+        row = dict(
+            tp=tp,
+            hidden=h,
+            tokens=t,
+            impl=impl,
+            num_ctas=ctas,
+            algo=algo,
+            dtype=str(dtype),
+            us=sec * 1e6,
+        )
         if args.device_time:
             from profile_kernels import device_us_per_call
 
@@ -182,8 +222,10 @@ def policy_from_rows(rows, meta) -> KernelPolicy:
         policy_rows = [PolicyRow(s, best[s]["algo"], best[s]["num_ctas"]) for s in sizes[:-1]]
         last = best[sizes[-1]]
         by_tp[tp] = (*policy_rows, PolicyRow(None, last["algo"], last["num_ctas"]))
-    source = (f"measured by benchmarks/kernel_bench.py on {meta['device']} x{meta['n_devices']}, "
-              f"{meta['date']}, commit {meta['commit']}: {meta['argv']}")
+    source = (
+        f"measured by benchmarks/kernel_bench.py on {meta['device']} x{meta['n_devices']}, "
+        f"{meta['date']}, commit {meta['commit']}: {meta['argv']}"
+    )
     return KernelPolicy(by_tp, {"source": source, "generated": meta["date"][:10]})
 
 
@@ -203,22 +245,35 @@ def _best_ffi(rows):
 
 
 def _markdown(out, meta, rows):
-    lines = [f"# kernel_bench ({meta['device']} x{meta['n_devices']}, {meta['date']})", "",
-             f"commit {meta['commit']}; jax {meta['jax']}", "", meta["method"], "",
-             "| TP | H | T | impl | CTAs | algo | us/call (wall) | us/call (device) | busbw GB/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# kernel_bench ({meta['device']} x{meta['n_devices']}, {meta['date']})",
+        "",
+        f"commit {meta['commit']}; jax {meta['jax']}",
+        "",
+        meta["method"],
+        "",
+        "| TP | H | T | impl | CTAs | algo | us/call (wall) | us/call (device) | busbw GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         dev = f"{r['device_us']:.1f}" if "device_us" in r else "-"
-        lines.append(f"| {r['tp']} | {r['hidden']} | {r['tokens']} | {r['impl']} | "
-                     f"{r['num_ctas'] or ''} | {r['algo'] or ''} | {r['us']:.1f} | {dev} | "
-                     f"{r['busbw_gbs']:.1f} |")
-    lines += ["", "Best per impl:", "", "| TP | H | T | impl | us/call | CTAs |",
-              "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['tp']} | {r['hidden']} | {r['tokens']} | {r['impl']} | "
+            f"{r['num_ctas'] or ''} | {r['algo'] or ''} | {r['us']:.1f} | {dev} | "
+            f"{r['busbw_gbs']:.1f} |"
+        )
+    lines += [
+        "",
+        "Best per impl:",
+        "",
+        "| TP | H | T | impl | us/call | CTAs |",
+        "|---|---|---|---|---|---|",
+    ]
     for (tp, h, t, impl), r in sorted(_best_ffi(rows).items()):
         lines.append(f"| {tp} | {h} | {t} | {impl} | {_time_of(r):.1f} | {r['num_ctas'] or ''} |")
     with open(os.path.join(out, "kernel_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines[-(len(_best_ffi(rows)) + 2):]))
+    print("\n".join(lines[-(len(_best_ffi(rows)) + 2) :]))
 
 
 def _plot(out, rows):
@@ -232,12 +287,18 @@ def _plot(out, rows):
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for ax, (tp, h) in zip(axes[0], keys, strict=True):
         for impl in sorted({k[3] for k in best}):
-            pts = sorted((t, _time_of(r)) for (a, b, t, i), r in best.items()
-                         if (a, b, i) == (tp, h, impl))
+            pts = sorted(
+                (t, _time_of(r)) for (a, b, t, i), r in best.items() if (a, b, i) == (tp, h, impl)
+            )
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
-        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per call",
-               title=f"TP={tp} H={h}")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="tokens",
+            ylabel="us per call",
+            title=f"TP={tp} H={h}",
+        )
         ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "kernel_bench.png"), dpi=100)

@@ -25,14 +25,17 @@ from jax_tokenweave.util import ceil_div
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8], help="group sizes N")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256],
-                    help="tokens T per call")
+    ap.add_argument(
+        "--tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="tokens T per call"
+    )
     ap.add_argument("--hidden", type=int, default=8192, help="hidden size H (bf16)")
-    ap.add_argument("--algos", nargs="+", default=["one_shot", "two_shot", "direct"],
-                    help="kernel variants")
+    ap.add_argument(
+        "--algos", nargs="+", default=["one_shot", "two_shot", "direct"], help="kernel variants"
+    )
     ap.add_argument("--ctas", type=int, default=8, help="CTAs per rank")
     ap.add_argument("--graph-calls", type=int, default=50, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=20, help="timed graph replays per point")
@@ -49,8 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         weight = rng.standard_normal(args.hidden).astype(np.float32)
         comm = LoopbackComm(n, CommSettings(workspace_mib=512, oneshot_mib=32, num_slots=1))
         try:
-            res = comm.run(partial, residual, weight, algo=algo, num_ctas=args.ctas,
-                           graph_calls=args.graph_calls, graph_replays=args.replays)
+            res = comm.run(
+                partial,
+                residual,
+                weight,
+                algo=algo,
+                num_ctas=args.ctas,
+                graph_calls=args.graph_calls,
+                graph_replays=args.replays,
+            )
         finally:
             comm.close()
         if res.error is not None or res.mismatches:
@@ -59,21 +69,37 @@ def main(argv: list[str] | None = None) -> int:
         want, _ = reference(partial, residual, weight)
         got = res.normed[0].astype(np.float64)
         err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        rows.append(dict(ranks=n, tokens=tokens, hidden=args.hidden, algo=algo,
-                         ctas=args.ctas, us=statistics.median(res.call_us),
-                         us_min=min(res.call_us), rel_err=err))
+        rows.append(
+            dict(
+                ranks=n,
+                tokens=tokens,
+                hidden=args.hidden,
+                algo=algo,
+                ctas=args.ctas,
+                us=statistics.median(res.call_us),
+                us_min=min(res.call_us),
+                rel_err=err,
+            )
+        )
     lines = ["| N | T | algo | us/call (median) | min | rel err |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['ranks']} | {r['tokens']} | {r['algo']} | {r['us']:.2f} | "
-              f"{r['us_min']:.2f} | {r['rel_err']:.1e} |" for r in rows]
+    lines += [
+        f"| {r['ranks']} | {r['tokens']} | {r['algo']} | {r['us']:.2f} | "
+        f"{r['us_min']:.2f} | {r['rel_err']:.1e} |"
+        for r in rows
+    ]
     table = "\n".join(lines)
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        meta = dict(command=" ".join(["benchmarks/loopback_bench.py", *(argv or sys.argv[1:])]),
-                    date=time.strftime("%Y-%m-%d"), method="median of timed CUDA-graph replays "
-                    "(graph of --graph-calls calls) / calls; every rank on one GPU")
-        (args.out / "loopback_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows),
-                                                                 indent=1))
+        meta = dict(
+            command=" ".join(["benchmarks/loopback_bench.py", *(argv or sys.argv[1:])]),
+            date=time.strftime("%Y-%m-%d"),
+            method="median of timed CUDA-graph replays "
+            "(graph of --graph-calls calls) / calls; every rank on one GPU",
+        )
+        (args.out / "loopback_bench.json").write_text(
+            json.dumps(dict(meta=meta, rows=rows), indent=1)
+        )
         (args.out / "loopback_bench.md").write_text(table + "\n")
     return 0
 

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=4, help="calls per jitted chain")
     ap.add_argument("--runs", type=int, default=4, help="chain runs")
     args = ap.parse_args(argv)
-    mesh = Mesh(np.array(jax.devices("gpu")[:args.tp]), ("tp",))
+    mesh = Mesh(np.array(jax.devices("gpu")[: args.tp]), ("tp",))
     rng = np.random.default_rng(0)
     n, t, h = args.tp, args.tokens, args.hidden
     part = jnp.asarray(rng.standard_normal((n * t, h)), jnp.bfloat16)

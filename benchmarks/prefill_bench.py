@@ -52,18 +52,35 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     db = decode_bench()
     p = bm.result_parser("prefill_bench.py", __doc__, "prefill")
-    p.add_argument("--workloads", type=workload, nargs="+", metavar="LENxN",
-                   help="N requests of LEN prompt tokens (default: 8192x1 2048x4 32768x1 on "
-                        "GPUs, 128x1 32x4 512x1 on CPUs)")
-    db.add_model_options(p, [n for n in db.ENGINE_OPTIONS if n != "max_num_batched_tokens"],
-                         plot=False)
-    p.add_argument("--max-num-batched-tokens", type=bm.positive_int,
-                   help="rows per engine step: longer prompts are chunked (default: 8192 on "
-                        f"GPUs, {CPU_BUDGET} on CPUs)")
-    p.add_argument("--warmup", type=bm.nonnegative_int, default=2,
-                   help="bare stack: untimed calls per workload")
-    p.add_argument("--iters", type=bm.positive_int, default=5,
-                   help="timed runs per workload, engine and bare stack (medians reported)")
+    p.add_argument(
+        "--workloads",
+        type=workload,
+        nargs="+",
+        metavar="LENxN",
+        help="N requests of LEN prompt tokens (default: 8192x1 2048x4 32768x1 on "
+        "GPUs, 128x1 32x4 512x1 on CPUs)",
+    )
+    db.add_model_options(
+        p, [n for n in db.ENGINE_OPTIONS if n != "max_num_batched_tokens"], plot=False
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=bm.positive_int,
+        help="rows per engine step: longer prompts are chunked (default: 8192 on "
+        f"GPUs, {CPU_BUDGET} on CPUs)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=bm.nonnegative_int,
+        default=2,
+        help="bare stack: untimed calls per workload",
+    )
+    p.add_argument(
+        "--iters",
+        type=bm.positive_int,
+        default=5,
+        help="timed runs per workload, engine and bare stack (medians reported)",
+    )
     return p
 
 
@@ -97,33 +114,49 @@ def engine_run(engine: Any, prompts: list[list[int]]) -> list[float]:
     return times
 
 
-def run_workload(model: Any, a: argparse.Namespace, length: int, count: int,
-                 rng: np.random.Generator) -> dict[str, Any]:
+def run_workload(
+    model: Any, a: argparse.Namespace, length: int, count: int, rng: np.random.Generator
+) -> dict[str, Any]:
     """The engine's prefill steps and the bare stack's prefill of the same tokens."""
     from jax_tokenweave.modes import Mode, measure
     from jax_tokenweave.serving import LLMEngine, count_compilations
 
     prompts = [rng.integers(0, model.config.vocab_size, length).tolist() for _ in range(count)]
     engine = LLMEngine(model, decode_bench().engine_config(a, count, length + 1))
-    engine_run(engine, prompts)                                    # compiles the layouts
+    engine_run(engine, prompts)  # compiles the layouts
     with count_compilations() as compiles:
         runs = [engine_run(engine, prompts) for _ in range(a.iters)]
     budget = engine.config.max_num_batched_tokens
     del engine
     totals = [sum(r) for r in runs]
     steps = [t for r in runs for t in r]
-    record = {"length": length, "requests": count, "tokens": length * count,
-              "budget": budget,
-              "engine_steps": len(runs[0]), "engine_ms": float(np.median(totals)),
-              "engine_step_p50_ms": float(np.median(steps)),
-              "engine_runs_ms": totals, "compilations": compiles.count}
-    mode = (Mode("baseline") if a.schedule == "baseline" else Mode("weave", a.comm))
+    record = {
+        "length": length,
+        "requests": count,
+        "tokens": length * count,
+        "budget": budget,
+        "engine_steps": len(runs[0]),
+        "engine_ms": float(np.median(totals)),
+        "engine_step_p50_ms": float(np.median(steps)),
+        "engine_runs_ms": totals,
+        "compilations": compiles.count,
+    }
+    mode = Mode("baseline") if a.schedule == "baseline" else Mode("weave", a.comm)
     config, mesh = model.config, model.mesh
-    hidden = bm.random_hidden(length * count, config.hidden_size, bm.DTYPES[a.dtype], mesh,
-                              a.seed + length * count)
-    info = measure(model.decoder, config, a.model, bm.request_lengths(length * count, length),
-                   hidden, {mode.name: mode}, tol=bm.TOLERANCE[a.dtype], warmup=a.warmup,
-                   iters=a.iters)[mode.name]
+    hidden = bm.random_hidden(
+        length * count, config.hidden_size, bm.DTYPES[a.dtype], mesh, a.seed + length * count
+    )
+    info = measure(
+        model.decoder,
+        config,
+        a.model,
+        bm.request_lengths(length * count, length),
+        hidden,
+        {mode.name: mode},
+        tol=bm.TOLERANCE[a.dtype],
+        warmup=a.warmup,
+        iters=a.iters,
+    )[mode.name]
     record["bare"] = {"mode": mode.name, **{k: v for k, v in info.items() if k != "samples_ms"}}
     if info.get("status") == "ok":
         record["bare_ms"] = info["median_ms"]
@@ -143,32 +176,51 @@ def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
         try:
             record = {"status": "ok", **run_workload(model, a, length, count, rng)}
         except Exception as err:  # one failing workload must not end the run
-            record = {"length": length, "requests": count, "status": "error",
-                      "reason": one_line(err)}
+            record = {
+                "length": length,
+                "requests": count,
+                "status": "error",
+                "reason": one_line(err),
+            }
         records.append(record)
-    return {"model": a.model, "layers": model.config.num_layers, "tp": a.tp,
-            "schedule": a.schedule, "records": records}
+    return {
+        "model": a.model,
+        "layers": model.config.num_layers,
+        "tp": a.tp,
+        "schedule": a.schedule,
+        "records": records,
+    }
 
 
 def to_markdown(report: dict[str, Any]) -> str:
     """One table: a row per workload."""
     env, cfg = report["environment"], report["config"]
-    lines = [f"# Prefill: engine steps vs bare stack, {report['model']}, {report['layers']} "
-             f"layers, TP {report['tp']} ({env['device_kind']})", "",
-             f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; schedule "
-             f"{report['schedule']}, {cfg['max_num_batched_tokens']} rows per step, "
-             f"{cfg['dtype']}; medians of {cfg['iters']} runs. Ratio = engine / bare.", "",
-             "| requests x tokens | engine steps | engine ms | engine ms / step | bare ms | "
-             "ratio | compiles |", "|---" * 7 + "|"]
+    lines = [
+        f"# Prefill: engine steps vs bare stack, {report['model']}, {report['layers']} "
+        f"layers, TP {report['tp']} ({env['device_kind']})",
+        "",
+        f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; schedule "
+        f"{report['schedule']}, {cfg['max_num_batched_tokens']} rows per step, "
+        f"{cfg['dtype']}; medians of {cfg['iters']} runs. Ratio = engine / bare.",
+        "",
+        "| requests x tokens | engine steps | engine ms | engine ms / step | bare ms | "
+        "ratio | compiles |",
+        "|---" * 7 + "|",
+    ]
     for r in report["records"]:
         head = f"| {r['requests']} x {r['length']} |"
         if r["status"] != "ok":
             lines.append(f"{head} {r['status']}: {r['reason']} |" + " - |" * 5)
             continue
-        bare = (f"{r['bare_ms']:.2f} | {r['ratio']:.3f}" if "ratio" in r else
-                f"{r['bare'].get('status')}: {r['bare'].get('reason')} | -")
-        lines.append(f"{head} {r['engine_steps']} | {r['engine_ms']:.2f} | "
-                     f"{r['engine_step_p50_ms']:.2f} | {bare} | {r['compilations']} |")
+        bare = (
+            f"{r['bare_ms']:.2f} | {r['ratio']:.3f}"
+            if "ratio" in r
+            else f"{r['bare'].get('status')}: {r['bare'].get('reason')} | -"
+        )
+        lines.append(
+            f"{head} {r['engine_steps']} | {r['engine_ms']:.2f} | "
+            f"{r['engine_step_p50_ms']:.2f} | {bare} | {r['compilations']} |"
+        )
     return "\n".join(lines)
 
 
@@ -179,13 +231,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     platform, devices = bm.start_devices(max(args.tp, 1))
     a = resolve(args, platform)
     report = run(a, devices)
-    report["environment"] = bm.environment(devices[:a.tp], ["benchmarks/prefill_bench.py", *argv])
+    report["environment"] = bm.environment(devices[: a.tp], ["benchmarks/prefill_bench.py", *argv])
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
     decode_bench().write_outputs(report, a.out, "prefill", to_markdown(report))
     if platform == "cpu":
         print(bm.CPU_NOTE)
-    bad = [r for r in report["records"] if r["status"] != "ok" or r["compilations"]
-           or "ratio" not in r]
+    bad = [
+        r for r in report["records"] if r["status"] != "ok" or r["compilations"] or "ratio" not in r
+    ]
     return 1 if bad else 0
 
 

@@ -34,14 +34,22 @@ def _chain(mesh: Mesh, impl: str, calls: int, algo: str, num_ctas: int | None):
             if impl == "ffi":
                 from jax_tokenweave import _ffi
 
-                x, res = _ffi.allreduce_rmsnorm(x, res, w, axis_name="tp", mesh=mesh, algo=algo,
-                                                num_ctas=num_ctas)
+                x, res = _ffi.allreduce_rmsnorm(
+                    x, res, w, axis_name="tp", mesh=mesh, algo=algo, num_ctas=num_ctas
+                )
             else:
                 x, res = ops.allreduce_rmsnorm(x, res, w, axis_name="tp", impl=impl)
         return x, res
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
-                                 out_specs=(P("tp"), P("tp")), check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("tp"), P("tp"), P()),
+            out_specs=(P("tp"), P("tp")),
+            check_vma=False,
+        )
+    )
 
 
 def profile(fn, args, iters: int) -> dict[str, list[float]]:
@@ -73,20 +81,26 @@ def device_us_per_call(fn, args, iters: int, calls_per_run: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--tp", type=int, default=len(jax.devices("gpu")), help="GPUs in the axis")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="tokens T")
     ap.add_argument("--hidden", type=int, default=8192, help="hidden size H (bf16)")
     ap.add_argument("--algo", default="auto", help="fused kernel variant")
-    ap.add_argument("--ctas", type=int, nargs="+", default=[0],
-                    help="fused kernel CTA counts to profile (0: the policy table's)")
+    ap.add_argument(
+        "--ctas",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="fused kernel CTA counts to profile (0: the policy table's)",
+    )
     ap.add_argument("--calls", type=int, default=16, help="calls per jitted chain")
     ap.add_argument("--iters", type=int, default=20, help="profiled chain runs")
     ap.add_argument("--out", type=Path, default=None, help="folder for JSON + markdown")
     args = ap.parse_args(argv)
 
-    mesh = Mesh(np.array(jax.devices("gpu")[:args.tp]), ("tp",))
+    mesh = Mesh(np.array(jax.devices("gpu")[: args.tp]), ("tp",))
     rng = np.random.default_rng(0)
     rows, lines = [], ["| T | mode | us/call (device) | kernels (us/call) |", "|---|---|---|---|"]
     for tokens in args.tokens:
@@ -107,21 +121,35 @@ def main(argv: list[str] | None = None) -> int:
             total = statistics.median(by_dev.values()) if by_dev else float("nan")
             top = sorted(by_name.items(), key=lambda kv: -kv[1])[:4]
             mode = impl if impl == "xla" else f"ffi:{ctas or 'policy'}"
-            rows.append(dict(tokens=tokens, mode=mode, us_per_call=total,
-                             kernels={k: round(v, 2) for k, v in top}))
-            lines.append(f"| {tokens} | {mode} | {total:.2f} | " +
-                         "; ".join(f"{k[:40]} {v:.2f}" for k, v in top) + " |")
+            rows.append(
+                dict(
+                    tokens=tokens,
+                    mode=mode,
+                    us_per_call=total,
+                    kernels={k: round(v, 2) for k, v in top},
+                )
+            )
+            lines.append(
+                f"| {tokens} | {mode} | {total:.2f} | "
+                + "; ".join(f"{k[:40]} {v:.2f}" for k, v in top)
+                + " |"
+            )
             print(lines[-1], flush=True)
     print("\n".join(lines))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        meta = dict(command=" ".join(["benchmarks/profile_kernels.py", *(argv or sys.argv[1:])]),
-                    date=time.strftime("%Y-%m-%d"), tp=args.tp, hidden=args.hidden,
-                    devices=[str(d) for d in mesh.devices.flat],
-                    method="torch.profiler device time of every kernel in a jitted chain of "
-                    "--calls calls, --iters runs after two warm runs; per GPU, median over GPUs")
-        (args.out / "profile_kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows),
-                                                                  indent=1))
+        meta = dict(
+            command=" ".join(["benchmarks/profile_kernels.py", *(argv or sys.argv[1:])]),
+            date=time.strftime("%Y-%m-%d"),
+            tp=args.tp,
+            hidden=args.hidden,
+            devices=[str(d) for d in mesh.devices.flat],
+            method="torch.profiler device time of every kernel in a jitted chain of "
+            "--calls calls, --iters runs after two warm runs; per GPU, median over GPUs",
+        )
+        (args.out / "profile_kernels.json").write_text(
+            json.dumps(dict(meta=meta, rows=rows), indent=1)
+        )
         (args.out / "profile_kernels.md").write_text("\n".join(lines) + "\n")
     return 0
 

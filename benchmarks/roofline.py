@@ -15,8 +15,9 @@ from typing import Any
 GB = 1e9
 
 
-def copy_bandwidth(device: Any, nbytes: int, *, warmup: int = 3,
-                   iters: int = 10) -> dict[str, float]:
+def copy_bandwidth(
+    device: Any, nbytes: int, *, warmup: int = 3, iters: int = 10
+) -> dict[str, float]:
     """The bandwidth of ``device``'s memory from a device-to-device copy of ``nbytes`` bytes.
 
     On a CUDA device with PyTorch at hand: ``torch.Tensor.copy_`` (a plain ``cudaMemcpy``, what
@@ -34,14 +35,16 @@ def copy_bandwidth(device: Any, nbytes: int, *, warmup: int = 3,
 
         from jax_tokenweave import timing
 
-        x = jax.jit(lambda: jnp.arange(n, dtype=jnp.float32),
-                    out_shardings=jax.sharding.SingleDeviceSharding(device))()
+        x = jax.jit(
+            lambda: jnp.arange(n, dtype=jnp.float32),
+            out_shardings=jax.sharding.SingleDeviceSharding(device),
+        )()
         copy = jax.jit(jnp.copy)
-        ms = timing.benchmark({"copy": lambda: copy(x)}, warmup=warmup,
-                              iters=iters)["copy"].median_ms
+        ms = timing.benchmark({"copy": lambda: copy(x)}, warmup=warmup, iters=iters)[
+            "copy"
+        ].median_ms
         method = "jitted jnp.copy (wall clock)"
-    return {"bytes": 4 * n, "median_ms": ms, "gb_s": 2 * 4 * n / (ms * 1e-3) / GB,
-            "method": method}
+    return {"bytes": 4 * n, "median_ms": ms, "gb_s": 2 * 4 * n / (ms * 1e-3) / GB, "method": method}
 
 
 def _torch_copy_ms(device: Any, n: int, warmup: int, iters: int) -> float | None:
@@ -121,8 +124,15 @@ def kv_bytes(keys: int, kv_heads: int, head_dim: int, itemsize: int, layers: int
     return keys * kv_heads * head_dim * itemsize * 2 * layers
 
 
-def decode_step_bytes(weight_bytes: int, batch: int, context: int, kv_heads: int,
-                      head_dim: int, itemsize: int, layers: int) -> int:
+def decode_step_bytes(
+    weight_bytes: int,
+    batch: int,
+    context: int,
+    kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    layers: int,
+) -> int:
     """Bytes a decode step of ``batch`` requests of ``context`` cached positions must move at
     least: every weight once (:func:`weight_bytes`) and every request's K/V of every layer."""
     return weight_bytes + kv_bytes(batch * context, kv_heads, head_dim, itemsize, layers)

@@ -42,36 +42,80 @@ from jax_tokenweave.util import ceil_div
 
 WORKLOADS = ("all-at-once", "poisson")
 SCHEDULES = ("weave", "baseline")
-ENGINE_OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "prefill_tile", "block_size",
-                  "key_chunk", "split_threshold")
+ENGINE_OPTIONS = (
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "prefill_tile",
+    "block_size",
+    "key_chunk",
+    "split_threshold",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     p = bm.result_parser("serve_bench.py", __doc__, "serve")
-    p.add_argument("--model", help=f"model config name, {bm.config_names_help()} "
-                                   "(default: llama3-70b on GPUs, tiny on CPUs)")
-    p.add_argument("--tp", type=bm.positive_int, help="tensor-parallel degree (default: all "
-                                                      "GPUs; 2 on CPUs)")
-    p.add_argument("--dtype", choices=tuple(bm.DTYPES), default="bfloat16",
-                   help="parameter and activation dtype")
+    p.add_argument(
+        "--model",
+        help=f"model config name, {bm.config_names_help()} "
+        "(default: llama3-70b on GPUs, tiny on CPUs)",
+    )
+    p.add_argument(
+        "--tp", type=bm.positive_int, help="tensor-parallel degree (default: all GPUs; 2 on CPUs)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(bm.DTYPES),
+        default="bfloat16",
+        help="parameter and activation dtype",
+    )
     p.add_argument("--num-requests", type=bm.positive_int, default=256, help="requests per run")
-    p.add_argument("--prompt-len", type=bm.positive_int, nargs=2, default=[128, 4096],
-                   metavar=("MIN", "MAX"), help="prompt lengths, uniform in [MIN, MAX]")
-    p.add_argument("--output-len", type=bm.positive_int, nargs=2, default=[64, 512],
-                   metavar=("MIN", "MAX"), help="output lengths, uniform in [MIN, MAX]")
-    p.add_argument("--rate", type=bm.positive_float, default=4.0,
-                   help="poisson workload: requests per second")
-    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
-                   help="arrival patterns to run")
-    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES),
-                   help="engines to compare")
-    p.add_argument("--comm", choices=bm.COMMS, default="auto",
-                   help="the weave engine's reductions (auto: the fused kernel where it runs)")
+    p.add_argument(
+        "--prompt-len",
+        type=bm.positive_int,
+        nargs=2,
+        default=[128, 4096],
+        metavar=("MIN", "MAX"),
+        help="prompt lengths, uniform in [MIN, MAX]",
+    )
+    p.add_argument(
+        "--output-len",
+        type=bm.positive_int,
+        nargs=2,
+        default=[64, 512],
+        metavar=("MIN", "MAX"),
+        help="output lengths, uniform in [MIN, MAX]",
+    )
+    p.add_argument(
+        "--rate", type=bm.positive_float, default=4.0, help="poisson workload: requests per second"
+    )
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=list(WORKLOADS),
+        help="arrival patterns to run",
+    )
+    p.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=SCHEDULES,
+        default=list(SCHEDULES),
+        help="engines to compare",
+    )
+    p.add_argument(
+        "--comm",
+        choices=bm.COMMS,
+        default="auto",
+        help="the weave engine's reductions (auto: the fused kernel where it runs)",
+    )
     bm.add_engine_options(p, ENGINE_OPTIONS)
     p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="workload and weights seed")
-    p.add_argument("--no-plot", action="store_true",
-                   help="write no serve.png (the plot needs matplotlib: the plot extra)")
+    p.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="write no serve.png (the plot needs matplotlib: the plot extra)",
+    )
     return p
 
 
@@ -95,35 +139,39 @@ def make_requests(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     prompt_lens = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, n)
     output_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, n)
     arrivals = np.cumsum(rng.exponential(1.0 / args.rate, n))
-    return [{"prompt": rng.integers(0, vocab, int(p)).tolist(), "output_len": int(o),
-             "arrival_s": float(a)} for p, o, a in zip(prompt_lens, output_lens, arrivals,
-                                                        strict=True)]
+    return [
+        {
+            "prompt": rng.integers(0, vocab, int(p)).tolist(),
+            "output_len": int(o),
+            "arrival_s": float(a),
+        }
+        for p, o, a in zip(prompt_lens, output_lens, arrivals, strict=True)
+    ]
 
 
-def serve(engine: Any, requests: list[dict[str, Any]], workload: str,
-          desc: str) -> dict[str, Any]:
+def serve(engine: Any, requests: list[dict[str, Any]], workload: str, desc: str) -> dict[str, Any]:
     """Serve ``requests`` on ``engine`` as ``workload``; the measured figures."""
     from jax_tokenweave.serving import SamplingParams, count_compilations
 
     poisson = workload == "poisson"
-    order = sorted(range(len(requests)), key=lambda i: requests[i]["arrival_s"] if poisson
-                   else i)
+    order = sorted(range(len(requests)), key=lambda i: requests[i]["arrival_s"] if poisson else i)
     ids: dict[int, str] = {}
     steps0, split0 = engine.stats.steps, engine.stats.split_steps
-    with count_compilations() as compiles, tqdm(total=len(requests), desc=desc,
-                                                leave=False) as bar:
+    with count_compilations() as compiles, tqdm(total=len(requests), desc=desc, leave=False) as bar:
         start = time.perf_counter()
         pending = 0
         while pending < len(order) or engine.has_unfinished():
             now = time.perf_counter() - start
-            while pending < len(order) and (not poisson or
-                                            requests[order[pending]]["arrival_s"] <= now):
+            while pending < len(order) and (
+                not poisson or requests[order[pending]]["arrival_s"] <= now
+            ):
                 r = requests[order[pending]]
                 arrival = start + (r["arrival_s"] if poisson else 0.0)
                 ids[order[pending]] = engine.add_request(
-                    r["prompt"], SamplingParams(temperature=0.0,
-                                                max_tokens=r["output_len"], ignore_eos=True),
-                    arrival_time=arrival)
+                    r["prompt"],
+                    SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True),
+                    arrival_time=arrival,
+                )
                 pending += 1
             if not engine.has_unfinished():
                 time.sleep(max(0.0, requests[order[pending]]["arrival_s"] - now))
@@ -136,13 +184,20 @@ def serve(engine: Any, requests: list[dict[str, Any]], workload: str,
     ttft = [o.metrics.ttft for o in outs]
     tpot = [t for o in outs if (t := o.metrics.tpot(len(o.token_ids))) is not None]
     ms = lambda xs, q: float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else None
-    return {"seconds": elapsed, "output_tokens": made, "prompt_tokens": prompt,
-            "output_tok_s": made / elapsed, "total_tok_s": (made + prompt) / elapsed,
-            "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
-            "tpot_p50_ms": ms(tpot, 50), "tpot_p99_ms": ms(tpot, 99),
-            "steps": engine.stats.steps - steps0,
-            "split_steps": engine.stats.split_steps - split0,
-            "compilations": compiles.count}
+    return {
+        "seconds": elapsed,
+        "output_tokens": made,
+        "prompt_tokens": prompt,
+        "output_tok_s": made / elapsed,
+        "total_tok_s": (made + prompt) / elapsed,
+        "ttft_p50_ms": ms(ttft, 50),
+        "ttft_p99_ms": ms(ttft, 99),
+        "tpot_p50_ms": ms(tpot, 50),
+        "tpot_p99_ms": ms(tpot, 99),
+        "steps": engine.stats.steps - steps0,
+        "split_steps": engine.stats.split_steps - split0,
+        "compilations": compiles.count,
+    }
 
 
 def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict[str, Any]:
@@ -162,50 +217,73 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
     longest = args.prompt_len[1] + args.output_len[1]
     per_request = ceil_div(longest, args.block_size)
     engine_config = EngineConfig(
-        **bm.engine_options(args, ENGINE_OPTIONS), max_model_len=longest,
-        num_blocks=per_request * min(args.num_requests, args.max_num_seqs), comm=args.comm,
-        max_logprobs=0, seed=args.seed)
+        **bm.engine_options(args, ENGINE_OPTIONS),
+        max_model_len=longest,
+        num_blocks=per_request * min(args.num_requests, args.max_num_seqs),
+        comm=args.comm,
+        max_logprobs=0,
+        seed=args.seed,
+    )
     runs: dict[str, dict[str, Any]] = {w: {} for w in args.workloads}
     warmups: dict[str, dict[str, Any]] = {}
     for schedule in args.schedules:
-        engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__,
-                                                  "schedule": schedule}))
+        engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__, "schedule": schedule}))
         start = time.perf_counter()
         report = engine.warmup(progress=True)
-        serve(engine, requests[:8], "all-at-once", f"warm-up {schedule}")   # first runs
-        warmups[schedule] = {"layouts": report.layouts, "loaded": report.loaded,
-                             "compiled": report.compiled, "warmup_s": report.seconds,
-                             "seconds": time.perf_counter() - start,
-                             "compilation_cache_dir": engine.config.compilation_cache_dir}
-        print(f"{schedule}: {report.layouts} step layouts ({report.loaded} loaded from the "
-              f"executable cache, {report.compiled} compiled) in {report.seconds:.1f}s, warmed "
-              f"up in {warmups[schedule]['seconds']:.1f}s (compilation cache: "
-              f"{engine.config.compilation_cache_dir})", file=sys.stderr)
+        serve(engine, requests[:8], "all-at-once", f"warm-up {schedule}")  # first runs
+        warmups[schedule] = {
+            "layouts": report.layouts,
+            "loaded": report.loaded,
+            "compiled": report.compiled,
+            "warmup_s": report.seconds,
+            "seconds": time.perf_counter() - start,
+            "compilation_cache_dir": engine.config.compilation_cache_dir,
+        }
+        print(
+            f"{schedule}: {report.layouts} step layouts ({report.loaded} loaded from the "
+            f"executable cache, {report.compiled} compiled) in {report.seconds:.1f}s, warmed "
+            f"up in {warmups[schedule]['seconds']:.1f}s (compilation cache: "
+            f"{engine.config.compilation_cache_dir})",
+            file=sys.stderr,
+        )
         for workload in args.workloads:
-            runs[workload][schedule] = serve(engine, requests, workload,
-                                             f"{workload} {schedule}")
+            runs[workload][schedule] = serve(engine, requests, workload, f"{workload} {schedule}")
             print(f"{workload} {schedule}: {_line(runs[workload][schedule])}", file=sys.stderr)
         del engine
         gc.collect()
         jax.clear_caches()
-    ratios = {w: r["weave"]["output_tok_s"] / r["baseline"]["output_tok_s"]
-              for w, r in runs.items() if {"weave", "baseline"} <= set(r)}
-    return {"model": model_name, "layers": args.layers, "tp": tp,
-            "engine": {k: v for k, v in engine_config.__dict__.items() if k != "tuning"},
-            "runs": runs, "warmup": warmups, "throughput_ratio_weave_over_baseline": ratios}
+    ratios = {
+        w: r["weave"]["output_tok_s"] / r["baseline"]["output_tok_s"]
+        for w, r in runs.items()
+        if {"weave", "baseline"} <= set(r)
+    }
+    return {
+        "model": model_name,
+        "layers": args.layers,
+        "tp": tp,
+        "engine": {k: v for k, v in engine_config.__dict__.items() if k != "tuning"},
+        "runs": runs,
+        "warmup": warmups,
+        "throughput_ratio_weave_over_baseline": ratios,
+    }
 
 
 def _line(r: dict[str, Any]) -> str:
-    return (f"{r['output_tok_s']:.1f} out tok/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
-            f"TPOT p50 {r['tpot_p50_ms'] or 0:.2f} ms, {r['steps']} steps "
-            f"({r['split_steps']} woven), {r['compilations']} compilations")
+    return (
+        f"{r['output_tok_s']:.1f} out tok/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
+        f"TPOT p50 {r['tpot_p50_ms'] or 0:.2f} ms, {r['steps']} steps "
+        f"({r['split_steps']} woven), {r['compilations']} compilations"
+    )
 
 
 def to_markdown(report: dict[str, Any]) -> str:
     """One table: a row per (workload, schedule), the weave/baseline ratios and the warm-ups
     (layouts loaded from the executable cache / compiled)."""
-    rows = ["| workload | schedule | output tok/s | total tok/s | TTFT p50 / p99 ms | "
-            "TPOT p50 / p99 ms | steps (woven) | compiles |", "|---" * 8 + "|"]
+    rows = [
+        "| workload | schedule | output tok/s | total tok/s | TTFT p50 / p99 ms | "
+        "TPOT p50 / p99 ms | steps (woven) | compiles |",
+        "|---" * 8 + "|",
+    ]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"
     for workload, per in report["runs"].items():
         for schedule, r in per.items():
@@ -213,19 +291,33 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"| {workload} | {schedule} | {fmt(r['output_tok_s'])} | {fmt(r['total_tok_s'])}"
                 f" | {fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p99_ms'])} | "
                 f"{fmt(r['tpot_p50_ms'], 2)} / {fmt(r['tpot_p99_ms'], 2)} | {r['steps']} "
-                f"({r['split_steps']}) | {r['compilations']} |")
+                f"({r['split_steps']}) | {r['compilations']} |"
+            )
     ratios = report["throughput_ratio_weave_over_baseline"]
-    lines = [f"Serving: {report['model']}, {report['layers']} layers, TP {report['tp']}, "
-             f"{report['environment']['device_kind']}", "", *rows]
+    lines = [
+        f"Serving: {report['model']}, {report['layers']} layers, TP {report['tp']}, "
+        f"{report['environment']['device_kind']}",
+        "",
+        *rows,
+    ]
     if ratios:
-        lines += ["", "Output throughput, weave / baseline: " + ", ".join(
-            f"{w} {r:.3f}x" for w, r in ratios.items())]
+        lines += [
+            "",
+            "Output throughput, weave / baseline: "
+            + ", ".join(f"{w} {r:.3f}x" for w, r in ratios.items()),
+        ]
     warm = report.get("warmup", {})
     if warm:
-        lines += ["", "Warm-up: " + "; ".join(
-            f"{s} {w['layouts']} layouts ({w.get('loaded', 0)} loaded, "
-            f"{w.get('compiled', w['layouts'])} compiled) in {w.get('warmup_s', w['seconds']):.1f}"
-            f" s, {w['seconds']:.1f} s with the first runs" for s, w in warm.items())]
+        lines += [
+            "",
+            "Warm-up: "
+            + "; ".join(
+                f"{s} {w['layouts']} layouts ({w.get('loaded', 0)} loaded, "
+                f"{w.get('compiled', w['layouts'])} compiled) in "
+                f"{w.get('warmup_s', w['seconds']):.1f} s, {w['seconds']:.1f} s with the first runs"
+                for s, w in warm.items()
+            ),
+        ]
     return "\n".join(lines)
 
 
@@ -236,23 +328,27 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("output_tok_s", None, "output tokens / s"), ("ttft_p50_ms", "ttft_p99_ms",
-              "TTFT ms (p50, p99 line)"), ("tpot_p50_ms", "tpot_p99_ms", "TPOT ms (p50, p99)"))
+    panels = (
+        ("output_tok_s", None, "output tokens / s"),
+        ("ttft_p50_ms", "ttft_p99_ms", "TTFT ms (p50, p99 line)"),
+        ("tpot_p50_ms", "tpot_p99_ms", "TPOT ms (p50, p99)"),
+    )
     workloads = list(report["runs"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (key, p99, title) in zip(axes, panels, strict=True):
         for k, schedule in enumerate(SCHEDULES):
             xs = [i + 0.4 * k for i, w in enumerate(workloads) if schedule in report["runs"][w]]
-            per = [report["runs"][w][schedule] for w in workloads if schedule in
-                   report["runs"][w]]
+            per = [report["runs"][w][schedule] for w in workloads if schedule in report["runs"][w]]
             ax.bar(xs, [r[key] or 0 for r in per], width=0.4, label=schedule)
             if p99:
                 ax.scatter(xs, [r[p99] or 0 for r in per], marker="_", s=300, color="black")
         ax.set_xticks([i + 0.2 for i in range(len(workloads))], workloads)
         ax.set_title(title)
     axes[0].legend()
-    fig.suptitle(f"{report['model']} x{report['layers']} layers, TP {report['tp']}, "
-                 f"{report['environment']['device_kind']}")
+    fig.suptitle(
+        f"{report['model']} x{report['layers']} layers, TP {report['tp']}, "
+        f"{report['environment']['device_kind']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -41,25 +41,38 @@ def _step(mesh: Mesh, mode: str, algo: str, ctas: int):
         if mode == "xla":  # XLA's collectives, scheduled by XLA beside the GEMMs
             _, res = ops.allreduce_rmsnorm(p, r, nw, axis_name="tp", impl="xla_rsag")
             return gemms(x, w1, w2), res
-        pend = _ffi.allreduce_rmsnorm_start(p, r, nw, axis_name="tp", mesh=mesh, slot=0,
-                                            num_ctas=ctas, algo=algo)
+        pend = _ffi.allreduce_rmsnorm_start(
+            p, r, nw, axis_name="tp", mesh=mesh, slot=0, num_ctas=ctas, algo=algo
+        )
         pend, x = jax.lax.optimization_barrier((pend, x))
         y = gemms(x, w1, w2)
         pend, y = jax.lax.optimization_barrier((pend, y))
         _, res = _ffi.allreduce_rmsnorm_done(pend, axis_name="tp", mesh=mesh, slot=0)
         return y, res
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp"),
-                                                            P("tp"), P("tp"), P()),
-                                 out_specs=(P(), P("tp")), check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), P(None, "tp"), P("tp"), P("tp"), P("tp"), P()),
+            out_specs=(P(), P("tp")),
+            check_vma=False,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--tp", type=int, default=len(jax.devices("gpu")), help="GPUs in the axis")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384],
-                    help="batch tokens (each half gets half)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[4096, 8192, 16384],
+        help="batch tokens (each half gets half)",
+    )
     ap.add_argument("--hidden", type=int, default=8192, help="hidden size H")
     ap.add_argument("--ffn", type=int, default=28672, help="FFN size F (sharded over tp)")
     ap.add_argument("--algos", nargs="+", default=["direct"], help="fused kernel variants")
@@ -72,9 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     mesh = Mesh(np.array(jax.devices("gpu")[:n]), ("tp",))
     rng = np.random.default_rng(0)
     modes = [("alone", "", 0), ("xla", "", 0)] + [
-        ("ffi", a, c) for a in args.algos for c in args.ctas]
-    rows, lines = [], ["| T | mode | step ms | GEMM device ms | tax | kernel device ms |",
-                       "|---|---|---|---|---|---|"]
+        ("ffi", a, c) for a in args.algos for c in args.ctas
+    ]
+    rows, lines = (
+        [],
+        [
+            "| T | mode | step ms | GEMM device ms | tax | kernel device ms |",
+            "|---|---|---|---|---|---|",
+        ],
+    )
     for tokens in args.tokens:
         m = tokens // 2
         bf = jnp.bfloat16
@@ -106,19 +125,32 @@ def main(argv: list[str] | None = None) -> int:
             base = gemm if mode == "alone" else base
             label = mode if mode != "ffi" else f"ffi:{algo}:{ctas}"
             tax = gemm / base - 1 if base else float("nan")
-            rows.append(dict(tokens=tokens, mode=label, step_ms=statistics.median(times) * 1e3,
-                             gemm_device_ms=gemm, tax=tax, kernel_device_ms=kernel))
-            lines.append(f"| {tokens} | {label} | {rows[-1]['step_ms']:.3f} | {gemm:.3f} | "
-                         f"{tax:+.1%} | {kernel:.3f} |")
+            rows.append(
+                dict(
+                    tokens=tokens,
+                    mode=label,
+                    step_ms=statistics.median(times) * 1e3,
+                    gemm_device_ms=gemm,
+                    tax=tax,
+                    kernel_device_ms=kernel,
+                )
+            )
+            lines.append(
+                f"| {tokens} | {label} | {rows[-1]['step_ms']:.3f} | {gemm:.3f} | "
+                f"{tax:+.1%} | {kernel:.3f} |"
+            )
             print(lines[-1], flush=True)
     print("\n".join(lines))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        meta = dict(command=" ".join(["benchmarks/sm_tax.py", *(argv or sys.argv[1:])]),
-                    date=time.strftime("%Y-%m-%d"), tp=n,
-                    devices=[str(d) for d in mesh.devices.flat],
-                    method="GEMM device time summed from torch.profiler on the first GPU, "
-                    "median wall time of the jitted step")
+        meta = dict(
+            command=" ".join(["benchmarks/sm_tax.py", *(argv or sys.argv[1:])]),
+            date=time.strftime("%Y-%m-%d"),
+            tp=n,
+            devices=[str(d) for d in mesh.devices.flat],
+            method="GEMM device time summed from torch.profiler on the first GPU, "
+            "median wall time of the jitted step",
+        )
         (args.out / "sm_tax.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         (args.out / "sm_tax.md").write_text("\n".join(lines) + "\n")
     return 0

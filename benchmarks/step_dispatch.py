@@ -24,21 +24,26 @@ import numpy as np
 
 def main(argv: list[str]) -> None:
     spec = importlib.util.spec_from_file_location(
-        "_decode_bench", Path(__file__).with_name("decode_bench.py"))
+        "_decode_bench", Path(__file__).with_name("decode_bench.py")
+    )
     db = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = db
     spec.loader.exec_module(db)
     from jax_tokenweave.serving import LLMEngine, SamplingParams
 
-    a = db.resolve(db.parse_args(["--out", "/tmp/step_dispatch", "--batch", "1", "--no-plot",
-                                  *argv]), jax.devices()[0].platform)
+    a = db.resolve(
+        db.parse_args(["--out", "/tmp/step_dispatch", "--batch", "1", "--no-plot", *argv]),
+        jax.devices()[0].platform,
+    )
     context = a.context[0]
     model = db.build_model(a, jax.devices()[:1])
     cfg = dataclasses.replace(db.engine_config(a, 1, context + 200), async_scheduling=False)
     engine = LLMEngine(model, cfg)
     vocab = model.config.vocab_size
-    engine.add_request([i % vocab for i in range(1, context + 1)],
-                       SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
+    engine.add_request(
+        [i % vocab for i in range(1, context + 1)],
+        SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True),
+    )
     for _ in range(10):
         engine.step()
     runner = engine.runner
@@ -46,8 +51,11 @@ def main(argv: list[str]) -> None:
     for variant in ("numpy inputs", "device inputs"):
         times = []
         for _ in range(8):
-            step_in = arrays if variant == "numpy inputs" else jax.block_until_ready(
-                jax.device_put(arrays))
+            step_in = (
+                arrays
+                if variant == "numpy inputs"
+                else jax.block_until_ready(jax.device_put(arrays))
+            )
             t0 = time.perf_counter()
             out = runner.run(layout, step_in)
             t1 = time.perf_counter()

@@ -58,7 +58,13 @@ def profile_steps(step: Callable[[], Any], n: int, top: int = 12) -> dict[str, A
         by_name[e.name[:80]] += e.device_time_total
     busy = busy_us(intervals) / 1e3 / n
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return {"status": "ok", "steps": n, "wall_ms": wall * 1e3 / n, "busy_ms": busy,
-            "gap_ms": wall * 1e3 / n - busy, "kernel_ms": sum(by_name.values()) / 1e3 / n,
-            "kernels": [{"name": k, "ms_per_step": v / 1e3 / n} for k, v in ranked],
-            "host_profile": text.getvalue()}
+    return {
+        "status": "ok",
+        "steps": n,
+        "wall_ms": wall * 1e3 / n,
+        "busy_ms": busy,
+        "gap_ms": wall * 1e3 / n - busy,
+        "kernel_ms": sum(by_name.values()) / 1e3 / n,
+        "kernels": [{"name": k, "ms_per_step": v / 1e3 / n} for k, v in ranked],
+        "host_profile": text.getvalue(),
+    }

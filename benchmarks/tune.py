@@ -43,27 +43,55 @@ TOKENS = (1024, 2048, 4096, 8192, 16384)
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
-    p = argparse.ArgumentParser(prog="tune.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=bm.HelpFormatter)
-    p.add_argument("--model", default="llama3-70b",
-                   help=f"model config name, {bm.config_names_help()}")
+    p = argparse.ArgumentParser(
+        prog="tune.py", description=__doc__.split("\n\n")[0], formatter_class=bm.HelpFormatter
+    )
+    p.add_argument(
+        "--model", default="llama3-70b", help=f"model config name, {bm.config_names_help()}"
+    )
     p.add_argument("--tp", type=bm.positive_int, default=2, help="tensor-parallel degree")
-    p.add_argument("--tokens", type=bm.positive_ints, nargs="+", action=bm.Flatten,
-                   default=list(TOKENS), help="batch sizes in tokens to tune")
+    p.add_argument(
+        "--tokens",
+        type=bm.positive_ints,
+        nargs="+",
+        action=bm.Flatten,
+        default=list(TOKENS),
+        help="batch sizes in tokens to tune",
+    )
     p.add_argument("--layers", type=bm.positive_int, default=8, help="decoder layers to stack")
-    p.add_argument("--request-len", type=bm.positive_int, default=1024,
-                   help="tokens per request packed into the batch")
-    p.add_argument("--ctas", type=bm.positive_ints, nargs="+", action=bm.Flatten,
-                   default=list(CTAS),
-                   help=f"CTA counts of the fused kernel to try, each in "
-                        f"[{tuning.MIN_CTAS}, {tuning.MAX_CTAS}]")
-    p.add_argument("--offsets", type=int, nargs="+", default=list(OFFSETS),
-                   help="corrections (tokens) to the planner's split point to try")
+    p.add_argument(
+        "--request-len",
+        type=bm.positive_int,
+        default=1024,
+        help="tokens per request packed into the batch",
+    )
+    p.add_argument(
+        "--ctas",
+        type=bm.positive_ints,
+        nargs="+",
+        action=bm.Flatten,
+        default=list(CTAS),
+        help=f"CTA counts of the fused kernel to try, each in "
+        f"[{tuning.MIN_CTAS}, {tuning.MAX_CTAS}]",
+    )
+    p.add_argument(
+        "--offsets",
+        type=int,
+        nargs="+",
+        default=list(OFFSETS),
+        help="corrections (tokens) to the planner's split point to try",
+    )
     bm.add_run_options(p, warmup=2, iters=7, unit="candidate")
-    p.add_argument("--time-budget", type=bm.positive_float, default=900.0, metavar="SECONDS",
-                   help="start no new measurement after this many seconds")
-    p.add_argument("--out", type=Path, metavar="JSON",
-                   help="tuning table to write (default: print only)")
+    p.add_argument(
+        "--time-budget",
+        type=bm.positive_float,
+        default=900.0,
+        metavar="SECONDS",
+        help="start no new measurement after this many seconds",
+    )
+    p.add_argument(
+        "--out", type=Path, metavar="JSON", help="tuning table to write (default: print only)"
+    )
     p.add_argument("--merge", action="store_true", help="add to the table already at --out")
     p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="random seed")
     return p
@@ -97,8 +125,9 @@ Candidate = tuple[bool, int, int | None]
 """``(split, offset correction, CTAs)`` of one measured configuration (CTAs None: policy)."""
 
 
-def decide(times: Mapping[int, Mapping[Candidate, float]],
-           current_threshold: int) -> tuple[dict[int, TuneEntry], int]:
+def decide(
+    times: Mapping[int, Mapping[Candidate, float]], current_threshold: int
+) -> tuple[dict[int, TuneEntry], int]:
     """Entries and threshold from the medians ``times[tokens][candidate]`` (ms).
 
     Per token count, the entry holds the fastest candidate's CTAs (split or not) and the best
@@ -129,8 +158,9 @@ def decide(times: Mapping[int, Mapping[Candidate, float]],
     return entries, threshold
 
 
-def tune_tokens(args, config, mesh, decoder, tokens: int,
-                deadline: float) -> dict[Candidate, float]:
+def tune_tokens(
+    args, config, mesh, decoder, tokens: int, deadline: float
+) -> dict[Candidate, float]:
     """Median ms of every candidate for one token count (those checked against baseline)."""
     dtype = bm.DTYPES[args.dtype]
     lengths = bm.request_lengths(tokens, args.request_len)
@@ -142,7 +172,7 @@ def tune_tokens(args, config, mesh, decoder, tokens: int,
     fns: dict[str, Any] = {"baseline": base_run}
     names: dict[str, Candidate] = {}
     for split in (False, True):
-        for offset in (args.offsets if split else [0]):
+        for offset in args.offsets if split else [0]:
             table = TuneTable({key: TuneEntry(offset, None)})
             plan = bm.make_plan(config, args.model, lengths, args.tp, split=split, table=table)
             if (why := ffi_unavailable(mesh, "tp", dtype, plan, config.hidden_size)) is not None:
@@ -152,17 +182,29 @@ def tune_tokens(args, config, mesh, decoder, tokens: int,
             for ctas in [*args.ctas, None]:
                 if time.perf_counter() > deadline:
                     break
-                run, _, text = bm.compile_forward(decoder, plan, hidden, schedule="weave",
-                                                  comm="ffi", tuning=TuneEntry(None, ctas))
+                run, _, text = bm.compile_forward(
+                    decoder,
+                    plan,
+                    hidden,
+                    schedule="weave",
+                    comm="ffi",
+                    tuning=TuneEntry(None, ctas),
+                )
                 if split and not shown:
                     problems = hlo_check.overlap_problems(text)
-                    print(f"   halves {plan.half_lengths}: overlap "
-                          f"{'ok' if not problems else '; '.join(problems)}", flush=True)
+                    print(
+                        f"   halves {plan.half_lengths}: overlap "
+                        f"{'ok' if not problems else '; '.join(problems)}",
+                        flush=True,
+                    )
                     shown = True
                 err = timing.rel_error(run().astype(jnp.float32), reference)
                 if not err <= bm.TOLERANCE[args.dtype]:
-                    print(f"   split={split} offset {offset} ctas {ctas}: relative error "
-                          f"{err:.3g}: rejected", flush=True)
+                    print(
+                        f"   split={split} offset {offset} ctas {ctas}: relative error "
+                        f"{err:.3g}: rejected",
+                        flush=True,
+                    )
                     continue
                 name = f"split={split} offset={offset} ctas={ctas}"
                 fns[name], names[name] = run, (split, offset, ctas)
@@ -203,14 +245,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"T={tokens}: {entry}")
     print(f"split threshold of {args.model} at TP={args.tp}: {threshold}")
     if args.out is not None and entries:
-        new = TuneTable({(args.model, args.tp, t): e for t, e in entries.items()},
-                        {(args.model, args.tp): threshold},
-                        {args.model: tuning.signature(config)},
-                        {f"tune {args.model} tp{args.tp}": bm.environment(
-                            bm.platform_devices()[1], ["benchmarks/tune.py", *(argv or [])])})
-        extra = {(args.model, args.tp, t): {"candidates_ms": {str(c): ms for c, ms in
-                                                              sorted(times[t].items(), key=str)}}
-                 for t in entries}
+        new = TuneTable(
+            {(args.model, args.tp, t): e for t, e in entries.items()},
+            {(args.model, args.tp): threshold},
+            {args.model: tuning.signature(config)},
+            {
+                f"tune {args.model} tp{args.tp}": bm.environment(
+                    bm.platform_devices()[1], ["benchmarks/tune.py", *(argv or [])]
+                )
+            },
+        )
+        extra = {
+            (args.model, args.tp, t): {
+                "candidates_ms": {str(c): ms for c, ms in sorted(times[t].items(), key=str)}
+            }
+            for t in entries
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         tuning.save(old.merged(new), args.out, extra=extra)
         print(f"wrote {args.out}")

@@ -26,7 +26,7 @@
 namespace tokenweave {
 namespace {
 
-constexpr int kGroup = 128;                  // threads per row: 4 rows per block at once
+constexpr int kGroup = 128;  // threads per row: 4 rows per block at once
 constexpr int kGroups = kThreads / kGroup;
 
 template <typename T, int kMaxN>
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(const __grid_constant_
     rows[kMaxN] = res_in;
     FusedRow<T, kGroup, kURows<kMaxN>, false>(
         p,
-        [&](int v0, float (*acc)[Vec<T>::kN]) {
+        [&](int v0, float(*acc)[Vec<T>::kN]) {
           LoadSum<T, kGroup, kMaxN + 1, kURows<kMaxN>>(acc, rows, n + 1, v0, vpr);
         },
         residual_out + row * rb, normed + g * rb,
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) DirectKernel(const __grid_constant__
     char* own = static_cast<char*>(p.normed) + g * rb;
     FusedRow<T, kGroup, kURows<kMaxN>, false>(
         p,
-        [&](int v0, float (*acc)[Vec<T>::kN]) {
+        [&](int v0, float(*acc)[Vec<T>::kN]) {
           LoadSum<T, kGroup, kMaxN + 1, kURows<kMaxN>>(acc, rows, n + 1, v0, vpr);
         },
         residual_out + row * rb, own,
@@ -175,8 +175,7 @@ template <typename T>
 cudaError_t Launch(const KernelParams& p, Algo algo, bool multimem, int num_ctas,
                    cudaStream_t stream) {
   static_assert(kMaxRanks == 8, "LaunchP2P instances cover groups of up to 8 ranks");
-  if (multimem)
-    return LaunchMultimem<T>(p, num_ctas, stream);
+  if (multimem) return LaunchMultimem<T>(p, num_ctas, stream);
   if (p.nranks <= 2)
     LaunchP2P<T, 2>(p, algo, num_ctas, stream);
   else if (p.nranks <= 4)
@@ -189,11 +188,13 @@ cudaError_t Launch(const KernelParams& p, Algo algo, bool multimem, int num_ctas
 template <typename T>
 cudaError_t PreloadFor() {
   cudaFuncAttributes a;
-  const void* kernels[] = {
-      reinterpret_cast<const void*>(TwoShotKernel<T, 2>), reinterpret_cast<const void*>(TwoShotKernel<T, 4>),
-      reinterpret_cast<const void*>(TwoShotKernel<T, 8>), reinterpret_cast<const void*>(DirectKernel<T, 2>),
-      reinterpret_cast<const void*>(DirectKernel<T, 4>), reinterpret_cast<const void*>(DirectKernel<T, 8>),
-      reinterpret_cast<const void*>(multimem::MultimemKernel<T>)};
+  const void* kernels[] = {reinterpret_cast<const void*>(TwoShotKernel<T, 2>),
+                           reinterpret_cast<const void*>(TwoShotKernel<T, 4>),
+                           reinterpret_cast<const void*>(TwoShotKernel<T, 8>),
+                           reinterpret_cast<const void*>(DirectKernel<T, 2>),
+                           reinterpret_cast<const void*>(DirectKernel<T, 4>),
+                           reinterpret_cast<const void*>(DirectKernel<T, 8>),
+                           reinterpret_cast<const void*>(multimem::MultimemKernel<T>)};
   for (const void* k : kernels)
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;

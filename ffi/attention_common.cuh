@@ -16,8 +16,10 @@ namespace attn {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kThreads = 128;
 
-template <typename T> struct Vec;
-template <> struct Vec<__nv_bfloat16> {
+template <typename T>
+struct Vec;
+template <>
+struct Vec<__nv_bfloat16> {
   using T2 = __nv_bfloat162;
   static __device__ float2 ToFloat2(uint32_t w) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
@@ -28,7 +30,8 @@ template <> struct Vec<__nv_bfloat16> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
 };
-template <> struct Vec<__half> {
+template <>
+struct Vec<__half> {
   using T2 = __half2;
   static __device__ float2 ToFloat2(uint32_t w) {
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
@@ -67,7 +70,6 @@ __device__ __forceinline__ int SplitKeys(int ctx, int splits) {
 __device__ __forceinline__ int64_t BlockId(const int32_t* table, int index, int num_blocks) {
   return min(max(table[index], 0), num_blocks - 1);
 }
-
 
 }  // namespace attn
 }  // namespace tokenweave

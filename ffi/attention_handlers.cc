@@ -48,8 +48,8 @@ ffi::Error CopyIfNotAliased(const ffi::AnyBuffer& in, void* out, cudaStream_t st
 ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> live,
-                              ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_out,
+                              ffi::Result<ffi::AnyBuffer> v_out,
                               ffi::Result<ffi::Buffer<ffi::F32>> work, int32_t tile, int32_t splits,
                               float scale) {
   AttnDType dtype;
@@ -60,8 +60,8 @@ ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   }
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), td = tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2)
-    return Bad("want q [rows, Hq, D], caches [NB, BS, KVH, D], tables [G, W]; got q " +
-               Dims(qd) + ", cache " + Dims(kd) + ", tables " + Dims(td));
+    return Bad("want q [rows, Hq, D], caches [NB, BS, KVH, D], tables [G, W]; got q " + Dims(qd) +
+               ", cache " + Dims(kd) + ", tables " + Dims(td));
   if (k_cache.element_type() != q.element_type() || v_cache.element_type() != q.element_type() ||
       Dims(v_cache.dimensions()) != Dims(kd))
     return Bad("the caches must share q's dtype and one shape; got " + Dims(kd) + " and " +
@@ -109,8 +109,8 @@ ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                  " floats, the decode kernel needs " + std::to_string(need));
   }
   // The caches are aliased outputs: XLA hands back the same buffers (copy where it did not).
-  for (auto [from, to] : {std::pair{&k_cache, k_out->untyped_data()},
-                          std::pair{&v_cache, v_out->untyped_data()}})
+  for (auto [from, to] :
+       {std::pair{&k_cache, k_out->untyped_data()}, std::pair{&v_cache, v_out->untyped_data()}})
     if (ffi::Error e = CopyIfNotAliased(*from, to, stream, "paged_attention"); e.failure())
       return e;
   if (cudaError_t e = LaunchPagedAttention(p, dtype, stream); e != cudaSuccess)
@@ -130,12 +130,15 @@ ffi::Error RopeCacheImpl(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::Buffer<ff
     return Bad("qkv must be bfloat16 or float16", kRope);
   const auto xd = qkv.dimensions(), kd = k_cache.dimensions(), od = q_out->dimensions();
   if (xd.size() != 3 || kd.size() != 4 || od.size() != 3)
-    return Bad("want qkv [rows, Hq + 2 KVH, D], caches [NB, BS, KVH, D], q [rows, Hq, D]; got "
-               "qkv " + Dims(xd) + ", cache " + Dims(kd) + ", q " + Dims(od), kRope);
+    return Bad(
+        "want qkv [rows, Hq + 2 KVH, D], caches [NB, BS, KVH, D], q [rows, Hq, D]; got "
+        "qkv " +
+            Dims(xd) + ", cache " + Dims(kd) + ", q " + Dims(od),
+        kRope);
   const int64_t rows = xd[0], d = xd[2], kvh = kd[2], hq = od[1];
   if (od[0] != rows || od[2] != d || kd[3] != d || xd[1] != hq + 2 * kvh || hq < 1 || kvh < 1)
-    return Bad("heads do not add up: qkv " + Dims(xd) + ", cache " + Dims(kd) + ", q " +
-               Dims(od), kRope);
+    return Bad("heads do not add up: qkv " + Dims(xd) + ", cache " + Dims(kd) + ", q " + Dims(od),
+               kRope);
   if (!RopeCacheShapeSupported(static_cast<int>(d)))
     return Bad("head_dim must be a multiple of 16, got " + std::to_string(d), kRope);
   if (k_cache.element_type() != t || v_cache.element_type() != t || q_out->element_type() != t ||
@@ -145,10 +148,11 @@ ffi::Error RopeCacheImpl(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::Buffer<ff
       slots.element_count() != static_cast<size_t>(rows) ||
       inv_freq.element_count() != static_cast<size_t>(d / 2))
     return Bad("want positions and slots [" + std::to_string(rows) + "], inv_freq [" +
-               std::to_string(d / 2) + "]; got " + Dims(positions.dimensions()) + ", " +
-               Dims(slots.dimensions()) + ", " + Dims(inv_freq.dimensions()), kRope);
-  for (auto [from, to] : {std::pair{&k_cache, k_out->untyped_data()},
-                          std::pair{&v_cache, v_out->untyped_data()}})
+                   std::to_string(d / 2) + "]; got " + Dims(positions.dimensions()) + ", " +
+                   Dims(slots.dimensions()) + ", " + Dims(inv_freq.dimensions()),
+               kRope);
+  for (auto [from, to] :
+       {std::pair{&k_cache, k_out->untyped_data()}, std::pair{&v_cache, v_out->untyped_data()}})
     if (ffi::Error e = CopyIfNotAliased(*from, to, stream, kRope); e.failure()) return e;
   RopeCacheParams p{};
   p.qkv = qkv.untyped_data();
@@ -175,16 +179,16 @@ ffi::Error RopeCacheImpl(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::Buffer<ff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweavePagedAttention, tokenweave::PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // q [rows, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()          // k_cache [NB, BS, KVH, D]
-                                  .Arg<ffi::AnyBuffer>()          // v_cache [NB, BS, KVH, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables [G, W]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions [rows]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // live [1] (decode rows)
-                                  .Ret<ffi::AnyBuffer>()          // out [rows, Hq, D]
-                                  .Ret<ffi::AnyBuffer>()          // k_cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()          // v_cache (aliased)
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // work (decode partials)
+                                  .Arg<ffi::AnyBuffer>()         // q [rows, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()         // k_cache [NB, BS, KVH, D]
+                                  .Arg<ffi::AnyBuffer>()         // v_cache [NB, BS, KVH, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tables [G, W]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [rows]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live [1] (decode rows)
+                                  .Ret<ffi::AnyBuffer>()         // out [rows, Hq, D]
+                                  .Ret<ffi::AnyBuffer>()         // k_cache (aliased)
+                                  .Ret<ffi::AnyBuffer>()         // v_cache (aliased)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // work (decode partials)
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("splits")
                                   .Attr<float>("scale"),
@@ -193,13 +197,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweavePagedAttention, tokenweave::PagedAttenti
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveRopeCacheWrite, tokenweave::RopeCacheImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // qkv [rows, Hq + 2 KVH, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions [rows]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [rows]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq [D / 2]
-                                  .Arg<ffi::AnyBuffer>()          // k_cache [NB, BS, KVH, D]
-                                  .Arg<ffi::AnyBuffer>()          // v_cache [NB, BS, KVH, D]
-                                  .Ret<ffi::AnyBuffer>()          // q [rows, Hq, D], rotated
-                                  .Ret<ffi::AnyBuffer>()          // k_cache (aliased)
-                                  .Ret<ffi::AnyBuffer>(),         // v_cache (aliased)
+                                  .Arg<ffi::AnyBuffer>()         // qkv [rows, Hq + 2 KVH, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [rows]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [rows]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq [D / 2]
+                                  .Arg<ffi::AnyBuffer>()         // k_cache [NB, BS, KVH, D]
+                                  .Arg<ffi::AnyBuffer>()         // v_cache [NB, BS, KVH, D]
+                                  .Ret<ffi::AnyBuffer>()         // q [rows, Hq, D], rotated
+                                  .Ret<ffi::AnyBuffer>()         // k_cache (aliased)
+                                  .Ret<ffi::AnyBuffer>(),        // v_cache (aliased)
                               {ffi::Traits::kCmdBufferCompatible});

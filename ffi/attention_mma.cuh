@@ -32,8 +32,10 @@ __device__ __forceinline__ void Ldmatrix4Trans(uint32_t (&r)[4], const void* p) 
                : "r"(SmemAddr(p)));
 }
 
-template <typename T> struct Mma;
-template <> struct Mma<__nv_bfloat16> {
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
   static __device__ __forceinline__ void Run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
     asm volatile(
@@ -43,7 +45,8 @@ template <> struct Mma<__nv_bfloat16> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
-template <> struct Mma<__half> {
+template <>
+struct Mma<__half> {
   static __device__ __forceinline__ void Run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                              uint32_t b1) {
     asm volatile(

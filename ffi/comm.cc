@@ -57,9 +57,10 @@ std::string FailureMessage(const Comm& comm) {
            ? " (it never started this call: its host did not issue it, or its stream was "
              "blocked)"
            : " (it started this call but never arrived)";
-  return s + ". The communicator is unusable: outputs of later calls are NaN and every later "
-             "launch fails; jax_tokenweave.comm.reset_communicators() (in every process) "
-             "frees it and starts over";
+  return s +
+         ". The communicator is unusable: outputs of later calls are NaN and every later "
+         "launch fails; jax_tokenweave.comm.reset_communicators() (in every process) "
+         "frees it and starts over";
 }
 
 Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options)
@@ -202,8 +203,7 @@ void Comm::Allocate(DeviceState& d) {
       TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.oneshot), OneShotTotal()));
   }
   TW_THROW_CHECK(cudaMemset(d.sync, 0, SyncBytes()));
-  if (OneShotTotal() > 0)
-    TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, OneShotTotal(), nullptr));
+  if (OneShotTotal() > 0) TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, OneShotTotal(), nullptr));
   TW_THROW_CHECK(cudaDeviceSynchronize());
 }
 
@@ -228,11 +228,10 @@ void Comm::Import(int index, int fd, int64_t bytes) {
     }
   if (local == nullptr || devs_[index]->sync != nullptr || bytes < need) {
     close(fd);
-    throw std::invalid_argument(
-        "jax-tokenweave: device " + std::to_string(index) +
-        " is not an unmapped peer of a local device, or its workspace (" +
-        std::to_string(bytes) + " bytes) is smaller than this comm's (" + std::to_string(need) +
-        "): are both processes' settings the same?");
+    throw std::invalid_argument("jax-tokenweave: device " + std::to_string(index) +
+                                " is not an unmapped peer of a local device, or its workspace (" +
+                                std::to_string(bytes) + " bytes) is smaller than this comm's (" +
+                                std::to_string(need) + "): are both processes' settings the same?");
   }
   DeviceGuard guard;
   DeviceState& d = *devs_[index];

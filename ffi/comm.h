@@ -22,25 +22,25 @@ struct CommOptions {
   int64_t area_bytes = 0;     // one parity of a slot's two-shot/direct data area
   int64_t oneshot_bytes = 0;  // one of a slot's kLamportBuffers one-shot receive buffers
   int num_slots = 0;
-  double timeout_s = 0;       // bound on every cross-rank wait
-  bool multimem = false;      // opt-in; refused where NCCL_NVLS_ENABLE=0
-  bool loopback = false;      // every rank on one device (the test harness only; no handlers)
+  double timeout_s = 0;   // bound on every cross-rank wait
+  bool multimem = false;  // opt-in; refused where NCCL_NVLS_ENABLE=0
+  bool loopback = false;  // every rank on one device (the test harness only; no handlers)
 };
 
 // One device (rank) of a comm. In a cross-process comm, devices of other processes have
 // ordinal -1 and hold this process's mappings of their workspace (after Import).
 struct DeviceState {
   int ordinal = -1, group = -1, rank = -1;
-  SharedAlloc shared;            // cross-process comms: the workspace, [sync | data | oneshot]
-  char* data = nullptr;          // num_slots * 2 parities * area_bytes
-  char* oneshot = nullptr;       // num_slots * kLamportBuffers * oneshot_bytes
-  char* sync = nullptr;          // SlotControl[num_slots], RankControl, flags
-  SlotControl* ctl = nullptr;    // [num_slots]
+  SharedAlloc shared;          // cross-process comms: the workspace, [sync | data | oneshot]
+  char* data = nullptr;        // num_slots * 2 parities * area_bytes
+  char* oneshot = nullptr;     // num_slots * kLamportBuffers * oneshot_bytes
+  char* sync = nullptr;        // SlotControl[num_slots], RankControl, flags
+  SlotControl* ctl = nullptr;  // [num_slots]
   RankControl* rank_ctl = nullptr;
-  uint32_t* flags = nullptr;     // num_slots * kNumBarriers * kMaxRanks * kMaxCtas
-  char* mc_data = nullptr;       // multicast mapping of `data` (multimem comms only)
-  std::mutex mu;                  // guards the lazily created stream and events
-  cudaStream_t side = nullptr;    // high-priority stream of the start/done pair
+  uint32_t* flags = nullptr;             // num_slots * kNumBarriers * kMaxRanks * kMaxCtas
+  char* mc_data = nullptr;               // multicast mapping of `data` (multimem comms only)
+  std::mutex mu;                         // guards the lazily created stream and events
+  cudaStream_t side = nullptr;           // high-priority stream of the start/done pair
   std::vector<cudaEvent_t> ready, done;  // per slot: inputs ready / kernel done
 };
 
@@ -88,12 +88,12 @@ class Comm {
  private:
   void EnablePeerAccess();
   void Allocate(DeviceState& d);
-  int64_t SyncBytes() const;      // SlotControl[slots] | RankControl | flags
-  int64_t DataBytes() const;      // slots x 2 parities x area_bytes
-  int64_t OneShotTotal() const;   // slots x kLamportBuffers x oneshot_bytes
+  int64_t SyncBytes() const;                           // SlotControl[slots] | RankControl | flags
+  int64_t DataBytes() const;                           // slots x 2 parities x area_bytes
+  int64_t OneShotTotal() const;                        // slots x kLamportBuffers x oneshot_bytes
   void CarveSync(DeviceState& d, char* base) const;    // the sync pointers from `base`
   void CarveShared(DeviceState& d, char* base) const;  // [sync | data | oneshot] from `base`
-  bool HasRemote(int group) const;  // the group holds devices of other processes
+  bool HasRemote(int group) const;                     // the group holds devices of other processes
 
   std::vector<int> ordinals_;
   int group_size_;

@@ -9,13 +9,13 @@
 
 namespace tokenweave {
 
-constexpr int kMaxRanks = 8;      // largest group (tensor-parallel axis) size
-constexpr int kMaxCtas = 32;      // largest grid of the barrier kernels (per-block flags)
+constexpr int kMaxRanks = 8;          // largest group (tensor-parallel axis) size
+constexpr int kMaxCtas = 32;          // largest grid of the barrier kernels (per-block flags)
 constexpr int kMaxOneShotCtas = 128;  // largest grid of the one-shot kernel (no flags)
 constexpr int kMinCtas = 1;
-constexpr int kThreads = 512;     // threads per block
+constexpr int kThreads = 512;  // threads per block
 constexpr int kMaxHidden = 16384;
-constexpr int kNumBarriers = 2;   // barrier ids per call (two-shot, direct)
+constexpr int kNumBarriers = 2;     // barrier ids per call (two-shot, direct)
 constexpr int kLamportBuffers = 3;  // one-shot receive buffers per slot, rotated
 
 // "Not written yet" in a one-shot receive buffer (kernels.cuh): buffers are cleared to this
@@ -35,7 +35,7 @@ enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 // have arrived.
 struct SlotControl {
   unsigned long long word;
-  uint32_t entered;        // epoch of the last call whose kernel began here (read by peers)
+  uint32_t entered;  // epoch of the last call whose kernel began here (read by peers)
   uint32_t oneshot_used[kLamportBuffers];  // bytes the last call through each buffer used
   uint32_t pad[2];
 };
@@ -61,20 +61,20 @@ struct ErrorRecord {
 
 // Everything one launch needs; passed by value. Pointers by rank index.
 struct KernelParams {
-  const void* partial;      // [T, H], local
-  const void* residual;     // [q, H], local
-  const void* weight;       // [H], local: float32, or the rows' dtype (weight_in_dtype)
-  void* normed;             // [T, H], local output
-  void* residual_out;       // [q, H], local output
-  char* data[kMaxRanks];    // this slot's two-shot/direct area (2 parities) on every rank
-  char* oneshot[kMaxRanks];  // this slot's kLamportBuffers one-shot buffers on every rank
+  const void* partial;         // [T, H], local
+  const void* residual;        // [q, H], local
+  const void* weight;          // [H], local: float32, or the rows' dtype (weight_in_dtype)
+  void* normed;                // [T, H], local output
+  void* residual_out;          // [q, H], local output
+  char* data[kMaxRanks];       // this slot's two-shot/direct area (2 parities) on every rank
+  char* oneshot[kMaxRanks];    // this slot's kLamportBuffers one-shot buffers on every rank
   uint32_t* flags[kMaxRanks];  // this slot's barrier flags on every rank
   SlotControl* ctl[kMaxRanks];
   RankControl* rank_ctl[kMaxRanks];
-  char* mc_data;            // multicast mapping of this slot's area (multimem only)
+  char* mc_data;  // multicast mapping of this slot's area (multimem only)
   ErrorRecord* err;
-  int64_t area_bytes;       // one parity of `data`
-  int64_t oneshot_bytes;    // one one-shot buffer
+  int64_t area_bytes;                          // one parity of `data`
+  int64_t oneshot_bytes;                       // one one-shot buffer
   int32_t rank, nranks, tokens, hidden, rows;  // rows = q = ceil(T / N)
   int32_t device, slot;
   int32_t weight_in_dtype;  // 1: weight has the rows' dtype (bf16/f16); 0: float32
@@ -127,19 +127,19 @@ cudaError_t LaunchFillSentinel(void* ptr, int64_t bytes, cudaStream_t stream);
 #define TW_WHERE __FILE__ ":" TW_STR(__LINE__)
 
 // Inside a function returning xla::ffi::Error.
-#define TW_FFI_CHECK(expr)                                                                 \
-  do {                                                                                     \
-    cudaError_t tw_err_ = (expr);                                                          \
-    if (tw_err_ != cudaSuccess)                                                            \
-      return ::xla::ffi::Error::Internal(std::string(TW_WHERE ": " #expr ": ") +           \
-                                         cudaGetErrorString(tw_err_));                     \
+#define TW_FFI_CHECK(expr)                                                       \
+  do {                                                                           \
+    cudaError_t tw_err_ = (expr);                                                \
+    if (tw_err_ != cudaSuccess)                                                  \
+      return ::xla::ffi::Error::Internal(std::string(TW_WHERE ": " #expr ": ") + \
+                                         cudaGetErrorString(tw_err_));           \
   } while (0)
 
 // Inside host code that reports failures by exception (registration, module functions).
-#define TW_THROW_CHECK(expr)                                                               \
-  do {                                                                                     \
-    cudaError_t tw_err_ = (expr);                                                          \
-    if (tw_err_ != cudaSuccess)                                                            \
-      throw std::runtime_error(std::string(TW_WHERE ": " #expr ": ") +                     \
-                               cudaGetErrorString(tw_err_));                               \
+#define TW_THROW_CHECK(expr)                                           \
+  do {                                                                 \
+    cudaError_t tw_err_ = (expr);                                      \
+    if (tw_err_ != cudaSuccess)                                        \
+      throw std::runtime_error(std::string(TW_WHERE ": " #expr ": ") + \
+                               cudaGetErrorString(tw_err_));           \
   } while (0)

@@ -70,8 +70,8 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
     return Invalid("partial must be [T, H], got " + Shape(pd));
   const int64_t tokens = pd[0], hidden = pd[1], rows = (tokens + n - 1) / n;
   if (hidden % 8 != 0 || hidden > kMaxHidden)
-    return Invalid("hidden size must be a multiple of 8 and at most " +
-                   std::to_string(kMaxHidden) + ", got " + std::to_string(hidden));
+    return Invalid("hidden size must be a multiple of 8 and at most " + std::to_string(kMaxHidden) +
+                   ", got " + std::to_string(hidden));
   const auto rd = residual.dimensions(), nd = normed.dimensions(), od = residual_out.dimensions();
   if (rd.size() != 2 || rd[0] != rows || rd[1] != hidden)
     return Invalid("residual must be [" + std::to_string(rows) + ", " + std::to_string(hidden) +
@@ -92,11 +92,13 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
                    std::to_string(opt.num_slots) + ")");
   if (algo < 1 || algo > 3) return Invalid("algo must be 1 (two-shot), 2 (one-shot) or 3 (direct)");
   if (comm.cross_process() && algo == static_cast<int>(Algo::kDirect))
-    return Invalid("algo direct reads XLA's buffers by address, which another process cannot "
-                   "map: use one_shot or two_shot across processes");
+    return Invalid(
+        "algo direct reads XLA's buffers by address, which another process cannot "
+        "map: use one_shot or two_shot across processes");
   if (comm.cross_process() && !comm.Ready())  // (a single-process comm is ready when built)
-    return Invalid("the communicator's peers in other processes are not mapped yet (connect "
-                   "it first: jax_tokenweave.comm.Communicator.comm_id does)");
+    return Invalid(
+        "the communicator's peers in other processes are not mapped yet (connect "
+        "it first: jax_tokenweave.comm.Communicator.comm_id does)");
   const int max_ctas = algo == static_cast<int>(Algo::kOneShot) ? kMaxOneShotCtas : kMaxCtas;
   if (num_ctas < kMinCtas || num_ctas > max_ctas)
     return Invalid("num_ctas must be in [" + std::to_string(kMinCtas) + ", " +
@@ -208,19 +210,21 @@ using tokenweave::DoneImpl;
 using tokenweave::RunImpl;
 using tokenweave::StartImpl;
 
-#define TW_BIND_MAIN()                                  \
-  ffi::Ffi::Bind()                                      \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()         \
-      .Ctx<ffi::DeviceOrdinal>()                        \
-      .Arg<ffi::AnyBuffer>()                            \
-      .Arg<ffi::AnyBuffer>()                            \
-      .Arg<ffi::AnyBuffer>()                            \
-      .Ret<ffi::AnyBuffer>()                            \
-      .Ret<ffi::AnyBuffer>()                            \
-      .Attr<int64_t>("comm_id")                         \
-      .Attr<int32_t>("slot")                            \
-      .Attr<float>("eps")                               \
-      .Attr<int32_t>("num_ctas")                        \
+// The buffers and attributes of the fused call and of its start (named: the typed API binds
+// them by position).
+#define TW_BIND_MAIN()                                                             \
+  ffi::Ffi::Bind()                                                                 \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>() /* XLA's stream */                 \
+      .Ctx<ffi::DeviceOrdinal>()                /* this device */                  \
+      .Arg<ffi::AnyBuffer>()                    /* partial [T, H] */               \
+      .Arg<ffi::AnyBuffer>()                    /* residual [ceil(T/N), H] */      \
+      .Arg<ffi::AnyBuffer>()                    /* weight [H], f32 or partial's */ \
+      .Ret<ffi::AnyBuffer>()                    /* normed [T, H] */                \
+      .Ret<ffi::AnyBuffer>()                    /* residual_out [ceil(T/N), H] */  \
+      .Attr<int64_t>("comm_id")                                                    \
+      .Attr<int32_t>("slot")                                                       \
+      .Attr<float>("eps")                                                          \
+      .Attr<int32_t>("num_ctas")                                                   \
       .Attr<int32_t>("algo")
 
 // The synchronous call keeps no per-call host state (the kernels advance the device-resident

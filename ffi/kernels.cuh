@@ -22,21 +22,33 @@ struct Vec {
 __device__ __forceinline__ float ToF(float x) { return x; }
 __device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
 __device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T FromF(float x);
-template <> __device__ __forceinline__ float FromF<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
+template <typename T>
+__device__ __forceinline__ T FromF(float x);
+template <>
+__device__ __forceinline__ float FromF<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half FromF<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 // A quiet NaN in every element of a 16-byte vector of T.
-template <typename T> __device__ __forceinline__ uint4 NanVec();
-template <> __device__ __forceinline__ uint4 NanVec<float>() {
+template <typename T>
+__device__ __forceinline__ uint4 NanVec();
+template <>
+__device__ __forceinline__ uint4 NanVec<float>() {
   return make_uint4(0x7fc00000u, 0x7fc00000u, 0x7fc00000u, 0x7fc00000u);
 }
-template <> __device__ __forceinline__ uint4 NanVec<__half>() {
+template <>
+__device__ __forceinline__ uint4 NanVec<__half>() {
   return make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u);
 }
-template <> __device__ __forceinline__ uint4 NanVec<__nv_bfloat16>() {
+template <>
+__device__ __forceinline__ uint4 NanVec<__nv_bfloat16>() {
   return make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
 }
 
@@ -64,13 +76,19 @@ __device__ __forceinline__ uint4 PackRound(float* acc) {
 // Loads: `Ldg` for inputs that no one writes during the kernel; `Ldcg` (L2 only) for areas that
 // peers write during the kernel behind a barrier; `LdVolatile16` for one-shot receive buffers,
 // polled while peers write them.
-__device__ __forceinline__ uint4 Ldg(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-__device__ __forceinline__ uint4 Ldcg(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint4 Ldg(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+__device__ __forceinline__ uint4 Ldcg(const void* p) {
+  return __ldcg(reinterpret_cast<const uint4*>(p));
+}
 __device__ __forceinline__ void St(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 __device__ __forceinline__ uint4 LdVolatile16(const void* p) {
   uint4 v;
   asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
   return v;
 }
 __device__ __forceinline__ uint32_t LdVolatile(const uint32_t* p) {
@@ -223,14 +241,20 @@ __device__ __forceinline__ bool GroupFailed(const KernelParams& p) {
 // host-mapped record, which the host turns into the error message. Never traps: the CUDA
 // context stays usable. No device printf: flushing it crashed the host process on the GPU
 // image (seen twice on nvidia-h200/h100, inside the statically linked CUDA runtime).
-static __device__ __noinline__ void ReportTimeout(const KernelParams& p, int stage, int peer, int block,
-                                           uint32_t epoch, uint32_t seen) {
+static __device__ __noinline__ void ReportTimeout(const KernelParams& p, int stage, int peer,
+                                                  int block, uint32_t epoch, uint32_t seen) {
   for (int j = 0; j < p.nranks; ++j) StVolatile(&p.rank_ctl[j]->failed, 1);
   __threadfence_system();
   if (atomicCAS_system(&p.err->claimed, 0, 1) == 0) {  // the first report fills the record
     ErrorRecord* e = p.err;
-    e->device = p.device; e->rank = p.rank; e->slot = p.slot; e->stage = stage;
-    e->peer = peer; e->block = block; e->epoch = epoch; e->seen = seen;
+    e->device = p.device;
+    e->rank = p.rank;
+    e->slot = p.slot;
+    e->stage = stage;
+    e->peer = peer;
+    e->block = block;
+    e->epoch = epoch;
+    e->seen = seen;
     e->peer_entered = LdVolatile(&p.ctl[peer]->entered);
     __threadfence_system();
     e->failed = 1;  // published last: a host that sees it sees the fields

@@ -21,8 +21,8 @@ constexpr int kMaxLocalGrid = 4096;  // blocks at most; more rows are taken grid
 // normed row. kFull: vpr == kBlock * kU, no bounds checks.
 template <typename T, int kBlock, int kU, bool kFull>
 __device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* partial,
-                                            const char* residual, char* normed,
-                                            char* residual_out, int vpr, float* red) {
+                                            const char* residual, char* normed, char* residual_out,
+                                            int vpr, float* red) {
   constexpr int kN = Vec<T>::kN;
   const int tid = threadIdx.x;
   uint4 a[kU], b[kU];
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kBlock) LocalRowsKernel(const __grid_constant_
     } else {
       FusedRow<T, kBlock, kU, false>(
           p,
-          [&](int v0, float (*acc)[Vec<T>::kN]) {
+          [&](int v0, float(*acc)[Vec<T>::kN]) {
             const char* rows[2] = {partial, residual};
             LoadSum<T, kBlock, 2, kU>(acc, rows, 2, v0, vpr);
           },

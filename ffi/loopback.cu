@@ -74,7 +74,7 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
       static_cast<int64_t>(req.residual.size()) != n * q * rb ||
       static_cast<int64_t>(req.weight.size()) != h * 4)
     throw std::runtime_error("jax-tokenweave loopback: input sizes do not match [N, T, H]");
-  const int64_t need = req.algo == Algo::kOneShot ? OneShotBytes(n, t, q, h, es)
+  const int64_t need = req.algo == Algo::kOneShot  ? OneShotBytes(n, t, q, h, es)
                        : req.algo == Algo::kDirect ? kDirectBytes
                                                    : TwoShotBytes(n, q, h, es);
   const int64_t have =
@@ -95,8 +95,8 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
     ref_r[r] = buf.Alloc(q * rb);
     Check(cudaMemcpy(partial[r], req.partial.data() + r * t * rb, t * rb, cudaMemcpyHostToDevice),
           "copy partial");
-    Check(cudaMemcpy(residual[r], req.residual.data() + r * q * rb, q * rb,
-                     cudaMemcpyHostToDevice), "copy residual");
+    Check(cudaMemcpy(residual[r], req.residual.data() + r * q * rb, q * rb, cudaMemcpyHostToDevice),
+          "copy residual");
     // All-ones bytes are NaN in every dtype: an element the kernels never write shows.
     Check(cudaMemset(normed[r], 0xff, t * rb), "poison");
     Check(cudaMemset(res_out[r], 0xff, q * rb), "poison");
@@ -128,8 +128,7 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
       p.hidden = h;
       p.rows = q;
       p.eps = req.eps;
-      Check(LaunchAllreduceRmsnorm(p, req.dtype, req.algo, false, req.num_ctas, st.s[r]),
-            "launch");
+      Check(LaunchAllreduceRmsnorm(p, req.dtype, req.algo, false, req.num_ctas, st.s[r]), "launch");
     }
     for (int r = 1; r < n; ++r) {
       Check(cudaEventRecord(st.e[r], st.s[r]), "record join");
@@ -201,7 +200,8 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
     Check(cudaMemcpy(res.normed.data() + r * t * rb, normed[r], t * rb, cudaMemcpyDeviceToHost),
           "copy normed");
     Check(cudaMemcpy(res.residual_out.data() + r * q * rb, res_out[r], q * rb,
-                     cudaMemcpyDeviceToHost), "copy residual_out");
+                     cudaMemcpyDeviceToHost),
+          "copy residual_out");
   }
   return res;
 }

@@ -22,9 +22,9 @@ struct LoopbackRequest {
   float eps = 1e-6f;
   // Host bytes, rank-major: partial [N, T, H], residual [N, q, H] (dtype), weight [H] float32.
   std::vector<uint8_t> partial, residual, weight;
-  int calls = 1;          // back-to-back calls (same inputs), slot = call % slots
+  int calls = 1;  // back-to-back calls (same inputs), slot = call % slots
   int slots = 1;
-  int skip_call = -1;     // test hook: at this call, rank `skip_rank` launches nothing
+  int skip_call = -1;  // test hook: at this call, rank `skip_rank` launches nothing
   int skip_rank = 0;
   int graph_calls = 0;    // then capture this many calls in one CUDA graph ...
   int graph_replays = 0;  // ... and time this many replays

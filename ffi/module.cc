@@ -9,9 +9,9 @@
 
 #include <stdexcept>
 
+#include "attention_handlers.h"
 #include "comm.h"
 #include "common.h"
-#include "attention_handlers.h"
 #include "handlers.h"
 #include "loopback.h"
 #include "multicast.h"
@@ -23,7 +23,8 @@ namespace {
 
 Comm& GetComm(int64_t id) {
   Comm* c = LookupComm(id);
-  if (c == nullptr) throw std::invalid_argument("jax-tokenweave: unknown comm id " + std::to_string(id));
+  if (c == nullptr)
+    throw std::invalid_argument("jax-tokenweave: unknown comm id " + std::to_string(id));
   return *c;
 }
 
@@ -108,8 +109,9 @@ NB_MODULE(_tokenweave_ffi, m) {
       nb::arg("comm_id"), nb::arg("index"), nb::arg("fd"), nb::arg("bytes"),
       "Maps another process's device `index` workspace from a descriptor it exported (the "
       "descriptor is closed).");
-  m.def("comm_ready", [](int64_t id) { return GetComm(id).Ready(); },
-        "Whether every peer of a local device is mapped.");
+  m.def(
+      "comm_ready", [](int64_t id) { return GetComm(id).Ready(); },
+      "Whether every peer of a local device is mapped.");
   m.def("release_comm", [](int64_t id) {
     nb::gil_scoped_release release;
     return ReleaseComm(id);
@@ -119,8 +121,9 @@ NB_MODULE(_tokenweave_ffi, m) {
     if (why.empty()) return nb::none();
     return nb::str(why.c_str());
   });
-  m.def("launches", [](int64_t id) { return GetComm(id).launches(); },
-        "Kernel launches the handlers issued for this comm (command-buffer replays issue none).");
+  m.def(
+      "launches", [](int64_t id) { return GetComm(id).launches(); },
+      "Kernel launches the handlers issued for this comm (command-buffer replays issue none).");
   m.def("device_count", [] {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -167,9 +170,8 @@ NB_MODULE(_tokenweave_ffi, m) {
   m.def(
       "loopback_run",
       [](int64_t comm_id, const std::string& dtype, const std::string& algo, int num_ctas,
-         int tokens, int hidden, float eps, nb::bytes partial, nb::bytes residual,
-         nb::bytes weight, int calls, int slots, int skip_call, int skip_rank, int graph_calls,
-         int graph_replays) {
+         int tokens, int hidden, float eps, nb::bytes partial, nb::bytes residual, nb::bytes weight,
+         int calls, int slots, int skip_call, int skip_rank, int graph_calls, int graph_replays) {
         LoopbackRequest req;
         req.comm_id = comm_id;
         req.dtype = ParseDType(dtype);
@@ -200,11 +202,10 @@ NB_MODULE(_tokenweave_ffi, m) {
         d["error"] = res.error.empty() ? nb::none() : nb::object(nb::str(res.error.c_str()));
         return d;
       },
-      nb::arg("comm_id"), nb::arg("dtype"), nb::arg("algo"), nb::arg("num_ctas"),
-      nb::arg("tokens"), nb::arg("hidden"), nb::arg("eps"), nb::arg("partial"),
-      nb::arg("residual"), nb::arg("weight"), nb::arg("calls") = 1, nb::arg("slots") = 1,
-      nb::arg("skip_call") = -1, nb::arg("skip_rank") = 0, nb::arg("graph_calls") = 0,
-      nb::arg("graph_replays") = 0,
+      nb::arg("comm_id"), nb::arg("dtype"), nb::arg("algo"), nb::arg("num_ctas"), nb::arg("tokens"),
+      nb::arg("hidden"), nb::arg("eps"), nb::arg("partial"), nb::arg("residual"), nb::arg("weight"),
+      nb::arg("calls") = 1, nb::arg("slots") = 1, nb::arg("skip_call") = -1,
+      nb::arg("skip_rank") = 0, nb::arg("graph_calls") = 0, nb::arg("graph_replays") = 0,
       "Runs every rank of a loopback comm on its one device (see ffi/loopback.h).");
   m.def(
       "oneshot_encode",

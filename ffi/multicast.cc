@@ -47,7 +47,8 @@ void MapMulticast(const std::vector<int>& ordinals, int64_t bytes, std::vector<c
     prop.handleTypes = CU_MEM_HANDLE_TYPE_NONE;
     prop.size = bytes;
     size_t gran = 0;
-    CheckCu(mc_gran(&gran, &prop, CU_MULTICAST_GRANULARITY_RECOMMENDED), "cuMulticastGetGranularity");
+    CheckCu(mc_gran(&gran, &prop, CU_MULTICAST_GRANULARITY_RECOMMENDED),
+            "cuMulticastGetGranularity");
     prop.size = (prop.size + gran - 1) / gran * gran;
     CUmemGenericAllocationHandle mc;
     CheckCu(mc_create(&mc, &prop), "cuMulticastCreate");

@@ -26,35 +26,46 @@ __device__ __forceinline__ void AddResidual(float (*acc)[Vec<T>::kN], const char
     if (v0 + u * kGroup < vpr) AddVec<T>(acc[u], x[u]);
 }
 
-template <typename T> __device__ __forceinline__ uint4 MultimemLdReduce(const void* mc);
-template <> __device__ __forceinline__ uint4 MultimemLdReduce<float>(const void* mc) {
+template <typename T>
+__device__ __forceinline__ uint4 MultimemLdReduce(const void* mc);
+template <>
+__device__ __forceinline__ uint4 MultimemLdReduce<float>(const void* mc) {
   uint4 v = make_uint4(0, 0, 0, 0);
 #if __CUDA_ARCH__ >= 900
   asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(mc) : "memory");
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(mc)
+               : "memory");
 #endif
   return v;
 }
-template <> __device__ __forceinline__ uint4 MultimemLdReduce<__half>(const void* mc) {
+template <>
+__device__ __forceinline__ uint4 MultimemLdReduce<__half>(const void* mc) {
   uint4 v = make_uint4(0, 0, 0, 0);
 #if __CUDA_ARCH__ >= 900
   asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.f16x2 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(mc) : "memory");
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(mc)
+               : "memory");
 #endif
   return v;
 }
-template <> __device__ __forceinline__ uint4 MultimemLdReduce<__nv_bfloat16>(const void* mc) {
+template <>
+__device__ __forceinline__ uint4 MultimemLdReduce<__nv_bfloat16>(const void* mc) {
   uint4 v = make_uint4(0, 0, 0, 0);
 #if __CUDA_ARCH__ >= 900
   asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(mc) : "memory");
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(mc)
+               : "memory");
 #endif
   return v;
 }
 __device__ __forceinline__ void MultimemSt(void* mc, uint4 v) {
 #if __CUDA_ARCH__ >= 900
-  asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1,%2,%3,%4};"
-               ::"l"(mc), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+  asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1,%2,%3,%4};" ::"l"(mc), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 #endif
 }
 __device__ __forceinline__ void FenceProxyAlias() {
@@ -99,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) MultimemKernel(const __grid_constant
     }
     FusedRow<T, kGroup, kU, false>(
         p,
-        [&](int v0, float (*acc)[Vec<T>::kN]) {
+        [&](int v0, float(*acc)[Vec<T>::kN]) {
 #pragma unroll
           for (int u = 0; u < kU; ++u)
             if (v0 + u * kGroup < vpr)
@@ -107,8 +118,7 @@ __global__ void __launch_bounds__(kThreads) MultimemKernel(const __grid_constant
           AddResidual<T>(acc, res_in, v0, vpr);
         },
         residual_out + row * rb, normed + g * rb,
-        [&](int v, uint4 o) { MultimemSt(mc + out_area + g * rb + v * 16, o); }, red,
-        group);
+        [&](int v, uint4 o) { MultimemSt(mc + out_area + g * rb + v * 16, o); }, red, group);
   }
   FenceProxyAlias();
   if (!Barrier(p, kStageBarrier1, call.epoch)) return PoisonOutputs<T>(p);

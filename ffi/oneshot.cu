@@ -45,8 +45,7 @@ __device__ __forceinline__ void PollSum(const KernelParams& p, float (*acc)[Vec<
         while (ok && HasSentinel<T>(x[s][u] = LdVolatile16(a))) {
           const Deadline::Result r = d.Tick(p);
           if (r == Deadline::kWait) continue;
-          if (r == Deadline::kExpired)
-            ReportTimeout(p, kStageOneShotData, from[s], -1, epoch, 0);
+          if (r == Deadline::kExpired) ReportTimeout(p, kStageOneShotData, from[s], -1, epoch, 0);
           ok = false;
         }
       }
@@ -140,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(const __grid_constant_
     from[kMaxN] = owner == r ? -1 : owner;
     FusedRow<T, kGroup, kU, (kGroup >= 256)>(
         p,
-        [&](int v0, float (*acc)[Vec<T>::kN]) {
+        [&](int v0, float(*acc)[Vec<T>::kN]) {
           PollSum<T, kGroup, kMaxN + 1, kU>(p, acc, rows, from, n + 1, v0, vpr, call.epoch, ok);
         },
         owner == r ? residual_out + orow * rb : nullptr, normed + g * rb,
@@ -180,16 +179,15 @@ cudaError_t Launch(const KernelParams& p, int num_ctas, cudaStream_t stream) {
 template <typename T>
 cudaError_t PreloadFor() {
   cudaFuncAttributes a;
-  const void* kernels[] = {
-      reinterpret_cast<const void*>(OneShotKernel<T, 2, 128>),
-      reinterpret_cast<const void*>(OneShotKernel<T, 4, 128>),
-      reinterpret_cast<const void*>(OneShotKernel<T, 8, 128>),
-      reinterpret_cast<const void*>(OneShotKernel<T, 2, 256>),
-      reinterpret_cast<const void*>(OneShotKernel<T, 4, 256>),
-      reinterpret_cast<const void*>(OneShotKernel<T, 8, 256>),
-      reinterpret_cast<const void*>(OneShotKernel<T, 2, kThreads>),
-      reinterpret_cast<const void*>(OneShotKernel<T, 4, kThreads>),
-      reinterpret_cast<const void*>(OneShotKernel<T, 8, kThreads>)};
+  const void* kernels[] = {reinterpret_cast<const void*>(OneShotKernel<T, 2, 128>),
+                           reinterpret_cast<const void*>(OneShotKernel<T, 4, 128>),
+                           reinterpret_cast<const void*>(OneShotKernel<T, 8, 128>),
+                           reinterpret_cast<const void*>(OneShotKernel<T, 2, 256>),
+                           reinterpret_cast<const void*>(OneShotKernel<T, 4, 256>),
+                           reinterpret_cast<const void*>(OneShotKernel<T, 8, 256>),
+                           reinterpret_cast<const void*>(OneShotKernel<T, 2, kThreads>),
+                           reinterpret_cast<const void*>(OneShotKernel<T, 4, kThreads>),
+                           reinterpret_cast<const void*>(OneShotKernel<T, 8, kThreads>)};
   for (const void* k : kernels)
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;

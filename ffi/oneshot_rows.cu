@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int s = 0; s < kMaxN; ++s)
       src_row[s] = s < n && s != r ? recv + PeerIndex(s, r, n) * seg + g * rb : nullptr;
-    src_row[kMaxN] = owner == r ? nullptr
-                                : recv + PeerIndex(owner, r, n) * seg + (tokens + orow) * rb;
+    src_row[kMaxN] =
+        owner == r ? nullptr : recv + PeerIndex(owner, r, n) * seg + (tokens + orow) * rb;
     Deadline d;
 #pragma unroll
     for (int u0 = 0; u0 < kRowV; u0 += kStep) {
@@ -158,7 +158,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   // (6) Own padding row g (q > own real rows) is carried through.
-  if (g >= own_real && g < q) CopyRow<kThreads>(residual + g * rb, static_cast<char*>(p.residual_out) + g * rb, vpr);
+  if (g >= own_real && g < q)
+    CopyRow<kThreads>(residual + g * rb, static_cast<char*>(p.residual_out) + g * rb, vpr);
 
   // Only this block writes its rows: a failed wait (or an earlier failure) leaves them NaN.
   if (__syncthreads_or(!ok)) {
@@ -208,7 +209,8 @@ cudaError_t LaunchOneShotRows(const KernelParams& p, DType dtype, int num_ctas,
 }
 
 cudaError_t PreloadOneShotRowsKernels() {
-  for (cudaError_t e : {PreloadRowsFor<float>(), PreloadRowsFor<__half>(), PreloadRowsFor<__nv_bfloat16>()})
+  for (cudaError_t e :
+       {PreloadRowsFor<float>(), PreloadRowsFor<__half>(), PreloadRowsFor<__nv_bfloat16>()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }

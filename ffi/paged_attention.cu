@@ -7,8 +7,7 @@
 namespace tokenweave {
 namespace attn {
 cudaError_t LaunchDecodeAttention(const AttentionParams& p, AttnDType dtype, cudaStream_t stream);
-cudaError_t LaunchPrefillAttention(const AttentionParams& p, AttnDType dtype,
-                                   cudaStream_t stream);
+cudaError_t LaunchPrefillAttention(const AttentionParams& p, AttnDType dtype, cudaStream_t stream);
 }  // namespace attn
 
 bool AttentionShapeSupported(int head_dim, int group) {

@@ -37,12 +37,12 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
 
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams p) {
-  constexpr int kKeys = kTileBytes / (4 * D);   // keys per tile (K and V, 2 bytes each)
-  constexpr int kChunks = D / 8;                // 16-byte chunks per key row
+  constexpr int kKeys = kTileBytes / (4 * D);          // keys per tile (K and V, 2 bytes each)
+  constexpr int kChunks = D / 8;                       // 16-byte chunks per key row
   constexpr int kCopies = kKeys * kChunks / kThreads;  // cp.async of K (and of V) per thread
-  constexpr int kKeyTiles = kKeys / 8;          // n-tiles of S
-  constexpr int kKSteps = D / 16;               // k-steps of S = Q K^T
-  constexpr int kDimTiles = D / kWarps / 8;     // n-tiles of O per warp
+  constexpr int kKeyTiles = kKeys / 8;                 // n-tiles of S
+  constexpr int kKSteps = D / 16;                      // k-steps of S = Q K^T
+  constexpr int kDimTiles = D / kWarps / 8;            // n-tiles of O per warp
   static_assert(kCopies * kThreads == kKeys * kChunks && kDimTiles % 2 == 0 && kKSteps % 2 == 0);
   static_assert(G <= 8, "the heads of a kv head are the rows 0..7 of one mma tile");
   __shared__ __align__(128) unsigned char smem[kStages * kTileBytes];
@@ -69,9 +69,10 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
       const int c = tid + i * kThreads, r = c / kChunks, chunk = c % kChunks;
       const int key = base + r;
       const bool ok = key < k1;
-      const int64_t at = ok ? (BlockId(table, key / bs, p.num_blocks) * bs + key % bs) *
-                                      pos_stride + h * D + chunk * 8
-                            : 0;
+      const int64_t at =
+          ok ? (BlockId(table, key / bs, p.num_blocks) * bs + key % bs) * pos_stride + h * D +
+                   chunk * 8
+             : 0;
       CpAsync16(sk + Swizzled<D>(r, chunk), kc + at, ok);
       CpAsync16(sv + Swizzled<D>(r, chunk), vc + at, ok);
     }
@@ -92,9 +93,9 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
   for (int ks = 0; ks < kKSteps; ++ks) {
 #pragma unroll
     for (int j = 0; j < 2; ++j)
-      qa[ks][j] = g < G ? *reinterpret_cast<const uint32_t*>(qrow + g * D + ks * 16 + j * 8 +
-                                                             quad * 2)
-                        : 0u;
+      qa[ks][j] =
+          g < G ? *reinterpret_cast<const uint32_t*>(qrow + g * D + ks * 16 + j * 8 + quad * 2)
+                : 0u;
   }
   const float qscale = p.scale * kLog2e;
   float m = -INFINITY, l = 0.f;  // row g's running max (base 2) and this thread's partial total
@@ -183,8 +184,8 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
     return;
   }
   // Head g's entry of this piece: D unnormalised sums, then the max and the total.
-  float* work = p.work +
-                (((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G + g) * (D + 2);
+  float* work =
+      p.work + (((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G + g) * (D + 2);
 #pragma unroll
   for (int dt = 0; dt < kDimTiles; ++dt)
     *reinterpret_cast<float2*>(work + (warp * kDimTiles + dt) * 8 + quad * 2) =
@@ -200,8 +201,8 @@ __global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
   const int row = blockIdx.x, h = blockIdx.y, g = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n = SplitRow(p, row).n;
   if (n == 1) return;  // the split kernel wrote the row's output
-  const float* work = p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) +
-                      g * (D + 2);
+  const float* work =
+      p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) + g * (D + 2);
   constexpr int kStride = G * (D + 2);  // from one split's entry to the next one's
   float mx = -INFINITY;
   for (int s = lane; s < n; s += 32) mx = fmaxf(mx, work[s * kStride + D]);
@@ -228,7 +229,6 @@ __global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
   for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = Vec<T>::FromFloat(sum[i] * inv);
 }
 
-
 template <typename T, int D, int G>
 cudaError_t LaunchDecode(const AttentionParams& p, cudaStream_t stream) {
   const int rows = p.groups;
@@ -237,7 +237,6 @@ cudaError_t LaunchDecode(const AttentionParams& p, cudaStream_t stream) {
   DecodeMergeKernel<T, D, G><<<dim3(rows, p.kvh), 32 * G, 0, stream>>>(p);
   return cudaGetLastError();
 }
-
 
 template <typename T, int D>
 cudaError_t LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
@@ -261,8 +260,7 @@ cudaError_t LaunchForType(const AttentionParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t LaunchDecodeAttention(const AttentionParams& p, AttnDType dtype,
-                                  cudaStream_t stream) {
+cudaError_t LaunchDecodeAttention(const AttentionParams& p, AttnDType dtype, cudaStream_t stream) {
   return dtype == AttnDType::kBF16 ? LaunchForType<__nv_bfloat16>(p, stream)
                                    : LaunchForType<__half>(p, stream);
 }

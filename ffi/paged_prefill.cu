@@ -13,10 +13,10 @@ namespace tokenweave {
 namespace attn {
 namespace {
 
-constexpr int kMTiles = 2;                      // 16-row mma tiles per warp
+constexpr int kMTiles = 2;                               // 16-row mma tiles per warp
 constexpr int kTileRows = kThreads / 32 * 16 * kMTiles;  // (query, head) rows per block: 128
-constexpr int kTileKeys = 64;                    // key positions per shared-memory tile
-constexpr int kSubKeys = 32;                     // keys per softmax step (S in registers)
+constexpr int kTileKeys = 64;                            // key positions per shared-memory tile
+constexpr int kSubKeys = 32;                             // keys per softmax step (S in registers)
 
 template <int D>
 constexpr int TileSmemBytes() {
@@ -24,8 +24,8 @@ constexpr int TileSmemBytes() {
 }
 
 template <typename T, int D>
-__device__ __forceinline__ void LoadKvTile(T* sk, T* sv, const AttentionParams& p, int group,
-                                           int h, int kt, int kend) {
+__device__ __forceinline__ void LoadKvTile(T* sk, T* sv, const AttentionParams& p, int group, int h,
+                                           int kt, int kend) {
   constexpr int kChunks = D / 8;
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
@@ -35,8 +35,11 @@ __device__ __forceinline__ void LoadKvTile(T* sk, T* sv, const AttentionParams& 
     const bool full = key < kend;
     int64_t at = 0;
     if (full)
-      at = ((BlockId(table, key / p.block_size, p.num_blocks) * p.block_size +
-             key % p.block_size) * p.kvh + h) * D + c * 8;
+      at = ((BlockId(table, key / p.block_size, p.num_blocks) * p.block_size + key % p.block_size) *
+                p.kvh +
+            h) *
+               D +
+           c * 8;
     CpAsync16(sk + Swizzled<D>(r, c), kc + at, full);
     CpAsync16(sv + Swizzled<D>(r, c), vc + at, full);
   }
@@ -63,8 +66,11 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
   for (int i = threadIdx.x; i < kTileRows * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks, t = (block_rows + r) / G;
     const bool valid = t < p.tile;
-    const int64_t at = valid ? ((static_cast<int64_t>(group) * p.tile + t) * p.hq + h * G +
-                                (block_rows + r) % G) * D + c * 8 : 0;
+    const int64_t at =
+        valid ? ((static_cast<int64_t>(group) * p.tile + t) * p.hq + h * G + (block_rows + r) % G) *
+                        D +
+                    c * 8
+              : 0;
     CpAsync16(sq + Swizzled<D>(r, c), q + at, valid);
   }
   asm volatile("cp.async.commit_group;\n" ::);
@@ -126,7 +132,8 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int n = 0; n < kSubKeys / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+        for (int n = 0; n < kSubKeys / 8; ++n)
+          s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const int mi = lane / 8;
@@ -230,7 +237,6 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
   }
 }
 
-
 template <typename T, int D>
 cudaError_t LaunchPrefill(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kSmem = TileSmemBytes<D>();
@@ -245,7 +251,6 @@ cudaError_t LaunchPrefill(const AttentionParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-
 template <typename T>
 cudaError_t LaunchForType(const AttentionParams& p, cudaStream_t stream) {
   switch (p.head_dim) {
@@ -257,8 +262,7 @@ cudaError_t LaunchForType(const AttentionParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t LaunchPrefillAttention(const AttentionParams& p, AttnDType dtype,
-                                   cudaStream_t stream) {
+cudaError_t LaunchPrefillAttention(const AttentionParams& p, AttnDType dtype, cudaStream_t stream) {
   return dtype == AttnDType::kBF16 ? LaunchForType<__nv_bfloat16>(p, stream)
                                    : LaunchForType<__half>(p, stream);
 }

@@ -79,8 +79,8 @@ __device__ __forceinline__ void LoadWeights(const KernelParams& p, int v, float4
   }
 #pragma unroll
   for (int i = 0; i < Vec<T>::kN / 4; ++i)
-    w[i] = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.weight) +
-                                                 v * Vec<T>::kN) + i);
+    w[i] = __ldg(
+        reinterpret_cast<const float4*>(static_cast<const float*>(p.weight) + v * Vec<T>::kN) + i);
 }
 
 // emit(v, x * inv * w), rounded to T.

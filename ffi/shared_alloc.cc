@@ -20,8 +20,8 @@ CUmemAllocationProp Prop(int ordinal) {
 }
 
 int64_t Rounded(int ordinal, int64_t bytes) {
-  auto gran = DriverEntry<decltype(&cuMemGetAllocationGranularity)>(
-      "cuMemGetAllocationGranularity");
+  auto gran =
+      DriverEntry<decltype(&cuMemGetAllocationGranularity)>("cuMemGetAllocationGranularity");
   const CUmemAllocationProp p = Prop(ordinal);
   size_t g = 0;
   CheckCu(gran(&g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "cuMemGetAllocationGranularity");
@@ -70,8 +70,8 @@ int ExportShared(const SharedAlloc& a) {
 }
 
 SharedAlloc ImportShared(int ordinal, int fd, int64_t bytes) {
-  auto imp = DriverEntry<decltype(&cuMemImportFromShareableHandle)>(
-      "cuMemImportFromShareableHandle");
+  auto imp =
+      DriverEntry<decltype(&cuMemImportFromShareableHandle)>("cuMemImportFromShareableHandle");
   auto release = DriverEntry<decltype(&cuMemRelease)>("cuMemRelease");
   TW_THROW_CHECK(cudaSetDevice(ordinal));
   TW_THROW_CHECK(cudaFree(nullptr));

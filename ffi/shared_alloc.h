@@ -10,8 +10,8 @@
 namespace tokenweave {
 
 struct SharedAlloc {
-  char* ptr = nullptr;        // mapped for `ordinal`'s device
-  int64_t size = 0;           // rounded up to the allocation granularity
+  char* ptr = nullptr;            // mapped for `ordinal`'s device
+  int64_t size = 0;               // rounded up to the allocation granularity
   unsigned long long handle = 0;  // CUmemGenericAllocationHandle (owner only; 0 when imported)
   int ordinal = -1;
 };

@@ -50,14 +50,23 @@ def _communicator(comm: Communicator | None, mesh: Mesh | None, axis_name: str) 
     if comm is not None:
         return comm
     if mesh is None:
-        raise RuntimeError("the fused allreduce_rmsnorm kernel is unavailable: it needs the "
-                           "concrete mesh (pass mesh=... or comm=...)")
+        raise RuntimeError(
+            "the fused allreduce_rmsnorm kernel is unavailable: it needs the "
+            "concrete mesh (pass mesh=... or comm=...)"
+        )
     return get_communicator(mesh, axis_name)
 
 
-def unavailable_reason(mesh: Mesh | None, axis_name: str, dtype, shape, *,
-                       num_ctas: int | None = None, slot: int = 0,
-                       algo: str = "auto") -> str | None:
+def unavailable_reason(
+    mesh: Mesh | None,
+    axis_name: str,
+    dtype,
+    shape,
+    *,
+    num_ctas: int | None = None,
+    slot: int = 0,
+    algo: str = "auto",
+) -> str | None:
     """None where the fused kernel can run on ``mesh``'s ``axis_name`` for per-rank ``shape``
     [T, H] of ``dtype``; otherwise one sentence saying why (the shared communicator's view)."""
     if mesh is None:
@@ -65,7 +74,8 @@ def unavailable_reason(mesh: Mesh | None, axis_name: str, dtype, shape, *,
     if axis_name not in mesh.axis_names:
         return f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}"
     return get_communicator(mesh, axis_name).unavailable_reason(
-        dtype, shape, num_ctas=num_ctas, slot=slot, algo=algo)
+        dtype, shape, num_ctas=num_ctas, slot=slot, algo=algo
+    )
 
 
 def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo):
@@ -74,30 +84,47 @@ def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo
         top = max(lim["max_ctas"], lim["max_oneshot_ctas"])
         if not lim["min_ctas"] <= int(num_ctas) <= top:
             raise ValueError(f"num_ctas must be in [{lim['min_ctas']}, {top}], got {num_ctas}")
-    reason = comm.unavailable_reason(partial.dtype, partial.shape, num_ctas=num_ctas,
-                                     slot=slot, algo=algo)
+    reason = comm.unavailable_reason(
+        partial.dtype, partial.shape, num_ctas=num_ctas, slot=slot, algo=algo
+    )
     if reason is not None:
         raise RuntimeError(f"the fused allreduce_rmsnorm kernel is unavailable: {reason}")
     register_targets()
     rows = ceil_div(partial.shape[0], comm.axis_size)
     if residual.shape != (rows, partial.shape[1]):
-        raise ValueError(f"residual must be token-sharded {(rows, partial.shape[1])}, "
-                         f"got {residual.shape}")
+        raise ValueError(
+            f"residual must be token-sharded {(rows, partial.shape[1])}, got {residual.shape}"
+        )
     algo, num_ctas = comm.choose(partial.dtype, partial.shape, algo=algo, num_ctas=num_ctas)
-    attrs = dict(comm_id=np.int64(comm.comm_id), slot=np.int32(slot),
-                 num_ctas=np.int32(num_ctas), algo=np.int32(ALGO_IDS[algo]))
-    outs = (jax.ShapeDtypeStruct(partial.shape, partial.dtype),
-            jax.ShapeDtypeStruct(residual.shape, residual.dtype))
+    attrs = dict(
+        comm_id=np.int64(comm.comm_id),
+        slot=np.int32(slot),
+        num_ctas=np.int32(num_ctas),
+        algo=np.int32(ALGO_IDS[algo]),
+    )
+    outs = (
+        jax.ShapeDtypeStruct(partial.shape, partial.dtype),
+        jax.ShapeDtypeStruct(residual.shape, residual.dtype),
+    )
     # The kernel reads the weight in the rows' dtype or in float32 (no convert kernel per call).
     if weight.dtype not in (partial.dtype, jnp.dtype(jnp.float32)):
         weight = weight.astype(jnp.float32)
     return weight, attrs, outs
 
 
-def allreduce_rmsnorm(partial: jax.Array, residual: jax.Array, weight: jax.Array, *,
-                      axis_name: str, mesh: Mesh | None = None, eps: float = 1e-6,
-                      num_ctas: int | None = None, slot: int = 0, algo: str = "auto",
-                      comm: Communicator | None = None) -> tuple[jax.Array, jax.Array]:
+def allreduce_rmsnorm(
+    partial: jax.Array,
+    residual: jax.Array,
+    weight: jax.Array,
+    *,
+    axis_name: str,
+    mesh: Mesh | None = None,
+    eps: float = 1e-6,
+    num_ctas: int | None = None,
+    slot: int = 0,
+    algo: str = "auto",
+    comm: Communicator | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """The fused kernel, inside ``shard_map``: same contract as ``ops.allreduce_rmsnorm``
     (partial [T, H], token-sharded residual [ceil(T/N), H], weight [H]) -> (normed [T, H]
     replicated, residual_out). ``algo``: "auto" (the communicator's policy), "one_shot",
@@ -119,10 +146,19 @@ class Pending(NamedTuple):
     weight: jax.Array  # the very buffer the kernel reads (float32 or the rows' dtype)
 
 
-def allreduce_rmsnorm_start(partial: jax.Array, residual: jax.Array, weight: jax.Array, *,
-                            axis_name: str, mesh: Mesh | None = None, eps: float = 1e-6,
-                            num_ctas: int | None = None, slot: int = 0, algo: str = "auto",
-                            comm: Communicator | None = None) -> Pending:
+def allreduce_rmsnorm_start(
+    partial: jax.Array,
+    residual: jax.Array,
+    weight: jax.Array,
+    *,
+    axis_name: str,
+    mesh: Mesh | None = None,
+    eps: float = 1e-6,
+    num_ctas: int | None = None,
+    slot: int = 0,
+    algo: str = "auto",
+    comm: Communicator | None = None,
+) -> Pending:
     """Starts the fused kernel on the device's high-priority side stream, after everything XLA
     queued before it, and returns a ``Pending`` whose outputs are NOT valid yet.
 
@@ -140,15 +176,23 @@ def allreduce_rmsnorm_start(partial: jax.Array, residual: jax.Array, weight: jax
     return Pending(normed, residual_out, partial, residual, w)
 
 
-def allreduce_rmsnorm_done(pending: Pending, *, axis_name: str, mesh: Mesh | None = None,
-                           slot: int = 0,
-                           comm: Communicator | None = None) -> tuple[jax.Array, jax.Array]:
+def allreduce_rmsnorm_done(
+    pending: Pending,
+    *,
+    axis_name: str,
+    mesh: Mesh | None = None,
+    slot: int = 0,
+    comm: Communicator | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Makes XLA's stream wait for the kernel ``allreduce_rmsnorm_start`` began on ``slot`` and
     returns its ``(normed, residual_out)`` (aliased to the pending buffers). The start's
     operands are passed along so XLA keeps them alive until here."""
     comm = _communicator(comm, mesh, axis_name)
-    outs = (jax.ShapeDtypeStruct(pending.normed.shape, pending.normed.dtype),
-            jax.ShapeDtypeStruct(pending.residual_out.shape, pending.residual_out.dtype))
-    call = jax.ffi.ffi_call(TARGETS["allreduce_rmsnorm_done"], outs,
-                            input_output_aliases={0: 0, 1: 1})
+    outs = (
+        jax.ShapeDtypeStruct(pending.normed.shape, pending.normed.dtype),
+        jax.ShapeDtypeStruct(pending.residual_out.shape, pending.residual_out.dtype),
+    )
+    call = jax.ffi.ffi_call(
+        TARGETS["allreduce_rmsnorm_done"], outs, input_output_aliases={0: 0, 1: 1}
+    )
     return call(*pending, comm_id=np.int64(comm.comm_id), slot=np.int32(slot))

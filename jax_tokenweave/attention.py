@@ -45,8 +45,10 @@ class PieceLike(Protocol):
 
 # ---------------------------------------------------------------------------------------- RoPE
 
-def rope_inv_frequencies(head_dim: int, theta: float,
-                         scaling: RopeScaling | None = None) -> np.ndarray:
+
+def rope_inv_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> np.ndarray:
     """Inverse frequencies ``[head_dim // 2]`` (float64), with Llama-3 scaling when given.
 
     Llama-3 scaling keeps high frequencies (wavelength < original_max / high_freq_factor), divides
@@ -64,15 +66,15 @@ def rope_inv_frequencies(head_dim: int, theta: float,
     high_wavelen = old / scaling.high_freq_factor
     scaled = inv / scaling.factor
     smooth = (old / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     mixed = (1.0 - smooth) * scaled + smooth * inv
     out = np.where(wavelen > low_wavelen, scaled, inv)
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, mixed, out)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array | np.ndarray,
-               inv_freq: np.ndarray) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array | np.ndarray, inv_freq: np.ndarray) -> jax.Array:
     """Rotate ``x [T, heads, head_dim]`` by ``positions [T]`` (Hugging Face "rotate half" layout).
 
     The first and second halves of ``head_dim`` form the (real, imaginary) pairs. Math in
@@ -111,41 +113,58 @@ def default_implementation(platform: str, dtype: jnp.dtype, head_dim: int) -> st
         raise ValueError(f"{IMPL_ENV} must be auto, xla or cudnn; got {forced!r}")
     if forced != "auto":
         return None if forced == "xla" else "cudnn"
-    if platform in ("gpu", "cuda") and jnp.dtype(dtype) in (
-            jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 \
-            and head_dim <= 128:
+    if (
+        platform in ("gpu", "cuda")
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim % 8 == 0
+        and head_dim <= 128
+    ):
         return "cudnn"
     return None
 
 
-def _sdpa(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, is_causal: bool,
-          mask: jax.Array | None, implementation: str | None) -> jax.Array:
+def _sdpa(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    is_causal: bool,
+    mask: jax.Array | None,
+    implementation: str | None,
+) -> jax.Array:
     """``jax.nn.dot_product_attention`` on [B, T, N, D]; cuDNN refusals fall back to XLA."""
     if implementation == "cudnn":
         try:
-            return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale,
-                                                is_causal=is_causal, implementation="cudnn")
+            return jax.nn.dot_product_attention(
+                q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation="cudnn"
+            )
         except (ValueError, RuntimeError, NotImplementedError, TypeError):
             implementation = None
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=is_causal,
-                                        implementation=implementation)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation=implementation
+    )
 
 
-def _check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array,
-                            pieces: Sequence[PieceLike], origin: int) -> None:
+def _check_attention_inputs(
+    q: jax.Array, k: jax.Array, v: jax.Array, pieces: Sequence[PieceLike], origin: int
+) -> None:
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got {q.shape}, "
-                         f"{k.shape}, {v.shape}")
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, head_dim]; got {q.shape}, {k.shape}, {v.shape}"
+        )
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"inconsistent q {q.shape}, k {k.shape}, v {v.shape}")
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads "
-                         f"({k.shape[1]})")
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})"
+        )
     expected = origin
     for piece in pieces:
         if piece.start != expected or piece.length < 1:
-            raise ValueError(f"pieces must be contiguous from {origin} with length >= 1; "
-                             f"got {pieces}")
+            raise ValueError(
+                f"pieces must be contiguous from {origin} with length >= 1; got {pieces}"
+            )
         expected += piece.length
     if expected - origin != q.shape[0]:
         raise ValueError(f"pieces cover {expected - origin} tokens, q has {q.shape[0]}")
@@ -169,8 +188,8 @@ def _stack_rows(x: jax.Array, starts: Sequence[int], length: int) -> jax.Array:
     """[n, length, ...] from rows ``[s, s+length)`` of x for each start: a reshape if adjacent."""
     n = len(starts)
     if _adjacent(starts, length):
-        return x[starts[0]:starts[0] + n * length].reshape((n, length, *x.shape[1:]))
-    return jnp.stack([x[s:s + length] for s in starts])
+        return x[starts[0] : starts[0] + n * length].reshape((n, length, *x.shape[1:]))
+    return jnp.stack([x[s : s + length] for s in starts])
 
 
 def ragged_attention(
@@ -202,41 +221,69 @@ def ragged_attention(
     _check_attention_inputs(q, k, v, pieces, origin)
     prefix = dict(prefix or {})
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    blocks: list[tuple[int, jax.Array]] = []      # (first row, output rows), in any order
+    blocks: list[tuple[int, jax.Array]] = []  # (first row, output rows), in any order
     for length, indices in _group_pieces(pieces).items():
         starts = [pieces[i].start - origin for i in indices]
-        out = _sdpa(_stack_rows(q, starts, length), _stack_rows(k, starts, length),
-                    _stack_rows(v, starts, length), scale=scale, is_causal=True, mask=None,
-                    implementation=implementation)
+        out = _sdpa(
+            _stack_rows(q, starts, length),
+            _stack_rows(k, starts, length),
+            _stack_rows(v, starts, length),
+            scale=scale,
+            is_causal=True,
+            mask=None,
+            implementation=implementation,
+        )
         if _adjacent(starts, length):  # one block: no slicing apart and joining back
             blocks.append((starts[0], out.reshape(len(starts) * length, *out.shape[2:])))
         else:
             blocks.extend(zip(starts, out, strict=True))
     for piece in pieces:
         if piece.position > 0:
-            blocks.append((piece.start - origin, _prefix_piece_attention(
-                q, k, v, piece, origin, prefix, scale, implementation)))
+            blocks.append(
+                (
+                    piece.start - origin,
+                    _prefix_piece_attention(q, k, v, piece, origin, prefix, scale, implementation),
+                )
+            )
     blocks.sort(key=lambda block: block[0])
     return jnp.concatenate([b for _, b in blocks], axis=0) if len(blocks) > 1 else blocks[0][1]
 
 
-def _prefix_piece_attention(q: jax.Array, k: jax.Array, v: jax.Array, piece: PieceLike,
-                            origin: int, prefix: Mapping[int, tuple[jax.Array, jax.Array]],
-                            scale: float, implementation: str | None) -> jax.Array:
+def _prefix_piece_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    piece: PieceLike,
+    origin: int,
+    prefix: Mapping[int, tuple[jax.Array, jax.Array]],
+    scale: float,
+    implementation: str | None,
+) -> jax.Array:
     """One piece attending to [prefix K/V, its own K/V], bottom-right aligned causal mask."""
     if piece.request not in prefix:
-        raise ValueError(f"piece {piece} has position > 0 but no prefix K/V was given for "
-                         f"request {piece.request}")
+        raise ValueError(
+            f"piece {piece} has position > 0 but no prefix K/V was given for "
+            f"request {piece.request}"
+        )
     k_pre, v_pre = prefix[piece.request]
     if k_pre.shape != (piece.position, *k.shape[1:]) or v_pre.shape != k_pre.shape:
-        raise ValueError(f"prefix K/V of request {piece.request} must have shape "
-                         f"{(piece.position, *k.shape[1:])}; got {k_pre.shape}, {v_pre.shape}")
+        raise ValueError(
+            f"prefix K/V of request {piece.request} must have shape "
+            f"{(piece.position, *k.shape[1:])}; got {k_pre.shape}, {v_pre.shape}"
+        )
     lo, hi = piece.start - origin, piece.start - origin + piece.length
     keys = jnp.concatenate([k_pre.astype(k.dtype), k[lo:hi]], axis=0)
     values = jnp.concatenate([v_pre.astype(v.dtype), v[lo:hi]], axis=0)
     mask = causal_mask(piece.length, piece.position + piece.length)
-    out = _sdpa(q[None, lo:hi], keys[None], values[None], scale=scale, is_causal=False,
-                mask=jnp.asarray(mask)[None, None], implementation=implementation)
+    out = _sdpa(
+        q[None, lo:hi],
+        keys[None],
+        values[None],
+        scale=scale,
+        is_causal=False,
+        mask=jnp.asarray(mask)[None, None],
+        implementation=implementation,
+    )
     return out[0]
 
 
@@ -247,9 +294,13 @@ def causal_mask(num_queries: int, num_keys: int) -> np.ndarray:
     return np.arange(num_keys)[None, :] <= rows
 
 
-def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                        request_lengths: Sequence[int],
-                        scale: float | None = None) -> np.ndarray:
+def reference_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    request_lengths: Sequence[int],
+    scale: float | None = None,
+) -> np.ndarray:
     """Float64 dense masked attention over the whole packed batch: [T, Nq, D] -> [T, Nq, D].
 
     Token i attends to token j iff they belong to the same request and j <= i.

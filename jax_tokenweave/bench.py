@@ -78,69 +78,111 @@ CPU_DEFAULTS = Defaults("tiny", 2, (1024, 2048, 4096), 256, warmup=3, iters=20)
 def _per_platform(field: str) -> str:
     gpu, cpu = getattr(GPU_DEFAULTS, field), getattr(CPU_DEFAULTS, field)
     show = lambda v: " ".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    return f"(default: {show(gpu)})" if gpu == cpu else \
-        f"(default: {show(gpu)} on GPUs, {show(cpu)} on CPUs)"
+    return (
+        f"(default: {show(gpu)})"
+        if gpu == cpu
+        else f"(default: {show(gpu)} on GPUs, {show(cpu)} on CPUs)"
+    )
 
 
 # ------------------------------------------------------------------------------- arguments ---
+
 
 def _schedules(text: str) -> list[str]:
     names = [s for s in text.replace(",", " ").split() if s]
     bad = [s for s in names if s not in SCHEDULES]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown schedule(s) {bad or [text]}; choose from {', '.join(SCHEDULES)}")
+            f"unknown schedule(s) {bad or [text]}; choose from {', '.join(SCHEDULES)}"
+        )
     return names
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The main job's command-line parser (defaults of None are filled in per platform)."""
     p = argparse.ArgumentParser(
-        prog=PROG, formatter_class=HelpFormatter,
+        prog=PROG,
+        formatter_class=HelpFormatter,
         description="Time TokenWeave's schedules (baseline / weave / nocomm) side by side. "
-                    f"Defaults on GPUs: {GPU_DEFAULTS.model}, {GPU_DEFAULTS.layers} layers, "
-                    f"TP = number of GPUs; with no GPU: {CPU_DEFAULTS.model} on {CPU_DEVICES} "
-                    "virtual CPU devices (CPU timings say nothing about GPU overlap).")
-    p.add_argument("--model", help=f"model config name, {config_names_help()} "
-                                   + _per_platform("model"))
-    p.add_argument("--layers", type=positive_int,
-                   help="decoder layers to stack " + _per_platform("layers"))
-    p.add_argument("--tp", type=positive_int,
-                   help="tensor-parallel degree (default: all devices)")
-    p.add_argument("--tokens", type=positive_ints, nargs="+", action=Flatten,
-                   help="batch sizes in tokens, e.g. --tokens 2048 8192 (or 2048,8192) "
-                        + _per_platform("tokens"))
-    p.add_argument("--request-len", type=positive_int,
-                   help="tokens per request packed into the batch " + _per_platform("request_len"))
-    p.add_argument("--comm", choices=COMMS, default="auto",
-                   help="how the weave schedule's reductions are done: xla (reduce-scatter, "
-                        "norm, all-gather), ffi (the fused CUDA kernel) or auto (ffi where it "
-                        "can run, else xla)")
-    p.add_argument("--schedules", type=_schedules, nargs="+", action=Flatten,
-                   help=f"schedules to time (default: {' '.join(SCHEDULES)})")
-    p.add_argument("--split-threshold", type=positive_int,
-                   help="split batches of at least this many tokens in two halves (default: "
-                        "the shipped tuning table's: "
-                        f"{tuning.shipped().describe_thresholds()})")
-    p.add_argument("--warmup", type=nonnegative_int,
-                   help="untimed calls per schedule " + _per_platform("warmup"))
-    p.add_argument("--iters", type=positive_int,
-                   help="timed calls per schedule " + _per_platform("iters"))
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
-                   help="parameter and activation dtype")
-    p.add_argument("--tol", type=positive_float,
-                   help="max relative error of weave vs baseline (default: by dtype, "
-                        + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items()) + ")")
+        f"Defaults on GPUs: {GPU_DEFAULTS.model}, {GPU_DEFAULTS.layers} layers, "
+        f"TP = number of GPUs; with no GPU: {CPU_DEFAULTS.model} on {CPU_DEVICES} "
+        "virtual CPU devices (CPU timings say nothing about GPU overlap).",
+    )
+    p.add_argument(
+        "--model", help=f"model config name, {config_names_help()} " + _per_platform("model")
+    )
+    p.add_argument(
+        "--layers", type=positive_int, help="decoder layers to stack " + _per_platform("layers")
+    )
+    p.add_argument("--tp", type=positive_int, help="tensor-parallel degree (default: all devices)")
+    p.add_argument(
+        "--tokens",
+        type=positive_ints,
+        nargs="+",
+        action=Flatten,
+        help="batch sizes in tokens, e.g. --tokens 2048 8192 (or 2048,8192) "
+        + _per_platform("tokens"),
+    )
+    p.add_argument(
+        "--request-len",
+        type=positive_int,
+        help="tokens per request packed into the batch " + _per_platform("request_len"),
+    )
+    p.add_argument(
+        "--comm",
+        choices=COMMS,
+        default="auto",
+        help="how the weave schedule's reductions are done: xla (reduce-scatter, "
+        "norm, all-gather), ffi (the fused CUDA kernel) or auto (ffi where it "
+        "can run, else xla)",
+    )
+    p.add_argument(
+        "--schedules",
+        type=_schedules,
+        nargs="+",
+        action=Flatten,
+        help=f"schedules to time (default: {' '.join(SCHEDULES)})",
+    )
+    p.add_argument(
+        "--split-threshold",
+        type=positive_int,
+        help="split batches of at least this many tokens in two halves (default: "
+        "the shipped tuning table's: "
+        f"{tuning.shipped().describe_thresholds()})",
+    )
+    p.add_argument(
+        "--warmup",
+        type=nonnegative_int,
+        help="untimed calls per schedule " + _per_platform("warmup"),
+    )
+    p.add_argument(
+        "--iters", type=positive_int, help="timed calls per schedule " + _per_platform("iters")
+    )
+    p.add_argument(
+        "--dtype", choices=tuple(DTYPES), default="bfloat16", help="parameter and activation dtype"
+    )
+    p.add_argument(
+        "--tol",
+        type=positive_float,
+        help="max relative error of weave vs baseline (default: by dtype, "
+        + ", ".join(f"{k} {v:g}" for k, v in TOLERANCE.items())
+        + ")",
+    )
     p.add_argument("--seed", type=nonnegative_int, help="random seed (default: fresh)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", type=Path, metavar="PATH",
-                   help="write a bar chart (PNG; needs matplotlib: the plot extra)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PATH",
+        help="write a bar chart (PNG; needs matplotlib: the plot extra)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
 
-def resolve_args(args: argparse.Namespace, platform: str, num_devices: int,
-                 parser: argparse.ArgumentParser) -> argparse.Namespace:
+def resolve_args(
+    args: argparse.Namespace, platform: str, num_devices: int, parser: argparse.ArgumentParser
+) -> argparse.Namespace:
     """Fill in platform defaults and check the combination; ``parser.error`` on bad input."""
     d = GPU_DEFAULTS if platform == "gpu" else CPU_DEFAULTS
     args.model = args.model or d.model
@@ -153,8 +195,10 @@ def resolve_args(args: argparse.Namespace, platform: str, num_devices: int,
     args.schedules = args.schedules or list(SCHEDULES)
     args.tol = TOLERANCE[args.dtype] if args.tol is None else args.tol
     if args.tp > num_devices:
-        parser.error(f"--tp {args.tp} needs {args.tp} devices; this machine has {num_devices} "
-                     f"{platform.upper()} device(s)")
+        parser.error(
+            f"--tp {args.tp} needs {args.tp} devices; this machine has {num_devices} "
+            f"{platform.upper()} device(s)"
+        )
     try:
         config = load_config(args.model, args.layers)
     except (KeyError, ValueError) as err:
@@ -171,8 +215,10 @@ def resolve_args(args: argparse.Namespace, platform: str, num_devices: int,
 
 # ------------------------------------------------------------------------------------- run ---
 
-def run(args: argparse.Namespace, devices: Sequence[jax.Device],
-        parser: argparse.ArgumentParser) -> dict[str, Any]:
+
+def run(
+    args: argparse.Namespace, devices: Sequence[jax.Device], parser: argparse.ArgumentParser
+) -> dict[str, Any]:
     """Verify and time every schedule for every token count; returns the results dict."""
     from tqdm import tqdm
 
@@ -183,19 +229,27 @@ def run(args: argparse.Namespace, devices: Sequence[jax.Device],
         reason = ffi_unavailable(mesh, dtype, (tokens, config.hidden_size))
         if args.comm == "ffi" and "weave" in args.schedules and reason is not None:
             parser.error(f"--comm ffi is unavailable for {tokens} tokens here: {reason}")
-        comm_used[tokens] = ("ffi" if reason is None else f"xla (ffi unavailable: {reason})") \
-            if args.comm == "auto" else args.comm
+        comm_used[tokens] = (
+            ("ffi" if reason is None else f"xla (ffi unavailable: {reason})")
+            if args.comm == "auto"
+            else args.comm
+        )
     decoder = build_decoder(config, mesh, dtype, args.seed)
     verify = "weave" in args.schedules
     steps = len(args.tokens) * len(args.schedules) * (args.warmup + args.iters)
-    bar = tqdm(total=steps, desc="bench", unit="call", disable=args.no_progress,
-               dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=steps,
+        desc="bench",
+        unit="call",
+        disable=args.no_progress,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
     results = []
     try:
         for i, tokens in enumerate(args.tokens):
             lengths = request_lengths(tokens, args.request_len)
-            plan = make_plan(config, args.model, lengths, args.tp,
-                             threshold=args.split_threshold)
+            plan = make_plan(config, args.model, lengths, args.tp, threshold=args.split_threshold)
             hidden = random_hidden(tokens, config.hidden_size, dtype, mesh, args.seed + 1 + i)
             fns, compile_s = {}, {}
             names = list(args.schedules)
@@ -204,8 +258,9 @@ def run(args: argparse.Namespace, devices: Sequence[jax.Device],
             for name in names:
                 bar.set_description(f"T={tokens} compile {name}")
                 comm = args.comm if name == "weave" else "auto"
-                fns[name], compile_s[name], _ = compile_forward(decoder, plan, hidden,
-                                                                schedule=name, comm=comm)
+                fns[name], compile_s[name], _ = compile_forward(
+                    decoder, plan, hidden, schedule=name, comm=comm
+                )
             rel_err = None
             if verify:
                 bar.set_description(f"T={tokens} verify")
@@ -214,16 +269,23 @@ def run(args: argparse.Namespace, devices: Sequence[jax.Device],
                     bar.close()
                     raise VerificationError(tokens, rel_err, args.tol, args.dtype)
             bar.set_description(f"T={tokens} time")
-            stats = timing.benchmark({n: fns[n] for n in args.schedules}, warmup=args.warmup,
-                                     iters=args.iters, on_step=lambda: bar.update(1))
-            results.append(_result(tokens, lengths, plan, rel_err, comm_used[tokens], stats,
-                                   compile_s))
+            stats = timing.benchmark(
+                {n: fns[n] for n in args.schedules},
+                warmup=args.warmup,
+                iters=args.iters,
+                on_step=lambda: bar.update(1),
+            )
+            results.append(
+                _result(tokens, lengths, plan, rel_err, comm_used[tokens], stats, compile_s)
+            )
             del fns
     finally:
         bar.close()
-    return {"environment": environment(devices, ["-m", "jax_tokenweave.bench", *args.argv]),
-            "config": _config_dict(args),
-            "results": results}
+    return {
+        "environment": environment(devices, ["-m", "jax_tokenweave.bench", *args.argv]),
+        "config": _config_dict(args),
+        "results": results,
+    }
 
 
 class VerificationError(RuntimeError):
@@ -232,24 +294,37 @@ class VerificationError(RuntimeError):
     def __init__(self, tokens: int, rel_err: float, tol: float, dtype: str) -> None:
         super().__init__(
             f"weave and baseline disagree at {tokens} tokens: relative error {rel_err:.3g} > "
-            f"tolerance {tol:.3g} ({dtype}); refusing to report timings")
+            f"tolerance {tol:.3g} ({dtype}); refusing to report timings"
+        )
         self.tokens, self.rel_err, self.tol = tokens, rel_err, tol
 
 
-def _result(tokens: int, lengths: Sequence[int], plan: Any, rel_err: float | None, comm: str,
-            stats: dict[str, timing.Stats], compile_s: dict[str, float]) -> dict[str, Any]:
+def _result(
+    tokens: int,
+    lengths: Sequence[int],
+    plan: Any,
+    rel_err: float | None,
+    comm: str,
+    stats: dict[str, timing.Stats],
+    compile_s: dict[str, float],
+) -> dict[str, Any]:
     med = {name: s.median_ms for name, s in stats.items()}
     ratios = {}
     for a, b in (("baseline", "weave"), ("baseline", "nocomm"), ("weave", "nocomm")):
         if a in med and b in med:
             ratios[f"{a}_over_{b}"] = med[a] / med[b]
     return {
-        "tokens": tokens, "num_requests": len(lengths), "request_lengths": list(lengths),
-        "split": bool(plan.split), "half_lengths": [h.length for h in plan.halves],
-        "split_offset": plan.offset, "weave_comm": comm,
+        "tokens": tokens,
+        "num_requests": len(lengths),
+        "request_lengths": list(lengths),
+        "split": bool(plan.split),
+        "half_lengths": [h.length for h in plan.halves],
+        "split_offset": plan.offset,
+        "weave_comm": comm,
         "tuning": dataclasses.asdict(plan.tuning) if getattr(plan, "tuning", None) else None,
         "rel_err_weave_vs_baseline": rel_err,
-        "compile_s": compile_s, "schedules": {n: s.summary() for n, s in stats.items()},
+        "compile_s": compile_s,
+        "schedules": {n: s.summary() for n, s in stats.items()},
         "ratios": ratios,
     }
 
@@ -257,26 +332,47 @@ def _result(tokens: int, lengths: Sequence[int], plan: Any, rel_err: float | Non
 def _config_dict(args: argparse.Namespace) -> dict[str, Any]:
     c = args.config
     return {
-        "model": args.model, "layers": args.layers, "tp": args.tp, "dtype": args.dtype,
-        "tokens": args.tokens, "request_len": args.request_len, "comm": args.comm,
-        "schedules": args.schedules, "warmup": args.warmup, "iters": args.iters,
-        "split_threshold": args.split_threshold, "tolerance": args.tol, "seed": args.seed,
-        "shapes": {"hidden": c.hidden_size, "intermediate": c.intermediate_size,
-                   "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                   "experts": c.num_experts},
+        "model": args.model,
+        "layers": args.layers,
+        "tp": args.tp,
+        "dtype": args.dtype,
+        "tokens": args.tokens,
+        "request_len": args.request_len,
+        "comm": args.comm,
+        "schedules": args.schedules,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "split_threshold": args.split_threshold,
+        "tolerance": args.tol,
+        "seed": args.seed,
+        "shapes": {
+            "hidden": c.hidden_size,
+            "intermediate": c.intermediate_size,
+            "heads": c.num_heads,
+            "kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "experts": c.num_experts,
+        },
     }
 
 
 # ---------------------------------------------------------------------------------- output ---
 
+
 def format_table(report: dict[str, Any]) -> str:
     """The results as a fixed-width text table (medians in ms and ratios)."""
     schedules = report["config"]["schedules"]
     cols = ["tokens", "split", *[f"{s} ms" for s in schedules]]
-    ratio_cols = [k for k in ("baseline_over_weave", "baseline_over_nocomm", "weave_over_nocomm")
-                  if any(k in r["ratios"] for r in report["results"])]
-    labels = {"baseline_over_weave": "speedup weave", "baseline_over_nocomm": "speedup nocomm",
-              "weave_over_nocomm": "weave/nocomm"}
+    ratio_cols = [
+        k
+        for k in ("baseline_over_weave", "baseline_over_nocomm", "weave_over_nocomm")
+        if any(k in r["ratios"] for r in report["results"])
+    ]
+    labels = {
+        "baseline_over_weave": "speedup weave",
+        "baseline_over_nocomm": "speedup nocomm",
+        "weave_over_nocomm": "weave/nocomm",
+    }
     cols += [labels[k] for k in ratio_cols] + ["rel err"]
     rows = []
     for r in report["results"]:
@@ -296,10 +392,12 @@ def format_table(report: dict[str, Any]) -> str:
 def describe(report: dict[str, Any]) -> str:
     """A header line saying what was measured, and on what."""
     c, e = report["config"], report["environment"]
-    return (f"{c['model']}, {c['layers']} layers, TP={c['tp']}, {c['dtype']}, requests of "
-            f"{c['request_len']} tokens, weave comm={c['comm']}; {e['num_devices']} x "
-            f"{e['device_kind']} ({e['platform']}), jax {e['jax_version']}; median of "
-            f"{c['iters']} runs after {c['warmup']} warm-up")
+    return (
+        f"{c['model']}, {c['layers']} layers, TP={c['tp']}, {c['dtype']}, requests of "
+        f"{c['request_len']} tokens, weave comm={c['comm']}; {e['num_devices']} x "
+        f"{e['device_kind']} ({e['platform']}), jax {e['jax_version']}; median of "
+        f"{c['iters']} runs after {c['warmup']} warm-up"
+    )
 
 
 def write_plot(report: dict[str, Any], path: Path) -> None:
@@ -318,14 +416,22 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
         meds = [r["schedules"][name]["median_ms"] for r in results]
         lo = [m - r["schedules"][name]["p10_ms"] for m, r in zip(meds, results, strict=True)]
         hi = [r["schedules"][name]["p90_ms"] - m for m, r in zip(meds, results, strict=True)]
-        ax.bar(x + (i - (len(schedules) - 1) / 2) * width, meds, width, yerr=[lo, hi],
-               capsize=3, label=name)
+        ax.bar(
+            x + (i - (len(schedules) - 1) / 2) * width,
+            meds,
+            width,
+            yerr=[lo, hi],
+            capsize=3,
+            label=name,
+        )
     ax.set_xticks(x, [str(r["tokens"]) for r in results])
     ax.set_xlabel("tokens in the batch")
     ax.set_ylabel("median latency (ms), p10-p90 bars")
     c = report["config"]
-    ax.set_title(f"{c['model']} x{c['layers']} layers, TP={c['tp']}, "
-                 f"{report['environment']['device_kind']}", fontsize=10)
+    ax.set_title(
+        f"{c['model']} x{c['layers']} layers, TP={c['tp']}, {report['environment']['device_kind']}",
+        fontsize=10,
+    )
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -351,12 +457,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(describe(report))
     for r in report["results"]:
         if r["rel_err_weave_vs_baseline"] is not None:
-            print(f"  T={r['tokens']}: weave vs baseline relative error "
-                  f"{r['rel_err_weave_vs_baseline']:.2e} (tolerance {args.tol:.0e}); "
-                  f"weave comm: {r['weave_comm']}")
+            print(
+                f"  T={r['tokens']}: weave vs baseline relative error "
+                f"{r['rel_err_weave_vs_baseline']:.2e} (tolerance {args.tol:.0e}); "
+                f"weave comm: {r['weave_comm']}"
+            )
     print(format_table(report))
-    print("speedup = baseline / schedule (higher is better); weave/nocomm = 1.00 when all "
-          "communication is hidden")
+    print(
+        "speedup = baseline / schedule (higher is better); weave/nocomm = 1.00 when all "
+        "communication is hidden"
+    )
     if platform == "cpu":
         print(CPU_NOTE)
     if not is_lead():  # one process per device: the first one writes

@@ -43,13 +43,16 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float
 # Relative (Frobenius) error allowed between weave and baseline outputs, by dtype.
 TOLERANCE = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 1e-4}
 PLOT_HINT = "needs matplotlib: pip install 'jax-tokenweave[plot]'"
-CPU_NOTE = ("note: these are CPU timings. The virtual CPU devices share one host and its memory, "
-            "so they say nothing about overlapping GPU communication with compute; run on GPUs "
-            "to measure TokenWeave.")
+CPU_NOTE = (
+    "note: these are CPU timings. The virtual CPU devices share one host and its memory, "
+    "so they say nothing about overlapping GPU communication with compute; run on GPUs "
+    "to measure TokenWeave."
+)
 _XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 # ------------------------------------------------------------------------------- set-up ---
+
 
 def use_cpu_devices(count: int = CPU_DEVICES) -> str | None:
     """Ask JAX for ``count`` virtual CPU devices (``jax.config`` ``jax_num_cpu_devices``).
@@ -65,9 +68,11 @@ def use_cpu_devices(count: int = CPU_DEVICES) -> str | None:
     except RuntimeError:
         have = len(jax.devices("cpu"))
         if have != count:
-            return (f"JAX's backends started before {count} virtual CPU devices could be asked "
-                    f"for; using the {have} CPU device(s) there are (run in a fresh process, or "
-                    f"set JAX_NUM_CPU_DEVICES={count})")
+            return (
+                f"JAX's backends started before {count} virtual CPU devices could be asked "
+                f"for; using the {have} CPU device(s) there are (run in a fresh process, or "
+                f"set JAX_NUM_CPU_DEVICES={count})"
+            )
     return None
 
 
@@ -118,8 +123,9 @@ def platform_devices() -> tuple[str, list[jax.Device]]:
 def make_mesh(devices: Sequence[jax.Device], tp: int, axis_name: str = "tp") -> Mesh:
     """A 1-D mesh over the first ``tp`` devices (axis type Auto, see docs/ARCHITECTURE.md)."""
     if not 1 <= tp <= len(devices):
-        raise ValueError(f"tp={tp} needs 1..{len(devices)} devices; this machine has "
-                         f"{len(devices)}")
+        raise ValueError(
+            f"tp={tp} needs 1..{len(devices)} devices; this machine has {len(devices)}"
+        )
     return Mesh(np.array(list(devices)[:tp]), (axis_name,))
 
 
@@ -149,8 +155,9 @@ def build_decoder(config: Any, mesh: Mesh, dtype: Any, seed: int) -> Any:
 def global_array(mesh: Mesh, data: np.ndarray, spec: PartitionSpec) -> jax.Array:
     """``data`` (the same in every process) sharded over ``mesh`` by ``spec``; each process
     places only its own devices' pieces (one process per device works too)."""
-    return jax.make_array_from_callback(data.shape, NamedSharding(mesh, spec),
-                                        lambda idx: data[idx])
+    return jax.make_array_from_callback(
+        data.shape, NamedSharding(mesh, spec), lambda idx: data[idx]
+    )
 
 
 def local_data(x: jax.Array) -> np.ndarray:
@@ -175,8 +182,9 @@ def resolve_seed() -> int:
     return seed
 
 
-def ffi_unavailable(mesh: Mesh, dtype: Any, shape: tuple[int, int],
-                    axis_name: str = "tp") -> str | None:
+def ffi_unavailable(
+    mesh: Mesh, dtype: Any, shape: tuple[int, int], axis_name: str = "tp"
+) -> str | None:
     """Why ``comm="ffi"`` cannot run for this mesh, dtype and ``[T, H]`` (None where it can)."""
     from jax_tokenweave import _ffi
 
@@ -184,6 +192,7 @@ def ffi_unavailable(mesh: Mesh, dtype: Any, shape: tuple[int, int],
 
 
 # --------------------------------------------------------------------------- environment ---
+
 
 def git_commit() -> str | None:
     """``HEAD`` of the source checkout (``+dirty`` if modified), or None outside one.
@@ -197,11 +206,20 @@ def git_commit() -> str | None:
         if not (root / ".git").exists():
             continue
         try:
-            head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True,
-                                  capture_output=True, text=True, timeout=10).stdout.strip()
-            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"],
-                                   check=True, capture_output=True, text=True,
-                                   timeout=10).stdout.strip()
+            head = subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "HEAD"],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(root), "status", "--porcelain", "-uno"],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
         return head + ("+dirty" if dirty else "")
@@ -225,12 +243,14 @@ def environment(devices: Sequence[jax.Device], command: Sequence[str]) -> dict[s
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "command": " ".join([Path(sys.executable).name, *command]),
-        "env": {k: os.environ[k] for k in sorted(os.environ)
-                if k.startswith(("XLA_", "JAX_", "NCCL_"))},
+        "env": {
+            k: os.environ[k] for k in sorted(os.environ) if k.startswith(("XLA_", "JAX_", "NCCL_"))
+        },
     }
 
 
 # ------------------------------------------------------------------------------ arguments ---
+
 
 def _number(text: str, kind: type, minimum: float, strict: bool = False) -> Any:
     """``kind(text)``, which must be ``>= minimum`` (``> minimum`` if ``strict``) and finite."""
@@ -270,26 +290,37 @@ def positive_float(text: str) -> float:
     return _number(text, float, 0, strict=True)
 
 
-def add_run_options(parser: argparse.ArgumentParser, *, warmup: int, iters: int,
-                    unit: str) -> None:
+def add_run_options(parser: argparse.ArgumentParser, *, warmup: int, iters: int, unit: str) -> None:
     """``--warmup``, ``--iters`` and ``--dtype``, as the benchmark scripts share them."""
-    parser.add_argument("--warmup", type=nonnegative_int, default=warmup,
-                        help=f"untimed calls per {unit}")
-    parser.add_argument("--iters", type=positive_int, default=iters,
-                        help=f"timed calls per {unit} (the median is reported)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
-                        help="parameter and activation dtype")
+    parser.add_argument(
+        "--warmup", type=nonnegative_int, default=warmup, help=f"untimed calls per {unit}"
+    )
+    parser.add_argument(
+        "--iters",
+        type=positive_int,
+        default=iters,
+        help=f"timed calls per {unit} (the median is reported)",
+    )
+    parser.add_argument(
+        "--dtype", choices=tuple(DTYPES), default="bfloat16", help="parameter and activation dtype"
+    )
 
 
 def add_sweep_options(parser: argparse.ArgumentParser, *, plot: str) -> None:
     """``--seed``, ``--time-budget`` and ``--no-plot`` (of the ``plot`` file), as the sweeping
     benchmark scripts share them."""
     parser.add_argument("--seed", type=nonnegative_int, help="random seed (default: fresh)")
-    parser.add_argument("--time-budget", type=positive_float, metavar="SECONDS",
-                        help="start no new measurement after this many seconds (default: no "
-                             "limit)")
-    parser.add_argument("--no-plot", action="store_true",
-                        help=f"write no {plot} (the plot needs matplotlib: the plot extra)")
+    parser.add_argument(
+        "--time-budget",
+        type=positive_float,
+        metavar="SECONDS",
+        help="start no new measurement after this many seconds (default: no limit)",
+    )
+    parser.add_argument(
+        "--no-plot",
+        action="store_true",
+        help=f"write no {plot} (the plot needs matplotlib: the plot extra)",
+    )
 
 
 ENGINE_OPTIONS: dict[str, str] = {
@@ -313,9 +344,13 @@ def add_engine_options(parser: argparse.ArgumentParser, names: Sequence[str]) ->
     defaults = EngineConfig()
     for name in names:
         default = getattr(defaults, name)
-        parser.add_argument("--" + name.replace("_", "-"), type=positive_int, default=default,
-                            help=ENGINE_OPTIONS[name] + ("" if default is not None else
-                                                         " (default: the tuning table's)"))
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=positive_int,
+            default=default,
+            help=ENGINE_OPTIONS[name]
+            + ("" if default is not None else " (default: the tuning table's)"),
+        )
 
 
 def engine_options(args: argparse.Namespace, names: Sequence[str]) -> dict[str, int]:
@@ -327,8 +362,13 @@ class Flatten(argparse.Action):
     """For ``nargs="+"`` options whose type returns lists (:func:`positive_ints`):
     ``--tp 2 4`` or ``--tp 2,4`` -> ``[2, 4]``, repeats dropped, order kept."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         flat = [v for group in values for v in (group if isinstance(group, list) else [group])]
         setattr(namespace, self.dest, list(dict.fromkeys(flat)))
 
@@ -340,8 +380,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (action.required or action.nargs == 0 or default is None
-                or default is argparse.SUPPRESS or "default" in text):
+        if (
+            action.required
+            or action.nargs == 0
+            or default is None
+            or default is argparse.SUPPRESS
+            or "default" in text
+        ):
             return text
         shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else default
         return f"{text} (default: {str(shown).replace('%', '%%')})"
@@ -351,10 +396,16 @@ def result_parser(prog: str, doc: str, stem: str) -> argparse.ArgumentParser:
     """A benchmark's parser with the shared head: description from ``doc``'s first paragraph,
     the defaults-showing help, a required ``--out DIR`` for ``<stem>.json/.md/.png`` and
     ``--layers``."""
-    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help=f"folder for {stem}.json, {stem}.md and {stem}.png")
+    p = argparse.ArgumentParser(
+        prog=prog, description=doc.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help=f"folder for {stem}.json, {stem}.md and {stem}.png",
+    )
     p.add_argument("--layers", type=positive_int, default=8, help="decoder layers to stack")
     return p
 
@@ -370,8 +421,9 @@ def config_names_help() -> str:
 def sibling_module(anchor: str, name: str) -> ModuleType:
     """``<name>.py`` beside the file ``anchor`` (a benchmark's ``__file__``), loaded by path once
     (benchmarks/ is no package, and ``python -P`` leaves the script's folder off the path)."""
-    spec = importlib.util.spec_from_file_location(f"_benchmarks_{name}",
-                                                  Path(anchor).with_name(f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"_benchmarks_{name}", Path(anchor).with_name(f"{name}.py")
+    )
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

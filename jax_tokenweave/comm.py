@@ -67,8 +67,10 @@ class CommSettings:
 
     def __post_init__(self) -> None:
         if not self.workspace_mib > 0 or not self.oneshot_mib >= 0:
-            raise ValueError(f"workspace_mib must be > 0 and oneshot_mib >= 0, got "
-                             f"{self.workspace_mib}, {self.oneshot_mib}")
+            raise ValueError(
+                f"workspace_mib must be > 0 and oneshot_mib >= 0, got "
+                f"{self.workspace_mib}, {self.oneshot_mib}"
+            )
         if not isinstance(self.num_slots, int) or self.num_slots < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {self.num_slots!r}")
         if not self.timeout_s > 0:
@@ -86,7 +88,8 @@ class CommSettings:
             num_slots=int(_env("JAX_TOKENWEAVE_SLOTS", "4")),
             timeout_s=float(_env("JAX_TOKENWEAVE_TIMEOUT_S", "30")),
             algo=_env("JAX_TOKENWEAVE_ALGO", "auto"),
-            multimem=_env("JAX_TOKENWEAVE_MULTIMEM", "0") == "1")
+            multimem=_env("JAX_TOKENWEAVE_MULTIMEM", "0") == "1",
+        )
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields)
 
@@ -106,8 +109,10 @@ def multimem_refusal(settings: CommSettings) -> str | None:
     if not settings.multimem:
         return "the multimem path is opt-in: set JAX_TOKENWEAVE_MULTIMEM=1 (or multimem=True)"
     if os.environ.get("NCCL_NVLS_ENABLE") == "0":
-        return ("NVLink multicast is disabled on this machine (NCCL_NVLS_ENABLE=0), so the "
-                "multimem path refuses to run")
+        return (
+            "NVLink multicast is disabled on this machine (NCCL_NVLS_ENABLE=0), so the "
+            "multimem path refuses to run"
+        )
     return None
 
 
@@ -117,8 +122,10 @@ def peer_buffer_reason() -> str | None:
     which does so, cannot run: CUDA's stream-ordered pools (``cuda_async``) are not mapped by
     peer access."""
     if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default") == "cuda_async":
-        return ("XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async: XLA's buffers come from CUDA memory "
-                "pools that peer access does not map, so peers cannot reach them")
+        return (
+            "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async: XLA's buffers come from CUDA memory "
+            "pools that peer access does not map, so peers cannot reach them"
+        )
     return None
 
 
@@ -126,14 +133,21 @@ def direct_reason(cross_process: bool = False) -> str | None:
     """None where the ``direct`` variant (which reads and writes XLA's buffers by address) can
     run; else why not."""
     if cross_process:
-        return ("the axis spans processes, and XLA's buffers of another process cannot be "
-                "mapped")
+        return "the axis spans processes, and XLA's buffers of another process cannot be mapped"
     return peer_buffer_reason()
 
 
-def choose(axis_size: int, dtype, shape, settings: CommSettings, *, algo: str = "auto",
-           num_ctas: int | None = None, policy: KernelPolicy | None = None,
-           cross_process: bool = False) -> tuple[str, int]:
+def choose(
+    axis_size: int,
+    dtype,
+    shape,
+    settings: CommSettings,
+    *,
+    algo: str = "auto",
+    num_ctas: int | None = None,
+    policy: KernelPolicy | None = None,
+    cross_process: bool = False,
+) -> tuple[str, int]:
     """The ``(algo, num_ctas)`` a call of per-rank ``shape`` [T, H] runs: ``algo`` if not
     "auto", else ``settings.algo`` if not "auto", else the policy table's by message size
     (``direct`` becomes ``two_shot`` where :func:`direct_reason` rules it out). An explicit
@@ -144,10 +158,12 @@ def choose(axis_size: int, dtype, shape, settings: CommSettings, *, algo: str = 
     if algo == "auto":
         algo = settings.algo
     row = (policy or kernel_policy.load()).choose(
-        axis_size, int(np.prod(shape)) * jnp.dtype(dtype).itemsize)
+        axis_size, int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+    )
     if algo == "direct" and (why := direct_reason(cross_process)) is not None:
-        raise RuntimeError(f"the fused kernel's algo='direct' cannot run: {why} "
-                           "(use algo='two_shot')")
+        raise RuntimeError(
+            f"the fused kernel's algo='direct' cannot run: {why} (use algo='two_shot')"
+        )
     if algo == "auto":
         algo = row.algo
         if algo == "direct" and direct_reason(cross_process) is not None:
@@ -160,44 +176,63 @@ def choose(axis_size: int, dtype, shape, settings: CommSettings, *, algo: str = 
     return algo, ctas
 
 
-def shape_reason(axis_size: int, dtype, shape, settings: CommSettings, *,
-                 num_ctas: int | None = None, slot: int = 0, algo: str = "auto",
-                 policy: KernelPolicy | None = None, cross_process: bool = False) -> str | None:
+def shape_reason(
+    axis_size: int,
+    dtype,
+    shape,
+    settings: CommSettings,
+    *,
+    num_ctas: int | None = None,
+    slot: int = 0,
+    algo: str = "auto",
+    policy: KernelPolicy | None = None,
+    cross_process: bool = False,
+) -> str | None:
     """The part of :meth:`Communicator.unavailable_reason` that depends only on sizes and
     settings (no devices needed); limits and byte counts come from the extension."""
     lim = _extension.limits()
     if axis_size > lim["max_ranks"]:
-        return (f"the axis has {axis_size} devices; the fused kernel supports at most "
-                f"{lim['max_ranks']}")
+        return (
+            f"the axis has {axis_size} devices; the fused kernel supports at most "
+            f"{lim['max_ranks']}"
+        )
     if jnp.dtype(dtype) not in DTYPES:
         return f"dtype {jnp.dtype(dtype)} is not supported (bfloat16, float16, float32 are)"
     if len(shape) != 2:
         return f"partial must be [tokens, hidden], got shape {tuple(shape)}"
     tokens, hidden = shape
     if hidden % lim["hidden_multiple"] or hidden > lim["max_hidden"]:
-        return (f"hidden size {hidden} is not a multiple of {lim['hidden_multiple']} at most "
-                f"{lim['max_hidden']} (the kernel moves 16-byte vectors)")
+        return (
+            f"hidden size {hidden} is not a multiple of {lim['hidden_multiple']} at most "
+            f"{lim['max_hidden']} (the kernel moves 16-byte vectors)"
+        )
     if not 0 <= slot < settings.num_slots:
         return f"slot {slot} is outside [0, {settings.num_slots}) (num_slots)"
     if settings.multimem and (why := multimem_refusal(settings)) is not None:
         return why
     try:
-        algo, _ = choose(axis_size, dtype, shape, settings, algo=algo, policy=policy,
-                         cross_process=cross_process)
+        algo, _ = choose(
+            axis_size, dtype, shape, settings, algo=algo, policy=policy, cross_process=cross_process
+        )
     except RuntimeError as err:  # an explicit direct where direct cannot run
         return str(err)
     top = lim["max_oneshot_ctas"] if algo == "one_shot" else lim["max_ctas"]
     if num_ctas is not None and not lim["min_ctas"] <= num_ctas <= top:
         return f"num_ctas={num_ctas} is outside [{lim['min_ctas']}, {top}] for algo={algo}"
-    need = _extension.get().needed_bytes(algo, axis_size, tokens, hidden,
-                                         jnp.dtype(dtype).itemsize, settings.multimem)
-    have, what = ((settings.oneshot_bytes, "one-shot buffer (oneshot_mib)")
-                  if algo == "one_shot" and not settings.multimem
-                  else (settings.area_bytes, "data area (workspace_mib)"))
+    need = _extension.get().needed_bytes(
+        algo, axis_size, tokens, hidden, jnp.dtype(dtype).itemsize, settings.multimem
+    )
+    have, what = (
+        (settings.oneshot_bytes, "one-shot buffer (oneshot_mib)")
+        if algo == "one_shot" and not settings.multimem
+        else (settings.area_bytes, "data area (workspace_mib)")
+    )
     if need > have:
-        return (f"[{tokens}, {hidden}] {jnp.dtype(dtype)} over {axis_size} devices with "
-                f"algo={algo} needs {need} bytes of {what} per slot but the communicator has "
-                f"{have}")
+        return (
+            f"[{tokens}, {hidden}] {jnp.dtype(dtype)} over {axis_size} devices with "
+            f"algo={algo} needs {need} bytes of {what} per slot but the communicator has "
+            f"{have}"
+        )
     return None
 
 
@@ -242,8 +277,14 @@ class Communicator:
     """The fused kernel's communicator for ``mesh``'s axis ``axis_name`` (see the module
     docstring). Cheap to build; the workspace is allocated at the first :attr:`comm_id`."""
 
-    def __init__(self, mesh: Mesh, axis_name: str = "tp", settings: CommSettings | None = None,
-                 *, policy: KernelPolicy | None = None):
+    def __init__(
+        self,
+        mesh: Mesh,
+        axis_name: str = "tp",
+        settings: CommSettings | None = None,
+        *,
+        policy: KernelPolicy | None = None,
+    ):
         self.mesh, self.axis_name = mesh, axis_name
         self.settings = settings or CommSettings.from_env()
         self.policy = policy or kernel_policy.load()
@@ -257,28 +298,51 @@ class Communicator:
             self._exchange = comm_ipc.Exchange()
             groups, me = device_groups(mesh, axis_name), jax.process_index()
             info = comm_ipc.publish_and_gather(
-                self._exchange, groups, me,
+                self._exchange,
+                groups,
+                me,
                 {d.id: d.local_hardware_id for d in jax.local_devices()},
-                self.settings.timeout_s)
-            self._device_reason = comm_ipc.host_reason(groups, me, info,
-                                                       _extension.get().can_access_peer)
-            self.cross_process = (self._device_reason is None
-                                  and bool(comm_ipc.peers_elsewhere(groups, me)))
+                self.settings.timeout_s,
+            )
+            self._device_reason = comm_ipc.host_reason(
+                groups, me, info, _extension.get().can_access_peer
+            )
+            self.cross_process = self._device_reason is None and bool(
+                comm_ipc.peers_elsewhere(groups, me)
+            )
 
-    def unavailable_reason(self, dtype, shape, *, num_ctas: int | None = None, slot: int = 0,
-                           algo: str = "auto") -> str | None:
+    def unavailable_reason(
+        self, dtype, shape, *, num_ctas: int | None = None, slot: int = 0, algo: str = "auto"
+    ) -> str | None:
         """None where a call of per-rank ``shape`` [T, H] can run; else one sentence why."""
         if self._device_reason is not None:
             return self._device_reason
-        return shape_reason(self.axis_size, dtype, shape, self.settings, num_ctas=num_ctas,
-                            slot=slot, algo=algo, policy=self.policy,
-                            cross_process=self.cross_process)
+        return shape_reason(
+            self.axis_size,
+            dtype,
+            shape,
+            self.settings,
+            num_ctas=num_ctas,
+            slot=slot,
+            algo=algo,
+            policy=self.policy,
+            cross_process=self.cross_process,
+        )
 
-    def choose(self, dtype, shape, *, algo: str = "auto",
-               num_ctas: int | None = None) -> tuple[str, int]:
+    def choose(
+        self, dtype, shape, *, algo: str = "auto", num_ctas: int | None = None
+    ) -> tuple[str, int]:
         """``(algo, num_ctas)`` for a call (see :func:`choose`)."""
-        return choose(self.axis_size, dtype, shape, self.settings, algo=algo,
-                      num_ctas=num_ctas, policy=self.policy, cross_process=self.cross_process)
+        return choose(
+            self.axis_size,
+            dtype,
+            shape,
+            self.settings,
+            algo=algo,
+            num_ctas=num_ctas,
+            policy=self.policy,
+            cross_process=self.cross_process,
+        )
 
     @property
     def comm_id(self) -> int:
@@ -292,9 +356,18 @@ class Communicator:
                 groups = device_groups(self.mesh, self.axis_name)
                 s, ext, me = self.settings, _extension.get(), jax.process_index()
                 comm_id = ext.register_comm(
-                    [d.local_hardware_id if d.process_index == me else -1
-                     for g in groups for d in g], len(groups[0]),
-                    s.area_bytes, s.oneshot_bytes, s.num_slots, s.timeout_s, s.multimem)
+                    [
+                        d.local_hardware_id if d.process_index == me else -1
+                        for g in groups
+                        for d in g
+                    ],
+                    len(groups[0]),
+                    s.area_bytes,
+                    s.oneshot_bytes,
+                    s.num_slots,
+                    s.timeout_s,
+                    s.multimem,
+                )
                 if self.cross_process:
                     try:
                         comm_ipc.connect(ext, comm_id, groups, me, self._exchange, s.timeout_s)

@@ -50,22 +50,30 @@ def layout_reason(groups: Sequence[Sequence[_Device]], process: int) -> str | No
     for g in groups:
         local = sum(d.process_index == process for d in g)
         if 1 < local < len(g):
-            return ("a group along the axis mixes devices of this process with devices of other "
-                    "processes; run one process per GPU (python -m jax_tokenweave.launch) or one "
-                    "process for the whole group")
+            return (
+                "a group along the axis mixes devices of this process with devices of other "
+                "processes; run one process per GPU (python -m jax_tokenweave.launch) or one "
+                "process for the whole group"
+            )
     return None
 
 
-def host_reason(groups: Sequence[Sequence[_Device]], process: int, info: dict[int, dict],
-                can_access_peer: Callable[[int, int], bool]) -> str | None:
+def host_reason(
+    groups: Sequence[Sequence[_Device]],
+    process: int,
+    info: dict[int, dict],
+    can_access_peer: Callable[[int, int], bool],
+) -> str | None:
     """None where every group with a device of ``process`` lies on one host, its devices peers
     of each other; else why not. ``info[p]`` is what process p published: ``host`` and
     ``ordinals`` (device id -> CUDA ordinal)."""
     for g in own_groups(groups, process):
         hosts = {info[d.process_index]["host"] for d in g}
         if len(hosts) > 1:
-            return (f"the axis spans hosts ({', '.join(sorted(hosts))}); the fused kernel works "
-                    "within one host, so XLA's collectives (NCCL) carry this axis")
+            return (
+                f"the axis spans hosts ({', '.join(sorted(hosts))}); the fused kernel works "
+                "within one host, so XLA's collectives (NCCL) carry this axis"
+            )
         ords = [info[d.process_index]["ordinals"][str(d.id)] for d in g]
         for a, b in itertools.permutations(ords, 2):
             if a != b and not can_access_peer(a, b):
@@ -89,11 +97,14 @@ class Exchange:
     def __init__(self, client: Any | None = None):
         if client is None:
             from jax._src import distributed
+
             client = distributed.global_state.client
         if client is None:
-            raise RuntimeError("jax.distributed is not initialized: call "
-                               "jax_tokenweave.launch.initialize() (or jax.distributed."
-                               "initialize()) first")
+            raise RuntimeError(
+                "jax.distributed is not initialized: call "
+                "jax_tokenweave.launch.initialize() (or jax.distributed."
+                "initialize()) first"
+            )
         self.client = client
         with _sequence_lock:
             self.prefix = f"jax_tokenweave/comm{next(_sequence)}"
@@ -103,27 +114,44 @@ class Exchange:
 
     def get(self, process: int, name: str, timeout_s: float) -> Any:
         try:
-            raw = self.client.blocking_key_value_get(f"{self.prefix}/{process}/{name}",
-                                                     int(timeout_s * 1000))
+            raw = self.client.blocking_key_value_get(
+                f"{self.prefix}/{process}/{name}", int(timeout_s * 1000)
+            )
         except Exception as err:  # the store says "deadline exceeded" in its own words
-            raise RuntimeError(f"jax-tokenweave: process {process} did not publish {name!r} "
-                               f"within {timeout_s} s ({err}); did every process build the "
-                               "same communicators in the same order?") from err
+            raise RuntimeError(
+                f"jax-tokenweave: process {process} did not publish {name!r} "
+                f"within {timeout_s} s ({err}); did every process build the "
+                "same communicators in the same order?"
+            ) from err
         return json.loads(raw)
 
 
-def publish_and_gather(exchange: Exchange, groups: Sequence[Sequence[_Device]], process: int,
-                       local_ordinals: dict[int, int], timeout_s: float) -> dict[int, dict]:
+def publish_and_gather(
+    exchange: Exchange,
+    groups: Sequence[Sequence[_Device]],
+    process: int,
+    local_ordinals: dict[int, int],
+    timeout_s: float,
+) -> dict[int, dict]:
     """Publishes this process's host and device ordinals; returns every process's (of the
     groups this process is in)."""
-    exchange.put(process, "info", {"host": host_name(),
-                                   "ordinals": {str(k): v for k, v in local_ordinals.items()}})
+    exchange.put(
+        process,
+        "info",
+        {"host": host_name(), "ordinals": {str(k): v for k, v in local_ordinals.items()}},
+    )
     procs = {d.process_index for g in own_groups(groups, process) for d in g}
     return {p: exchange.get(p, "info", timeout_s) for p in sorted(procs)}
 
 
-def connect(ext: Any, comm_id: int, groups: Sequence[Sequence[_Device]], process: int,
-            exchange: Exchange, timeout_s: float) -> None:
+def connect(
+    ext: Any,
+    comm_id: int,
+    groups: Sequence[Sequence[_Device]],
+    process: int,
+    exchange: Exchange,
+    timeout_s: float,
+) -> None:
     """Maps every peer's workspace into this process's comm ``comm_id``: serves this process's
     workspaces on a Unix socket (descriptors sent with SCM_RIGHTS) and fetches the peers'."""
     flat = [d for g in groups for d in g]
@@ -164,15 +192,19 @@ def connect(ext: Any, comm_id: int, groups: Sequence[Sequence[_Device]], process
                 s.sendall(str(index[d.id]).encode())
                 msg, fds, _, _ = socket.recv_fds(s, 64, 1)
                 if len(fds) != 1:
-                    raise RuntimeError(f"jax-tokenweave: process {d.process_index} sent no "
-                                       f"workspace for device {d.id}")
+                    raise RuntimeError(
+                        f"jax-tokenweave: process {d.process_index} sent no "
+                        f"workspace for device {d.id}"
+                    )
                 ext.import_workspace(comm_id, index[d.id], fds[0], int(msg.decode()))
         thread.join(timeout_s)
     finally:
         server.close()
     if errors:
-        raise RuntimeError(f"jax-tokenweave: serving this process's workspace to its peers "
-                           f"failed: {errors[0]}") from errors[0]
+        raise RuntimeError(
+            f"jax-tokenweave: serving this process's workspace to its peers failed: {errors[0]}"
+        ) from errors[0]
     if thread.is_alive() or not ext.comm_ready(comm_id):
-        raise RuntimeError(f"jax-tokenweave: the communicator's peers did not all connect within "
-                           f"{timeout_s} s")
+        raise RuntimeError(
+            f"jax-tokenweave: the communicator's peers did not all connect within {timeout_s} s"
+        )

@@ -39,19 +39,28 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "vocab_size"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        ):
             value = getattr(self, name)
             if value <= 0:
                 raise ValueError(f"DecoderConfig.{name} must be positive, got {value}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})")
+                f"({self.num_kv_heads})"
+            )
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(
                 f"experts_per_token ({self.experts_per_token}) must be in 1..num_experts "
-                f"({self.num_experts})")
+                f"({self.num_experts})"
+            )
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ``ValueError`` unless every sharded dimension divides by the TP degree ``tp``."""
@@ -62,4 +71,5 @@ class DecoderConfig:
             if value % tp:
                 raise ValueError(
                     f"{name}={value} is not divisible by the tensor-parallel degree {tp}; "
-                    f"choose a TP degree that divides it")
+                    f"choose a TP degree that divides it"
+                )

@@ -40,8 +40,10 @@ class CostModel:
 
     def __post_init__(self) -> None:
         if not self.gemm_flops_per_token > 0 or not self.attention_flops_per_pair >= 0:
-            raise ValueError(f"CostModel needs positive GEMM and non-negative attention FLOPs, "
-                             f"got {self.gemm_flops_per_token}, {self.attention_flops_per_pair}")
+            raise ValueError(
+                f"CostModel needs positive GEMM and non-negative attention FLOPs, "
+                f"got {self.gemm_flops_per_token}, {self.attention_flops_per_pair}"
+            )
         if not isinstance(self.tile_m, int) or self.tile_m < 1:
             raise ValueError(f"tile_m must be an int >= 1, got {self.tile_m!r}")
 
@@ -76,8 +78,7 @@ class CostModel:
             start = end
         return a, b
 
-    def balanced_split(self, request_lengths: Sequence[int], *,
-                       waves: Any | None = None) -> int:
+    def balanced_split(self, request_lengths: Sequence[int], *, waves: Any | None = None) -> int:
         """The first half's size: the multiple of ``tile_m`` next to the work-balance point
         (the lower or the upper one, whichever leaves the larger half's work smaller; on a tie,
         fewer GEMM waves by ``waves`` (a ``split.WaveModel``), then the one nearer the token
@@ -86,15 +87,16 @@ class CostModel:
         total = sum(request_lengths)
         if total < 2:
             raise ValueError(f"a split needs at least 2 tokens, got {total}")
-        lo, hi = 1, total - 1          # first index where A's work >= B's
+        lo, hi = 1, total - 1  # first index where A's work >= B's
         while lo < hi:
             mid = (lo + hi) // 2
             a, b = self.half_costs(request_lengths, mid)
             lo, hi = (lo, mid) if a >= b else (mid + 1, hi)
         candidates = {lo - 1, lo} if lo > 1 else {lo}
         tile = self.tile_m
-        aligned = {(c // tile) * tile for c in candidates} | {ceil_div(c, tile) * tile
-                                                              for c in candidates}
+        aligned = {(c // tile) * tile for c in candidates} | {
+            ceil_div(c, tile) * tile for c in candidates
+        }
         aligned = {c for c in aligned if 1 <= c <= total - 1}
         pool = aligned or candidates
 

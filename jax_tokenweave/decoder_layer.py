@@ -61,8 +61,15 @@ class DecoderLayer(nnx.Module):
     the TP axis is the block's output).
     """
 
-    def __init__(self, config: DecoderConfig, mesh: Mesh, *, axis_name: str = "tp",
-                 dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        mesh: Mesh,
+        *,
+        axis_name: str = "tp",
+        dtype: jnp.dtype = jnp.bfloat16,
+        rngs: nnx.Rngs,
+    ) -> None:
         config.check_tensor_parallel(mesh.shape[axis_name])
         self.config = config
         h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
@@ -77,8 +84,10 @@ class DecoderLayer(nnx.Module):
         if config.qkv_bias:
             specs["qkv_bias"] = ((nq + 2 * nkv,), P(axis_name), 0.5)
         if config.num_experts == 0:
-            specs.update(gate_up_proj=((h, 2 * f), col, 1 / np.sqrt(h)),
-                         down_proj=((f, h), row, 1 / np.sqrt(f)))
+            specs.update(
+                gate_up_proj=((h, 2 * f), col, 1 / np.sqrt(h)),
+                down_proj=((f, h), row, 1 / np.sqrt(f)),
+            )
         for name, param in make_params(rngs, specs, dtype, mesh).items():
             setattr(self, name, param)
         if config.num_experts > 0:
@@ -97,20 +106,24 @@ class DecoderLayer(nnx.Module):
         qkv = jnp.dot(x_normed, self.qkv_proj[...])
         if c.qkv_bias:
             qkv = qkv + self.qkv_bias[...]
-        heads = qkv.shape[-1] // c.head_dim                   # local q + k + v heads
+        heads = qkv.shape[-1] // c.head_dim  # local q + k + v heads
         nq = heads * c.num_heads // (c.num_heads + 2 * c.num_kv_heads)
         return qkv.reshape(qkv.shape[0], heads, c.head_dim), nq
 
-    def qkv(self, x_normed: jax.Array,
-            positions: jax.Array | np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(
+        self, x_normed: jax.Array, positions: jax.Array | np.ndarray
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Local heads: ``x_normed`` [T, H], ``positions`` [T] -> q [T, Nq/N, D],
         k, v [T, Nkv/N, D]; RoPE applied to q and k (:meth:`qkv_heads`, then RoPE)."""
         qkv, nq = self.qkv_heads(x_normed)
         nkv = (qkv.shape[1] - nq) // 2
-        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+        q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
         inv_freq = inv_frequencies(self.config)
-        return attn_lib.apply_rope(q, positions, inv_freq), \
-            attn_lib.apply_rope(k, positions, inv_freq), v
+        return (
+            attn_lib.apply_rope(q, positions, inv_freq),
+            attn_lib.apply_rope(k, positions, inv_freq),
+            v,
+        )
 
     def attention_out(self, attn: jax.Array) -> jax.Array:
         """Row-parallel output projection: [T, Nq/N, D] -> partial [T, H] (sum over ranks)."""

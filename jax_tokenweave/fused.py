@@ -72,8 +72,10 @@ def segments(widths: Sequence[int], tp: int) -> list[Segment]:
 def fuse_columns(parts: Sequence[Any], tp: int) -> Any:
     """Parts ``[..., w_p]`` (NumPy or JAX arrays) -> the rank-blocked fused ``[..., sum w_p]``."""
     xp = np if all(isinstance(p, np.ndarray) for p in parts) else _jnp()
-    blocks = [parts[s.part][..., s.part_start:s.part_start + s.length]
-              for s in segments([p.shape[-1] for p in parts], tp)]
+    blocks = [
+        parts[s.part][..., s.part_start : s.part_start + s.length]
+        for s in segments([p.shape[-1] for p in parts], tp)
+    ]
     return xp.concatenate(blocks, axis=-1)
 
 
@@ -84,12 +86,13 @@ def split_columns(fused: Any, widths: Sequence[int], tp: int) -> list[Any]:
     xp = np if isinstance(fused, np.ndarray) else _jnp()
     pieces: list[list[Any]] = [[] for _ in widths]
     for s in segments(widths, tp):
-        pieces[s.part].append(fused[..., s.fused_start:s.fused_start + s.length])
+        pieces[s.part].append(fused[..., s.fused_start : s.fused_start + s.length])
     return [xp.concatenate(p, axis=-1) for p in pieces]
 
 
-def fuse_names(values: Mapping[str, Any],
-               combine: Callable[[str, list[Any]], Any]) -> dict[str, Any]:
+def fuse_names(
+    values: Mapping[str, Any], combine: Callable[[str, list[Any]], Any]
+) -> dict[str, Any]:
     """``values`` with every complete group of logical parts (e.g. ``layers.0.q_proj``,
     ``layers.0.k_proj``, ``layers.0.v_proj``) replaced by ``combine(fused leaf name, the parts'
     values in order)`` under the fused name (``layers.0.qkv_proj``); other names unchanged. A
@@ -107,8 +110,9 @@ def fuse_names(values: Mapping[str, Any],
         missing = [p for p in parts if p not in given]
         dotted = f"{prefix}." if prefix else ""
         if missing:
-            raise ValueError(f"{dotted}{fused} is fused from {parts}; "
-                             f"{[dotted + m for m in missing]} missing")
+            raise ValueError(
+                f"{dotted}{fused} is fused from {parts}; {[dotted + m for m in missing]} missing"
+            )
         out[dotted + fused] = combine(fused, [given[p] for p in parts])
     return out
 
@@ -119,8 +123,7 @@ def fuse_weights(weights: Mapping[str, Any], tp: int) -> dict[str, Any]:
     return fuse_names(weights, lambda _, parts: fuse_columns(parts, tp))
 
 
-def unfuse_weights(weights: Mapping[str, Any], config: DecoderConfig,
-                   tp: int) -> dict[str, Any]:
+def unfuse_weights(weights: Mapping[str, Any], config: DecoderConfig, tp: int) -> dict[str, Any]:
     """``weights`` with every fused parameter (laid out for TP ``tp``) replaced by its parts."""
     out: dict[str, Any] = {}
     for name, value in weights.items():

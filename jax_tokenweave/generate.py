@@ -36,15 +36,24 @@ def token_ids(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                formatter_class=bm.HelpFormatter)
-    p.add_argument("checkpoint", help="directory with config.json + *.safetensors (+ tokenizer), "
-                                      "or a Hugging Face model id in the local cache")
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=bm.HelpFormatter
+    )
+    p.add_argument(
+        "checkpoint",
+        help="directory with config.json + *.safetensors (+ tokenizer), "
+        "or a Hugging Face model id in the local cache",
+    )
     p.add_argument("--prompt", action="append", help="a text prompt (repeat)")
-    p.add_argument("--ids", action="append", type=token_ids,
-                   help="a prompt of comma-separated token ids (repeat)")
-    p.add_argument("--max-tokens", type=bm.positive_int, default=64,
-                   help="new tokens per prompt at most")
+    p.add_argument(
+        "--ids",
+        action="append",
+        type=token_ids,
+        help="a prompt of comma-separated token ids (repeat)",
+    )
+    p.add_argument(
+        "--max-tokens", type=bm.positive_int, default=64, help="new tokens per prompt at most"
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (vLLM's default: 1)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
@@ -66,9 +75,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jax_tokenweave.serving import LLM, SamplingParams
 
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens,
-                                stop=tuple(args.stop))
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            stop=tuple(args.stop),
+        )
     except ValueError as err:
         parser.error(str(err))
     try:
@@ -78,8 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, llm: Any, params: Any) -> int:
-    print(f"loaded {args.checkpoint} (TP {args.tp}, {llm.engine.runner.cache.k[0].dtype}, "
-          f"{'text' if llm.tokenizer else 'token ids only: no tokenizer'})", file=sys.stderr)
+    print(
+        f"loaded {args.checkpoint} (TP {args.tp}, {llm.engine.runner.cache.k[0].dtype}, "
+        f"{'text' if llm.tokenizer else 'token ids only: no tokenizer'})",
+        file=sys.stderr,
+    )
     prompts: list[str | list[int]] = [*args.prompt, *args.ids]
     start = time.perf_counter()
     made = 0
@@ -87,15 +104,19 @@ def _run(args: argparse.Namespace, llm: Any, params: Any) -> int:
         for prompt in prompts:
             for delta in llm.stream(prompt, params):
                 made += len(delta.token_ids)
-                shown = delta.text if delta.text is not None else \
-                    " " + " ".join(map(str, delta.token_ids))
+                shown = (
+                    delta.text
+                    if delta.text is not None
+                    else " " + " ".join(map(str, delta.token_ids))
+                )
                 print(shown, end="", flush=True)
             print()
     else:
         for out in llm.generate(prompts, params, use_tqdm=False):
             made += len(out.token_ids)
-            head = out.prompt if out.prompt is not None else ",".join(map(str,
-                                                                         out.prompt_token_ids))
+            head = (
+                out.prompt if out.prompt is not None else ",".join(map(str, out.prompt_token_ids))
+            )
             tail = out.text if out.text is not None else ",".join(map(str, out.token_ids))
             print(f"{head} -> {tail}  [{out.finish_reason}]")
     seconds = time.perf_counter() - start

@@ -42,9 +42,9 @@ class Instr:
 
     name: str
     opcode: str
-    shape: tuple[int, ...]      # first array shape of the result ([] for none)
-    target: str | None          # custom_call_target
-    slot: int | None            # ``slot = N`` in the backend config
+    shape: tuple[int, ...]  # first array shape of the result ([] for none)
+    target: str | None  # custom_call_target
+    slot: int | None  # ``slot = N`` in the backend config
     gemm: bool
     text: str
 
@@ -54,9 +54,9 @@ class OverlapPair:
     """A start/done pair of the fused kernel and the GEMMs scheduled between them."""
 
     slot: int | None
-    start: int          # index of the start in the flattened schedule
-    done: int           # index of the done
-    rows: int | None    # tokens of the start's call (leading dim of its first result, normed)
+    start: int  # index of the start in the flattened schedule
+    done: int  # index of the done
+    rows: int | None  # tokens of the start's call (leading dim of its first result, normed)
     gemms: tuple[Instr, ...]
 
     @property
@@ -69,8 +69,10 @@ class OverlapPair:
 
     def describe(self) -> str:
         shapes = ", ".join(f"{g.opcode}{list(g.shape)}" for g in self.gemms) or "none"
-        return (f"slot {self.slot} start #{self.start} (rows {self.rows}) -> done #{self.done}: "
-                f"{len(self.gemms)} GEMM(s) between: {shapes}")
+        return (
+            f"slot {self.slot} start #{self.start} (rows {self.rows}) -> done #{self.done}: "
+            f"{len(self.gemms)} GEMM(s) between: {shapes}"
+        )
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -87,7 +89,7 @@ def _split_type(rest: str) -> tuple[str, str]:
             depth += c == "("
             depth -= c == ")"
             if depth == 0:
-                return rest[:i + 1], rest[i + 1:].strip()
+                return rest[: i + 1], rest[i + 1 :].strip()
     head, _, tail = rest.partition(" ")
     return head, tail.strip()
 
@@ -106,11 +108,20 @@ def parse_instr(line: str) -> Instr | None:
     target_m = _TARGET.search(line)
     target = target_m.group(1) if target_m else None
     slot_m = _SLOT.search(line) if target in (START_TARGET, DONE_TARGET, SYNC_TARGET) else None
-    gemm = (opcode == "dot" or (opcode == "custom-call" and target is not None
-                                and bool(_GEMM_TARGET.match(target)))
-            or (opcode == "fusion" and bool(_GEMM_FUSION.search(line))))
-    return Instr(name, opcode, _shape(type_text), target,
-                 int(slot_m.group(1)) if slot_m else None, gemm, line.strip())
+    gemm = (
+        opcode == "dot"
+        or (opcode == "custom-call" and target is not None and bool(_GEMM_TARGET.match(target)))
+        or (opcode == "fusion" and bool(_GEMM_FUSION.search(line)))
+    )
+    return Instr(
+        name,
+        opcode,
+        _shape(type_text),
+        target,
+        int(slot_m.group(1)) if slot_m else None,
+        gemm,
+        line.strip(),
+    )
 
 
 def computations(text: str) -> tuple[str | None, dict[str, list[str]]]:
@@ -178,8 +189,15 @@ def overlap_report(compiled_text: str) -> list[OverlapPair]:
                 raise ValueError(f"done on slot {ins.slot} at #{i} has no start before it")
             s = pending.pop(0)
             start = instrs[s]
-            pairs.append(OverlapPair(ins.slot, s, i, start.shape[0] if start.shape else None,
-                                     tuple(g for g in instrs[s + 1:i] if g.gemm)))
+            pairs.append(
+                OverlapPair(
+                    ins.slot,
+                    s,
+                    i,
+                    start.shape[0] if start.shape else None,
+                    tuple(g for g in instrs[s + 1 : i] if g.gemm),
+                )
+            )
     left = {slot: idx for slot, idx in open_.items() if idx}
     if left:
         raise ValueError(f"starts never done: {left}")
@@ -203,5 +221,5 @@ def overlap_problems(compiled_text: str, *, allow_unoverlapped: int = 1) -> list
     pairs = overlap_report(compiled_text)
     if not pairs:
         return ["no allreduce_rmsnorm start/done pair in the compiled HLO"]
-    head = pairs[:len(pairs) - allow_unoverlapped] if allow_unoverlapped else pairs
+    head = pairs[: len(pairs) - allow_unoverlapped] if allow_unoverlapped else pairs
     return [f"serialised: {p.describe()}" for p in head if not p.overlapped]

@@ -32,10 +32,12 @@ class PolicyRow:
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
             raise ValueError(f"algo must be one of {ALGOS}, got {self.algo!r}")
-        if self.max_bytes is not None and (not isinstance(self.max_bytes, int)
-                                           or self.max_bytes < 0):
+        if self.max_bytes is not None and (
+            not isinstance(self.max_bytes, int) or self.max_bytes < 0
+        ):
             raise ValueError(
-                f"max_bytes must be a non-negative int or None, got {self.max_bytes!r}")
+                f"max_bytes must be a non-negative int or None, got {self.max_bytes!r}"
+            )
         if not isinstance(self.num_ctas, int) or self.num_ctas < 1:
             raise ValueError(f"num_ctas must be a positive int, got {self.num_ctas!r}")
 
@@ -72,15 +74,21 @@ class KernelPolicy:
         raise AssertionError("unreachable: the last row is unbounded")
 
     def to_json(self) -> dict[str, Any]:
-        return {"meta": dict(self.meta),
-                "by_ranks": {str(n): [dataclasses.asdict(r) for r in rows]
-                             for n, rows in sorted(self.by_ranks.items())}}
+        return {
+            "meta": dict(self.meta),
+            "by_ranks": {
+                str(n): [dataclasses.asdict(r) for r in rows]
+                for n, rows in sorted(self.by_ranks.items())
+            },
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> KernelPolicy:
         try:
-            by_ranks = {int(n): tuple(PolicyRow(**row) for row in rows)
-                        for n, rows in data["by_ranks"].items()}
+            by_ranks = {
+                int(n): tuple(PolicyRow(**row) for row in rows)
+                for n, rows in data["by_ranks"].items()
+            }
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"not a kernel policy table: {err}") from err
         return cls(by_ranks, dict(data.get("meta", {})))

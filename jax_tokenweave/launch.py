@@ -49,7 +49,8 @@ def initialize(env: Mapping[str, str] | None = None) -> bool:
         raise RuntimeError(
             f"jax_tokenweave.launch.initialize: {', '.join(present)} set but "
             f"{', '.join(missing)} not; set all of {', '.join(ENV_VARS)} or none "
-            f"(start the script with `{PROG} -n N -- ...`)")
+            f"(start the script with `{PROG} -n N -- ...`)"
+        )
     try:
         num_processes = int(env["JAX_NUM_PROCESSES"])
         process_id = int(env["JAX_PROCESS_ID"])
@@ -63,8 +64,12 @@ def initialize(env: Mapping[str, str] | None = None) -> bool:
     if distributed.global_state.client is not None:  # already initialized (idempotent)
         return True
     jax.distributed.initialize(
-        coordinator_address=env["JAX_COORDINATOR_ADDRESS"], num_processes=num_processes,
-        process_id=process_id, local_device_ids=local_ids, cluster_detection_method="deactivate")
+        coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_ids,
+        cluster_detection_method="deactivate",
+    )
     return True
 
 
@@ -75,8 +80,7 @@ def visible_gpu_count(env: Mapping[str, str] | None = None) -> int | None:
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         valid = (e.strip() for e in visible.split(","))
-        return sum(1 for _ in takewhile(lambda e: e.isdigit() or e[:4] in ("GPU-", "MIG-"),
-                                        valid))
+        return sum(1 for _ in takewhile(lambda e: e.isdigit() or e[:4] in ("GPU-", "MIG-"), valid))
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
@@ -87,8 +91,14 @@ def visible_gpu_count(env: Mapping[str, str] | None = None) -> int | None:
     return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
 
 
-def child_env(base_env: Mapping[str, str], rank: int, nproc: int, port: int,
-              devices_per_process: int = 1, cpu: bool = False) -> dict[str, str]:
+def child_env(
+    base_env: Mapping[str, str],
+    rank: int,
+    nproc: int,
+    port: int,
+    devices_per_process: int = 1,
+    cpu: bool = False,
+) -> dict[str, str]:
     """The environment of rank ``rank``: ``base_env`` plus the ``jax.distributed`` variables.
     Everything else (``XLA_FLAGS``, ``NCCL_*``, ``CUDA_VISIBLE_DEVICES``, ...) passes through."""
     env = dict(base_env)
@@ -100,8 +110,7 @@ def child_env(base_env: Mapping[str, str], rank: int, nproc: int, port: int,
         env.pop("JAX_LOCAL_DEVICE_IDS", None)
     else:
         first = rank * devices_per_process
-        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(
-            str(first + d) for d in range(devices_per_process))
+        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(first + d) for d in range(devices_per_process))
     return env
 
 
@@ -124,32 +133,63 @@ def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
             bound = f"from {low} to {high}" if high is not None else f">= {low}"
             raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {text!r}")
         return value
+
     return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The launcher's argument parser."""
     p = argparse.ArgumentParser(
-        prog=PROG, description="Start one process per local GPU with jax.distributed.")
-    p.add_argument("-n", "--nproc", required=True, metavar="N", type=_int_in(1),
-                   help="number of processes (at most the visible GPUs / devices per process)")
-    p.add_argument("--port", metavar="PORT", type=_int_in(1, 65535),
-                   help="coordinator port on 127.0.0.1 (default: a free one)")
-    p.add_argument("--devices-per-process", type=_int_in(1), default=1, metavar="D",
-                   help="GPUs per process (default 1; ignored with --cpu)")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                   help="seconds to wait for the others after a rank fails (default 30)")
-    p.add_argument("--cpu", action="store_true",
-                   help="test mode: JAX_PLATFORMS=cpu, no GPU assignment")
-    p.add_argument("--log-dir", type=Path, metavar="DIR",
-                   help="write rank i's output to rank<i>.out / rank<i>.err here")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="the command each rank runs (after '--' or after the options)")
+        prog=PROG, description="Start one process per local GPU with jax.distributed."
+    )
+    p.add_argument(
+        "-n",
+        "--nproc",
+        required=True,
+        metavar="N",
+        type=_int_in(1),
+        help="number of processes (at most the visible GPUs / devices per process)",
+    )
+    p.add_argument(
+        "--port",
+        metavar="PORT",
+        type=_int_in(1, 65535),
+        help="coordinator port on 127.0.0.1 (default: a free one)",
+    )
+    p.add_argument(
+        "--devices-per-process",
+        type=_int_in(1),
+        default=1,
+        metavar="D",
+        help="GPUs per process (default 1; ignored with --cpu)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds to wait for the others after a rank fails (default 30)",
+    )
+    p.add_argument(
+        "--cpu", action="store_true", help="test mode: JAX_PLATFORMS=cpu, no GPU assignment"
+    )
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        metavar="DIR",
+        help="write rank i's output to rank<i>.out / rank<i>.err here",
+    )
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="the command each rank runs (after '--' or after the options)",
+    )
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None,
-               env: Mapping[str, str] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> argparse.Namespace:
     """Parse and check the launcher's arguments (``parser.error`` on bad ones)."""
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -163,8 +203,10 @@ def parse_args(argv: Sequence[str] | None = None,
         gpus = visible_gpu_count(env)
         wanted = args.nproc * args.devices_per_process
         if gpus is not None and wanted > gpus:
-            parser.error(f"{args.nproc} processes x {args.devices_per_process} device(s) need "
-                         f"{wanted} GPUs, only {gpus} visible (--cpu runs on the CPU)")
+            parser.error(
+                f"{args.nproc} processes x {args.devices_per_process} device(s) need "
+                f"{wanted} GPUs, only {gpus} visible (--cpu runs on the CPU)"
+            )
     return args
 
 
@@ -209,12 +251,19 @@ def run(args: argparse.Namespace) -> int:
                 out = open(args.log_dir / f"rank{rank}.out", "wb")  # noqa: SIM115
                 err = open(args.log_dir / f"rank{rank}.err", "wb")  # noqa: SIM115
                 files += [out, err]
-            env = child_env(os.environ, rank, args.nproc, port, args.devices_per_process,
-                            args.cpu)
+            env = child_env(os.environ, rank, args.nproc, port, args.devices_per_process, args.cpu)
             # Own process group: a terminal's Ctrl-C reaches the ranks once, through us; no stdin
             # (a background group reading the terminal would stop).
-            procs.append(subprocess.Popen(args.command, env=env, stdout=out, stderr=err,
-                                          stdin=subprocess.DEVNULL, process_group=0))
+            procs.append(
+                subprocess.Popen(
+                    args.command,
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                    process_group=0,
+                )
+            )
         code = _wait(procs, args.timeout, received)
         return code or (128 + received[0] if len(procs) < args.nproc else 0)
     except OSError as e:

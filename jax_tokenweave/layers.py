@@ -57,8 +57,19 @@ from jax_tokenweave.split import BatchPlan, plan_batch
 from jax_tokenweave.stack import PrefillAttention, concat, run_stack
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
-__all__ = ["ALL_COMMS", "COMMS", "SCHEDULES", "Comm", "DecoderLayer", "Schedule", "WeaveDecoder",
-           "check_call", "ffi_unavailable", "own_rows", "resolve_comm"]
+__all__ = [
+    "ALL_COMMS",
+    "COMMS",
+    "SCHEDULES",
+    "Comm",
+    "DecoderLayer",
+    "Schedule",
+    "WeaveDecoder",
+    "check_call",
+    "ffi_unavailable",
+    "own_rows",
+    "resolve_comm",
+]
 
 
 class WeaveDecoder(nnx.Module):
@@ -71,8 +82,15 @@ class WeaveDecoder(nnx.Module):
       rngs: ``nnx.Rngs`` for the random initial weights.
     """
 
-    def __init__(self, config: DecoderConfig, mesh: Mesh, *, axis_name: str = "tp",
-                 dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        mesh: Mesh,
+        *,
+        axis_name: str = "tp",
+        dtype: jnp.dtype = jnp.bfloat16,
+        rngs: nnx.Rngs,
+    ) -> None:
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         config.check_tensor_parallel(mesh.shape[axis_name])
@@ -80,9 +98,12 @@ class WeaveDecoder(nnx.Module):
         self.mesh = mesh
         self.axis_name = axis_name
         self.dtype = jnp.dtype(dtype)
-        self.layers = nnx.List([
-            DecoderLayer(config, mesh, axis_name=axis_name, dtype=dtype, rngs=rngs)
-            for _ in range(config.num_layers)])
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, mesh, axis_name=axis_name, dtype=dtype, rngs=rngs)
+                for _ in range(config.num_layers)
+            ]
+        )
         self.final_norm = make_param(rngs, (config.hidden_size,), dtype, mesh, P(), None)
 
     @property
@@ -104,9 +125,17 @@ class WeaveDecoder(nnx.Module):
         """The reducers' context of this decoder (axis, mesh, eps) with ``tuning``'s CTAs."""
         return ReduceContext(self.axis_name, self.mesh, self.config.rms_norm_eps, tuning)
 
-    def __call__(self, hidden: jax.Array, batch: BatchPlan, *, schedule: Schedule = "weave",
-                 comm: Comm = "auto", return_kv: bool = False, tuning: TuneEntry | None = None,
-                 reducer: ReducerFactory | None = None) -> Any:
+    def __call__(
+        self,
+        hidden: jax.Array,
+        batch: BatchPlan,
+        *,
+        schedule: Schedule = "weave",
+        comm: Comm = "auto",
+        return_kv: bool = False,
+        tuning: TuneEntry | None = None,
+        reducer: ReducerFactory | None = None,
+    ) -> Any:
         """Run the stack on ``hidden`` [T, H] (replicated) laid out as ``batch``.
 
         Returns the final-normed hidden states [T, H], replicated; with ``return_kv``, also a
@@ -120,30 +149,48 @@ class WeaveDecoder(nnx.Module):
         check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, comm)
         if tuning is not None and not isinstance(tuning, TuneEntry):
             raise ValueError(f"tuning must be a tuning.TuneEntry or None, got {type(tuning)}")
-        entry = tuning or batch.tuning or tuning_lib.lookup(
-            tuning_lib.model_name(self.config), self.tp, batch.num_tokens)
+        entry = (
+            tuning
+            or batch.tuning
+            or tuning_lib.lookup(tuning_lib.model_name(self.config), self.tp, batch.num_tokens)
+        )
         if reducer is None:
             schedule = resolve_schedule(schedule, comm, self.mesh, self.axis_name)
-        resolved = (resolve_comm(comm, self.mesh, self.axis_name, self.dtype, batch,
-                                 self.config.hidden_size, entry)
-                    if schedule == "weave" and reducer is None else "xla")
+        resolved = (
+            resolve_comm(
+                comm, self.mesh, self.axis_name, self.dtype, batch, self.config.hidden_size, entry
+            )
+            if schedule == "weave" and reducer is None
+            else "xla"
+        )
         halves, factory = configure(schedule, resolved, batch)
         factory = reducer or factory
         ctx = self.context(entry)
-        impl = attn_lib.default_implementation(str(self.mesh.devices.flat[0].platform),
-                                               self.dtype, self.config.head_dim)
+        impl = attn_lib.default_implementation(
+            str(self.mesh.devices.flat[0].platform), self.dtype, self.config.head_dim
+        )
         graphdef, state = nnx.split(self)
 
         def per_rank(state: Any, x: jax.Array) -> Any:
             dec = nnx.merge(graphdef, state)
             attention = PrefillAttention(halves, impl)
-            outs = run_stack(dec, [x[h.start:h.end] for h in halves],
-                             [h.positions() for h in halves], factory(ctx), attention)
+            outs = run_stack(
+                dec,
+                [x[h.start : h.end] for h in halves],
+                [h.positions() for h in halves],
+                factory(ctx),
+                attention,
+            )
             out = concat(outs)
             return (out, attention.kv()) if return_kv else out
 
         kv_spec = P(None, self.axis_name, None)
         out_specs = (P(), [(kv_spec, kv_spec)] * self.config.num_layers) if return_kv else P()
-        fn = jax.shard_map(per_rank, mesh=self.mesh, in_specs=(partition_specs(self), P()),
-                           out_specs=out_specs, check_vma=False)
+        fn = jax.shard_map(
+            per_rank,
+            mesh=self.mesh,
+            in_specs=(partition_specs(self), P()),
+            out_specs=out_specs,
+            check_vma=False,
+        )
         return fn(state, hidden)

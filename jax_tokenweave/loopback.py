@@ -38,13 +38,32 @@ class LoopbackComm:
         s = settings or CommSettings(workspace_mib=256, oneshot_mib=8, num_slots=2)
         self.num_ranks, self.settings = num_ranks, s
         self.comm_id = _extension.get().register_comm(
-            [ordinal] * num_ranks, num_ranks, s.area_bytes, s.oneshot_bytes, s.num_slots,
-            s.timeout_s, False, True)
+            [ordinal] * num_ranks,
+            num_ranks,
+            s.area_bytes,
+            s.oneshot_bytes,
+            s.num_slots,
+            s.timeout_s,
+            False,
+            True,
+        )
 
-    def run(self, partial: np.ndarray, residual: np.ndarray, weight: np.ndarray, *,
-            algo: str = "one_shot", num_ctas: int = 8, eps: float = 1e-6, calls: int = 1,
-            slots: int = 1, skip_call: int = -1, skip_rank: int = 0, graph_calls: int = 0,
-            graph_replays: int = 0) -> LoopbackResult:
+    def run(
+        self,
+        partial: np.ndarray,
+        residual: np.ndarray,
+        weight: np.ndarray,
+        *,
+        algo: str = "one_shot",
+        num_ctas: int = 8,
+        eps: float = 1e-6,
+        calls: int = 1,
+        slots: int = 1,
+        skip_call: int = -1,
+        skip_rank: int = 0,
+        graph_calls: int = 0,
+        graph_replays: int = 0,
+    ) -> LoopbackResult:
         """``calls`` back-to-back fused calls of every rank on ``partial`` [N, T, H] and the
         token-sharded ``residual`` [N, q, H] (bf16/fp16/fp32 NumPy arrays) with float32
         ``weight`` [H]; then, optionally, ``graph_replays`` timed replays of a CUDA graph of
@@ -54,15 +73,31 @@ class LoopbackComm:
         if n != self.num_ranks or residual.dtype != partial.dtype:
             raise ValueError("partial must be [N, T, H] for this comm's N, residual its dtype")
         out = _extension.get().loopback_run(
-            self.comm_id, dtype, algo, num_ctas, tokens, hidden, eps,
-            np.ascontiguousarray(partial).tobytes(), np.ascontiguousarray(residual).tobytes(),
-            np.ascontiguousarray(weight, np.float32).tobytes(), calls, slots, skip_call,
-            skip_rank, graph_calls, graph_replays)
+            self.comm_id,
+            dtype,
+            algo,
+            num_ctas,
+            tokens,
+            hidden,
+            eps,
+            np.ascontiguousarray(partial).tobytes(),
+            np.ascontiguousarray(residual).tobytes(),
+            np.ascontiguousarray(weight, np.float32).tobytes(),
+            calls,
+            slots,
+            skip_call,
+            skip_rank,
+            graph_calls,
+            graph_replays,
+        )
         np_dtype = _NUMPY[dtype]
         return LoopbackResult(
             normed=np.frombuffer(out["normed"], np_dtype).reshape(n, tokens, hidden),
             residual_out=np.frombuffer(out["residual_out"], np_dtype).reshape(n, -1, hidden),
-            mismatches=int(out["mismatches"]), call_us=list(out["call_us"]), error=out["error"])
+            mismatches=int(out["mismatches"]),
+            call_us=list(out["call_us"]),
+            error=out["error"],
+        )
 
     def failure(self) -> str | None:
         return _extension.get().failure_message(self.comm_id)
@@ -72,8 +107,9 @@ class LoopbackComm:
         _extension.get().release_comm(self.comm_id)
 
 
-def reference(partial: np.ndarray, residual: np.ndarray, weight: np.ndarray,
-              eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+def reference(
+    partial: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float = 1e-6
+) -> tuple[np.ndarray, np.ndarray]:
     """Float64 ``(normed [T, H], residual_out [N, q, H])`` of the fused op for loopback inputs
     (padding rows past T carry the residual through)."""
     n, tokens, hidden = partial.shape

@@ -40,8 +40,11 @@ class Mode:
         """``baseline`` / ``nocomm`` / ``weave-<comm>`` (+ ``-nosplit``, ``@<ctas>``)."""
         if self.schedule != "weave":
             return self.schedule
-        return (f"weave-{self.comm}" + ("-nosplit" if self.split is False else "")
-                + (f"@{self.ctas}" if self.ctas is not None else ""))
+        return (
+            f"weave-{self.comm}"
+            + ("-nosplit" if self.split is False else "")
+            + (f"@{self.ctas}" if self.ctas is not None else "")
+        )
 
     @property
     def needs_ffi(self) -> bool:
@@ -60,20 +63,35 @@ class Mode:
         return None if self.ctas is None else TuneEntry(None, self.ctas)
 
 
-def make_plan(config: Any, model: str, lengths: Sequence[int], tp: int, *,
-              threshold: int | None = None, split: bool | None = None,
-              table: Any = None) -> Any:
+def make_plan(
+    config: Any,
+    model: str,
+    lengths: Sequence[int],
+    tp: int,
+    *,
+    threshold: int | None = None,
+    split: bool | None = None,
+    table: Any = None,
+) -> Any:
     """``split.plan_batch`` as the library plans a batch of ``model`` (the tuning table's rows
     for its name, else the wildcard rows; ``table`` default: the shipped one), with ``config``'s
     work-balance rule and wave model; ``threshold``/``split`` override the table's decision."""
     from jax_tokenweave.split import plan_batch
 
-    return plan_batch(tuple(lengths), tp=tp, split=split, model=model, config=config,
-                      threshold=threshold, table=table)
+    return plan_batch(
+        tuple(lengths),
+        tp=tp,
+        split=split,
+        model=model,
+        config=config,
+        threshold=threshold,
+        table=table,
+    )
 
 
-def compile_forward(decoder: Any, plan: Any, hidden: jax.Array,
-                    **kwargs: Any) -> tuple[Callable[[], jax.Array], float, str]:
+def compile_forward(
+    decoder: Any, plan: Any, hidden: jax.Array, **kwargs: Any
+) -> tuple[Callable[[], jax.Array], float, str]:
     """Compile ``decoder(hidden, plan, **kwargs)`` (``schedule=``, ``comm=``, ``tuning=``).
 
     Returns ``(run, compile seconds, compiled HLO text)``; ``run()`` calls the executable on
@@ -90,9 +108,19 @@ def compile_forward(decoder: Any, plan: Any, hidden: jax.Array,
     return (lambda: compiled(state, hidden)), seconds, compiled.as_text()
 
 
-def measure(decoder: Any, config: Any, model: str, lengths: Sequence[int], hidden: jax.Array,
-            modes: Mapping[str, Mode], *, tol: float, warmup: int, iters: int,
-            ffi_reason: str | None = None) -> dict[str, dict[str, Any]]:
+def measure(
+    decoder: Any,
+    config: Any,
+    model: str,
+    lengths: Sequence[int],
+    hidden: jax.Array,
+    modes: Mapping[str, Mode],
+    *,
+    tol: float,
+    warmup: int,
+    iters: int,
+    ffi_reason: str | None = None,
+) -> dict[str, dict[str, Any]]:
     """Compile, check and time ``modes`` on one batch; ``{name: info}`` for each mode.
 
     ``lengths``: the batch's request lengths; ``hidden``: its [T, H] input (replicated);
@@ -113,12 +141,17 @@ def measure(decoder: Any, config: Any, model: str, lengths: Sequence[int], hidde
             continue
         try:
             plan = make_plan(config, model, lengths, tp, split=mode.split)
-            fns[name], seconds, _ = compile_forward(decoder, plan, hidden, schedule=mode.schedule,
-                                                    comm=mode.comm, tuning=mode.tuning)
+            fns[name], seconds, _ = compile_forward(
+                decoder, plan, hidden, schedule=mode.schedule, comm=mode.comm, tuning=mode.tuning
+            )
             entry = mode.tuning or plan.tuning
-            info[name] = {"status": "ok", "compile_s": seconds, "split": plan.split,
-                          "half_lengths": [h.length for h in plan.halves],
-                          "tuning": dataclasses.asdict(entry) if entry else None}
+            info[name] = {
+                "status": "ok",
+                "compile_s": seconds,
+                "split": plan.split,
+                "half_lengths": [h.length for h in plan.halves],
+                "tuning": dataclasses.asdict(entry) if entry else None,
+            }
         except Exception as err:  # a mode that fails must not end the sweep
             info[name] = {"status": "error", "reason": one_line(err)}
             traceback.print_exc(limit=3)
@@ -129,8 +162,9 @@ def measure(decoder: Any, config: Any, model: str, lengths: Sequence[int], hidde
         err = timing.rel_error(fns[name](), reference)
         info[name]["rel_err"] = err
         if not err <= tol:
-            info[name].update(status="mismatch",
-                              reason=f"relative error {err:.3g} vs baseline > {tol}")
+            info[name].update(
+                status="mismatch", reason=f"relative error {err:.3g} vs baseline > {tol}"
+            )
             del fns[name]
     del reference
     timed = {n: fns[n] for n in modes if n in fns}

@@ -51,14 +51,15 @@ def router_weights(x: jax.Array, router: jax.Array, top_k: int) -> jax.Array:
     return jnp.einsum("tk,tke->te", top_weights, one_hot)
 
 
-def moe_partial(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array,
-                top_k: int) -> jax.Array:
+def moe_partial(
+    x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, top_k: int
+) -> jax.Array:
     """Per-rank partial MoE output ``[T, H]`` (sum over ranks = the MoE output).
 
     ``x``: [T, H] replicated; ``gate_up``: [E, H, 2F/tp] (this rank's ``[gate | up]``);
     ``down``: [E, F/tp, H] (local).
     """
-    weights = router_weights(x, router, top_k).astype(x.dtype)          # [T, E]
+    weights = router_weights(x, router, top_k).astype(x.dtype)  # [T, E]
     gate_up = jnp.einsum("th,ehf->tef", x, gate_up)
     f = gate_up.shape[-1] // 2
     h = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:] * weights[:, :, None]
@@ -68,29 +69,48 @@ def moe_partial(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.A
 class MoE(nnx.Module):
     """Router (replicated) and ``E`` SwiGLU experts with their FFN dimension sharded over TP."""
 
-    def __init__(self, config: DecoderConfig, mesh: Mesh, *, axis_name: str = "tp",
-                 dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        mesh: Mesh,
+        *,
+        axis_name: str = "tp",
+        dtype: jnp.dtype = jnp.bfloat16,
+        rngs: nnx.Rngs,
+    ) -> None:
         e, h, f = config.num_experts, config.hidden_size, config.intermediate_size
         if e <= 0:
             raise ValueError(f"MoE needs config.num_experts > 0, got {e}")
         self.top_k = config.experts_per_token
-        params = make_params(rngs, {
-            "router": ((h, e), P(), 1 / np.sqrt(h)),
-            "gate_up_proj": ((e, h, 2 * f), P(None, None, axis_name), 1 / np.sqrt(h)),
-            "down_proj": ((e, f, h), P(None, axis_name, None), 1 / np.sqrt(f)),
-        }, dtype, mesh)
+        params = make_params(
+            rngs,
+            {
+                "router": ((h, e), P(), 1 / np.sqrt(h)),
+                "gate_up_proj": ((e, h, 2 * f), P(None, None, axis_name), 1 / np.sqrt(h)),
+                "down_proj": ((e, f, h), P(None, axis_name, None), 1 / np.sqrt(f)),
+            },
+            dtype,
+            mesh,
+        )
         self.router = params["router"]
         self.gate_up_proj = params["gate_up_proj"]
         self.down_proj = params["down_proj"]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Per rank (inside ``shard_map``): ``x`` [T, H] replicated -> partial [T, H]."""
-        return moe_partial(x, self.router[...], self.gate_up_proj[...], self.down_proj[...],
-                           self.top_k)
+        return moe_partial(
+            x, self.router[...], self.gate_up_proj[...], self.down_proj[...], self.top_k
+        )
 
 
-def reference_moe(x: np.ndarray, router: np.ndarray, gate: np.ndarray, up: np.ndarray,
-                  down: np.ndarray, top_k: int) -> np.ndarray:
+def reference_moe(
+    x: np.ndarray,
+    router: np.ndarray,
+    gate: np.ndarray,
+    up: np.ndarray,
+    down: np.ndarray,
+    top_k: int,
+) -> np.ndarray:
     """Float64 NumPy MoE on full (unsharded) weights, sparse dispatch: [T, H] -> [T, H]."""
     x = np.asarray(x, np.float64)
     logits = x @ np.asarray(router, np.float64)

@@ -53,8 +53,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * inv * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def add_rmsnorm(x: jax.Array, residual: jax.Array, weight: jax.Array,
-                eps: float) -> tuple[jax.Array, jax.Array]:
+def add_rmsnorm(
+    x: jax.Array, residual: jax.Array, weight: jax.Array, eps: float
+) -> tuple[jax.Array, jax.Array]:
     """``(rms_norm(x + residual), x + residual)``, the add done in float32, both in x.dtype."""
     summed = (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
     return rms_norm(summed, weight, eps), summed
@@ -106,12 +107,26 @@ def allreduce_rmsnorm(
         raise RuntimeError(f"allreduce_rmsnorm(impl='ffi') is unavailable: {reason}")
     from jax_tokenweave import _ffi
 
-    return _ffi.allreduce_rmsnorm(partial, residual, weight, axis_name=axis_name, mesh=mesh,
-                                  eps=eps, num_ctas=num_ctas, slot=slot)
+    return _ffi.allreduce_rmsnorm(
+        partial,
+        residual,
+        weight,
+        axis_name=axis_name,
+        mesh=mesh,
+        eps=eps,
+        num_ctas=num_ctas,
+        slot=slot,
+    )
 
 
-def _xla_rsag(partial: jax.Array, residual: jax.Array, weight: jax.Array, axis_name: str,
-              axis_size: int, eps: float) -> tuple[jax.Array, jax.Array]:
+def _xla_rsag(
+    partial: jax.Array,
+    residual: jax.Array,
+    weight: jax.Array,
+    axis_name: str,
+    axis_size: int,
+    eps: float,
+) -> tuple[jax.Array, jax.Array]:
     num_tokens = partial.shape[0]
     padded = rows_per_rank(num_tokens, axis_size) * axis_size
     if padded != num_tokens:
@@ -133,8 +148,9 @@ def _check_impl(impl: str) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def _check_inputs(partial: jax.Array, residual: jax.Array, weight: jax.Array, axis_size: int,
-                  impl: str) -> None:
+def _check_inputs(
+    partial: jax.Array, residual: jax.Array, weight: jax.Array, axis_size: int, impl: str
+) -> None:
     if partial.ndim != 2:
         raise ValueError(f"partial must be [tokens, hidden], got shape {partial.shape}")
     num_tokens, hidden = partial.shape
@@ -147,10 +163,12 @@ def _check_inputs(partial: jax.Array, residual: jax.Array, weight: jax.Array, ax
         layout = "token-sharded" if impl in SHARDED_RESIDUAL_IMPLS else "replicated"
         raise ValueError(
             f"impl={impl!r} expects a {layout} residual of shape {want} per rank for "
-            f"{num_tokens} tokens over an axis of size {axis_size}; got {residual.shape}")
+            f"{num_tokens} tokens over an axis of size {axis_size}; got {residual.shape}"
+        )
     if residual.dtype != partial.dtype:
         raise ValueError(
-            f"residual dtype {residual.dtype} differs from partial dtype {partial.dtype}")
+            f"residual dtype {residual.dtype} differs from partial dtype {partial.dtype}"
+        )
     for name, array in (("partial", partial), ("weight", weight)):
         if not jnp.issubdtype(array.dtype, jnp.floating):
             raise ValueError(f"{name} must be floating point, got {array.dtype}")

@@ -29,8 +29,9 @@ ParamSpec = tuple[tuple[int, ...], P, float | None]
 
 
 @functools.lru_cache(maxsize=128)
-def _init_fn(specs: tuple[tuple[str, ParamSpec], ...], dtype: jnp.dtype,
-             mesh: Mesh) -> Callable[[jax.Array], dict[str, jax.Array]]:
+def _init_fn(
+    specs: tuple[tuple[str, ParamSpec], ...], dtype: jnp.dtype, mesh: Mesh
+) -> Callable[[jax.Array], dict[str, jax.Array]]:
     """One jitted initialiser for a group of parameters (compiled once per shapes/mesh/dtype)."""
     shardings = {name: NamedSharding(mesh, spec) for name, (_, spec, _) in specs}
 
@@ -53,22 +54,25 @@ def sharded_param(value: Any, spec: P, mesh: Mesh) -> nnx.Param:
     return nnx.Param(annotated, eager_sharding=False)
 
 
-def make_params(rngs: nnx.Rngs, specs: Mapping[str, ParamSpec], dtype: jnp.dtype,
-                mesh: Mesh) -> dict[str, nnx.Param]:
+def make_params(
+    rngs: nnx.Rngs, specs: Mapping[str, ParamSpec], dtype: jnp.dtype, mesh: Mesh
+) -> dict[str, nnx.Param]:
     """``nnx.Param``s created directly with ``NamedSharding(mesh, spec)`` by one jitted call.
 
     ``specs``: ``{name: (shape, spec, std)}``; ``std=None``: ones, else normal(0, std). Each
     Param carries ``spec`` as Flax sharding metadata (module docstring).
     """
-    frozen = tuple((name, (tuple(shape), spec, None if std is None else float(std)))
-                   for name, (shape, spec, std) in specs.items())
+    frozen = tuple(
+        (name, (tuple(shape), spec, None if std is None else float(std)))
+        for name, (shape, spec, std) in specs.items()
+    )
     values = _init_fn(frozen, jnp.dtype(dtype), mesh)(rngs.params())
-    return {name: sharded_param(values[name], spec, mesh)
-            for name, (_, spec, _) in specs.items()}
+    return {name: sharded_param(values[name], spec, mesh) for name, (_, spec, _) in specs.items()}
 
 
-def make_param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, mesh: Mesh,
-               spec: P, std: float | None) -> nnx.Param:
+def make_param(
+    rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, mesh: Mesh, spec: P, std: float | None
+) -> nnx.Param:
     """A single parameter (see :func:`make_params`)."""
     return make_params(rngs, {"p": (shape, spec, std)}, dtype, mesh)["p"]
 
@@ -87,13 +91,16 @@ def param_spec(param: nnx.Variable) -> P:
 def partition_specs(module: nnx.Module) -> Any:
     """``nnx.state(module, nnx.Param)`` with every Param replaced by its ``PartitionSpec``: the
     ``in_specs`` of that state for ``jax.shard_map`` (from ``nnx.get_partition_spec``)."""
-    return jax.tree.map(lambda v: v.get_value(),
-                        nnx.get_partition_spec(nnx.state(module, nnx.Param)),
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(
+        lambda v: v.get_value(),
+        nnx.get_partition_spec(nnx.state(module, nnx.Param)),
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
 
 
-def load_weights(module: nnx.Module, mesh: Mesh, weights: Mapping[str, Any], *,
-                 strict: bool = True) -> None:
+def load_weights(
+    module: nnx.Module, mesh: Mesh, weights: Mapping[str, Any], *, strict: bool = True
+) -> None:
     """Set Params from full (global) arrays, placed with ``NamedSharding(mesh, param_spec)``.
 
     ``weights``: ``{dotted name: array}`` (NumPy or ``jax.Array``), names as :func:`named_params`;

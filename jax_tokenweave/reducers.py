@@ -100,8 +100,9 @@ class Reducer:
         """Every half's final normed output."""
         return [self.ready(j) for j in range(len(self.x))]
 
-    def combine(self, j: int, partial: jax.Array, residual: jax.Array,
-                weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def combine(
+        self, j: int, partial: jax.Array, residual: jax.Array, weight: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
         raise NotImplementedError
 
     def next_ctas(self) -> int | None:
@@ -114,8 +115,9 @@ class Psum(Reducer):
     """Plain TP: all-reduce (XLA ``psum``), add, RMSNorm on all rows; residual replicated."""
 
     def combine(self, j, partial, residual, weight):
-        return ops.allreduce_rmsnorm(partial, residual, weight, axis_name=self.ctx.axis_name,
-                                     eps=self.ctx.eps, impl="xla")
+        return ops.allreduce_rmsnorm(
+            partial, residual, weight, axis_name=self.ctx.axis_name, eps=self.ctx.eps, impl="xla"
+        )
 
 
 class Local(Reducer):
@@ -137,9 +139,16 @@ class Sharded(Reducer):
 
     def combine(self, j, partial, residual, weight):
         return ops.allreduce_rmsnorm(
-            partial, residual, weight, axis_name=self.ctx.axis_name, eps=self.ctx.eps,
-            impl=self.impl, mesh=self.ctx.mesh, slot=j,
-            num_ctas=self.next_ctas() if self.impl == "ffi" else None)
+            partial,
+            residual,
+            weight,
+            axis_name=self.ctx.axis_name,
+            eps=self.ctx.eps,
+            impl=self.impl,
+            mesh=self.ctx.mesh,
+            slot=j,
+            num_ctas=self.next_ctas() if self.impl == "ffi" else None,
+        )
 
 
 def sharded(impl: str) -> Callable[[ReduceContext], Sharded]:
@@ -157,7 +166,7 @@ class LocalSharded(Reducer):
         axis = self.ctx.axis_name
         normed, summed = ops.add_rmsnorm(own_rows(partial, axis), residual, weight, self.ctx.eps)
         tiled = jnp.tile(normed, (jax.lax.axis_size(axis), 1))
-        return tiled[:partial.shape[0]], summed
+        return tiled[: partial.shape[0]], summed
 
 
 class Overlap(Reducer):
@@ -180,8 +189,12 @@ class Overlap(Reducer):
 
     sharded = True
 
-    def __init__(self, ctx: ReduceContext, start: Callable[..., Any] | None = None,
-                 done: Callable[..., Any] | None = None) -> None:
+    def __init__(
+        self,
+        ctx: ReduceContext,
+        start: Callable[..., Any] | None = None,
+        done: Callable[..., Any] | None = None,
+    ) -> None:
         super().__init__(ctx)
         self._start, self._done = start, done
         self.pending: list[Any] = []
@@ -196,8 +209,10 @@ class Overlap(Reducer):
         if self._start is None or self._done is None:
             from jax_tokenweave import _ffi
 
-            return self._start or _ffi.allreduce_rmsnorm_start, \
-                self._done or _ffi.allreduce_rmsnorm_done
+            return (
+                self._start or _ffi.allreduce_rmsnorm_start,
+                self._done or _ffi.allreduce_rmsnorm_done,
+            )
         return self._start, self._done
 
     def ready(self, j: int) -> jax.Array:
@@ -205,9 +220,11 @@ class Overlap(Reducer):
         if pending[j] is not None:
             if pending[other] is not None:
                 pending[j], pending[other] = jax.lax.optimization_barrier(
-                    (pending[j], pending[other]))
+                    (pending[j], pending[other])
+                )
             self.x[j], self.residual[j] = self._kernel()[1](
-                pending[j], axis_name=self.ctx.axis_name, mesh=self.ctx.mesh, slot=j)
+                pending[j], axis_name=self.ctx.axis_name, mesh=self.ctx.mesh, slot=j
+            )
             pending[j] = None
         elif pending[other] is not None:
             pending[other], self.x[j] = jax.lax.optimization_barrier((pending[other], self.x[j]))
@@ -215,5 +232,12 @@ class Overlap(Reducer):
 
     def reduce(self, j: int, partial: jax.Array, weight: jax.Array) -> None:
         self.pending[j] = self._kernel()[0](
-            partial, self.residual[j], weight, axis_name=self.ctx.axis_name, mesh=self.ctx.mesh,
-            eps=self.ctx.eps, num_ctas=self.next_ctas(), slot=j)
+            partial,
+            self.residual[j],
+            weight,
+            axis_name=self.ctx.axis_name,
+            mesh=self.ctx.mesh,
+            eps=self.ctx.eps,
+            num_ctas=self.next_ctas(),
+            slot=j,
+        )

@@ -40,8 +40,15 @@ ALL_COMMS: tuple[str, ...] = get_args(Comm)
 ReducerFactory = Callable[[reducers.ReduceContext], reducers.Reducer]
 
 
-def check_call(config: DecoderConfig, dtype: jnp.dtype, tp: int, hidden: Any, batch: Any,
-               schedule: str, comm: str) -> None:
+def check_call(
+    config: DecoderConfig,
+    dtype: jnp.dtype,
+    tp: int,
+    hidden: Any,
+    batch: Any,
+    schedule: str,
+    comm: str,
+) -> None:
     """Validate ``WeaveDecoder.__call__``'s arguments; raise ``ValueError`` saying what is wrong."""
     config.check_tensor_parallel(tp)
     if schedule not in SCHEDULES:
@@ -56,19 +63,28 @@ def check_call(config: DecoderConfig, dtype: jnp.dtype, tp: int, hidden: Any, ba
     if shape[0] < 1:
         raise ValueError("hidden has no tokens (empty batch)")
     if shape[1] != config.hidden_size:
-        raise ValueError(f"hidden has width {shape[1]}, the config's hidden_size is "
-                         f"{config.hidden_size}")
+        raise ValueError(
+            f"hidden has width {shape[1]}, the config's hidden_size is {config.hidden_size}"
+        )
     if shape[0] != batch.num_tokens:
-        raise ValueError(f"hidden has {shape[0]} tokens but the batch's request lengths sum to "
-                         f"{batch.num_tokens}")
+        raise ValueError(
+            f"hidden has {shape[0]} tokens but the batch's request lengths sum to "
+            f"{batch.num_tokens}"
+        )
     if not jnp.issubdtype(hidden.dtype, jnp.floating):
         raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
     if jnp.dtype(hidden.dtype) != jnp.dtype(dtype):
         raise ValueError(f"hidden dtype {hidden.dtype} differs from the model dtype {dtype}")
 
 
-def ffi_unavailable(mesh: Mesh, axis_name: str, dtype: Any, batch: BatchPlan, hidden_size: int,
-                    tuning: TuneEntry | None = None) -> str | None:
+def ffi_unavailable(
+    mesh: Mesh,
+    axis_name: str,
+    dtype: Any,
+    batch: BatchPlan,
+    hidden_size: int,
+    tuning: TuneEntry | None = None,
+) -> str | None:
     """Why the fused kernel cannot run this batch's weave schedule (None where it can): the
     first half whose ``[T_half, H]`` call (its slot = half index, the tuned CTA counts) is
     refused by ``_ffi.unavailable_reason``."""
@@ -77,8 +93,9 @@ def ffi_unavailable(mesh: Mesh, axis_name: str, dtype: Any, batch: BatchPlan, hi
     entry = DEFAULT_ENTRY if tuning is None else tuning
     for j, half in enumerate(batch.halves):
         for ctas in dict.fromkeys((entry.ctas(j == 0), entry.ctas(False))):
-            why = _ffi.unavailable_reason(mesh, axis_name, jnp.dtype(dtype),
-                                          (half.length, hidden_size), num_ctas=ctas, slot=j)
+            why = _ffi.unavailable_reason(
+                mesh, axis_name, jnp.dtype(dtype), (half.length, hidden_size), num_ctas=ctas, slot=j
+            )
             if why is not None:
                 return f"half {j} ([{half.length}, {hidden_size}]): {why}"
     return None
@@ -96,8 +113,15 @@ def resolve_schedule(schedule: str, comm: str, mesh: Mesh, axis_name: str) -> st
     return schedule
 
 
-def resolve_comm(comm: str, mesh: Mesh, axis_name: str, dtype: Any, batch: BatchPlan,
-                 hidden_size: int, tuning: TuneEntry | None = None) -> str:
+def resolve_comm(
+    comm: str,
+    mesh: Mesh,
+    axis_name: str,
+    dtype: Any,
+    batch: BatchPlan,
+    hidden_size: int,
+    tuning: TuneEntry | None = None,
+) -> str:
     """The weave schedule's communication for this call: ``xla``, ``ffi``, ``ffi-sync`` or
     ``local``. ``auto`` is ``ffi`` where :func:`ffi_unavailable` gives no reason, else ``xla``;
     ``ffi`` and ``ffi-sync`` raise ``RuntimeError`` saying why where the kernel cannot run."""
@@ -113,8 +137,9 @@ def resolve_comm(comm: str, mesh: Mesh, axis_name: str, dtype: Any, batch: Batch
     raise RuntimeError(f"comm={comm!r} is unavailable: {why} (use comm='auto' or 'xla')")
 
 
-def configure(schedule: str, comm: str, batch: BatchPlan) -> tuple[tuple[Half, ...],
-                                                                    ReducerFactory]:
+def configure(
+    schedule: str, comm: str, batch: BatchPlan
+) -> tuple[tuple[Half, ...], ReducerFactory]:
     """The halves and the reducer factory of ``schedule`` with a *resolved* ``comm``
     (:func:`resolve_comm`; ignored by ``baseline`` and ``nocomm``)."""
     if schedule in ("baseline", "nocomm"):

@@ -177,11 +177,11 @@ def wave_offset(num_tokens: int, wave: WaveModel | None = None) -> int:
 class Piece:
     """A run of consecutive tokens of one request inside one half."""
 
-    request: int    # index into BatchPlan.request_lengths
-    start: int      # global index (0..T) of the piece's first token in the packed batch
-    length: int     # tokens in this piece, >= 1
-    position: int   # position inside its request of the piece's first token (0 unless this is
-                    # the second part of a request the split cut)
+    request: int  # index into BatchPlan.request_lengths
+    start: int  # global index (0..T) of the piece's first token in the packed batch
+    length: int  # tokens in this piece, >= 1
+    position: int  # position inside its request of the piece's first token (0 unless this is
+    # the second part of a request the split cut)
 
     @property
     def end(self) -> int:
@@ -202,9 +202,9 @@ class Piece:
 class Half:
     """A contiguous range of the packed batch and the request pieces in it."""
 
-    start: int                  # global index of the half's first token
-    length: int                 # tokens in the half
-    pieces: tuple[Piece, ...]   # in token order; lengths sum to `length`
+    start: int  # global index of the half's first token
+    length: int  # tokens in the half
+    pieces: tuple[Piece, ...]  # in token order; lengths sum to `length`
 
     @property
     def end(self) -> int:
@@ -229,10 +229,10 @@ class BatchPlan:
     """Packed ragged batch layout and split decision (hashable: a valid static jit argument)."""
 
     request_lengths: tuple[int, ...]
-    num_tokens: int             # sum(request_lengths)
-    halves: tuple[Half, ...]    # one (no split) or two (split); contiguous, covering [0, T)
-    offset: int                 # offset applied to the midpoint (0 when not split)
-    tuning: TuneEntry | None = None   # the tuning table's entry: the fused kernel's CTA counts
+    num_tokens: int  # sum(request_lengths)
+    halves: tuple[Half, ...]  # one (no split) or two (split); contiguous, covering [0, T)
+    offset: int  # offset applied to the midpoint (0 when not split)
+    tuning: TuneEntry | None = None  # the tuning table's entry: the fused kernel's CTA counts
 
     @property
     def split(self) -> bool:
@@ -262,15 +262,22 @@ class BatchPlan:
 
     def segment_ids(self) -> np.ndarray:
         """int32 ``[T]``: each token's request index."""
-        return np.repeat(np.arange(len(self.request_lengths), dtype=np.int32),
-                         self.request_lengths)
+        return np.repeat(np.arange(len(self.request_lengths), dtype=np.int32), self.request_lengths)
 
 
-def plan_batch(request_lengths: Sequence[int], *, tp: int = 1, threshold: int | None = None,
-               wave: WaveModel | None = None, offset: int | None = None,
-               split: bool | None = None, model: str | None = None,
-               config: DecoderConfig | None = None, table: TuneTable | None = None,
-               cost: CostModel | None = None) -> BatchPlan:
+def plan_batch(
+    request_lengths: Sequence[int],
+    *,
+    tp: int = 1,
+    threshold: int | None = None,
+    wave: WaveModel | None = None,
+    offset: int | None = None,
+    split: bool | None = None,
+    model: str | None = None,
+    config: DecoderConfig | None = None,
+    table: TuneTable | None = None,
+    cost: CostModel | None = None,
+) -> BatchPlan:
     """Plan the packed layout of a ragged batch, its split and its tuning (module docstring).
 
     ``request_lengths``: tokens per request, each an int >= 1. ``tp``: TP degree.
@@ -313,8 +320,11 @@ def plan_batch(request_lengths: Sequence[int], *, tp: int = 1, threshold: int | 
             wave = WaveModel.from_config(config, int(tp))
         if cost is None and config is not None:
             cost = CostModel.from_config(config, int(tp), tile_m=(wave or WaveModel()).tile_m)
-        rule = (cost.balanced_split(lengths, waves=wave) if cost is not None
-                else mid + wave_offset(total, wave))
+        rule = (
+            cost.balanced_split(lengths, waves=wave)
+            if cost is not None
+            else mid + wave_offset(total, wave)
+        )
         tuned = rule + (entry.offset or 0)
         offset = (tuned if 1 <= tuned <= total - 1 else rule) - mid
     offset = int(offset)
@@ -323,9 +333,12 @@ def plan_batch(request_lengths: Sequence[int], *, tp: int = 1, threshold: int | 
         raise ValueError(
             f"offset {offset} puts the split at token {first} of {total} (midpoint "
             f"{mid}); both halves must be non-empty, so the offset must lie in "
-            f"[{1 - mid}, {total - 1 - mid}]")
-    halves = (Half(0, first, _pieces(lengths, 0, first)),
-              Half(first, total - first, _pieces(lengths, first, total)))
+            f"[{1 - mid}, {total - 1 - mid}]"
+        )
+    halves = (
+        Half(0, first, _pieces(lengths, 0, first)),
+        Half(first, total - first, _pieces(lengths, first, total)),
+    )
     return BatchPlan(lengths, total, halves, offset, entry)
 
 
@@ -338,7 +351,8 @@ def _check_lengths(request_lengths: Sequence[int]) -> tuple[int, ...]:
         values = list(request_lengths)
     except TypeError:
         raise ValueError(
-            f"request_lengths must be a sequence of ints, got {request_lengths!r}") from None
+            f"request_lengths must be a sequence of ints, got {request_lengths!r}"
+        ) from None
     if not values:
         raise ValueError("empty batch: request_lengths has no requests")
     for i, value in enumerate(values):

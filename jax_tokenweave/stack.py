@@ -51,13 +51,18 @@ from jax_tokenweave.split import Half
 class AttentionFn(Protocol):
     """``(layer index, half index, q, k, v) -> attention output [T_j, Nq/N, D]``."""
 
-    def __call__(self, layer: int, half: int, q: jax.Array, k: jax.Array,
-                 v: jax.Array) -> jax.Array: ...
+    def __call__(
+        self, layer: int, half: int, q: jax.Array, k: jax.Array, v: jax.Array
+    ) -> jax.Array: ...
 
 
-def run_stack(dec: Any, inputs: Sequence[jax.Array],
-              positions: Sequence[jax.Array | np.ndarray], reducer: Reducer,
-              attention: AttentionFn) -> list[jax.Array]:
+def run_stack(
+    dec: Any,
+    inputs: Sequence[jax.Array],
+    positions: Sequence[jax.Array | np.ndarray],
+    reducer: Reducer,
+    attention: AttentionFn,
+) -> list[jax.Array]:
     """The layer loop (module docstring) on ``dec`` (a ``WeaveDecoder`` holding local shards).
 
     ``inputs``: per half, hidden states [T_j, H] replicated; ``positions``: per half, int32
@@ -96,23 +101,30 @@ class PrefillAttention:
         self._k: dict[int, list[jax.Array]] = {}
         self._v: dict[int, list[jax.Array]] = {}
 
-    def __call__(self, layer: int, j: int, q: jax.Array, k: jax.Array,
-                 v: jax.Array) -> jax.Array:
+    def __call__(self, layer: int, j: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         half = self.halves[j]
         ks, vs = self._k.setdefault(layer, []), self._v.setdefault(layer, [])
         prefix = _prefixes(half, ks, vs)
         ks.append(k)
         vs.append(v)
-        return attn_lib.ragged_attention(q, k, v, half.pieces, origin=half.start,
-                                         prefix=prefix, implementation=self.implementation)
+        return attn_lib.ragged_attention(
+            q,
+            k,
+            v,
+            half.pieces,
+            origin=half.start,
+            prefix=prefix,
+            implementation=self.implementation,
+        )
 
     def kv(self) -> list[tuple[jax.Array, jax.Array]]:
         """Per layer, ``(k, v)`` of all halves in token order: [T, Nkv/N, D] each."""
         return [(concat(self._k[i]), concat(self._v[i])) for i in sorted(self._k)]
 
 
-def _prefixes(half: Half, earlier_k: list[jax.Array],
-              earlier_v: list[jax.Array]) -> Mapping[int, tuple[jax.Array, jax.Array]]:
+def _prefixes(
+    half: Half, earlier_k: list[jax.Array], earlier_v: list[jax.Array]
+) -> Mapping[int, tuple[jax.Array, jax.Array]]:
     """K/V prefixes of ``half``'s pieces with position > 0, cut from the earlier halves' K/V,
     which cover global tokens ``[0, half.start)`` in order."""
     out = {}
@@ -121,8 +133,10 @@ def _prefixes(half: Half, earlier_k: list[jax.Array],
             if not earlier_k:
                 raise ValueError(f"piece {piece} needs a K/V prefix but no earlier half exists")
             lo = piece.start - piece.position
-            out[piece.request] = (concat(earlier_k)[lo:piece.start],
-                                  concat(earlier_v)[lo:piece.start])
+            out[piece.request] = (
+                concat(earlier_k)[lo : piece.start],
+                concat(earlier_v)[lo : piece.start],
+            )
     return out
 
 

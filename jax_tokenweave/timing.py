@@ -53,8 +53,13 @@ class Stats:
     def summary(self, *, samples: bool = True) -> dict[str, Any]:
         """A JSON-ready dict: median, p10, p90, mean, min, iters and (optionally) the samples."""
         out: dict[str, Any] = {
-            "median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms,
-            "mean_ms": self.mean_ms, "min_ms": self.min_ms, "iters": len(self.samples_ms)}
+            "median_ms": self.median_ms,
+            "p10_ms": self.p10_ms,
+            "p90_ms": self.p90_ms,
+            "mean_ms": self.mean_ms,
+            "min_ms": self.min_ms,
+            "iters": len(self.samples_ms),
+        }
         if samples:
             out["samples_ms"] = list(self.samples_ms)
         return out

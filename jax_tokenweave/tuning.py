@@ -74,8 +74,15 @@ ANY_MODEL = "*"
 DEFAULT_THRESHOLD = 1024
 """Split batches of at least this many tokens where the table has no threshold (the paper's)."""
 DEFAULT_PATH = Path(__file__).with_name("tuning.json")
-SIGNATURE_FIELDS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                    "num_experts", "qkv_bias")
+SIGNATURE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "num_experts",
+    "qkv_bias",
+)
 """The ``DecoderConfig`` fields that identify a model's layer shapes (:func:`signature`)."""
 
 
@@ -145,8 +152,7 @@ class TuneTable:
     thresholds: Mapping[tuple[str, int], int] = dataclasses.field(default_factory=dict)
     models: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-    notes: Mapping[Key, Mapping[str, Any]] = dataclasses.field(default_factory=dict,
-                                                               compare=False)
+    notes: Mapping[Key, Mapping[str, Any]] = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         for key, entry in self.entries.items():
@@ -158,15 +164,19 @@ class TuneTable:
             if not _is_int(value) or value < 2:
                 raise ValueError(f"threshold of {(model, tp)} must be an int >= 2, got {value!r}")
 
-    def entry(self, model: str | None, tp: int, num_tokens: int, *,
-              default: TuneEntry = DEFAULT_ENTRY) -> TuneEntry:
+    def entry(
+        self, model: str | None, tp: int, num_tokens: int, *, default: TuneEntry = DEFAULT_ENTRY
+    ) -> TuneEntry:
         """The entry of ``model`` (else ``"*"``) and ``tp`` with the largest token count at or
         below ``num_tokens``; ``default`` where there is none."""
         model = ANY_MODEL if model is None else model
         _check_key(model, tp, num_tokens)
         for name in dict.fromkeys((model, ANY_MODEL)):
-            rows = [(t, e) for (m, p, t), e in self.entries.items()
-                    if m == name and p == tp and t <= num_tokens]
+            rows = [
+                (t, e)
+                for (m, p, t), e in self.entries.items()
+                if m == name and p == tp and t <= num_tokens
+            ]
             if rows:
                 return max(rows, key=lambda row: row[0])[1]
         return default
@@ -188,16 +198,22 @@ class TuneTable:
 
     def describe_thresholds(self) -> str:
         """The thresholds in words, e.g. ``"4096 at TP=2 (any model); else 1024"``."""
-        rows = [f"{v} at TP={tp} ({'any model' if m == ANY_MODEL else m})"
-                for (m, tp), v in sorted(self.thresholds.items())]
+        rows = [
+            f"{v} at TP={tp} ({'any model' if m == ANY_MODEL else m})"
+            for (m, tp), v in sorted(self.thresholds.items())
+        ]
         return "; ".join([*rows, f"else {DEFAULT_THRESHOLD}"])
 
     def merged(self, other: TuneTable) -> TuneTable:
         """This table with ``other``'s rows added, replacing rows of the same keys."""
         notes = {k: v for k, v in self.notes.items() if k not in other.entries}
-        return TuneTable({**self.entries, **other.entries}, {**self.thresholds, **other.thresholds},
-                         {**self.models, **other.models}, {**self.meta, **other.meta},
-                         {**notes, **other.notes})
+        return TuneTable(
+            {**self.entries, **other.entries},
+            {**self.thresholds, **other.thresholds},
+            {**self.models, **other.models},
+            {**self.meta, **other.meta},
+            {**notes, **other.notes},
+        )
 
 
 @functools.cache
@@ -206,8 +222,14 @@ def shipped() -> TuneTable:
     return load(DEFAULT_PATH)
 
 
-def lookup(model: str | None, tp: int, num_tokens: int, table: TuneTable | None = None, *,
-           default: TuneEntry = DEFAULT_ENTRY) -> TuneEntry:
+def lookup(
+    model: str | None,
+    tp: int,
+    num_tokens: int,
+    table: TuneTable | None = None,
+    *,
+    default: TuneEntry = DEFAULT_ENTRY,
+) -> TuneEntry:
     """:meth:`TuneTable.entry` of ``table`` (default: :func:`shipped`)."""
     return (shipped() if table is None else table).entry(model, tp, num_tokens, default=default)
 
@@ -222,23 +244,36 @@ def model_name(config: Any, table: TuneTable | None = None) -> str | None:
 _ENTRY_KEYS = ("model", "tp", "tokens", "num_ctas", "first_num_ctas", "offset")
 
 
-def to_json(table: TuneTable, extra: Mapping[Key, Mapping[str, Any]] | None = None
-            ) -> dict[str, Any]:
+def to_json(
+    table: TuneTable, extra: Mapping[Key, Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
     """The JSON-ready dict of ``table`` (rows sorted); its ``notes`` and ``extra`` add
     informational keys per entry."""
     entries = []
     for key in sorted(table.entries):
         e = table.entries[key]
-        row = {"model": key[0], "tp": int(key[1]), "tokens": int(key[2]), "num_ctas": e.num_ctas,
-               "first_num_ctas": e.first_num_ctas, "offset": e.offset}
+        row = {
+            "model": key[0],
+            "tp": int(key[1]),
+            "tokens": int(key[2]),
+            "num_ctas": e.num_ctas,
+            "first_num_ctas": e.first_num_ctas,
+            "offset": e.offset,
+        }
         info = {**table.notes.get(key, {}), **(extra or {}).get(key, {})}
         row.update({k: v for k, v in info.items() if k not in row})
         entries.append(row)
-    thresholds = [{"model": m, "tp": int(t), "split_threshold": int(v)}
-                  for (m, t), v in sorted(table.thresholds.items())]
-    return {"format": FORMAT, "meta": dict(table.meta),
-            "models": {k: dict(v) for k, v in sorted(table.models.items())},
-            "thresholds": thresholds, "entries": entries}
+    thresholds = [
+        {"model": m, "tp": int(t), "split_threshold": int(v)}
+        for (m, t), v in sorted(table.thresholds.items())
+    ]
+    return {
+        "format": FORMAT,
+        "meta": dict(table.meta),
+        "models": {k: dict(v) for k, v in sorted(table.models.items())},
+        "thresholds": thresholds,
+        "entries": entries,
+    }
 
 
 def _rows(data: Mapping[str, Any], name: str, required: tuple[str, ...]) -> list[Mapping]:
@@ -267,8 +302,11 @@ def from_json(data: Any) -> TuneTable:
         key = (row["model"], row["tp"], row["tokens"])
         try:
             _check_key(*key)
-            entry = TuneEntry(offset=row.get("offset"), num_ctas=row["num_ctas"],
-                              first_num_ctas=row.get("first_num_ctas"))
+            entry = TuneEntry(
+                offset=row.get("offset"),
+                num_ctas=row["num_ctas"],
+                first_num_ctas=row.get("first_num_ctas"),
+            )
         except ValueError as err:
             raise ValueError(f"tuning table entry {i}: {err}") from None
         if key in entries:
@@ -285,14 +323,20 @@ def from_json(data: Any) -> TuneTable:
     if not isinstance(models, Mapping) or not all(isinstance(v, Mapping) for v in models.values()):
         raise ValueError("tuning table: 'models' must map names to shape objects")
     try:
-        return TuneTable(entries, thresholds, dict(models), dict(data.get("meta", {})),
-                         {k: v for k, v in notes.items() if v})
+        return TuneTable(
+            entries,
+            thresholds,
+            dict(models),
+            dict(data.get("meta", {})),
+            {k: v for k, v in notes.items() if v},
+        )
     except ValueError as err:
         raise ValueError(f"tuning table: {err}") from None
 
 
-def save(table: TuneTable, path: str | os.PathLike,
-         extra: Mapping[Key, Mapping[str, Any]] | None = None) -> None:
+def save(
+    table: TuneTable, path: str | os.PathLike, extra: Mapping[Key, Mapping[str, Any]] | None = None
+) -> None:
     """Write ``table`` as JSON to ``path`` (see :func:`to_json`)."""
     Path(path).write_text(json.dumps(to_json(table, extra), indent=1) + "\n")
 

@@ -31,8 +31,14 @@ def import_or_skip(name: str) -> ModuleType:
 
 
 _COMMON: dict[str, Any] = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=4, vocab_size=256, max_position_embeddings=512)
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
 
 
 def hf_config(kind: str, **overrides: Any):
@@ -42,9 +48,17 @@ def hf_config(kind: str, **overrides: Any):
 
     kw = dict(_COMMON)
     if kind == "llama":
-        kw.update(tie_word_embeddings=True, rope_theta=10000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        kw.update(
+            tie_word_embeddings=True,
+            rope_theta=10000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
         cls = transformers.LlamaConfig
     elif kind == "qwen2":
         cls = transformers.Qwen2Config
@@ -81,13 +95,14 @@ def save_checkpoint(model, path: str, max_shard_size: str = "40KB") -> str:
     return path
 
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | "
-                 "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | "
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 """A chat template of printable characters only (every one a token of the char tokenizer)."""
 
 
-def save_char_tokenizer(path: str, vocab_size: int = 256, chat_template: str | None = None
-                        ) -> str:
+def save_char_tokenizer(path: str, vocab_size: int = 256, chat_template: str | None = None) -> str:
     """A character-level fast tokenizer of ``vocab_size`` ids saved into ``path`` (as
     ``save_pretrained`` does): ``<unk>`` 0, ``<s>`` 1 (prepended to every encoding), ``</s>`` 2,
     then printable ASCII and further single characters, so every id decodes to text; with
@@ -101,10 +116,10 @@ def save_char_tokenizer(path: str, vocab_size: int = 256, chat_template: str | N
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                       special_tokens=[("<s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     if chat_template is not None:
         fast.chat_template = chat_template
     fast.save_pretrained(path)

@@ -33,28 +33,45 @@ from jax_tokenweave.util import ceil_div
 
 def _run(mesh, partial, residual, weight, algo):
     n, tokens, hidden = partial.shape
-    fn = jax.jit(jax.shard_map(
-        lambda p, r, w: _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=mesh, algo=algo),
-        mesh=mesh, in_specs=(P("tp"), P("tp"), P()), out_specs=(P("tp"), P("tp")),
-        check_vma=False))
-    normed, res_out = fn(global_array(mesh, partial.reshape(n * tokens, hidden), P("tp")),
-                         global_array(mesh, residual.reshape(-1, hidden), P("tp")),
-                         jax.numpy.asarray(weight))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda p, r, w: _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=mesh, algo=algo),
+            mesh=mesh,
+            in_specs=(P("tp"), P("tp"), P()),
+            out_specs=(P("tp"), P("tp")),
+            check_vma=False,
+        )
+    )
+    normed, res_out = fn(
+        global_array(mesh, partial.reshape(n * tokens, hidden), P("tp")),
+        global_array(mesh, residual.reshape(-1, hidden), P("tp")),
+        jax.numpy.asarray(weight),
+    )
     return local_data(normed), local_data(res_out)  # one device per process: its rows
 
 
 def main() -> int:
     rank, nproc, coordinator, device, scenario, out = sys.argv[1:7]
     rank, nproc = int(rank), int(nproc)
-    jax.distributed.initialize(coordinator, num_processes=nproc, process_id=rank,
-                               local_device_ids=[int(device)])
+    jax.distributed.initialize(
+        coordinator, num_processes=nproc, process_id=rank, local_device_ids=[int(device)]
+    )
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     comm = get_communicator(mesh, "tp")
     result: dict = {"rank": rank, "cross_process": comm.cross_process}
     rng = np.random.default_rng(0)  # the same global inputs in every process
     import ml_dtypes
-    cases = [("one_shot", 1, 8192), ("one_shot", 13, 4096), ("two_shot", 64, 4096),
-             ("two_shot", 5, 2048)] if scenario == "correct" else [("one_shot", 4, 4096)]
+
+    cases = (
+        [
+            ("one_shot", 1, 8192),
+            ("one_shot", 13, 4096),
+            ("two_shot", 64, 4096),
+            ("two_shot", 5, 2048),
+        ]
+        if scenario == "correct"
+        else [("one_shot", 4, 4096)]
+    )
     for algo, tokens, hidden in cases:
         q = ceil_div(tokens, nproc)
         partial = rng.standard_normal((nproc, tokens, hidden)).astype(ml_dtypes.bfloat16)
@@ -66,8 +83,11 @@ def main() -> int:
         want_n, want_r = reference(partial, residual, weight)
         err = float(np.linalg.norm(normed - want_n) / np.linalg.norm(want_n))
         err_r = float(np.linalg.norm(res_out - want_r[rank]) / np.linalg.norm(want_r[rank]))
-        result[f"{algo}/{tokens}/{hidden}"] = {"rel_err": err, "rel_err_residual": err_r,
-                                              "normed_sum": float(normed.astype(np.float64).sum())}
+        result[f"{algo}/{tokens}/{hidden}"] = {
+            "rel_err": err,
+            "rel_err_residual": err_r,
+            "normed_sum": float(normed.astype(np.float64).sum()),
+        }
         if scenario == "correct":
             continue
         if rank == nproc - 1:  # the missing peer

@@ -20,9 +20,18 @@ from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
 from jax_tokenweave.serving.scheduler import Scheduler, Sequence
 
-CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
-                   num_blocks=48, max_model_len=64, key_chunk=8, split_threshold=16, comm="xla",
-                   max_logprobs=3)
+CFG = EngineConfig(
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    prefill_tile=8,
+    block_size=4,
+    num_blocks=48,
+    max_model_len=64,
+    key_chunk=8,
+    split_threshold=16,
+    comm="xla",
+    max_logprobs=3,
+)
 
 
 class CharTokenizer:
@@ -79,12 +88,20 @@ def random_workload(rng, n=9):
         hot = rng.random() < 0.5
         max_tokens = 8 if i == 0 else int(rng.integers(1 if i % 3 == 0 else 5, 14))
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.9 if hot else 0.0,
+            max_tokens=max_tokens,
+            temperature=0.9 if hot else 0.0,
             top_p=float(rng.uniform(0.5, 1)) if hot else 1.0,
-            top_k=int(rng.integers(0, 20)) if hot else 0, seed=int(rng.integers(1 << 20)),
-            logprobs=None if rng.random() < 0.7 else int(rng.integers(0, 4)))
-        workload.append((int(rng.integers(0, 8)), rng.integers(0, 256, int(rng.integers(1, 42)))
-                         .tolist(), params))
+            top_k=int(rng.integers(0, 20)) if hot else 0,
+            seed=int(rng.integers(1 << 20)),
+            logprobs=None if rng.random() < 0.7 else int(rng.integers(0, 4)),
+        )
+        workload.append(
+            (
+                int(rng.integers(0, 8)),
+                rng.integers(0, 256, int(rng.integers(1, 42))).tolist(),
+                params,
+            )
+        )
     return workload
 
 
@@ -106,8 +123,10 @@ def test_async_equals_sync(model, rng):
         elif i % 3 == 2:
             params = dataclasses.replace(params, stop=(out.text[2:4],))
         stopped.append((arrival, prompt, params))
-    aborts = {0: int(rng.integers(1, 4)),
-              **{int(i): int(rng.integers(1, 6)) for i in rng.choice(len(workload), 2)}}
+    aborts = {
+        0: int(rng.integers(1, 4)),
+        **{int(i): int(rng.integers(1, 6)) for i in rng.choice(len(workload), 2)},
+    }
     want = serve(sync, stopped, aborts)
     got = serve(eng, stopped, aborts)
     same(got, want)
@@ -149,12 +168,21 @@ def test_no_block_reused_while_a_step_writing_it_is_in_flight(model, rng):
 
     engine.runner.dispatch, engine._take_oldest = watched_dispatch, watched_take
     engine.scheduler.allocator.allocate = watched_allocate
-    workload = [(arrival, prompt, dataclasses.replace(params, temperature=0.0))
-                for arrival, prompt, params in random_workload(rng, 12)]
+    workload = [
+        (arrival, prompt, dataclasses.replace(params, temperature=0.0))
+        for arrival, prompt, params in random_workload(rng, 12)
+    ]
     first = serve(LLMEngine(model, dataclasses.replace(CFG, num_blocks=24)), workload, {})[1]
-    workload = [(a, p, dataclasses.replace(sp, stop_token_ids=(o.token_ids[1],))
-                 if len(o.token_ids) > 2 else sp)
-                for (a, p, sp), o in zip(workload, first, strict=True)]
+    workload = [
+        (
+            a,
+            p,
+            dataclasses.replace(sp, stop_token_ids=(o.token_ids[1],))
+            if len(o.token_ids) > 2
+            else sp,
+        )
+        for (a, p, sp), o in zip(workload, first, strict=True)
+    ]
     serve(engine, workload, {0: 1, 5: 2})
     assert seen["allocations"] > 0 and seen["deferred"] > 0
     assert engine.scheduler.allocator.num_free == 24 and not in_flight
@@ -165,22 +193,30 @@ def test_scheduler_steps_in_flight():
     the first (source), positions and counters count the token in flight; a request whose
     last token is in flight is not decoded; a stop found late drops the later token and frees
     the blocks only when the later step is updated."""
-    cfg = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
-                       num_blocks=16, max_model_len=40, key_chunk=8)
+    cfg = EngineConfig(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        prefill_tile=8,
+        block_size=4,
+        num_blocks=16,
+        max_model_len=40,
+        key_chunk=8,
+    )
     s = Scheduler(cfg)
     a = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), 0, frozenset({99}))
-    b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(temperature=0.0,
-                                                      max_tokens=9), 0, frozenset({99}))
+    b = Sequence(
+        "b", [4, 5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=9), 0, frozenset({99})
+    )
     s.add(a)
     s.add(b)
-    one = s.schedule()                          # a and b prefill, each samples its first token
-    two = s.schedule()                          # both decode their in-flight first token
+    one = s.schedule()  # a and b prefill, each samples its first token
+    two = s.schedule()  # both decode their in-flight first token
     assert [q.request_id for q in two.decodes] == ["a", "b"]
     assert two.sources == (0, 1) and two.positions == (3, 5) and two.counters == (1, 1)
     assert (a.num_pending, b.num_pending, a.in_flight) == (2, 2, 2)
-    s.update(one, [10, 99])                     # b stops at step one
+    s.update(one, [10, 99])  # b stops at step one
     assert b.finish_reason == "stop" and b.blocks and s.deferred == {b}
-    assert s.schedule().empty                   # a's last token is in flight, b is done
-    assert s.update(two, [11, 12]) == [a]       # b's token from step two is dropped
+    assert s.schedule().empty  # a's last token is in flight, b is done
+    assert s.update(two, [11, 12]) == [a]  # b's token from step two is dropped
     assert a.output == [10, 11] and a.finish_reason == "length" and b.output == [99]
     assert not s.deferred and s.allocator.num_free == 16 and not s.has_unfinished()

@@ -28,21 +28,27 @@ def attend_plan(plan, q, k, v, **kwargs):
             if piece.position:
                 assert j > 0
                 lo = piece.start - piece.position
-                prefix[piece.request] = (k[lo:piece.start], v[lo:piece.start])
+                prefix[piece.request] = (k[lo : piece.start], v[lo : piece.start])
         sl = slice(half.start, half.end)
-        outs.append(A.ragged_attention(q[sl], k[sl], v[sl], half.pieces, origin=half.start,
-                                       prefix=prefix, **kwargs))
+        outs.append(
+            A.ragged_attention(
+                q[sl], k[sl], v[sl], half.pieces, origin=half.start, prefix=prefix, **kwargs
+            )
+        )
     return jnp.concatenate(outs)
 
 
-@pytest.mark.parametrize(("lengths", "threshold"), [
-    ((7,), 10**6),                 # one request, no split
-    ((4, 4, 4, 5), 10**6),         # equal lengths batched together by a reshape
-    ((3, 5, 3, 2, 3), 10**6),      # equal lengths that are not adjacent (stacked)
-    ((5, 9, 3), 4),                # split; request 1 is cut, its 2nd piece has a prefix
-    ((30,), 2),                    # a single request cut in two
-    ((6, 10), 2),                  # split point exactly at the request boundary
-])
+@pytest.mark.parametrize(
+    ("lengths", "threshold"),
+    [
+        ((7,), 10**6),  # one request, no split
+        ((4, 4, 4, 5), 10**6),  # equal lengths batched together by a reshape
+        ((3, 5, 3, 2, 3), 10**6),  # equal lengths that are not adjacent (stacked)
+        ((5, 9, 3), 4),  # split; request 1 is cut, its 2nd piece has a prefix
+        ((30,), 2),  # a single request cut in two
+        ((6, 10), 2),  # split point exactly at the request boundary
+    ],
+)
 @pytest.mark.parametrize(("nq", "nkv"), [(4, 4), (4, 2), (2, 1)])
 def test_ragged_matches_dense_reference(rng, lengths, threshold, nq, nkv):
     plan = plan_batch(lengths, threshold=threshold)
@@ -115,14 +121,16 @@ def test_cudnn_request_falls_back_off_gpu(rng):
 
 # ---------------------------------------------------------------------------------- RoPE ----
 
+
 def test_rope_plain_frequencies():
     inv = A.rope_inv_frequencies(8, 10000.0)
-    np.testing.assert_allclose(inv, [1.0, 10000 ** -0.25, 10000 ** -0.5, 10000 ** -0.75])
+    np.testing.assert_allclose(inv, [1.0, 10000**-0.25, 10000**-0.5, 10000**-0.75])
 
 
 def test_rope_llama3_scaling_regimes():
-    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192)
+    scaling = RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
     plain = A.rope_inv_frequencies(128, 500000.0)
     scaled = A.rope_inv_frequencies(128, 500000.0, scaling)
     wavelen = 2 * math.pi / plain
@@ -133,8 +141,9 @@ def test_rope_llama3_scaling_regimes():
     np.testing.assert_allclose(scaled[high], plain[high])
     np.testing.assert_allclose(scaled[low], plain[low] / 8)
     smooth = (8192 / wavelen[medium] - 1) / (4 - 1)
-    np.testing.assert_allclose(scaled[medium],
-                               (1 - smooth) * plain[medium] / 8 + smooth * plain[medium])
+    np.testing.assert_allclose(
+        scaled[medium], (1 - smooth) * plain[medium] / 8 + smooth * plain[medium]
+    )
     assert np.all(scaled[medium] < plain[medium]) and np.all(scaled[medium] > plain[medium] / 8)
 
 
@@ -146,7 +155,7 @@ def test_apply_rope_matches_reference_and_is_relative(rng):
     want = A.reference_rope(x, pos, inv)
     assert rel_err(got, want) < 1e-5
     np.testing.assert_allclose(np.linalg.norm(want, axis=-1), np.linalg.norm(x, axis=-1))
-    np.testing.assert_allclose(want[0], x[0])           # position 0 is the identity
+    np.testing.assert_allclose(want[0], x[0])  # position 0 is the identity
     # <rope(q, m), rope(k, n)> depends on m - n only
     q, k = rng.standard_normal((1, 1, 16)), rng.standard_normal((1, 1, 16))
     dot = lambda m, n: float(np.sum(A.reference_rope(q, [m], inv) * A.reference_rope(k, [n], inv)))

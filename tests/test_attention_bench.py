@@ -13,18 +13,47 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--batch", "2", "--context", "40", "--chunks", "32", "--prefixes", "20",
-        "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--block-size", "4",
-        "--key-chunk", "16", "--tile", "8", "--warmup", "1", "--iters", "2", "--inner", "2",
-        "--copy-gb", "0.001", "--seed", "3"]
+TINY = [
+    "--batch",
+    "2",
+    "--context",
+    "40",
+    "--chunks",
+    "32",
+    "--prefixes",
+    "20",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--block-size",
+    "4",
+    "--key-chunk",
+    "16",
+    "--tile",
+    "8",
+    "--warmup",
+    "1",
+    "--iters",
+    "2",
+    "--inner",
+    "2",
+    "--copy-gb",
+    "0.001",
+    "--seed",
+    "3",
+]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("attention_bench",
-                                                  ROOT / "benchmarks" / "attention_bench.py")
+    spec = importlib.util.spec_from_file_location(
+        "attention_bench", ROOT / "benchmarks" / "attention_bench.py"
+    )
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     yield module
     sys.modules.pop(spec.name, None)
@@ -56,18 +85,34 @@ def test_runs_every_implementation_on_tiny_shapes(bench, tmp_path, capsys):
 
 
 def test_skips_caches_over_the_limit(bench, tmp_path):
-    assert bench.main(["--out", str(tmp_path), *TINY, "--no-prefill", "--impls", "xla",
-                       "--max-cache-gb", "1e-6", "--no-plot"]) == 0
+    assert (
+        bench.main(
+            [
+                "--out",
+                str(tmp_path),
+                *TINY,
+                "--no-prefill",
+                "--impls",
+                "xla",
+                "--max-cache-gb",
+                "1e-6",
+                "--no-plot",
+            ]
+        )
+        == 0
+    )
     (record,) = json.loads((tmp_path / "attention.json").read_text())["records"]
     assert record["status"] == "skipped" and "--max-cache-gb" in record["reason"]
 
 
 def test_checks_before_running(bench, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "run", lambda *a: pytest.fail("ran"))
-    for argv, message in ((["--batch", "0"], "--batch: values must be >= 1"),
-                          (["--no-decode", "--no-prefill"], "nothing to run"),
-                          (["--impls", "triton"], "invalid choice"),
-                          (["--context", "x"], "is not an integer")):
+    for argv, message in (
+        (["--batch", "0"], "--batch: values must be >= 1"),
+        (["--no-decode", "--no-prefill"], "nothing to run"),
+        (["--impls", "triton"], "invalid choice"),
+        (["--context", "x"], "is not an integer"),
+    ):
         with pytest.raises(SystemExit):
             bench.main(["--out", str(tmp_path), *argv])
         assert message in capsys.readouterr().err

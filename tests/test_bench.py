@@ -19,11 +19,25 @@ from jax_tokenweave import benchmarking as bm
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny settings: 1 layer, a batch of 96 tokens in requests of 40 (one request is cut by the
 # split), forced to split by a low threshold.
-TINY = ["--model", "tiny", "--layers", "1", "--request-len", "40",
-        "--split-threshold", "32", "--warmup", "1", "--iters", "2", "--no-progress"]
+TINY = [
+    "--model",
+    "tiny",
+    "--layers",
+    "1",
+    "--request-len",
+    "40",
+    "--split-threshold",
+    "32",
+    "--warmup",
+    "1",
+    "--iters",
+    "2",
+    "--no-progress",
+]
 
 
 # ----------------------------------------------------------------------------------- timing ---
+
 
 def test_stats_percentiles():
     s = timing.Stats((4.0, 1.0, 3.0, 2.0, 5.0))
@@ -49,8 +63,7 @@ def test_benchmark_interleaves_and_counts_calls():
     assert calls == ["a", "a", "b", "b"]
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"warmup": -1}, "warmup"), ({"iters": 0}, "iters")])
+@pytest.mark.parametrize(("kwargs", "match"), [({"warmup": -1}, "warmup"), ({"iters": 0}, "iters")])
 def test_benchmark_rejects_bad_counts(kwargs, match):
     with pytest.raises(ValueError, match=match):
         timing.benchmark({"a": lambda: 0}, **kwargs)
@@ -68,6 +81,7 @@ def test_rel_error():
 
 
 # ------------------------------------------------------------------------------- main job ---
+
 
 def test_request_lengths():
     assert bm.request_lengths(96, 40) == (40, 40, 16)
@@ -99,15 +113,20 @@ def test_main_job_in_process(tmp_path, capsys):
             assert stats["iters"] == 2 and stats["median_ms"] > 0
             assert stats["p10_ms"] <= stats["median_ms"] <= stats["p90_ms"]
         assert result["rel_err_weave_vs_baseline"] <= report["config"]["tolerance"]
-        assert set(result["ratios"]) == {"baseline_over_weave", "baseline_over_nocomm",
-                                         "weave_over_nocomm"}
+        assert set(result["ratios"]) == {
+            "baseline_over_weave",
+            "baseline_over_nocomm",
+            "weave_over_nocomm",
+        }
 
 
 def test_main_job_refuses_to_report_when_weave_disagrees(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(bench.timing, "rel_error", lambda a, b: 0.5)
     out = tmp_path / "bench.json"
-    assert bench.main([*TINY, "--tokens", "96", "--schedules", "baseline,weave",
-                       "--json", str(out)]) == 1
+    assert (
+        bench.main([*TINY, "--tokens", "96", "--schedules", "baseline,weave", "--json", str(out)])
+        == 1
+    )
     assert "refusing to report" in capsys.readouterr().err
     assert not out.exists()
 
@@ -119,9 +138,24 @@ def test_main_job_subprocess_uses_eight_cpu_devices(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-m", "jax_tokenweave.bench", *TINY, "--tokens", "96", "--json",
-         str(out), "--plot", str(plot)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "jax_tokenweave.bench",
+            *TINY,
+            "--tokens",
+            "96",
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["environment"]["num_devices"] == bm.CPU_DEVICES
@@ -131,24 +165,32 @@ def test_main_job_subprocess_uses_eight_cpu_devices(tmp_path):
     assert bm.CPU_NOTE in proc.stdout
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--tokens", "0"], "must be >= 1"),
-    (["--tokens", "abc"], "is not an integer"),
-    (["--iters", "0"], "must be >= 1"),
-    (["--warmup", "-1"], "must be >= 0"),
-    (["--schedules", "fast"], "unknown schedule"),
-    (["--comm", "nccl"], "invalid choice"),
-    (["--dtype", "int8"], "invalid choice"),
-    (["--tp", "64"], "needs 64 devices"),
-    (["--tp", "3"], "not divisible"),
-    (["--model", "no-such-model"], "no-such-model"),
-    (["--tol", "0"], "must be > 0"),
-    (["--tol", "nan"], "must be > 0"),
-    (["--comm", "ffi", "--tokens", "64"], "--comm ffi is unavailable"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tokens", "0"], "must be >= 1"),
+        (["--tokens", "abc"], "is not an integer"),
+        (["--iters", "0"], "must be >= 1"),
+        (["--warmup", "-1"], "must be >= 0"),
+        (["--schedules", "fast"], "unknown schedule"),
+        (["--comm", "nccl"], "invalid choice"),
+        (["--dtype", "int8"], "invalid choice"),
+        (["--tp", "64"], "needs 64 devices"),
+        (["--tp", "3"], "not divisible"),
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--tol", "0"], "must be > 0"),
+        (["--tol", "nan"], "must be > 0"),
+        (["--comm", "ffi", "--tokens", "64"], "--comm ffi is unavailable"),
+    ],
+)
 def test_argument_errors_are_clear(argv, message, capsys):
-    if "ffi" in argv and bm.ffi_unavailable(bm.make_mesh(bm.platform_devices()[1], 8),
-                                            bm.DTYPES["bfloat16"], (64, 64)) is None:
+    if (
+        "ffi" in argv
+        and bm.ffi_unavailable(
+            bm.make_mesh(bm.platform_devices()[1], 8), bm.DTYPES["bfloat16"], (64, 64)
+        )
+        is None
+    ):
         pytest.skip("the fused kernel is available here")
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--model", "tiny", *argv] if "--model" not in argv else argv)
@@ -157,8 +199,7 @@ def test_argument_errors_are_clear(argv, message, capsys):
 
 
 def test_format_table_and_ratios():
-    stats = {n: timing.Stats((t,)) for n, t in (("baseline", 2.0), ("weave", 1.6),
-                                                ("nocomm", 1.5))}
+    stats = {n: timing.Stats((t,)) for n, t in (("baseline", 2.0), ("weave", 1.6), ("nocomm", 1.5))}
     result = bench._result(64, (64,), _FakePlan(), 1e-3, "xla", stats, {})
     assert result["ratios"]["baseline_over_weave"] == pytest.approx(1.25)
     report = {"config": {"schedules": list(stats)}, "results": [result]}
@@ -173,6 +214,7 @@ class _FakePlan:
 
 
 # ------------------------------------------------------------------------------ e2e bench ---
+
 
 def _load_script(name: str):
     """``benchmarks/<name>.py`` as a module."""
@@ -190,15 +232,37 @@ def _load_e2e():
 @pytest.mark.slow
 def test_e2e_bench_runs_and_skips_unavailable_modes(tmp_path):
     e2e = _load_e2e()
-    argv = ["--out", str(tmp_path), "--models", "tiny", "--layers", "1", "--tp", "2", "16",
-            "--tokens", "64", "--request-len", "40", "--decode-tokens", "4", "--warmup", "0",
-            "--iters", "1"]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--models",
+        "tiny",
+        "--layers",
+        "1",
+        "--tp",
+        "2",
+        "16",
+        "--tokens",
+        "64",
+        "--request-len",
+        "40",
+        "--decode-tokens",
+        "4",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+    ]
     assert e2e.main(argv) == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
     recs = {(r["kind"], r["tp"], r["tokens"], r["mode"]): r for r in report["records"]}
     assert len(recs) == len(e2e.MODES) * 2 + len(e2e.DECODE_MODES) * 2
-    ffi_ok = bm.ffi_unavailable(bm.make_mesh(bm.platform_devices()[1], 2),
-                                bm.DTYPES["bfloat16"], (64, 64)) is None
+    ffi_ok = (
+        bm.ffi_unavailable(
+            bm.make_mesh(bm.platform_devices()[1], 2), bm.DTYPES["bfloat16"], (64, 64)
+        )
+        is None
+    )
     for mode in ("baseline", "weave-xla", "nocomm"):
         assert recs[("prefill", 2, 64, mode)]["status"] == "ok", recs[("prefill", 2, 64, mode)]
         assert recs[("decode", 2, 4, mode)]["status"] == "ok", recs[("decode", 2, 4, mode)]
@@ -222,34 +286,69 @@ def test_e2e_bench_time_budget_and_bad_args(tmp_path, capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--out", str(tmp_path), "--time-budget", "0"])
     assert "--time-budget: 0.0 must be > 0" in capsys.readouterr().err
-    assert e2e.main(["--out", str(tmp_path), "--models", "tiny", "--tp", "2", "--tokens", "64",
-                     "--decode-tokens", "4", "--time-budget", "1e-9"]) == 0
+    assert (
+        e2e.main(
+            [
+                "--out",
+                str(tmp_path),
+                "--models",
+                "tiny",
+                "--tp",
+                "2",
+                "--tokens",
+                "64",
+                "--decode-tokens",
+                "4",
+                "--time-budget",
+                "1e-9",
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "e2e.json").read_text())
-    assert report["records"] and all(r["status"] == "skipped" and "time budget" in r["reason"]
-                                     for r in report["records"])
+    assert report["records"] and all(
+        r["status"] == "skipped" and "time budget" in r["reason"] for r in report["records"]
+    )
 
 
 # -------------------------------------------------------------------------- command lines ---
 
-SCRIPTS = {"bench": ["-m", "jax_tokenweave.bench"], "e2e_bench": ["benchmarks/e2e_bench.py"],
-           "tune": ["benchmarks/tune.py"], "breakdown": ["benchmarks/breakdown.py"]}
+SCRIPTS = {
+    "bench": ["-m", "jax_tokenweave.bench"],
+    "e2e_bench": ["benchmarks/e2e_bench.py"],
+    "tune": ["benchmarks/tune.py"],
+    "breakdown": ["benchmarks/breakdown.py"],
+}
 
 
 def _parsers():
-    return {"bench": bench.build_parser(), "e2e_bench": _load_script("e2e_bench").build_parser(),
-            "tune": _load_script("tune").build_parser(),
-            "breakdown": _load_script("breakdown").build_parser()}
+    return {
+        "bench": bench.build_parser(),
+        "e2e_bench": _load_script("e2e_bench").build_parser(),
+        "tune": _load_script("tune").build_parser(),
+        "breakdown": _load_script("breakdown").build_parser(),
+    }
 
 
-@pytest.mark.parametrize(("script", "shown"), [
-    ("bench", "(default: 2048 8192 on GPUs, 1024 2048 4096 on CPUs)"),
-    ("e2e_bench", "(default: 2 4)"), ("tune", "(default: 1024 2048 4096 8192 16384)"),
-    ("breakdown", "(default: 2048 4096 8192 16384 on GPUs, 128 256 on CPUs)")])
+@pytest.mark.parametrize(
+    ("script", "shown"),
+    [
+        ("bench", "(default: 2048 8192 on GPUs, 1024 2048 4096 on CPUs)"),
+        ("e2e_bench", "(default: 2 4)"),
+        ("tune", "(default: 1024 2048 4096 8192 16384)"),
+        ("breakdown", "(default: 2048 4096 8192 16384 on GPUs, 128 256 on CPUs)"),
+    ],
+)
 def test_help_shows_real_defaults(script, shown):
     from jax_tokenweave.models.configs import config_names
 
-    proc = subprocess.run([sys.executable, *SCRIPTS[script], "--help"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, *SCRIPTS[script], "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = " ".join(proc.stdout.split())  # undo argparse's line wrapping
     assert "[[" not in text and "default: None" not in text and "default: False" not in text
@@ -280,8 +379,15 @@ def test_modes_use_one_vocabulary():
     breakdown = _load_script("breakdown")
     for name, mode in breakdown.MODES.items():
         assert name == mode.name and mode.schedule in bm.SCHEDULES and mode.comm in ALL_COMMS
-    assert set(breakdown.MODES) == {"baseline", "nocomm", "weave-local", "weave-ffi-sync",
-                                    "weave-xla", "weave-ffi", "weave-auto"}
+    assert set(breakdown.MODES) == {
+        "baseline",
+        "nocomm",
+        "weave-local",
+        "weave-ffi-sync",
+        "weave-xla",
+        "weave-ffi",
+        "weave-auto",
+    }
     assert set(e2e.DECODE_MODES) == {"baseline", "weave-ffi", "weave-xla", "nocomm"}
 
 
@@ -294,8 +400,20 @@ def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys, tmp_p
     assert "pip install 'jax-tokenweave[plot]'" in capsys.readouterr().err
 
     e2e = _load_script("e2e_bench")
-    argv = ["--out", str(tmp_path), "--models", "tiny", "--tp", "2", "--tokens", "64",
-            "--decode-tokens", "4", "--time-budget", "1e-9"]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--models",
+        "tiny",
+        "--tp",
+        "2",
+        "--tokens",
+        "64",
+        "--decode-tokens",
+        "4",
+        "--time-budget",
+        "1e-9",
+    ]
     with pytest.raises(SystemExit):
         e2e.main(argv)
     err = capsys.readouterr().err
@@ -310,13 +428,20 @@ def test_cpu_devices_when_jax_started_first(tmp_path):
     """The main job called after JAX started (with its default of one CPU device): it says so,
     and runs on the device there is."""
     out = tmp_path / "bench.json"
-    script = ("import sys, jax; jax.devices()\n"
-              "from jax_tokenweave import bench; sys.exit(bench.main(sys.argv[1:]))")
+    script = (
+        "import sys, jax; jax.devices()\n"
+        "from jax_tokenweave import bench; sys.exit(bench.main(sys.argv[1:]))"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", script, *TINY, "--tokens", "96", "--json",
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *TINY, "--tokens", "96", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "started before 8 virtual CPU devices" in proc.stderr
     assert "the 1 CPU device(s)" in proc.stderr
@@ -334,6 +459,7 @@ def test_use_cpu_devices_keeps_the_users_choice(monkeypatch):
 
 # ------------------------------------------------------------------------------- tune.py ---
 
+
 def test_tune_decides_entries_and_threshold():
     """The tuner's rule: each token count's fastest candidate, the best split's offset, and the
     threshold from which the split wins at every larger count."""
@@ -342,19 +468,19 @@ def test_tune_decides_entries_and_threshold():
     tune = _load_script("tune")
     times = {
         1024: {(False, 0, 32): 10.0, (False, 0, None): 11.0, (True, 0, 16): 10.5},
-        2048: {(False, 0, 32): 20.0, (True, 128, 16): 19.0, (True, 0, 16): 19.5},   # split wins
+        2048: {(False, 0, 32): 20.0, (True, 128, 16): 19.0, (True, 0, 16): 19.5},  # split wins
         4096: {(False, 0, 32): 40.0, (True, 0, 32): 41.0, (True, -128, 16): 40.5},  # loses
         8192: {(False, 0, 32): 80.0, (True, 0, 16): 76.0},
         16384: {(False, 0, 32): 160.0, (True, 256, 8): 150.0},
     }
     entries, threshold = tune.decide(times, 1024)
-    assert threshold == 8192             # 2048 won, but 4096 lost again
+    assert threshold == 8192  # 2048 won, but 4096 lost again
     assert entries[1024] == TuneEntry(None, 32) and entries[2048] == TuneEntry(128, 16)
-    assert entries[4096] == TuneEntry(-128, 32)    # unsplit CTAs, the best split's offset
+    assert entries[4096] == TuneEntry(-128, 32)  # unsplit CTAs, the best split's offset
     assert entries[16384] == TuneEntry(256, 8)
-    assert tune.decide({t: times[t] for t in (8192, 16384)}, 1024)[1] == 1024   # wins all
+    assert tune.decide({t: times[t] for t in (8192, 16384)}, 1024)[1] == 1024  # wins all
     assert tune.decide({t: times[t] for t in (8192, 16384)}, 9000)[1] == 8192
-    assert tune.decide({1024: times[1024]}, 512)[1] == 1025                    # never wins
+    assert tune.decide({1024: times[1024]}, 512)[1] == 1025  # never wins
 
 
 def test_tune_skips_without_gpus(capsys):
@@ -367,21 +493,44 @@ def test_tune_skips_without_gpus(capsys):
 
 # ---------------------------------------------------------------------------- breakdown.py ---
 
+
 @pytest.mark.slow
 def test_breakdown_runs_on_cpu(tmp_path, capsys):
     """The breakdown on 8 virtual CPU devices: every mode that can run here is measured and the
     model-computing ones checked; the fused kernel's modes are skipped saying why."""
     breakdown = _load_script("breakdown")
-    argv = ["--out", str(tmp_path), "--layers", "1", "--tp", "2", "--tokens", "96",
-            "--request-len", "40", "--warmup", "0", "--iters", "2", "--ctas", "8", "--seed", "3"]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--layers",
+        "1",
+        "--tp",
+        "2",
+        "--tokens",
+        "96",
+        "--request-len",
+        "40",
+        "--warmup",
+        "0",
+        "--iters",
+        "2",
+        "--ctas",
+        "8",
+        "--seed",
+        "3",
+    ]
     assert breakdown.main(argv) == 0
     report = json.loads((tmp_path / "breakdown.json").read_text())
     assert report["config"]["model"] == "tiny" and report["config"]["tp"] == 2
     (row,) = report["rows"]
     cells = row["modes"]
     assert set(cells) == set(breakdown.MODES) | {"weave-ffi@8"}
-    ffi_ok = bm.ffi_unavailable(bm.make_mesh(bm.platform_devices()[1], 2),
-                                bm.DTYPES["bfloat16"], (96, 64)) is None
+    ffi_ok = (
+        bm.ffi_unavailable(
+            bm.make_mesh(bm.platform_devices()[1], 2), bm.DTYPES["bfloat16"], (96, 64)
+        )
+        is None
+    )
     for name in ("baseline", "nocomm", "weave-local", "weave-xla", "weave-auto"):
         assert cells[name]["status"] == "ok", cells[name]
         assert cells[name]["median_ms"] > 0 and cells[name]["iters"] == 2
@@ -396,7 +545,8 @@ def test_breakdown_runs_on_cpu(tmp_path, capsys):
     want = cells["weave-local"]["median_ms"] - cells["nocomm"]["median_ms"]
     assert d["split_cost_ms"] == pytest.approx(want)
     assert d["weave_auto_over_baseline"] == pytest.approx(
-        cells["weave-auto"]["median_ms"] / cells["baseline"]["median_ms"])
+        cells["weave-auto"]["median_ms"] / cells["baseline"]["median_ms"]
+    )
     markdown = (tmp_path / "breakdown.md").read_text()
     assert "| tokens | baseline | nocomm | weave-local |" in markdown
     assert "split cost ms" in markdown
@@ -407,9 +557,15 @@ def test_breakdown_runs_on_cpu(tmp_path, capsys):
 def test_breakdown_derived_columns():
     breakdown = _load_script("breakdown")
     ok = lambda ms: {"status": "ok", "median_ms": ms}
-    cell = {"baseline": ok(99.12), "nocomm": ok(90.27), "weave-local": ok(92.62),
-            "weave-ffi-sync": ok(98.0), "weave-ffi": ok(95.63), "weave-auto": ok(95.63),
-            "weave-xla": {"status": "skipped"}}
+    cell = {
+        "baseline": ok(99.12),
+        "nocomm": ok(90.27),
+        "weave-local": ok(92.62),
+        "weave-ffi-sync": ok(98.0),
+        "weave-ffi": ok(95.63),
+        "weave-auto": ok(95.63),
+        "weave-xla": {"status": "skipped"},
+    }
     d = breakdown.derived(cell)
     assert d["split_cost_ms"] == pytest.approx(2.35) and d["exposed_comm_ms"] == pytest.approx(3.01)
     assert d["overlap_gain_ms"] == pytest.approx(2.37)

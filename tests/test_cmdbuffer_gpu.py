@@ -75,8 +75,13 @@ def _run(tmp_path, n, algo, command_buffers: bool, kind: str = "gemm"):
         flags += " --xla_gpu_enable_command_buffer="
     env["XLA_FLAGS"] = flags.strip()
     path = tmp_path / f"{'on' if command_buffers else 'off'}.npz"
-    out = subprocess.run([sys.executable, "-c", _STEP, str(n), "1234", algo, str(path), kind],
-                         capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _STEP, str(n), "1234", algo, str(path), kind],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1]), np.load(path)
 
@@ -99,8 +104,10 @@ def test_fused_call_replays_from_command_buffers(tmp_path, n, algo, kind):
         pytest.skip(f"extension not built: {_extension.import_error()}")
     off, off_out = _run(tmp_path, n, algo, command_buffers=False, kind=kind)
     on, on_out = _run(tmp_path, n, algo, command_buffers=True, kind=kind)
-    print(f"n={n} {algo} {kind}: handler launches over {on['calls']} fused calls: "
-          f"{off['launches']} without command buffers, {on['launches']} with")
+    print(
+        f"n={n} {algo} {kind}: handler launches over {on['calls']} fused calls: "
+        f"{off['launches']} without command buffers, {on['launches']} with"
+    )
     assert off["failure"] is None and on["failure"] is None, (off, on)
     # a closed communicator: never data, never a fault
     assert off["after_close"] == "refused" and on["after_close"] in ("nan", "refused"), (off, on)

@@ -30,8 +30,10 @@ def test_a_process_without_devices_of_the_axis():
 
 
 def _info(hosts: dict[int, str], ordinals: dict[int, dict[int, int]]) -> dict[int, dict]:
-    return {p: {"host": h, "ordinals": {str(k): v for k, v in ordinals[p].items()}}
-            for p, h in hosts.items()}
+    return {
+        p: {"host": h, "ordinals": {str(k): v for k, v in ordinals[p].items()}}
+        for p, h in hosts.items()
+    }
 
 
 def test_hosts_and_peers():
@@ -40,16 +42,16 @@ def test_hosts_and_peers():
     assert comm_ipc.host_reason(groups, 0, info, lambda a, b: True) is None
     why = comm_ipc.host_reason(groups, 0, info, lambda a, b: False)
     assert "not peers" in why
-    spans = comm_ipc.host_reason(groups, 0, _info({0: "a", 1: "b"}, {0: {0: 0}, 1: {1: 0}}),
-                                 lambda a, b: True)
+    spans = comm_ipc.host_reason(
+        groups, 0, _info({0: "a", 1: "b"}, {0: {0: 0}, 1: {1: 0}}), lambda a, b: True
+    )
     assert "spans hosts" in spans and "NCCL" in spans
 
 
 def test_groups_without_this_process_are_not_checked():
     # data x tp over two hosts, tp inside each host: process 0 only looks at its own group
     groups = [_devs([0, 1]), _devs([2, 3], 2)]
-    info = _info({0: "a", 1: "a", 2: "b", 3: "b"},
-                 {0: {0: 0}, 1: {1: 1}, 2: {2: 0}, 3: {3: 1}})
+    info = _info({0: "a", 1: "a", 2: "b", 3: "b"}, {0: {0: 0}, 1: {1: 1}, 2: {2: 0}, 3: {3: 1}})
     assert comm_ipc.host_reason(groups, 0, info, lambda a, b: True) is None
     assert comm_ipc.host_reason(groups, 3, info, lambda a, b: True) is None
 

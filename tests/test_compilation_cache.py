@@ -20,8 +20,19 @@ from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
 from jax_tokenweave.serving import executable_cache as exe_cache
 
-CFG = EngineConfig(max_num_batched_tokens=16, max_num_seqs=2, prefill_tile=8, block_size=4,
-                   num_blocks=16, max_model_len=32, key_chunk=8, split_threshold=16, comm="xla")
+CFG = EngineConfig(
+    max_num_batched_tokens=16,
+    max_num_seqs=2,
+    prefill_tile=8,
+    block_size=4,
+    num_blocks=16,
+    max_model_len=32,
+    key_chunk=8,
+    split_threshold=16,
+    comm="xla",
+)
+
+
 @pytest.fixture
 def jax_cache(monkeypatch):
     """JAX's cache settings as a fresh process has them, restored afterwards."""
@@ -45,14 +56,15 @@ def test_second_engine_compiles_from_the_cache(model, tmp_path, jax_cache):
     assert cold.count >= layouts and cold.cache_hits == 0
     assert any(p.name != exe_cache.SUBDIR for p in (tmp_path / "xla").iterdir())
     want = first.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
-    shutil.rmtree(tmp_path / "xla" / exe_cache.SUBDIR)     # JAX's cache alone here
-    jax.clear_caches()                      # as a new process: nothing compiled in memory
+    shutil.rmtree(tmp_path / "xla" / exe_cache.SUBDIR)  # JAX's cache alone here
+    jax.clear_caches()  # as a new process: nothing compiled in memory
     second = LLMEngine(model, cfg)
     with count_compilations() as warm:
         assert second.warmup().compiled == layouts
-        got = second.generate([[1, 2, 3]], SamplingParams(temperature=0.0,
-                                                          max_tokens=4))[0].token_ids
-    assert warm.cache_hits == warm.count >= layouts and got == want    # all from the cache
+        got = second.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))[
+            0
+        ].token_ids
+    assert warm.cache_hits == warm.count >= layouts and got == want  # all from the cache
 
 
 def test_user_settings_win_and_none_leaves_jax_alone(model, tmp_path, jax_cache):

@@ -12,10 +12,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ["--model", "tiny", "--layers", "1", "--block-size", "4", "--key-chunk", "8",
-         "--prefill-tile", "8", "--dtype", "float32", "--copy-gb", "0.001"]
-DECODE = [*MODEL, "--batch", "2", "--context", "20", "--steps", "3", "--warm-steps", "1",
-          "--max-num-batched-tokens", "64"]
+MODEL = [
+    "--model",
+    "tiny",
+    "--layers",
+    "1",
+    "--block-size",
+    "4",
+    "--key-chunk",
+    "8",
+    "--prefill-tile",
+    "8",
+    "--dtype",
+    "float32",
+    "--copy-gb",
+    "0.001",
+]
+DECODE = [
+    *MODEL,
+    "--batch",
+    "2",
+    "--context",
+    "20",
+    "--steps",
+    "3",
+    "--warm-steps",
+    "1",
+    "--max-num-batched-tokens",
+    "64",
+]
 
 
 def load(name):
@@ -56,11 +81,24 @@ def test_decode_bench_times_pure_decode_steps(bench, tmp_path, capsys):
 @pytest.mark.slow
 def test_prefill_bench_compares_engine_and_bare_stack(tmp_path):
     prefill = load("prefill_bench")
-    argv = ["--out", str(tmp_path), *MODEL, "--workloads", "24x1", "8x2", "40x1",
-            "--max-num-batched-tokens", "24", "--iters", "2", "--warmup", "1"]
+    argv = [
+        "--out",
+        str(tmp_path),
+        *MODEL,
+        "--workloads",
+        "24x1",
+        "8x2",
+        "40x1",
+        "--max-num-batched-tokens",
+        "24",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+    ]
     assert prefill.main(argv) == 0
     records = json.loads((tmp_path / "prefill.json").read_text())["records"]
-    assert [r["engine_steps"] for r in records] == [1, 1, 2]     # 40 tokens: chunks of 24
+    assert [r["engine_steps"] for r in records] == [1, 1, 2]  # 40 tokens: chunks of 24
     for r in records:
         assert r["status"] == "ok" and r["compilations"] == 0
         assert r["bare"]["mode"] == "baseline" and r["bare"]["status"] == "ok"
@@ -70,10 +108,12 @@ def test_prefill_bench_compares_engine_and_bare_stack(tmp_path):
 
 def test_checks_before_running(bench, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "run", lambda *a: pytest.fail("ran"))
-    for argv, message in ((["--key-chunk", "6", "--block-size", "4"], "not a multiple of"),
-                          (["--model", "nope"], "unknown model config"),
-                          (["--max-num-batched-tokens", "100"], "multiple of --prefill-tile"),
-                          (["--batch", "0"], "must be >= 1")):
+    for argv, message in (
+        (["--key-chunk", "6", "--block-size", "4"], "not a multiple of"),
+        (["--model", "nope"], "unknown model config"),
+        (["--max-num-batched-tokens", "100"], "multiple of --prefill-tile"),
+        (["--batch", "0"], "must be >= 1"),
+    ):
         with pytest.raises(SystemExit):
             bench.main(["--out", str(tmp_path), *argv])
         assert message in capsys.readouterr().err
@@ -103,8 +143,7 @@ def test_roofline_bytes_by_hand(bench, cpu_mesh):
     elements = 64 * 256 + 128 * 64 + 64 * 256 + 128 * 64 + 3 * 64 + 64 * 256
     assert rf.weight_bytes(model, mesh.devices.flat[0]) == 4 * elements
     # TP 2: each device holds half of every sharded matrix and the whole norms.
-    model2 = LlamaModel(bm.load_config("tiny", 1), cpu_mesh(2), dtype=jnp.float32,
-                        rngs=nnx.Rngs(0))
+    model2 = LlamaModel(bm.load_config("tiny", 1), cpu_mesh(2), dtype=jnp.float32, rngs=nnx.Rngs(0))
     sharded = elements - 3 * 64
     assert rf.weight_bytes(model2, cpu_mesh(2).devices.flat[0]) == 4 * (sharded // 2 + 3 * 64)
 

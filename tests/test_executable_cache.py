@@ -29,12 +29,23 @@ from jax_tokenweave.serving import executable_cache as ec
 from jax_tokenweave.tuning import TuneEntry
 
 ROOT = Path(__file__).resolve().parents[1]
-CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=16, block_size=4,
-                   num_blocks=48, max_model_len=64, key_chunk=8, split_threshold=16, comm="xla",
-                   max_logprobs=2)
+CFG = EngineConfig(
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    prefill_tile=16,
+    block_size=4,
+    num_blocks=48,
+    max_model_len=64,
+    key_chunk=8,
+    split_threshold=16,
+    comm="xla",
+    max_logprobs=2,
+)
 PROMPTS = [[1, 2, 3], list(range(5, 30))]
-PARAMS = [SamplingParams(max_tokens=5, temperature=0.0),                    # greedy
-          SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=11, logprobs=2)]
+PARAMS = [
+    SamplingParams(max_tokens=5, temperature=0.0),  # greedy
+    SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=11, logprobs=2),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +82,7 @@ def test_second_engine_loads_every_layout_and_makes_the_same_tokens(model, tmp_p
     n = len(first.layouts())
     report = first.warmup()
     assert (report.layouts, report.loaded, report.compiled) == (n, 0, n) and n >= 4
-    assert len(files(tmp_path)) == n + len(first.runner._samplers)    # forwards + samplers
+    assert len(files(tmp_path)) == n + len(first.runner._samplers)  # forwards + samplers
     assert not list((tmp_path / "cache" / ec.SUBDIR).glob("*.tmp"))
     want = tokens(first)
     second = LLMEngine(model, cached(tmp_path))
@@ -86,7 +97,7 @@ def test_second_engine_loads_every_layout_and_makes_the_same_tokens(model, tmp_p
 @pytest.mark.slow
 def test_a_layout_not_warmed_up_runs_through_jit(model, tmp_path):
     engine = LLMEngine(model, dataclasses.replace(CFG, compilation_cache_dir=None))
-    want = tokens(engine)                       # no warm-up: every step goes through jit
+    want = tokens(engine)  # no warm-up: every step goes through jit
     assert not engine.runner._executables
     engine.warmup()
     assert tokens(engine) == want
@@ -102,13 +113,21 @@ def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monk
     base = key()
     assert key() == base
     assert key(lay=runner.layouts()[0]) != base
-    for change in ({"schedule": "baseline"}, {"key_chunk": 16},
-                   {"attention": "xla"}, {"comm": "auto"},
-                   {"tuning": TuneEntry(offset=None, num_ctas=8)}):
+    for change in (
+        {"schedule": "baseline"},
+        {"key_chunk": 16},
+        {"attention": "xla"},
+        {"comm": "auto"},
+        {"tuning": TuneEntry(offset=None, num_ctas=8)},
+    ):
         other = LLMEngine(model, cached(tmp_path, **change)).runner
         assert key(other, other.layouts()[-1]) != base, change
-    same_shapes = LlamaModel(dataclasses.replace(get_config("tiny"), rms_norm_eps=1e-6),
-                             model.mesh, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    same_shapes = LlamaModel(
+        dataclasses.replace(get_config("tiny"), rms_norm_eps=1e-6),
+        model.mesh,
+        dtype=jnp.float32,
+        rngs=nnx.Rngs(3),
+    )
     assert key(LLMEngine(same_shapes, cached(tmp_path)).runner) != base
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_foo")
     assert key() != base
@@ -138,8 +157,7 @@ def test_a_corrupt_file_is_compiled_again_with_a_warning(model, tmp_path):
     n = first.warmup().layouts
     # a forward program's file (the key, as warm-up made it, before any step replaced the cache)
     runner, layout = first.runner, first.runner.layouts()[0]
-    broken = runner.executable_cache.path(runner.program_key(layout,
-                                                             runner.padding_args(layout)))
+    broken = runner.executable_cache.path(runner.program_key(layout, runner.padding_args(layout)))
     want = tokens(first)
     data = bytearray(broken.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -156,7 +174,7 @@ def test_a_corrupt_file_is_compiled_again_with_a_warning(model, tmp_path):
         report = second.warmup()
     assert (report.loaded, report.compiled) == (n - 1, 1)
     assert tokens(second) == want
-    assert LLMEngine(model, cached(tmp_path)).warmup().loaded == n     # rewritten
+    assert LLMEngine(model, cached(tmp_path)).warmup().loaded == n  # rewritten
 
 
 @pytest.mark.slow
@@ -189,8 +207,7 @@ class Fake:
     def deserialize(self, payload, in_tree, out_tree, devices):
         if payload == b"bad":
             raise RuntimeError("cannot load")
-        return FakeProgram(payload.decode(), args_info=((jax.ShapeDtypeStruct((2,), "f4"),),
-                                                        {}))
+        return FakeProgram(payload.decode(), args_info=((jax.ShapeDtypeStruct((2,), "f4"),), {}))
 
 
 @dataclasses.dataclass
@@ -209,7 +226,7 @@ def test_store_and_load_round_trip_atomically(tmp_path):
     assert cache.load("k", ARGS, None, []).name == "one"
     assert cache.store("k", FakeProgram("two"))
     assert cache.load("k", ARGS, None, []).name == "two"
-    assert [p.name for p in tmp_path.iterdir()] == ["k.bin"]     # no temporary file left
+    assert [p.name for p in tmp_path.iterdir()] == ["k.bin"]  # no temporary file left
 
 
 def test_an_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
@@ -225,11 +242,14 @@ def test_an_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["x.bin"]
 
 
-@pytest.mark.parametrize(("damage", "message"), [
-    (lambda d: d[:-3], "checksum"),
-    (lambda d: b"junk" + d, "bad magic"),
-    (lambda d: b"", "bad magic"),
-])
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: d[:-3], "checksum"),
+        (lambda d: b"junk" + d, "bad magic"),
+        (lambda d: b"", "bad magic"),
+    ],
+)
 def test_a_damaged_file_warns_and_loads_nothing(tmp_path, damage, message):
     cache = ec.ExecutableCache(tmp_path, Fake())
     cache.store("k", FakeProgram("one"))
@@ -253,13 +273,14 @@ def test_a_file_of_another_key_or_shape_or_that_fails_to_load_is_ignored(tmp_pat
 
 
 def test_a_program_jax_cannot_serialize_is_skipped_with_one_warning(tmp_path):
-    cache = ec.ExecutableCache(tmp_path, Fake(ValueError("Compilation does not support "
-                                                         "serialization")))
+    cache = ec.ExecutableCache(
+        tmp_path, Fake(ValueError("Compilation does not support serialization"))
+    )
     with pytest.warns(RuntimeWarning, match="does not support serialization"):
         assert not cache.store("k", FakeProgram("one"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not cache.store("k2", FakeProgram("two"))                   # no 2nd warning
+        assert not cache.store("k2", FakeProgram("two"))  # no 2nd warning
     assert cache.load("k", ARGS, None, []) is None and not list(tmp_path.iterdir())
 
 
@@ -273,7 +294,7 @@ def test_a_cpu_program_with_a_sort_that_ran_is_not_stored(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stored = cache.store("k", f.lower(x).compile())
-    if stored:          # a JAX that serializes it: then it must load and run
+    if stored:  # a JAX that serializes it: then it must load and run
         program = cache.load("k", (x,), f.lower(x).compile().out_tree, jax.devices()[:1])
         np.testing.assert_array_equal(program(x), f(x))
     else:
@@ -309,9 +330,15 @@ print(json.dumps({"loaded": report.loaded, "compiled": report.compiled,
 @pytest.mark.slow
 def test_a_new_process_loads_every_layout_from_disk(tmp_path):
     """The real use: a restart. JAX's in-memory caches cannot help a new process."""
+
     def run() -> dict:
-        proc = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, str(tmp_path)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", _SECOND_PROCESS, str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -331,10 +358,10 @@ def test_an_xla_cpu_program_from_jax_persistent_cache_is_not_stored(tmp_path):
     fn = jax.jit(lambda x: jnp.concatenate([jnp.sin(x), x[::-1]]) @ x.T)
     x = jnp.ones((2, 4))
     _, first = ec.compile_to_store(fn.lower(x), "cpu")
-    assert first is None                                       # compiled here
+    assert first is None  # compiled here
     jax.clear_caches()
     compiled, second = ec.compile_to_store(fn.lower(x), "cpu")
-    assert second is not None and "persistent" in second      # from JAX's cache
+    assert second is not None and "persistent" in second  # from JAX's cache
     np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(fn(x)))
     jax.clear_caches()
     assert ec.compile_to_store(fn.lower(x), "gpu")[1] is None  # GPU programs round-trip

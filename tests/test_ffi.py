@@ -21,8 +21,10 @@ from jax_tokenweave.comm import CommSettings, Communicator
 from jax_tokenweave.kernel_policy import KernelPolicy, PolicyRow
 from jax_tokenweave.util import ceil_div
 
-needs_ext = pytest.mark.skipif(_extension.import_error() is not None,
-                               reason=f"extension not built: {_extension.import_error()}")
+needs_ext = pytest.mark.skipif(
+    _extension.import_error() is not None,
+    reason=f"extension not built: {_extension.import_error()}",
+)
 
 
 @needs_ext
@@ -42,11 +44,17 @@ def test_extension_exports_only_its_init_function():
     tool = shutil.which("nm")
     if tool is None:
         pytest.skip("nm not found")
-    out = subprocess.run([tool, "-D", "--defined-only", _extension.get().__file__],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [tool, "-D", "--defined-only", _extension.get().__file__],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert [line.split()[-1] for line in out.splitlines()] == ["PyInit__tokenweave_ffi"]
-    code = ("import jax_tokenweave._tokenweave_ffi, ml_dtypes, numpy as np; "
-            "print(ml_dtypes.bfloat16(1.5), np.float64(2.5))")  # the extension loaded first
+    code = (
+        "import jax_tokenweave._tokenweave_ffi, ml_dtypes, numpy as np; "
+        "print(ml_dtypes.bfloat16(1.5), np.float64(2.5))"
+    )  # the extension loaded first
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert ran.returncode == 0 and ran.stdout.split() == ["1.5", "2.5"], ran
 
@@ -82,8 +90,12 @@ def test_settings_from_env_and_validation(monkeypatch):
 
 
 def test_policy_choice_and_validation(monkeypatch):
-    policy = KernelPolicy({2: (PolicyRow(1000, "one_shot", 8), PolicyRow(None, "direct", 16)),
-                           8: (PolicyRow(None, "two_shot", 4),)})
+    policy = KernelPolicy(
+        {
+            2: (PolicyRow(1000, "one_shot", 8), PolicyRow(None, "direct", 16)),
+            8: (PolicyRow(None, "two_shot", 4),),
+        }
+    )
     assert policy.choose(2, 1000) == PolicyRow(1000, "one_shot", 8)
     assert policy.choose(2, 1001).algo == "direct"
     assert policy.choose(1, 10).algo == "one_shot"  # next larger size present
@@ -92,8 +104,15 @@ def test_policy_choice_and_validation(monkeypatch):
     with pytest.raises(ValueError, match="max_bytes=None"):
         KernelPolicy({2: (PolicyRow(10, "direct", 8),)})
     with pytest.raises(ValueError, match="increasing"):
-        KernelPolicy({2: (PolicyRow(10, "direct", 8), PolicyRow(5, "direct", 8),
-                          PolicyRow(None, "direct", 8))})
+        KernelPolicy(
+            {
+                2: (
+                    PolicyRow(10, "direct", 8),
+                    PolicyRow(5, "direct", 8),
+                    PolicyRow(None, "direct", 8),
+                )
+            }
+        )
     with pytest.raises(ValueError, match="not a kernel policy"):
         KernelPolicy.from_json({"rows": []})
     shipped = kernel_policy.load()
@@ -102,15 +121,16 @@ def test_policy_choice_and_validation(monkeypatch):
 
 
 def test_choose_auto_env_and_allocator(monkeypatch):
-    policy = KernelPolicy({2: (PolicyRow(64 * 1024, "one_shot", 8),
-                               PolicyRow(None, "direct", 16))})
+    policy = KernelPolicy({2: (PolicyRow(64 * 1024, "one_shot", 8), PolicyRow(None, "direct", 16))})
     s = CommSettings()
     monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
     assert comm.choose(2, jnp.bfloat16, (1, 8192), s, policy=policy) == ("one_shot", 8)
     assert comm.choose(2, jnp.bfloat16, (128, 8192), s, policy=policy) == ("direct", 16)
     assert comm.choose(2, jnp.bfloat16, (128, 8192), s, policy=policy, num_ctas=4)[1] == 4
-    assert comm.choose(2, jnp.bfloat16, (1, 8192), CommSettings(algo="two_shot"),
-                       policy=policy)[0] == "two_shot"
+    assert (
+        comm.choose(2, jnp.bfloat16, (1, 8192), CommSettings(algo="two_shot"), policy=policy)[0]
+        == "two_shot"
+    )
     monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")  # direct ruled out
     assert comm.choose(2, jnp.bfloat16, (128, 8192), s, policy=policy)[0] == "two_shot"
     with pytest.raises(RuntimeError, match="cuda_async"):
@@ -120,22 +140,26 @@ def test_choose_auto_env_and_allocator(monkeypatch):
 
 
 def test_choose_across_processes_and_ctas_of_another_variant(monkeypatch):
-    policy = KernelPolicy({2: (PolicyRow(1 << 20, "one_shot", 64),
-                               PolicyRow(None, "direct", 16))})
+    policy = KernelPolicy({2: (PolicyRow(1 << 20, "one_shot", 64), PolicyRow(None, "direct", 16))})
     s = CommSettings()
     monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
     # direct reads XLA's buffers by address: never across processes
-    assert comm.choose(2, jnp.bfloat16, (128, 8192), s, policy=policy,
-                       cross_process=True)[0] == "two_shot"
+    assert (
+        comm.choose(2, jnp.bfloat16, (128, 8192), s, policy=policy, cross_process=True)[0]
+        == "two_shot"
+    )
     with pytest.raises(RuntimeError, match="spans processes"):
-        comm.choose(2, jnp.bfloat16, (128, 8192), s, algo="direct", policy=policy,
-                    cross_process=True)
+        comm.choose(
+            2, jnp.bfloat16, (128, 8192), s, algo="direct", policy=policy, cross_process=True
+        )
     # an explicit barrier variant where the table names one-shot with 64 CTAs gets at most
     # the barrier kernels' limit (from the extension)
     monkeypatch.setattr(comm._extension, "import_error", lambda: None)
     monkeypatch.setattr(comm._extension, "limits", lambda: {"max_ctas": 32})
-    assert comm.choose(2, jnp.bfloat16, (4, 8192), s, algo="two_shot",
-                       policy=policy) == ("two_shot", 32)
+    assert comm.choose(2, jnp.bfloat16, (4, 8192), s, algo="two_shot", policy=policy) == (
+        "two_shot",
+        32,
+    )
     assert comm.choose(2, jnp.bfloat16, (4, 8192), s, policy=policy) == ("one_shot", 64)
 
 
@@ -284,8 +308,13 @@ def _run(mesh, impl, partial, residual, weight, **kw):
     def body(p, r, w):
         return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl=impl, mesh=mesh, **kw)
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
-                      out_specs=(P("tp"), P("tp")), check_vma=False)
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P("tp"), P("tp"), P()),
+        out_specs=(P("tp"), P("tp")),
+        check_vma=False,
+    )
     return jax.jit(f)(partial, residual, weight)
 
 
@@ -318,12 +347,14 @@ def test_kernel_binary_has_the_expected_code():
     if tool is None:
         pytest.skip("cuobjdump not found")
     path = _extension.get().__file__
-    ptx = subprocess.run([tool, "--dump-ptx", path], capture_output=True, text=True,
-                         check=True).stdout
+    ptx = subprocess.run(
+        [tool, "--dump-ptx", path], capture_output=True, text=True, check=True
+    ).stdout
     assert "multimem.ld_reduce" in ptx and "multimem.st" in ptx
     assert "st.release.sys" in ptx and "ld.acquire.sys" in ptx
     assert "ld.volatile.global.v4.u32" in ptx  # the one-shot poll
     assert "trap;" not in ptx  # a wait that expires returns; it never kills the context
-    elf = subprocess.run([tool, "--list-elf", path], capture_output=True, text=True,
-                         check=True).stdout
+    elf = subprocess.run(
+        [tool, "--list-elf", path], capture_output=True, text=True, check=True
+    ).stdout
     assert "sm_90a" in elf and "sm_80" in elf

@@ -20,8 +20,15 @@ EPS = 1e-6
 
 
 def _shard(mesh, fn, n_in, n_out):
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * (n_in - 1) + (P(),),
-                                 out_specs=(P("tp"),) * n_out, check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            fn,
+            mesh=mesh,
+            in_specs=(P("tp"),) * (n_in - 1) + (P(),),
+            out_specs=(P("tp"),) * n_out,
+            check_vma=False,
+        )
+    )
 
 
 def _inputs(rng, n, tokens, hidden, dtype):
@@ -67,21 +74,27 @@ def _check(mesh, outs, partial, residual, weight, dtype):
     assert rel_err(res_out, want_r) < TOL[dtype]
     pad = want_r.shape[0] - tokens  # padding rows: residual carried through exactly
     if pad:
-        np.testing.assert_array_equal(res_out[tokens:],
-                                      np.asarray(residual.astype(jnp.float32))[tokens:])
+        np.testing.assert_array_equal(
+            res_out[tokens:], np.asarray(residual.astype(jnp.float32))[tokens:]
+        )
 
 
 @functools.cache
 def _op(mesh, algo, num_ctas=16, slot=0):
     def body(p, r, w):
-        return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=mesh, eps=EPS, slot=slot,
-                                      num_ctas=num_ctas, algo=algo)
+        return _ffi.allreduce_rmsnorm(
+            p, r, w, axis_name="tp", mesh=mesh, eps=EPS, slot=slot, num_ctas=num_ctas, algo=algo
+        )
 
     return _shard(mesh, body, 3, 2)
 
 
-CASES = [(t, h, d) for d in (jnp.bfloat16, jnp.float32) for h in (4096, 8192)
-         for t in (1, 3, 16, 128, 1024, 4096)] + [(t, 4096, jnp.float16) for t in (3, 1024)]
+CASES = [
+    (t, h, d)
+    for d in (jnp.bfloat16, jnp.float32)
+    for h in (4096, 8192)
+    for t in (1, 3, 16, 128, 1024, 4096)
+] + [(t, 4096, jnp.float16) for t in (3, 1024)]
 
 
 @pytest.mark.parametrize("algo", ["two_shot", "one_shot", "direct"])
@@ -106,9 +119,11 @@ def test_ops_ffi_and_auto_match_xla_rsag(ffi_mesh2, rng):
     args = _inputs(rng, 2, 100, 4096, jnp.bfloat16)
     res = {}
     for impl in ("ffi", "auto", "xla_rsag"):
+
         def body(p, r, w, impl=impl):
-            return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl=impl, mesh=ffi_mesh2,
-                                         eps=EPS)
+            return ops.allreduce_rmsnorm(
+                p, r, w, axis_name="tp", impl=impl, mesh=ffi_mesh2, eps=EPS
+            )
 
         res[impl] = _shard(ffi_mesh2, body, 3, 2)(*args)
     for impl in ("ffi", "auto"):
@@ -117,8 +132,9 @@ def test_ops_ffi_and_auto_match_xla_rsag(ffi_mesh2, rng):
     np.testing.assert_array_equal(np.asarray(res["ffi"][0]), np.asarray(res["auto"][0]))
 
 
-@pytest.mark.parametrize(("tokens", "algo"),
-                         [(1024, "two_shot"), (16, "one_shot"), (1024, "direct")])
+@pytest.mark.parametrize(
+    ("tokens", "algo"), [(1024, "two_shot"), (16, "one_shot"), (1024, "direct")]
+)
 def test_1000_back_to_back_calls(ffi_mesh2, rng, tokens, algo):
     iters = 1000
     p, r, w = _inputs(rng, 2, tokens, 4096, jnp.bfloat16)
@@ -126,8 +142,9 @@ def test_1000_back_to_back_calls(ffi_mesh2, rng, tokens, algo):
 
     def chain(p, r, w):
         def step(_, carry):
-            return _ffi.allreduce_rmsnorm(p, carry[1], w, axis_name="tp", mesh=ffi_mesh2, eps=EPS,
-                                          algo=algo)
+            return _ffi.allreduce_rmsnorm(
+                p, carry[1], w, axis_name="tp", mesh=ffi_mesh2, eps=EPS, algo=algo
+            )
 
         return jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(p), r))
 
@@ -228,8 +245,11 @@ def test_under_shard_map_with_check_vma(ffi_mesh2, rng):
     def body(p, r, w):
         return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl="ffi", mesh=ffi_mesh2, eps=EPS)
 
-    f = jax.jit(jax.shard_map(body, mesh=ffi_mesh2, in_specs=(P("tp"), P("tp"), P()),
-                              out_specs=(P("tp"), P("tp"))))
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=ffi_mesh2, in_specs=(P("tp"), P("tp"), P()), out_specs=(P("tp"), P("tp"))
+        )
+    )
     _check(ffi_mesh2, f(*args), *args, jnp.bfloat16)
 
 
@@ -241,17 +261,21 @@ def test_forced_timeout_raises_and_leaves_the_gpus_usable(ffi_mesh2, rng):
 
     from jax_tokenweave.comm import CommFailed, CommSettings, Communicator
 
-    comm = Communicator(ffi_mesh2, "tp", CommSettings(workspace_mib=64, oneshot_mib=4,
-                                                      num_slots=2, timeout_s=1.0))
+    comm = Communicator(
+        ffi_mesh2, "tp", CommSettings(workspace_mib=64, oneshot_mib=4, num_slots=2, timeout_s=1.0)
+    )
     alone = Mesh(ffi_mesh2.devices[:1], ("tp",))
     p, r, w = _inputs(rng, 1, 16, 4096, jnp.bfloat16)
-    r = r[:ops.rows_per_rank(16, 2)]  # the residual rows rank 0 owns in a group of two
+    r = r[: ops.rows_per_rank(16, 2)]  # the residual rows rank 0 owns in a group of two
 
     def body(p, r, w):
         return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", comm=comm, algo="one_shot")
 
-    step = jax.jit(jax.shard_map(body, mesh=alone, in_specs=(P(), P(), P()),
-                                 out_specs=(P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=alone, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False
+        )
+    )
     normed, _ = step(p, r, w)
     assert np.isnan(np.asarray(normed.astype(jnp.float32))).all()
     with pytest.raises(CommFailed, match=r"rank 1.*never started"):

@@ -39,12 +39,20 @@ def _call(mesh, calls=1, start_done=False, algo="auto"):
                 pending = _ffi.allreduce_rmsnorm_start(p, r, w, axis_name="tp", mesh=mesh, eps=EPS)
                 p, r = _ffi.allreduce_rmsnorm_done(pending, axis_name="tp", mesh=mesh)
             else:
-                p, r = _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=mesh, eps=EPS,
-                                              algo=algo)
+                p, r = _ffi.allreduce_rmsnorm(
+                    p, r, w, axis_name="tp", mesh=mesh, eps=EPS, algo=algo
+                )
         return p, r
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P("tp"), P()),
-                                 out_specs=(P("tp"), P("tp")), check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("tp"), P("tp"), P()),
+            out_specs=(P("tp"), P("tp")),
+            check_vma=False,
+        )
+    )
 
 
 def _inputs(rng, tokens, hidden, dtype):
@@ -55,8 +63,9 @@ def _inputs(rng, tokens, hidden, dtype):
 
 
 def _reference(partial, residual, weight, calls=1):
-    p, r, w = (np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-               for a in (partial, residual, weight))
+    p, r, w = (
+        np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (partial, residual, weight)
+    )
     for _ in range(calls):
         r = p + r
         p = r / np.sqrt((r * r).mean(-1, keepdims=True) + EPS) * w
@@ -64,8 +73,9 @@ def _reference(partial, residual, weight, calls=1):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize(("tokens", "hidden"), [(1, 8192), (7, 4096), (64, 8192), (256, 8192),
-                                                (5000, 4096), (3, 16384)])
+@pytest.mark.parametrize(
+    ("tokens", "hidden"), [(1, 8192), (7, 4096), (64, 8192), (256, 8192), (5000, 4096), (3, 16384)]
+)
 def test_one_rank_call_matches_float64(mesh1, rng, tokens, hidden, dtype):
     args = _inputs(rng, tokens, hidden, dtype)
     normed, res_out = (np.asarray(o.astype(jnp.float32)) for o in _call(mesh1)(*args))
@@ -101,5 +111,7 @@ def test_matches_xla_add_rmsnorm(mesh1, rng):
     got = _call(mesh1)(*args)
     want = jax.jit(lambda p, r, w: ops.add_rmsnorm(p, r, w, EPS))(*args)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    assert rel_err(np.asarray(got[0].astype(jnp.float32)),
-                   np.asarray(want[0].astype(jnp.float32))) < 4e-3
+    assert (
+        rel_err(np.asarray(got[0].astype(jnp.float32)), np.asarray(want[0].astype(jnp.float32)))
+        < 4e-3
+    )

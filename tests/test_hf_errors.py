@@ -23,11 +23,24 @@ from jax_tokenweave.params import logical_weights, named_params
 
 CONFIG = get_config("tiny", num_layers=1)
 HF_CONFIG = {  # config.json of CONFIG (tiny: llama3 rope scaling, untied)
-    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 8,
-    "vocab_size": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "eos_token_id": [7, 9],
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 8,
+    "vocab_size": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "eos_token_id": [7, 9],
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
 }
 
 
@@ -39,8 +52,9 @@ def write_checkpoint(path, weights: dict[str, np.ndarray], config: dict | None =
     tensors = {}
     for name, src in hf.hf_sources(CONFIG).items():
         value = np.asarray(weights[name]).astype(ml_dtypes.bfloat16)
-        tensors[src.names] = np.ascontiguousarray(np.swapaxes(value, -1, -2) if src.transpose
-                                                  else value)
+        tensors[src.names] = np.ascontiguousarray(
+            np.swapaxes(value, -1, -2) if src.transpose else value
+        )
     save_file(tensors, os.path.join(path, hf.SINGLE_FILE))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(HF_CONFIG if config is None else config, f)
@@ -49,8 +63,12 @@ def write_checkpoint(path, weights: dict[str, np.ndarray], config: dict | None =
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, cpu_mesh_module):
-    model = LlamaModel(CONFIG, cpu_mesh_module, dtype=jnp.float32,
-                       rngs=nnx.Rngs(int(np.random.SeedSequence().entropy % 2**31)))
+    model = LlamaModel(
+        CONFIG,
+        cpu_mesh_module,
+        dtype=jnp.float32,
+        rngs=nnx.Rngs(int(np.random.SeedSequence().entropy % 2**31)),
+    )
     weights = logical_weights(model)
     return write_checkpoint(tmp_path_factory.mktemp("bf16"), weights), weights
 
@@ -71,7 +89,7 @@ def test_bfloat16_checkpoint_round_trip(checkpoint, cpu_mesh_module):
     for name, want in weights.items():
         exact = np.asarray(want).astype(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(got[name][...]), exact, err_msg=name)
-    qkv = named_params(model)["decoder.layers.0.qkv_proj"][...]      # 16 + 8 + 8 heads of 8
+    qkv = named_params(model)["decoder.layers.0.qkv_proj"][...]  # 16 + 8 + 8 heads of 8
     assert qkv.addressable_shards[0].data.shape == (64, 64)
 
 
@@ -96,6 +114,7 @@ def test_registry(checkpoint, cpu_mesh_module, monkeypatch):
 
 # ---- corrupt files ---------------------------------------------------------------------------
 
+
 def _write_raw(path, header: bytes, body: bytes = b"") -> str:
     os.makedirs(path, exist_ok=True)
     file = os.path.join(path, hf.SINGLE_FILE)
@@ -104,14 +123,18 @@ def _write_raw(path, header: bytes, body: bytes = b"") -> str:
     return file
 
 
-@pytest.mark.parametrize("header", [
-    b"[]",                                                           # not an object
-    json.dumps({"w": {"shape": [2], "data_offsets": [0, 8]}}).encode(),   # no dtype
-    b"\xff\xfe\x00garbage",                                          # not UTF-8
-    b"{not json",
-    json.dumps({"w": "F32"}).encode(),                               # entry not an object
-    json.dumps({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}).encode(),
-], ids=["list", "no-dtype", "garbage", "bad-json", "entry-string", "wrong-size"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"[]",  # not an object
+        json.dumps({"w": {"shape": [2], "data_offsets": [0, 8]}}).encode(),  # no dtype
+        b"\xff\xfe\x00garbage",  # not UTF-8
+        b"{not json",
+        json.dumps({"w": "F32"}).encode(),  # entry not an object
+        json.dumps({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}).encode(),
+    ],
+    ids=["list", "no-dtype", "garbage", "bad-json", "entry-string", "wrong-size"],
+)
 def test_corrupt_header_names_the_file(tmp_path, header):
     file = _write_raw(tmp_path / "c", header, b"\0" * 8)
     with pytest.raises(hf.CheckpointError, match=re.escape(file)):
@@ -127,17 +150,20 @@ def test_corrupt_header_through_from_pretrained(tmp_path, cpu_mesh_module):
         from_pretrained(str(path), cpu_mesh_module)
 
 
-@pytest.mark.parametrize(("name", "content"), [
-    ("config.json", "[1, 2, 3]"),
-    ("config.json", '"llama"'),
-    ("config.json", "{"),
-    ("generation_config.json", "[]"),
-    ("generation_config.json", '{"eos_token_id": "x"}'),
-    ("config.json", json.dumps({**HF_CONFIG, "eos_token_id": [1.5]})),
-    ("model.safetensors.index.json", "[]"),
-    ("model.safetensors.index.json", '{"weight_map": {"w": ["a"]}}'),
-    ("model.safetensors.index.json", '{"weight_map": {"w": "../outside.safetensors"}}'),
-])
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("config.json", "[1, 2, 3]"),
+        ("config.json", '"llama"'),
+        ("config.json", "{"),
+        ("generation_config.json", "[]"),
+        ("generation_config.json", '{"eos_token_id": "x"}'),
+        ("config.json", json.dumps({**HF_CONFIG, "eos_token_id": [1.5]})),
+        ("model.safetensors.index.json", "[]"),
+        ("model.safetensors.index.json", '{"weight_map": {"w": ["a"]}}'),
+        ("model.safetensors.index.json", '{"weight_map": {"w": "../outside.safetensors"}}'),
+    ],
+)
 def test_bad_json_files_name_the_file(checkpoint, tmp_path, cpu_mesh_module, name, content):
     import shutil
 
@@ -148,17 +174,21 @@ def test_bad_json_files_name_the_file(checkpoint, tmp_path, cpu_mesh_module, nam
         from_pretrained(str(path), cpu_mesh_module)
 
 
-@pytest.mark.parametrize(("change", "match"), [
-    ({"hidden_size": "64"}, "hidden_size must be int"),
-    ({"num_hidden_layers": 1.5}, "num_hidden_layers must be int"),
-    ({"rope_scaling": [1]}, "rope_scaling"),
-    ({"rms_norm_eps": True}, "rms_norm_eps must be float"),
-])
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"hidden_size": "64"}, "hidden_size must be int"),
+        ({"num_hidden_layers": 1.5}, "num_hidden_layers must be int"),
+        ({"rope_scaling": [1]}, "rope_scaling"),
+        ({"rms_norm_eps": True}, "rms_norm_eps must be float"),
+    ],
+)
 def test_mistyped_config_fields(tmp_path, change, match):
     path = tmp_path / "c"
     os.makedirs(path)
     with open(path / "config.json", "w") as f:
         json.dump({**HF_CONFIG, **change}, f)
-    with pytest.raises(hf.UnsupportedConfigError, match=re.escape(str(path / "config.json"))
-                       + ".*" + match):
+    with pytest.raises(
+        hf.UnsupportedConfigError, match=re.escape(str(path / "config.json")) + ".*" + match
+    ):
         hf.load_hf_config(str(path))

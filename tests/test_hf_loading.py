@@ -15,15 +15,17 @@ from jax.sharding import PartitionSpec as P
 from jax_tokenweave import from_pretrained, hf
 from jax_tokenweave.config import RopeScaling
 
-import_or_skip("torch")                     # make_hf_model builds the checkpoints with torch
-import_or_skip("transformers")              # under CI (env CI set): fail, never skip
+import_or_skip("torch")  # make_hf_model builds the checkpoints with torch
+import_or_skip("transformers")  # under CI (env CI set): fail, never skip
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hf_loading")
-    return {kind: save_checkpoint(make_hf_model(kind, seed=i), str(root / kind))
-            for i, kind in enumerate(("llama", "qwen2", "mixtral"))}
+    return {
+        kind: save_checkpoint(make_hf_model(kind, seed=i), str(root / kind))
+        for i, kind in enumerate(("llama", "qwen2", "mixtral"))
+    }
 
 
 def _all_tensors(path: str) -> dict[str, np.ndarray]:
@@ -43,6 +45,7 @@ def _copy(src: str, dst) -> str:
 
 
 # ---- config.json -> DecoderConfig ----------------------------------------------------------
+
 
 def test_config_mapping(ckpts):
     llama = hf.load_hf_config(ckpts["llama"])
@@ -65,19 +68,27 @@ def test_config_legacy_rope_keys():
     raw = hf_config("llama").to_dict()
     raw.pop("rope_parameters", None)
     raw["rope_theta"] = 500000.0
-    raw["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    raw["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     c = hf.decoder_config_from_hf(raw)
     assert c.rope_theta == 500000.0 and c.rope_scaling.factor == 32.0
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"model_type": "gpt2"}, "model_type"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
-    ({"num_key_value_heads": 3}, "multiple"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ({"num_key_value_heads": 3}, "multiple"),
+    ],
+)
 def test_unsupported_config(change, match):
     raw = {**hf_config("llama").to_dict(), **change}
     with pytest.raises(hf.UnsupportedConfigError, match=match):
@@ -99,6 +110,7 @@ def test_sliding_window_warns():
 
 # ---- per-rank reads ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_sharded_reads_match_and_read_only_own_slice(ckpts, cpu_mesh, tp, monkeypatch):
     mesh = cpu_mesh(tp)
@@ -117,17 +129,27 @@ def test_sharded_reads_match_and_read_only_own_slice(ckpts, cpu_mesh, tp, monkey
     o = "model.layers.0.self_attn.o_proj.weight"
     experts = tuple(f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight" for e in range(4))
     cases = [
-        (hf.Source(q, (64, 64), transpose=True), P(None, "tp"), ref[q].T),     # column-parallel
-        (hf.Source(o, (64, 64), transpose=True), P("tp", None), ref[o].T),     # row-parallel
-        (hf.Source(experts, (128, 64), transpose=True), P(None, None, "tp"),
-         np.stack([ref[n].T for n in experts])),
+        (hf.Source(q, (64, 64), transpose=True), P(None, "tp"), ref[q].T),  # column-parallel
+        (hf.Source(o, (64, 64), transpose=True), P("tp", None), ref[o].T),  # row-parallel
+        (
+            hf.Source(experts, (128, 64), transpose=True),
+            P(None, None, "tp"),
+            np.stack([ref[n].T for n in experts]),
+        ),
         (hf.Source("model.norm.weight", (64,)), P(), ref["model.norm.weight"]),  # replicated
     ]
-    parts = tuple(hf.Source(f"model.layers.0.self_attn.{x}_proj.weight", (64 if x == "q" else 32,
-                                                                          64), transpose=True)
-                  for x in "qkv")
-    fused_want = np.concatenate([np.concatenate([np.split(ref[p.names].T, tp, 1)[r]
-                                                 for p in parts], 1) for r in range(tp)], 1)
+    parts = tuple(
+        hf.Source(
+            f"model.layers.0.self_attn.{x}_proj.weight",
+            (64 if x == "q" else 32, 64),
+            transpose=True,
+        )
+        for x in "qkv"
+    )
+    fused_want = np.concatenate(
+        [np.concatenate([np.split(ref[p.names].T, tp, 1)[r] for p in parts], 1) for r in range(tp)],
+        1,
+    )
     for src, spec, want in cases:
         reads.clear()
         arr = hf.load_sharded(ckpt, src, mesh, spec, np.float32)
@@ -144,16 +166,18 @@ def test_sharded_reads_match_and_read_only_own_slice(ckpts, cpu_mesh, tp, monkey
     reads.clear()
     arr = hf.load_sharded(ckpt, hf.Fused(parts, tp), mesh, P(None, "tp"), np.float32)
     np.testing.assert_array_equal(np.asarray(arr), fused_want)
-    assert sorted(reads) == sorted((p.names, (p.shape[0] // tp, 64)) for p in parts
-                                   for _ in range(tp))
+    assert sorted(reads) == sorted(
+        (p.names, (p.shape[0] // tp, 64)) for p in parts for _ in range(tp)
+    )
 
 
 def test_dtype_cast(ckpts, cpu_mesh):
     import jax.numpy as jnp
 
     ckpt = hf.SafetensorsCheckpoint(ckpts["llama"])
-    arr = hf.load_sharded(ckpt, hf.Source("model.norm.weight", (64,)), cpu_mesh(2), P(),
-                          jnp.bfloat16)
+    arr = hf.load_sharded(
+        ckpt, hf.Source("model.norm.weight", (64,)), cpu_mesh(2), P(), jnp.bfloat16
+    )
     assert arr.dtype == jnp.bfloat16
 
 
@@ -164,12 +188,14 @@ def test_bfloat16_file(tmp_path, cpu_mesh):
     data = np.arange(32, dtype=np.float32).reshape(4, 8).astype(ml_dtypes.bfloat16)
     save_file({"w": data}, str(tmp_path / "model.safetensors"))
     ckpt = hf.SafetensorsCheckpoint(str(tmp_path))
-    arr = hf.load_sharded(ckpt, hf.Source("w", (4, 8), transpose=True), cpu_mesh(2),
-                          P(None, "tp"), np.float32)
+    arr = hf.load_sharded(
+        ckpt, hf.Source("w", (4, 8), transpose=True), cpu_mesh(2), P(None, "tp"), np.float32
+    )
     np.testing.assert_array_equal(np.asarray(arr), data.astype(np.float32).T)
 
 
 # ---- errors --------------------------------------------------------------------------------
+
 
 def test_missing_directory_and_config(tmp_path):
     with pytest.raises(hf.CheckpointError, match="does not exist"):
@@ -190,8 +216,9 @@ def test_missing_shard_file(ckpts, tmp_path):
 
 def test_truncated_file(ckpts, tmp_path):
     path = _copy(ckpts["llama"], tmp_path / "c")
-    victim = os.path.join(path, sorted(f for f in os.listdir(path)
-                                       if f.endswith(".safetensors"))[0])
+    victim = os.path.join(
+        path, sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0]
+    )
     size = os.path.getsize(victim)
     with open(victim, "r+b") as f:
         f.truncate(size - 100)
@@ -219,14 +246,19 @@ def test_index_lists_absent_tensor(ckpts, tmp_path):
 def test_wrong_shape_and_missing_key(ckpts, cpu_mesh):
     ckpt = hf.SafetensorsCheckpoint(ckpts["llama"])
     with pytest.raises(hf.CheckpointError, match=r"shape \(64, 64\).*implies \(32, 64\)"):
-        hf.load_sharded(ckpt, hf.Source("model.layers.0.self_attn.q_proj.weight", (32, 64)),
-                        cpu_mesh(1), P(), np.float32)
+        hf.load_sharded(
+            ckpt,
+            hf.Source("model.layers.0.self_attn.q_proj.weight", (32, 64)),
+            cpu_mesh(1),
+            P(),
+            np.float32,
+        )
     with pytest.raises(hf.CheckpointError, match=r"missing tensors: lm_head\.weight"):
-        hf.load_sharded(ckpt, hf.Source("lm_head.weight", (256, 64)), cpu_mesh(1), P(),
-                        np.float32)
+        hf.load_sharded(ckpt, hf.Source("lm_head.weight", (256, 64)), cpu_mesh(1), P(), np.float32)
 
 
 # ---- from_pretrained -----------------------------------------------------------------------
+
 
 def _rewrite_without(path: str, victim: str) -> None:
     """Drop tensor ``victim`` from its shard file and from the index."""
@@ -252,11 +284,11 @@ def test_from_pretrained_weights(ckpts, cpu_mesh, kind):
     assert type(model) is MODEL_CLASSES[kind]
     ref = _all_tensors(ckpts[kind])
     params, logical = named_params(model), logical_weights(model)
-    np.testing.assert_array_equal(np.asarray(params["embed"].get_value()),
-                                  ref["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(
+        np.asarray(params["embed"].get_value()), ref["model.embed_tokens.weight"]
+    )
     attn = "model.layers.1.self_attn."
-    np.testing.assert_array_equal(logical["decoder.layers.1.q_proj"],
-                                  ref[attn + "q_proj.weight"].T)
+    np.testing.assert_array_equal(logical["decoder.layers.1.q_proj"], ref[attn + "q_proj.weight"].T)
     qkv = params["decoder.layers.1.qkv_proj"].get_value()
     assert qkv.sharding.spec == param_spec(params["decoder.layers.1.qkv_proj"]) == P(None, "tp")
     for r, shard in enumerate(sorted(qkv.addressable_shards, key=lambda s: s.index[1].start)):
@@ -265,12 +297,14 @@ def test_from_pretrained_weights(ckpts, cpu_mesh, kind):
     if kind == "llama":
         assert "lm_head" not in params  # tied
     if kind == "qwen2":
-        np.testing.assert_array_equal(logical["decoder.layers.0.k_bias"],
-                                      ref["model.layers.0.self_attn.k_proj.bias"])
+        np.testing.assert_array_equal(
+            logical["decoder.layers.0.k_bias"], ref["model.layers.0.self_attn.k_proj.bias"]
+        )
     if kind == "mixtral":
         w2 = np.asarray(params["decoder.layers.0.moe.down_proj"].get_value())
         np.testing.assert_array_equal(
-            w2[3], ref["model.layers.0.block_sparse_moe.experts.3.w2.weight"].T)
+            w2[3], ref["model.layers.0.block_sparse_moe.experts.3.w2.weight"].T
+        )
 
 
 def test_from_pretrained_missing_key(ckpts, cpu_mesh, tmp_path):
@@ -298,8 +332,11 @@ def test_from_pretrained_wrong_shape(ckpts, cpu_mesh, tmp_path):
     raw["intermediate_size"] = 96
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f)
-    with pytest.raises(hf.CheckpointError, match=r"wrong shape.*w1\.weight: \(128, 64\), "
-                                                 r"expected \(96, 64\)"):
+    with pytest.raises(
+        hf.CheckpointError,
+        match=r"wrong shape.*w1\.weight: \(128, 64\), "
+        r"expected \(96, 64\)",
+    ):
         from_pretrained(path, cpu_mesh(2), np.float32)
 
 
@@ -307,8 +344,9 @@ def test_from_pretrained_truncated_and_bad_tp(ckpts, cpu_mesh, tmp_path):
     with pytest.raises(ValueError, match="num_kv_heads=4 is not divisible"):
         from_pretrained(ckpts["llama"], cpu_mesh(8), np.float32)
     path = _copy(ckpts["mixtral"], tmp_path / "c")
-    victim = os.path.join(path, sorted(f for f in os.listdir(path)
-                                       if f.endswith(".safetensors"))[-1])
+    victim = os.path.join(
+        path, sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[-1]
+    )
     with open(victim, "r+b") as f:
         f.truncate(os.path.getsize(victim) // 2)
     with pytest.raises(hf.CheckpointError, match="truncated"):
@@ -319,8 +357,9 @@ def test_from_pretrained_warns_unused(ckpts, cpu_mesh, tmp_path):
     from safetensors.numpy import save_file
 
     path = _copy(ckpts["llama"], tmp_path / "c")
-    save_file({"model.extra.weight": np.zeros(3, np.float32)},
-              os.path.join(path, "extra.safetensors"))
+    save_file(
+        {"model.extra.weight": np.zeros(3, np.float32)}, os.path.join(path, "extra.safetensors")
+    )
     index_path = os.path.join(path, hf.INDEX_FILE)
     with open(index_path) as f:
         index = json.load(f)
@@ -337,9 +376,32 @@ def test_generate_cli_with_token_ids(ckpts, capsys):
     out."""
     from jax_tokenweave.generate import main
 
-    assert main([ckpts["llama"], "--tp", "2", "--ids", "5,6,7", "--max-tokens", "4",
-                 "--dtype", "float32", "--max-model-len", "32", "--max-num-batched-tokens",
-                 "64", "--max-num-seqs", "8", "--prefill-tile", "8", "--key-chunk", "16"]) == 0
+    assert (
+        main(
+            [
+                ckpts["llama"],
+                "--tp",
+                "2",
+                "--ids",
+                "5,6,7",
+                "--max-tokens",
+                "4",
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "32",
+                "--max-num-batched-tokens",
+                "64",
+                "--max-num-seqs",
+                "8",
+                "--prefill-tile",
+                "8",
+                "--key-chunk",
+                "16",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip()
     assert line.startswith("5,6,7 -> ") and line.endswith("]")
     assert 1 <= len(line.split("->")[1].split()[0].split(",")) <= 4

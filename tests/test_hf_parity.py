@@ -18,17 +18,25 @@ from jax_tokenweave import from_pretrained
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
 from jax_tokenweave.split import plan_batch
 
-torch = import_or_skip("torch")             # under CI (env CI set): fail, never skip
+torch = import_or_skip("torch")  # under CI (env CI set): fail, never skip
 import_or_skip("transformers")
 
-LOGIT_LENGTHS = (5, 11, 3)          # ragged; a forced split cuts request 1
-GEN_LENGTHS = (5, 40, 16)           # 40 tokens: two steps of a 32-row budget
-ARRIVALS = (0, 1, 3)                # the step at which each prompt arrives
+LOGIT_LENGTHS = (5, 11, 3)  # ragged; a forced split cuts request 1
+GEN_LENGTHS = (5, 40, 16)  # 40 tokens: two steps of a 32-row budget
+ARRIVALS = (0, 1, 3)  # the step at which each prompt arrives
 NEW_TOKENS = 16
 # 32-row steps of 8-row tiles; steps of >= 16 rows split (weave), cutting prompt chunks.
-ENGINE = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
-                      num_blocks=64, max_model_len=64, key_chunk=16, split_threshold=16,
-                      comm="xla")
+ENGINE = EngineConfig(
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    prefill_tile=8,
+    block_size=4,
+    num_blocks=64,
+    max_model_len=64,
+    key_chunk=16,
+    split_threshold=16,
+    comm="xla",
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +53,22 @@ def reference(tmp_path_factory):
             logits = [model(torch.tensor(p)[None]).logits[0].numpy() for p in logit_prompts]
             gens = []
             for p in gen_prompts:
-                ids = model.generate(torch.tensor(p)[None], max_new_tokens=NEW_TOKENS,
-                                     min_new_tokens=NEW_TOKENS, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)
-                gens.append(ids[0, len(p):].tolist())
-        out[kind] = dict(path=path, logit_prompts=logit_prompts, logits=logits,
-                         gen_prompts=gen_prompts, gens=gens)
+                ids = model.generate(
+                    torch.tensor(p)[None],
+                    max_new_tokens=NEW_TOKENS,
+                    min_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+                gens.append(ids[0, len(p) :].tolist())
+        out[kind] = dict(
+            path=path,
+            logit_prompts=logit_prompts,
+            logits=logits,
+            gen_prompts=gen_prompts,
+            gens=gens,
+        )
     return out
 
 
@@ -60,8 +78,10 @@ def test_parity(reference, cpu_mesh, kind, tp):
     ref = reference[kind]
     mesh = cpu_mesh(tp)
     model = from_pretrained(ref["path"], mesh, jnp.float32)
-    assert type(model).__name__ == {"llama": "LlamaModel", "qwen2": "Qwen2Model",
-                                    "mixtral": "MixtralModel"}[kind]
+    assert (
+        type(model).__name__
+        == {"llama": "LlamaModel", "qwen2": "Qwen2Model", "mixtral": "MixtralModel"}[kind]
+    )
 
     # Logits of a ragged packed batch, baseline and weave (forced split cutting a request).
     tokens = jnp.asarray(np.concatenate(ref["logit_prompts"]), jnp.int32)
@@ -85,10 +105,19 @@ def _slow(*args):
 
 
 # End to end, about 2 s each on a CPU: the fast run (-m "not slow") keeps one case.
-@pytest.mark.parametrize(("kind", "tp", "schedule"), [
-    _slow("llama", 1, "weave"), ("llama", 2, "weave"), _slow("llama", 4, "weave"),
-    _slow("llama", 1, "baseline"), _slow("llama", 2, "baseline"), _slow("llama", 4, "baseline"),
-    _slow("qwen2", 2, "weave"), _slow("mixtral", 4, "weave")])
+@pytest.mark.parametrize(
+    ("kind", "tp", "schedule"),
+    [
+        _slow("llama", 1, "weave"),
+        ("llama", 2, "weave"),
+        _slow("llama", 4, "weave"),
+        _slow("llama", 1, "baseline"),
+        _slow("llama", 2, "baseline"),
+        _slow("llama", 4, "baseline"),
+        _slow("qwen2", 2, "weave"),
+        _slow("mixtral", 4, "weave"),
+    ],
+)
 def test_engine_greedy_parity(reference, cpu_mesh, kind, tp, schedule):
     """The serving engine's greedy tokens equal ``transformers``' ``generate`` for requests that
     arrive at different steps and whose prompts are chunked across steps (and, with weave,
@@ -99,13 +128,16 @@ def test_engine_greedy_parity(reference, cpu_mesh, kind, tp, schedule):
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ids, step = [], 0
     while len(ids) < len(ARRIVALS) or engine.has_unfinished():
-        ids += [engine.add_request(p, params) for p, arrival in
-                zip(ref["gen_prompts"], ARRIVALS, strict=True) if arrival == step]
+        ids += [
+            engine.add_request(p, params)
+            for p, arrival in zip(ref["gen_prompts"], ARRIVALS, strict=True)
+            if arrival == step
+        ]
         engine.step()
         step += 1
     got = [engine.release(i).token_ids for i in ids]
     assert got == [g[:NEW_TOKENS] for g in ref["gens"]]
-    assert engine.stats.steps > NEW_TOKENS                  # arrivals spread the work out
+    assert engine.stats.steps > NEW_TOKENS  # arrivals spread the work out
     if schedule == "weave":
         assert engine.stats.cut_steps > 0
     else:

@@ -18,12 +18,40 @@ pytest.importorskip("fastapi")
 def test_http_bench_runs_both_ways(tmp_path, capsys):
     bench_file = Path(__file__).resolve().parents[1] / "benchmarks" / "http_bench.py"
     bench = bm.sibling_module(str(bench_file), "http_bench")
-    assert bench.main(["--out", str(tmp_path), "--platform", "cpu", "--clients", "3",
-                       "--num-requests", "6", "--seed", "5"]) == 0
+    assert (
+        bench.main(
+            [
+                "--out",
+                str(tmp_path),
+                "--platform",
+                "cpu",
+                "--clients",
+                "3",
+                "--num-requests",
+                "6",
+                "--seed",
+                "5",
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "http.json").read_text())
-    args = bench.resolve(bench.build_parser().parse_args(
-        ["--out", "x", "--platform", "cpu", "--clients", "3", "--num-requests", "6",
-         "--seed", "5"]))
+    args = bench.resolve(
+        bench.build_parser().parse_args(
+            [
+                "--out",
+                "x",
+                "--platform",
+                "cpu",
+                "--clients",
+                "3",
+                "--num-requests",
+                "6",
+                "--seed",
+                "5",
+            ]
+        )
+    )
     made = sum(n for _, n in bench.make_requests(args, 256))
     for name in ("http", "inprocess"):
         run = report["runs"][name]

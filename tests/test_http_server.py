@@ -38,8 +38,17 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
-SIZES = dict(max_num_batched_tokens=64, max_num_seqs=16, prefill_tile=16, block_size=16,
-             key_chunk=64, split_threshold=32, comm="xla", max_model_len=128, num_blocks=160)
+SIZES = dict(
+    max_num_batched_tokens=64,
+    max_num_seqs=16,
+    prefill_tile=16,
+    block_size=16,
+    key_chunk=64,
+    split_threshold=32,
+    comm="xla",
+    max_model_len=128,
+    num_blocks=160,
+)
 STARTUP_S = 180
 
 
@@ -49,8 +58,9 @@ def flags(sizes: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = save_checkpoint(make_hf_model("llama", seed=23),
-                           str(tmp_path_factory.mktemp("http") / "tiny"))
+    path = save_checkpoint(
+        make_hf_model("llama", seed=23), str(tmp_path_factory.mktemp("http") / "tiny")
+    )
     return save_char_tokenizer(path, chat_template=CHAT_TEMPLATE)
 
 
@@ -71,13 +81,33 @@ def server(checkpoint, tmp_path_factory):
     """``(base url, process, log path)`` of a server started for this file."""
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jax_tokenweave.serve", checkpoint, "--tp", "2", "--port",
-             str(port), "--served-model-name", MODEL, "--no-warmup", "--drain-timeout", "30",
-             *flags(SIZES)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "jax_tokenweave.serve",
+                checkpoint,
+                "--tp",
+                "2",
+                "--port",
+                str(port),
+                "--served-model-name",
+                MODEL,
+                "--no-warmup",
+                "--drain-timeout",
+                "30",
+                *flags(SIZES),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_S
     while True:
@@ -100,14 +130,15 @@ def server(checkpoint, tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def metrics(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return {m.group(1): float(m.group(2)) for m in
-            re.finditer(r"^(tokenweave_[^\s]+)\s+([-+\de.na]+)$", text, re.MULTILINE)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^(tokenweave_[^\s]+)\s+([-+\de.na]+)$", text, re.MULTILINE)
+    }
 
 
 def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
@@ -115,8 +146,11 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(url)
-        if (m["tokenweave_num_requests_running"], m["tokenweave_num_requests_waiting"],
-                m["tokenweave_kv_blocks_in_use"]) == (0, 0, 0):
+        if (
+            m["tokenweave_num_requests_running"],
+            m["tokenweave_num_requests_waiting"],
+            m["tokenweave_kv_blocks_in_use"],
+        ) == (0, 0, 0):
             return m
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
@@ -135,25 +169,29 @@ def test_greedy_completions_and_chat_equal_llm_generate(client, llm):
     prompts = ["Hello, world", "The cat sat", "abc"]
     want = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
     for prompt, w in zip(prompts, want, strict=True):
-        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,
-                                        temperature=0)
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
         assert got.choices[0].text == w.outputs[0].text
         assert got.choices[0].finish_reason == w.outputs[0].finish_reason
-        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == \
-            (len(w.prompt_token_ids), len(w.outputs[0].token_ids))
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (
+            len(w.prompt_token_ids),
+            len(w.outputs[0].token_ids),
+        )
         assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
-    many = client.completions.create(model=MODEL, prompt=[prompts[0], prompts[1]],
-                                     max_tokens=10, temperature=0, n=2)
+    many = client.completions.create(
+        model=MODEL, prompt=[prompts[0], prompts[1]], max_tokens=10, temperature=0, n=2
+    )
     assert [c.index for c in many.choices] == [0, 1, 2, 3]
-    assert [c.text for c in many.choices] == [want[0].outputs[0].text] * 2 + \
-        [want[1].outputs[0].text] * 2
-    assert many.usage.prompt_tokens == len(want[0].prompt_token_ids) + len(
-        want[1].prompt_token_ids)
+    assert [c.text for c in many.choices] == [want[0].outputs[0].text] * 2 + [
+        want[1].outputs[0].text
+    ] * 2
+    assert many.usage.prompt_tokens == len(want[0].prompt_token_ids) + len(want[1].prompt_token_ids)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    (chat_want,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=12),
-                            use_tqdm=False)
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
-                                          temperature=0)
+    (chat_want,) = llm.chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False
+    )
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == chat_want.outputs[0].text
     assert chat.usage.prompt_tokens == len(chat_want.prompt_token_ids)
@@ -163,25 +201,35 @@ def test_greedy_completions_and_chat_equal_llm_generate(client, llm):
 def test_streamed_chunks_concatenate_to_the_non_streamed_text(client, server):
     kw = dict(model=MODEL, max_tokens=12, temperature=0)
     full = client.completions.create(prompt="Stream me", **kw)
-    chunks = list(client.completions.create(prompt="Stream me", stream=True,
-                                            stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        client.completions.create(
+            prompt="Stream me", stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
-        full.choices[0].finish_reason
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[
+        0
+    ].finish_reason
     messages = [{"role": "user", "content": "tell me"}]
 
     async def chat_both():
         aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
         whole = await aclient.chat.completions.create(messages=messages, **kw)
-        parts = [c async for c in await aclient.chat.completions.create(
-            messages=messages, stream=True, stream_options={"include_usage": True}, **kw)]
+        parts = [
+            c
+            async for c in await aclient.chat.completions.create(
+                messages=messages, stream=True, stream_options={"include_usage": True}, **kw
+            )
+        ]
         return whole, parts
 
     whole, parts = asyncio.run(chat_both())
     assert parts[0].choices[0].delta.role == "assistant"
-    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == \
-        whole.choices[0].message.content
+    assert (
+        "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+        == whole.choices[0].message.content
+    )
     assert parts[-1].choices == [] and parts[-1].usage == whole.usage
     raw = httpx.post(server[0] + "/v1/completions", json={**kw, "prompt": "x", "stream": True})
     assert raw.headers["content-type"].startswith("text/event-stream")
@@ -189,30 +237,40 @@ def test_streamed_chunks_concatenate_to_the_non_streamed_text(client, server):
 
 
 def test_logprobs(client, llm):
-    got = client.completions.create(model=MODEL, prompt="Odds", max_tokens=5, temperature=0,
-                                    logprobs=2)
+    got = client.completions.create(
+        model=MODEL, prompt="Odds", max_tokens=5, temperature=0, logprobs=2
+    )
     lp = got.choices[0].logprobs
-    (want,) = llm.generate("Odds", SamplingParams(temperature=0.0, max_tokens=5, logprobs=2),
-                           use_tqdm=False)
+    (want,) = llm.generate(
+        "Odds", SamplingParams(temperature=0.0, max_tokens=5, logprobs=2), use_tqdm=False
+    )
     assert len(lp.tokens) == got.usage.completion_tokens == len(want.token_ids)
-    assert lp.token_logprobs == pytest.approx([e.logprob for e in
-                                               want.outputs[0].token_logprobs], abs=1e-4)
+    assert lp.token_logprobs == pytest.approx(
+        [e.logprob for e in want.outputs[0].token_logprobs], abs=1e-4
+    )
     assert all(len(t) == 2 for t in lp.top_logprobs)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
-                                                                  "content": "x"}],
-                                          max_tokens=4, temperature=0, logprobs=True,
-                                          top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
 
 
 def test_200_concurrent_requests_half_streamed(server, llm, rng):
-    texts = ["".join(chr(int(c)) for c in rng.integers(97, 123, int(n)))
-             for n in rng.integers(3, 30, 200)]
+    texts = [
+        "".join(chr(int(c)) for c in rng.integers(97, 123, int(n)))
+        for n in rng.integers(3, 30, 200)
+    ]
     lengths = rng.integers(1, 9, 200).tolist()
-    want = llm.generate(texts, [SamplingParams(temperature=0.0, max_tokens=m) for m in lengths],
-                        use_tqdm=False)
+    want = llm.generate(
+        texts, [SamplingParams(temperature=0.0, max_tokens=m) for m in lengths], use_tqdm=False
+    )
 
     async def one(aclient, i):
         kw = dict(model=MODEL, prompt=texts[i], max_tokens=lengths[i], temperature=0)
@@ -222,12 +280,16 @@ def test_200_concurrent_requests_half_streamed(server, llm, rng):
         return (await aclient.completions.create(**kw)).choices[0].text
 
     async def main():
-        aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="none",
-                                     max_retries=0, timeout=120,
-                                     http_client=openai.DefaultAsyncHttpxClient(
-                                         limits=httpx.Limits(max_connections=256)))
-        return await asyncio.wait_for(asyncio.gather(*(one(aclient, i) for i in range(200))),
-                                      timeout=150)
+        aclient = openai.AsyncOpenAI(
+            base_url=server[0] + "/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=120,
+            http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=256)),
+        )
+        return await asyncio.wait_for(
+            asyncio.gather(*(one(aclient, i) for i in range(200))), timeout=150
+        )
 
     got = asyncio.run(main())
     assert got == [w.outputs[0].text for w in want]
@@ -236,31 +298,44 @@ def test_200_concurrent_requests_half_streamed(server, llm, rng):
 
 def test_clients_that_disconnect_free_their_blocks(server):
     url = server[0]
-    before = metrics(url)["tokenweave_requests_total{status=\"abort\"}"]
+    before = metrics(url)['tokenweave_requests_total{status="abort"}']
 
     async def leave_mid_stream(client, i):
-        body = {"model": MODEL, "prompt": f"leave {i}", "max_tokens": 100, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": f"leave {i}",
+            "max_tokens": 100,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
-                    return                       # closes the connection mid-stream
+                    return  # closes the connection mid-stream
 
     async def leave_before_the_answer(client, i):
-        body = {"model": MODEL, "prompt": f"gone {i}", "max_tokens": 110, "temperature": 0,
-                "ignore_eos": True}                 # 110 steps: far longer than the timeout
+        body = {
+            "model": MODEL,
+            "prompt": f"gone {i}",
+            "max_tokens": 110,
+            "temperature": 0,
+            "ignore_eos": True,
+        }  # 110 steps: far longer than the timeout
         with pytest.raises(httpx.TimeoutException):
             await client.post(url + "/v1/completions", json=body, timeout=0.05)
 
     async def main():
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=128)) as c:
-            await asyncio.gather(*(leave_mid_stream(c, i) for i in range(50)),
-                                 *(leave_before_the_answer(c, i) for i in range(5)))
+            await asyncio.gather(
+                *(leave_mid_stream(c, i) for i in range(50)),
+                *(leave_before_the_answer(c, i) for i in range(5)),
+            )
 
     asyncio.run(main())
     after = wait_idle(url)
-    assert after["tokenweave_requests_total{status=\"abort\"}"] - before >= 50
+    assert after['tokenweave_requests_total{status="abort"}'] - before >= 50
     assert after["tokenweave_kv_blocks_total"] == SIZES["num_blocks"]
 
 
@@ -285,10 +360,16 @@ BAD = [
 
 @pytest.mark.parametrize(("case", "body", "param"), BAD, ids=[c for c, _, _ in BAD])
 def test_bad_requests_get_400_naming_the_field(server, case, body, param):
-    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else \
-        "/v1/completions"
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(
-        body, bytes) else {"json": body}
+    path = (
+        "/v1/chat/completions"
+        if isinstance(body, dict) and "messages" in body
+        else "/v1/completions"
+    )
+    kw = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     response = httpx.post(server[0] + path, timeout=30, **kw)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -297,21 +378,28 @@ def test_bad_requests_get_400_naming_the_field(server, case, body, param):
 
 
 def test_a_bad_request_disturbs_no_one(server, client, llm):
-    (want,) = llm.generate("steady", SamplingParams(temperature=0.0, max_tokens=30,
-                                                    ignore_eos=True), use_tqdm=False)
+    (want,) = llm.generate(
+        "steady", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )
 
     async def main():
         aclient = openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
-        good = aclient.completions.create(model=MODEL, prompt="steady", max_tokens=30,
-                                          temperature=0, extra_body={"ignore_eos": True})
-        bad = [aclient.completions.create(model=MODEL, prompt="x", temperature=-1)
-               for _ in range(5)]
+        good = aclient.completions.create(
+            model=MODEL,
+            prompt="steady",
+            max_tokens=30,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        bad = [
+            aclient.completions.create(model=MODEL, prompt="x", temperature=-1) for _ in range(5)
+        ]
         return await asyncio.gather(good, *bad, return_exceptions=True)
 
     good, *bad = asyncio.run(main())
     assert good.choices[0].text == want.outputs[0].text
     assert all(isinstance(b, openai.BadRequestError) for b in bad)
-    assert metrics(server[0])["tokenweave_requests_total{status=\"invalid\"}"] >= 5
+    assert metrics(server[0])['tokenweave_requests_total{status="invalid"}'] >= 5
 
 
 def test_a_full_waiting_queue_answers_429_never_hangs(llm):
@@ -326,8 +414,9 @@ def test_a_full_waiting_queue_answers_429_never_hangs(llm):
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
-            waiting = [asyncio.ensure_future(c.post("/v1/completions", json=body))
-                       for _ in range(2)]
+            waiting = [
+                asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(2)
+            ]
             while llm.engine.counts()[1] < 2:
                 await asyncio.sleep(0.01)
             full = await asyncio.wait_for(c.post("/v1/completions", json=body), 10)
@@ -349,15 +438,21 @@ def test_a_full_waiting_queue_answers_429_never_hangs(llm):
 def test_sigterm_drains_and_exits(server):
     """Runs last: the request in flight at SIGTERM finishes; new ones are refused; exit 0."""
     url, proc, log = server
-    body = {"model": MODEL, "prompt": "drain", "max_tokens": 100, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "drain",
+        "max_tokens": 100,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     texts = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and not texts:
                 proc.send_signal(signal.SIGTERM)
                 time.sleep(0.5)
-                with pytest.raises(httpx.HTTPError):      # no new connections
+                with pytest.raises(httpx.HTTPError):  # no new connections
                     httpx.post(url + "/v1/completions", json=body, timeout=5).raise_for_status()
             if line:
                 texts.append(line)

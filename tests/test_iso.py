@@ -67,8 +67,7 @@ def test_one_16384_token_request_balances_work_not_tokens():
     assert plan_batch([1024] * 16, tp=2, config=config).half_lengths == (8192, 8192)
 
 
-@pytest.mark.parametrize(("tp", "dtype"), [(2, jnp.float32), (4, jnp.float32),
-                                           (2, jnp.bfloat16)])
+@pytest.mark.parametrize(("tp", "dtype"), [(2, jnp.float32), (4, jnp.float32), (2, jnp.bfloat16)])
 def test_long_request_split_matches_unsplit(cpu_mesh, rng, tp, dtype):
     """A single long request split at the work-balanced point (tile 16): weave (xla, and the
     overlapped schedule with the kernel stand-ins) equals the unsplit baseline and the float64
@@ -81,16 +80,19 @@ def test_long_request_split_matches_unsplit(cpu_mesh, rng, tp, dtype):
     assert plan.cut_request == 0 and first > length // 2 and first % 16 == 0
     dec = build_decoder(config, mesh, dtype, rng)
     hidden = jnp.asarray(rng.standard_normal((length, config.hidden_size)), dtype)
-    want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64),
-                             (length,))
+    want = reference_decoder(
+        logical_weights(dec), config, np.asarray(hidden, np.float64), (length,)
+    )
     fake = FakeKernel()
     graphdef, state = nnx.split(dec)
 
     def run(state, hidden):
         model = nnx.merge(graphdef, state)
-        return (model(hidden, plan, schedule="weave", comm="xla"),
-                model(hidden, plan, schedule="weave", comm="ffi", reducer=fake.overlap),
-                model(hidden, plan, schedule="baseline"))
+        return (
+            model(hidden, plan, schedule="weave", comm="xla"),
+            model(hidden, plan, schedule="weave", comm="ffi", reducer=fake.overlap),
+            model(hidden, plan, schedule="baseline"),
+        )
 
     weave, overlap, base = jax.jit(run)(state, hidden)
     fake.check_protocol()

@@ -28,8 +28,16 @@ def kernel_bench():
 
 
 def _row(tp, tokens, algo, ctas, us, device_us=None):
-    r = dict(tp=tp, hidden=8192, tokens=tokens, impl="ffi", num_ctas=ctas, algo=algo,
-             dtype="bfloat16", us=us)
+    r = dict(
+        tp=tp,
+        hidden=8192,
+        tokens=tokens,
+        impl="ffi",
+        num_ctas=ctas,
+        algo=algo,
+        dtype="bfloat16",
+        us=us,
+    )
     if device_us is not None:
         r["device_us"] = device_us
     return r
@@ -46,10 +54,21 @@ def test_policy_from_rows_takes_the_fastest_per_size(kernel_bench):
                 rows.append(_row(2, tokens, algo, ctas, us=1000.0, device_us=t))
                 if tokens not in fastest or t < fastest[tokens][2]:
                     fastest[tokens] = (algo, ctas, t)
-    rows.append(dict(tp=2, hidden=8192, tokens=16, impl="xla", num_ctas=None, algo=None,
-                     dtype="bfloat16", us=0.1))  # XLA rows never enter the table
-    meta = dict(device="H200", n_devices=2, date="2026-11-23T00:00:00", commit="abc",
-                argv="kernel_bench.py")
+    rows.append(
+        dict(
+            tp=2,
+            hidden=8192,
+            tokens=16,
+            impl="xla",
+            num_ctas=None,
+            algo=None,
+            dtype="bfloat16",
+            us=0.1,
+        )
+    )  # XLA rows never enter the table
+    meta = dict(
+        device="H200", n_devices=2, date="2026-11-23T00:00:00", commit="abc", argv="kernel_bench.py"
+    )
     policy = kernel_bench.policy_from_rows(rows, meta)
     assert isinstance(policy, KernelPolicy) and set(policy.by_ranks) == {2}
     for tokens, (algo, ctas, _) in fastest.items():
@@ -77,10 +96,37 @@ def test_runs_with_one_process_per_device(tmp_path):
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     out = tmp_path / "kb"
     proc = subprocess.run(
-        [sys.executable, "-m", "jax_tokenweave.launch", "-n", "2", "--cpu", "--timeout", "10",
-         "--", sys.executable, str(BENCH / "kernel_bench.py"), "--out", str(out), "--tp", "2",
-         "--hidden", "256", "--tokens", "4", "--impls", "xla", "xla_rsag", "--reps", "2"],
-        env=env, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "jax_tokenweave.launch",
+            "-n",
+            "2",
+            "--cpu",
+            "--timeout",
+            "10",
+            "--",
+            sys.executable,
+            str(BENCH / "kernel_bench.py"),
+            "--out",
+            str(out),
+            "--tp",
+            "2",
+            "--hidden",
+            "256",
+            "--tokens",
+            "4",
+            "--impls",
+            "xla",
+            "xla_rsag",
+            "--reps",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "kernel_bench.json").read_text())
     assert result["meta"]["processes"] == 2 and result["meta"]["n_devices"] == 2

@@ -32,16 +32,18 @@ def forward(dec, batch, schedules=(("weave", "xla"), ("baseline", "xla")), retur
 
     def run(state, hidden):
         model = nnx.merge(graphdef, state)
-        return [model(hidden, batch, schedule=s, comm=c, return_kv=return_kv)
-                for s, c in schedules]
+        return [model(hidden, batch, schedule=s, comm=c, return_kv=return_kv) for s, c in schedules]
 
     cache = {}
 
     def call(hidden):
         key = (hidden.shape, hidden.dtype)
         if key not in cache:
-            cache[key] = jax.jit(run).lower(state, hidden).compile(
-                compiler_options={"xla_backend_optimization_level": 0})
+            cache[key] = (
+                jax.jit(run)
+                .lower(state, hidden)
+                .compile(compiler_options={"xla_backend_optimization_level": 0})
+            )
         return cache[key](state, hidden)
 
     return call
@@ -49,14 +51,14 @@ def forward(dec, batch, schedules=(("weave", "xla"), ("baseline", "xla")), retur
 
 CASES = [
     # (config, tp, request lengths, split threshold, dtype)
-    ("tiny", 2, (5,), 1024, jnp.float32),                 # below the threshold: one half
-    ("tiny", 8, (1,), 1024, jnp.float32),                 # one token, fewer than TP
-    ("tiny", 4, (5, 9, 3), 4, jnp.float32),               # split, request 1 straddles it
-    ("tiny", 8, (3, 11, 7, 2), 8, jnp.float32),           # T=23: not divisible by TP
-    ("tiny", 8, (100, 130, 70), 256, jnp.float32),        # T=300 > 256, midpoint rule
+    ("tiny", 2, (5,), 1024, jnp.float32),  # below the threshold: one half
+    ("tiny", 8, (1,), 1024, jnp.float32),  # one token, fewer than TP
+    ("tiny", 4, (5, 9, 3), 4, jnp.float32),  # split, request 1 straddles it
+    ("tiny", 8, (3, 11, 7, 2), 8, jnp.float32),  # T=23: not divisible by TP
+    ("tiny", 8, (100, 130, 70), 256, jnp.float32),  # T=300 > 256, midpoint rule
     ("tiny", 2, (5, 9, 3), 4, jnp.bfloat16),
     ("tiny", 4, (5, 9, 3), 4, jnp.bfloat16),
-    ("tiny", 4, (7, 6), 1024, jnp.bfloat16),              # bf16 below the threshold
+    ("tiny", 4, (7, 6), 1024, jnp.bfloat16),  # bf16 below the threshold
     ("tiny", 8, (2, 19), 8, jnp.bfloat16),
     ("tiny-moe", 8, (4, 9, 6), 8, jnp.float32),
     ("tiny-qwen", 2, (6, 7, 4), 8, jnp.float32),
@@ -73,7 +75,7 @@ def test_weave_baseline_reference(cpu_mesh, rng, name, tp, lengths, threshold, d
     want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     schedules = (("weave", "xla"), ("baseline", "xla"))
     if tp == 8 and dtype == jnp.float32 and name == "tiny":
-        schedules += (("weave", "auto"),)                 # auto = xla_rsag on CPU
+        schedules += (("weave", "auto"),)  # auto = xla_rsag on CPU
     outs = forward(dec, batch, schedules)(hidden)
     for out in outs:
         assert out.shape == hidden.shape and out.dtype == dtype
@@ -93,8 +95,7 @@ def test_random_ragged_batch(cpu_mesh, rng):
     config, mesh = get_config("tiny"), cpu_mesh(tp)
     batch = plan_batch(lengths, tp=tp, split=True)
     dec = build(config, mesh, jnp.float32, rng)
-    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
-                         jnp.float32)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
     want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     for out in forward(dec, batch)(hidden):
         assert rel_err(out, want) < 1e-5
@@ -110,7 +111,7 @@ def test_split_cases_do_split():
     assert big.split and big.cut_request is not None
 
 
-DEFAULT_THRESHOLD_LENGTHS = (1, 300, 517, 282)              # T = 1100 >= 1024, 1 token first
+DEFAULT_THRESHOLD_LENGTHS = (1, 300, 517, 282)  # T = 1100 >= 1024, 1 token first
 
 
 def test_default_threshold_split(cpu_mesh, rng):
@@ -120,10 +121,9 @@ def test_default_threshold_split(cpu_mesh, rng):
     batch = plan_batch(lengths, tp=tp)
     assert batch.split and batch.num_tokens == 1100
     assert batch.cut_request == 2 and batch.half_lengths == (640, 460)
-    assert not plan_batch((*lengths[:-1], lengths[-1] - 77), tp=tp).split    # T = 1023
+    assert not plan_batch((*lengths[:-1], lengths[-1] - 77), tp=tp).split  # T = 1023
     dec = build(config, cpu_mesh(tp), jnp.float32, rng)
-    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
-                         jnp.float32)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
     want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     weave, baseline = forward(dec, batch)(hidden)
     for out in (weave, baseline):
@@ -136,8 +136,7 @@ def test_return_kv_and_nocomm(cpu_mesh, rng):
     config, tp, lengths = get_config("tiny"), 4, (5, 9, 3)
     mesh, batch = cpu_mesh(tp), plan_batch(lengths, tp=tp, threshold=4)
     dec = build(config, mesh, jnp.float32, rng)
-    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
-                         jnp.float32)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
     run = forward(dec, batch, (("weave", "xla"), ("baseline", "xla")), return_kv=True)
     (w_out, w_kv), (b_out, b_kv) = run(hidden)
     assert len(w_kv) == len(b_kv) == config.num_layers
@@ -163,8 +162,14 @@ def test_return_kv_and_nocomm(cpu_mesh, rng):
 
 # Every configuration of the one layer loop (stack.run_stack): (schedule, comm, fake reducer).
 # The fused kernel's two configurations run with pure-JAX stand-ins injected as reducers.
-LOOP_CONFIGS = [("baseline", "xla", None), ("weave", "xla", None), ("weave", "ffi", "overlap"),
-                ("weave", "ffi-sync", "sync"), ("nocomm", "xla", None), ("weave", "local", None)]
+LOOP_CONFIGS = [
+    ("baseline", "xla", None),
+    ("weave", "xla", None),
+    ("weave", "ffi", "overlap"),
+    ("weave", "ffi-sync", "sync"),
+    ("nocomm", "xla", None),
+    ("weave", "local", None),
+]
 NOT_THE_MODEL = {"nocomm", "local"}
 
 
@@ -177,16 +182,17 @@ def test_every_loop_configuration_against_reference(cpu_mesh, rng, tp):
     batch = plan_batch(lengths, tp=tp, split=True)
     assert batch.cut_request is not None
     dec = build(config, mesh, jnp.float32, rng)
-    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
-                         jnp.float32)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
     want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
     fake = FakeKernel()
     graphdef, state = nnx.split(dec)
 
     def run(state, hidden):
         model = nnx.merge(graphdef, state)
-        return [model(hidden, batch, schedule=s, comm=c,
-                      reducer=getattr(fake, f) if f else None) for s, c, f in LOOP_CONFIGS]
+        return [
+            model(hidden, batch, schedule=s, comm=c, reducer=getattr(fake, f) if f else None)
+            for s, c, f in LOOP_CONFIGS
+        ]
 
     outs = jax.jit(run)(state, hidden)
     fake.check_protocol()
@@ -213,21 +219,31 @@ def test_bad_config_for_tp(cpu_mesh, rng):
     with pytest.raises(ValueError, match="hidden_size"):
         WeaveDecoder(dataclasses.replace(base, hidden_size=36), mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_heads"):
-        WeaveDecoder(dataclasses.replace(base, num_heads=12, num_kv_heads=4), mesh,
-                     rngs=nnx.Rngs(0))
+        WeaveDecoder(
+            dataclasses.replace(base, num_heads=12, num_kv_heads=4), mesh, rngs=nnx.Rngs(0)
+        )
     # Fails on num_kv_heads alone: 16 heads divide by 8 (and everything divides by 4).
     kv4 = dataclasses.replace(base, num_heads=16, num_kv_heads=4)
     kv4.check_tensor_parallel(4)
-    with pytest.raises(ValueError, match=r"^num_kv_heads=4 is not divisible by the "
-                                         r"tensor-parallel degree 8; choose a TP degree"):
+    with pytest.raises(
+        ValueError,
+        match=r"^num_kv_heads=4 is not divisible by the "
+        r"tensor-parallel degree 8; choose a TP degree",
+    ):
         WeaveDecoder(kv4, mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="intermediate_size"):
         WeaveDecoder(dataclasses.replace(base, intermediate_size=100), mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="axis"):
         WeaveDecoder(base, mesh, axis_name="model", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_heads"):
-        DecoderConfig(hidden_size=64, intermediate_size=64, num_layers=1, num_heads=6,
-                      num_kv_heads=4, head_dim=8)
+        DecoderConfig(
+            hidden_size=64,
+            intermediate_size=64,
+            num_layers=1,
+            num_heads=6,
+            num_kv_heads=4,
+            head_dim=8,
+        )
 
 
 def test_bad_call_inputs(cpu_mesh, rng):
@@ -238,7 +254,7 @@ def test_bad_call_inputs(cpu_mesh, rng):
     good = jnp.zeros((7, h), jnp.float32)
     cases = [
         (jnp.zeros((7, h + 2), jnp.float32), batch, {}, "hidden_size"),
-        (jnp.zeros((8, h), jnp.float32), batch, {}, "sum to 7"),     # lengths don't sum to T
+        (jnp.zeros((8, h), jnp.float32), batch, {}, "sum to 7"),  # lengths don't sum to T
         (jnp.zeros((7, h), jnp.bfloat16), batch, {}, "dtype"),
         (jnp.zeros((7, h), jnp.int32), batch, {}, "floating"),
         (jnp.zeros((7 * h,), jnp.float32), batch, {}, "tokens, hidden_size"),
@@ -260,7 +276,7 @@ def test_weights_sharded_as_documented(cpu_mesh, rng):
     params = named_params(dec)
     d = config.head_dim
     expect = {
-        "layers.0.qkv_proj": ((64, 32 * d), (64, 8 * d)),        # 16 q + 8 k + 8 v heads
+        "layers.0.qkv_proj": ((64, 32 * d), (64, 8 * d)),  # 16 q + 8 k + 8 v heads
         "layers.0.qkv_bias": ((32 * d,), (8 * d,)),
         "layers.0.o_proj": ((16 * d, 64), (4 * d, 64)),
         "layers.0.gate_up_proj": ((64, 256), (64, 64)),
@@ -281,8 +297,10 @@ def test_weights_sharded_as_documented(cpu_mesh, rng):
     with pytest.raises(ValueError, match="missing"):
         dec.load_weights({"final_norm": np.zeros(64)})
     with pytest.raises(ValueError, match=r"layers\.0\.v_proj'\] missing"):
-        dec.load_weights({"layers.0.q_proj": np.zeros((64, 16 * d)),
-                          "layers.0.k_proj": np.zeros((64, 8 * d))}, strict=False)
+        dec.load_weights(
+            {"layers.0.q_proj": np.zeros((64, 16 * d)), "layers.0.k_proj": np.zeros((64, 8 * d))},
+            strict=False,
+        )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -292,8 +310,9 @@ def test_fused_projections_are_rank_blocked(cpu_mesh, rng, tp):
     and logical_weights gives them back unchanged."""
     config, mesh = get_config("tiny-qwen", num_layers=1), cpu_mesh(tp)
     dec = build(config, mesh, jnp.float32, rng)
-    logical = {n: rng.standard_normal(v.shape).astype(np.float32)
-               for n, v in logical_weights(dec).items()}
+    logical = {
+        n: rng.standard_normal(v.shape).astype(np.float32) for n, v in logical_weights(dec).items()
+    }
     dec.load_weights(logical)
     back = logical_weights(dec)
     assert set(back) == set(logical)
@@ -301,9 +320,11 @@ def test_fused_projections_are_rank_blocked(cpu_mesh, rng, tp):
         np.testing.assert_array_equal(back[name], value, err_msg=name)
     p = "layers.0."
     params = named_params(dec)
-    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                         ("qkv_bias", ("q_bias", "k_bias", "v_bias")),
-                         ("gate_up_proj", ("gate_proj", "up_proj"))):
+    for fused, parts in (
+        ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ("qkv_bias", ("q_bias", "k_bias", "v_bias")),
+        ("gate_up_proj", ("gate_proj", "up_proj")),
+    ):
         shards = params[p + fused][...].addressable_shards
         assert len(shards) == tp
         for r, shard in enumerate(sorted(shards, key=lambda s: s.index[-1].start or 0)):

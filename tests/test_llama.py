@@ -25,15 +25,21 @@ def compiled(model, batch, schedules, tokens):
         m = nnx.merge(graphdef, state)
         return [m(tokens, batch, schedule=s, comm="xla") for s in schedules]
 
-    fn = jax.jit(run).lower(state, tokens).compile(
-        compiler_options={"xla_backend_optimization_level": 0})
+    fn = (
+        jax.jit(run)
+        .lower(state, tokens)
+        .compile(compiler_options={"xla_backend_optimization_level": 0})
+    )
     return fn(state, tokens)
 
 
-@pytest.mark.parametrize(("name", "tp", "lengths", "dtype"), [
-    ("tiny", 4, (5, 9, 3), jnp.float32),          # split with a cut request
-    ("tiny-qwen", 2, (6, 7), jnp.bfloat16),       # qkv bias, tied embeddings
-])
+@pytest.mark.parametrize(
+    ("name", "tp", "lengths", "dtype"),
+    [
+        ("tiny", 4, (5, 9, 3), jnp.float32),  # split with a cut request
+        ("tiny-qwen", 2, (6, 7), jnp.bfloat16),  # qkv bias, tied embeddings
+    ],
+)
 def test_logits_match_reference(cpu_mesh, rng, name, tp, lengths, dtype):
     config, mesh = get_config(name), cpu_mesh(tp)
     model = LlamaModel(config, mesh, dtype=dtype, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
@@ -53,10 +59,15 @@ def test_load_weights_places_shards(cpu_mesh, rng):
     config, mesh = get_config("tiny", num_layers=1), cpu_mesh(4)
     model = LlamaModel(config, mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
     params = named_params(model)
-    assert {"embed", "lm_head", "decoder.final_norm", "decoder.layers.0.qkv_proj",
-            "decoder.layers.0.gate_up_proj", "decoder.layers.0.down_proj"} <= set(params)
-    new = {name: rng.standard_normal(p[...].shape).astype(np.float32)
-           for name, p in params.items()}
+    assert {
+        "embed",
+        "lm_head",
+        "decoder.final_norm",
+        "decoder.layers.0.qkv_proj",
+        "decoder.layers.0.gate_up_proj",
+        "decoder.layers.0.down_proj",
+    } <= set(params)
+    new = {name: rng.standard_normal(p[...].shape).astype(np.float32) for name, p in params.items()}
     model.load_weights(new)
     got = model.numpy_weights()
     for name, value in new.items():
@@ -67,8 +78,9 @@ def test_load_weights_places_shards(cpu_mesh, rng):
     assert head.addressable_shards[0].data.shape == (config.hidden_size, config.vocab_size // 4)
     # the embedding lookup (vocab-sharded + psum) returns the right rows
     tokens = jnp.asarray([0, 63, 64, 255, 128], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(model.embed_tokens(tokens)),
-                                  new["embed"][np.asarray(tokens)])
+    np.testing.assert_array_equal(
+        np.asarray(model.embed_tokens(tokens)), new["embed"][np.asarray(tokens)]
+    )
 
 
 def test_bad_tokens(cpu_mesh):
@@ -87,13 +99,28 @@ def test_bad_tokens(cpu_mesh):
 
 # ------------------------------------------------------------------------------- configs ----
 
+
 def test_named_configs():
-    assert set(config_names()) >= {"tiny", "tiny-moe", "tiny-qwen", "llama3-8b", "llama3-70b",
-                                   "qwen2.5-72b", "mixtral-8x22b"}
+    assert set(config_names()) >= {
+        "tiny",
+        "tiny-moe",
+        "tiny-qwen",
+        "llama3-8b",
+        "llama3-70b",
+        "qwen2.5-72b",
+        "mixtral-8x22b",
+    }
     c = get_config("llama3-70b")
-    assert (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
-            c.num_layers, c.vocab_size, c.rope_theta) == (8192, 28672, 64, 8, 128, 80, 128256,
-                                                          500000.0)
+    assert (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.num_layers,
+        c.vocab_size,
+        c.rope_theta,
+    ) == (8192, 28672, 64, 8, 128, 80, 128256, 500000.0)
     assert c.rope_scaling is not None and c.rope_scaling.factor == 8.0
     q = get_config("qwen2.5-72b")
     assert q.qkv_bias and q.intermediate_size == 29568 and q.rms_norm_eps == 1e-6

@@ -15,16 +15,46 @@ from hf_testutil import import_or_skip, make_hf_model, save_char_tokenizer, save
 from jax_tokenweave import LLM, SamplingParams, generate
 from jax_tokenweave.serving import EngineConfig
 
-torch = import_or_skip("torch")             # under CI (env CI set): fail, never skip
+torch = import_or_skip("torch")  # under CI (env CI set): fail, never skip
 import_or_skip("transformers")
 
-ENGINE = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
-                      num_blocks=64, max_model_len=64, key_chunk=16, split_threshold=16,
-                      comm="xla")
-CLI_ENGINE = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--prefill-tile", "8",
-              "--block-size", "4", "--num-blocks", "64", "--max-model-len", "64", "--key-chunk",
-              "16", "--split-threshold", "16", "--comm", "xla", "--tp", "2", "--dtype", "float32",
-              "--temperature", "0"]
+ENGINE = EngineConfig(
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    prefill_tile=8,
+    block_size=4,
+    num_blocks=64,
+    max_model_len=64,
+    key_chunk=16,
+    split_threshold=16,
+    comm="xla",
+)
+CLI_ENGINE = [
+    "--max-num-batched-tokens",
+    "32",
+    "--max-num-seqs",
+    "4",
+    "--prefill-tile",
+    "8",
+    "--block-size",
+    "4",
+    "--num-blocks",
+    "64",
+    "--max-model-len",
+    "64",
+    "--key-chunk",
+    "16",
+    "--split-threshold",
+    "16",
+    "--comm",
+    "xla",
+    "--tp",
+    "2",
+    "--dtype",
+    "float32",
+    "--temperature",
+    "0",
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -44,13 +74,18 @@ def llm(checkpoint):
 def test_text_in_text_out_matches_transformers(llm, checkpoint):
     hf = checkpoint[1]
     (out,) = llm.generate("Hello, world", GREEDY)
-    assert out.prompt == "Hello, world" and out.prompt_token_ids[0] == 1       # BOS added
+    assert out.prompt == "Hello, world" and out.prompt_token_ids[0] == 1  # BOS added
     assert out.prompt_token_ids == llm.encode("Hello, world")
     with torch.no_grad():
-        ids = hf.generate(torch.tensor(out.prompt_token_ids)[None], max_new_tokens=12,
-                          min_new_tokens=12, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    assert out.token_ids == ids[0, len(out.prompt_token_ids):].tolist()
+        ids = hf.generate(
+            torch.tensor(out.prompt_token_ids)[None],
+            max_new_tokens=12,
+            min_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert out.token_ids == ids[0, len(out.prompt_token_ids) :].tolist()
     assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert out.finish_reason == "length" and len(out.text) > 0
 
@@ -81,7 +116,7 @@ def test_stop_strings_cut_the_text(llm):
     params = dataclasses.replace(GREEDY, stop=(stop,))
     (out,) = llm.generate("Stop here", params)
     assert out.text == full.text[:cut] and out.finish_reason == "stop"
-    assert out.token_ids == full.token_ids[:len(out.token_ids)]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
     streamed = list(llm.stream("Stop here", params))
     assert "".join(d.text for d in streamed) == out.text
     assert streamed[-1].finish_reason == "stop"
@@ -96,8 +131,9 @@ def test_async_streams_run_together_and_a_bad_one_fails_alone(llm):
         return [t async for d in llm.astream(prompt, GREEDY) for t in d.token_ids]
 
     async def main():
-        return await asyncio.gather(*(consume(p) for p in prompts),
-                                    consume(""), consume([1, 999]), return_exceptions=True)
+        return await asyncio.gather(
+            *(consume(p) for p in prompts), consume(""), consume([1, 999]), return_exceptions=True
+        )
 
     got = asyncio.run(main())
     assert got[:3] == want
@@ -114,18 +150,21 @@ def test_closing_a_stream_early_aborts_it(llm):
     assert llm.engine.scheduler.allocator.num_free == ENGINE.num_blocks
 
 
-@pytest.mark.parametrize(("prompts", "params", "match"), [
-    ([], None, "no prompts"),
-    ("", None, "prompt 0 is an empty string"),
-    (["ok", ""], None, "prompt 1 is an empty string"),
-    ([[1, 2], []], None, "prompt 1 is empty"),
-    ([[1.5, 2]], None, "must be an integer"),
-    ([[1, 2], ["a"]], None, "must be an integer"),
-    (b"bytes", None, "must be a sequence of token ids"),
-    (3, None, "prompts must be"),
-    ("x" * 60, GREEDY, "cannot fit"),
-    (["a", "b"], [GREEDY], "2 prompts"),
-])
+@pytest.mark.parametrize(
+    ("prompts", "params", "match"),
+    [
+        ([], None, "no prompts"),
+        ("", None, "prompt 0 is an empty string"),
+        (["ok", ""], None, "prompt 1 is an empty string"),
+        ([[1, 2], []], None, "prompt 1 is empty"),
+        ([[1.5, 2]], None, "must be an integer"),
+        ([[1, 2], ["a"]], None, "must be an integer"),
+        (b"bytes", None, "must be a sequence of token ids"),
+        (3, None, "prompts must be"),
+        ("x" * 60, GREEDY, "cannot fit"),
+        (["a", "b"], [GREEDY], "2 prompts"),
+    ],
+)
 def test_bad_prompts(llm, prompts, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts, params)
@@ -150,23 +189,24 @@ def test_without_tokenizer(checkpoint, cpu_mesh):
 def test_cli(checkpoint, capsys):
     from jax_tokenweave.generate import build_parser, main
 
-    assert main([checkpoint[0], "--prompt", "Hello, world", "--max-tokens", "12", *CLI_ENGINE]) \
-        == 0
+    assert main([checkpoint[0], "--prompt", "Hello, world", "--max-tokens", "12", *CLI_ENGINE]) == 0
     printed = capsys.readouterr().out
     llm = LLM(checkpoint[0], tp=2, dtype=jnp.float32, config=ENGINE)
     want = llm.generate("Hello, world", SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert f"Hello, world -> {want.text}  [{want.finish_reason}]" in printed
-    assert main([checkpoint[0], "--ids", "1,2,3", "--max-tokens", "3", "--stream",
-                 *CLI_ENGINE]) == 0
-    assert capsys.readouterr().out == llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0,
-                                                                               max_tokens=3))[
-        0].text + "\n"
+    assert (
+        main([checkpoint[0], "--ids", "1,2,3", "--max-tokens", "3", "--stream", *CLI_ENGINE]) == 0
+    )
+    assert (
+        capsys.readouterr().out
+        == llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))[0].text + "\n"
+    )
     text = build_parser().format_help()
     assert "python -m jax_tokenweave.generate" in text and "(default: 8192)" in text
     with pytest.raises(SystemExit):
         main([checkpoint[0], "--temperature", "nan", "--prompt", "x"])
     capsys.readouterr()
-    assert main([checkpoint[0] + "-missing", "--prompt", "x"]) == 1      # one line, no trace
+    assert main([checkpoint[0] + "-missing", "--prompt", "x"]) == 1  # one line, no trace
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "checkpoint directory does not exist" in err
     assert "Traceback" not in err

@@ -27,8 +27,15 @@ from jax_tokenweave.serving import LLM, EngineConfig, RequestFailed, SamplingPar
 import_or_skip("torch")
 import_or_skip("transformers")
 
-SIZES = dict(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
-             key_chunk=16, split_threshold=16, comm="xla")
+SIZES = dict(
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    prefill_tile=8,
+    block_size=4,
+    key_chunk=16,
+    split_threshold=16,
+    comm="xla",
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 VLLM_SCRIPT = """
@@ -47,15 +54,17 @@ for output in outputs:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = save_checkpoint(make_hf_model("llama", seed=11),
-                           str(tmp_path_factory.mktemp("vllm") / "tiny"))
+    path = save_checkpoint(
+        make_hf_model("llama", seed=11), str(tmp_path_factory.mktemp("vllm") / "tiny")
+    )
     return save_char_tokenizer(path, chat_template=CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint, tensor_parallel_size=2, max_model_len=64, num_blocks=64,
-               use_tqdm=False, **SIZES)
+    return LLM(
+        checkpoint, tensor_parallel_size=2, max_model_len=64, num_blocks=64, use_tqdm=False, **SIZES
+    )
 
 
 def idle(llm):
@@ -81,39 +90,45 @@ def test_a_vllm_script_runs_with_only_the_import_changed(checkpoint, capsys):
     # vLLM's defaults: dtype from the checkpoint, max_model_len from max_position_embeddings
     assert llm.engine.cache.k[0].dtype == jnp.float32
     assert llm.engine.config.max_model_len == 512
-    assert llm.engine.config.num_blocks >= 512 // 16                 # sized (CPU fallback)
+    assert llm.engine.config.num_blocks >= 512 // 16  # sized (CPU fallback)
 
 
 def test_n_samples_and_vllm_logprobs(llm, rng):
     seed = int(rng.integers(1 << 30))
-    params = SamplingParams(n=3, temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True,
-                            logprobs=2)
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=seed, max_tokens=6, ignore_eos=True, logprobs=2
+    )
     (out,) = llm.generate("Sampling", sampling_params=params, use_tqdm=False)
     assert len(out.outputs) == 3 and len({tuple(o.token_ids) for o in out.outputs}) > 1
-    (again,) = llm.generate("Sampling", params, use_tqdm=False)         # same seed, same draws
+    (again,) = llm.generate("Sampling", params, use_tqdm=False)  # same seed, same draws
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
     first = out.outputs[0]
     assert len(first.logprobs) == 6
-    for token, entry, raw in zip(first.token_ids, first.logprobs, first.token_logprobs,
-                                 strict=True):
+    for token, entry, raw in zip(
+        first.token_ids, first.logprobs, first.token_logprobs, strict=True
+    ):
         assert token in entry and entry[token].logprob == raw.logprob
         top = [t for t, lp in entry.items() if lp.rank is not None]
         assert [entry[t].rank for t in top] == [1, 2]
         assert entry[top[0]].logprob >= entry[top[1]].logprob
         assert entry[token].decoded_token == llm.tokenizer.decode([token])
-    assert first.cumulative_logprob == pytest.approx(sum(e.logprob for e in
-                                                         first.token_logprobs))
-    (single,) = llm.generate("Sampling", SamplingParams(seed=seed, max_tokens=6,
-                                                        ignore_eos=True), use_tqdm=False)
-    assert single.outputs[0].token_ids == first.token_ids              # sample 0: the seed's
+    assert first.cumulative_logprob == pytest.approx(sum(e.logprob for e in first.token_logprobs))
+    (single,) = llm.generate(
+        "Sampling", SamplingParams(seed=seed, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
+    assert single.outputs[0].token_ids == first.token_ids  # sample 0: the seed's
     idle(llm)
 
 
 def test_prompt_and_params_forms(llm):
     ids = llm.encode("abc")
     want = llm.generate("abc", GREEDY, use_tqdm=False)[0].token_ids
-    for prompts in ({"prompt": "abc"}, {"prompt_token_ids": ids}, [{"prompt_token_ids": ids}],
-                    ["abc", {"prompt": "abc"}]):
+    for prompts in (
+        {"prompt": "abc"},
+        {"prompt_token_ids": ids},
+        [{"prompt_token_ids": ids}],
+        ["abc", {"prompt": "abc"}],
+    ):
         outs = llm.generate(prompts, sampling_params=GREEDY, use_tqdm=False)
         assert all(o.token_ids == want and o.outputs[0].token_ids == want for o in outs)
     hot = SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
@@ -124,26 +139,36 @@ def test_prompt_and_params_forms(llm):
     idle(llm)
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), [
-    (dict(tensor_parallel_siz=2), TypeError, r"LLM\(\) got an unexpected keyword argument"),
-    (dict(dtype="int8"), ValueError, "dtype"),
-    (dict(max_model_len=1024), ValueError, "max_model_len=1024 exceeds the model's "
-                                           "max_position_embeddings"),
-    (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
-    (dict(tokenizer=42), ValueError, "LLM tokenizer must be a tokenizer"),
-    (dict(tp=2, tensor_parallel_size=4), ValueError, "disagree"),
-    (dict(tensor_parallel_size=64), ValueError, "JAX_NUM_CPU_DEVICES=64"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(tensor_parallel_siz=2), TypeError, r"LLM\(\) got an unexpected keyword argument"),
+        (dict(dtype="int8"), ValueError, "dtype"),
+        (
+            dict(max_model_len=1024),
+            ValueError,
+            "max_model_len=1024 exceeds the model's max_position_embeddings",
+        ),
+        (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),
+        (dict(tokenizer=42), ValueError, "LLM tokenizer must be a tokenizer"),
+        (dict(tp=2, tensor_parallel_size=4), ValueError, "disagree"),
+        (dict(tensor_parallel_size=64), ValueError, "JAX_NUM_CPU_DEVICES=64"),
+    ],
+)
 def test_llm_arguments_checked(checkpoint, kwargs, error, match):
     with pytest.raises(error, match=match):
         LLM(checkpoint, use_tqdm=False, **{"num_blocks": 16, **kwargs})
 
 
 def test_sampling_params_bounds():
-    for kwargs, field in ((dict(n=0), "n"), (dict(top_k=1 << 31), "top_k"),
-                          (dict(seed=1 << 32), "seed"), (dict(seed=-1), "seed"),
-                          (dict(temperature=1e39), "temperature"),
-                          (dict(stop_token_ids=[-1]), "stop_token_ids")):
+    for kwargs, field in (
+        (dict(n=0), "n"),
+        (dict(top_k=1 << 31), "top_k"),
+        (dict(seed=1 << 32), "seed"),
+        (dict(seed=-1), "seed"),
+        (dict(temperature=1e39), "temperature"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ):
         with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
             SamplingParams(**kwargs)
     with pytest.raises(TypeError, match="SamplingParams"):
@@ -161,8 +186,14 @@ def test_model_ids_resolve_from_the_local_cache(checkpoint, tmp_path, monkeypatc
     (repo / "refs" / "main").write_text("0" * 40)
     shutil.copytree(checkpoint, repo / "snapshots" / ("0" * 40))
     assert resolve.checkpoint_dir("tiny-org/tiny-llama") == str(repo / "snapshots" / ("0" * 40))
-    llm = LLM("tiny-org/tiny-llama", tensor_parallel_size=1, num_blocks=16, max_model_len=32,
-              use_tqdm=False, **SIZES)
+    llm = LLM(
+        "tiny-org/tiny-llama",
+        tensor_parallel_size=1,
+        num_blocks=16,
+        max_model_len=32,
+        use_tqdm=False,
+        **SIZES,
+    )
     assert llm.generate("x", GREEDY, use_tqdm=False)[0].finish_reason == "length"
     with pytest.raises(CheckpointError, match="not a model in the local Hugging Face cache"):
         LLM("tiny-org/not-downloaded", use_tqdm=False)
@@ -171,13 +202,20 @@ def test_model_ids_resolve_from_the_local_cache(checkpoint, tmp_path, monkeypatc
 
 
 def test_cache_blocks_from_device_memory():
-    config = types.SimpleNamespace(num_kv_heads=8, num_layers=32, head_dim=128, hidden_size=4096,
-                                   intermediate_size=14336, vocab_size=128256)
+    config = types.SimpleNamespace(
+        num_kv_heads=8,
+        num_layers=32,
+        head_dim=128,
+        hidden_size=4096,
+        intermediate_size=14336,
+        vocab_size=128256,
+    )
     engine = EngineConfig(max_model_len=8192, max_num_batched_tokens=8192, block_size=16)
     per_block = resolve.block_bytes(config, 16, 1, jnp.bfloat16)
-    assert per_block == 2 * 32 * 16 * 8 * 128 * 2                        # 2 MiB
-    gpu = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 100 << 30,
-                                                      "bytes_in_use": 16 << 30})
+    assert per_block == 2 * 32 * 16 * 8 * 128 * 2  # 2 MiB
+    gpu = types.SimpleNamespace(
+        memory_stats=lambda: {"bytes_limit": 100 << 30, "bytes_in_use": 16 << 30}
+    )
     blocks = resolve.cache_blocks([gpu], config, engine, jnp.bfloat16, 0.9)
     reserve = resolve.activation_reserve(config, 8192, 1)
     assert blocks == (int(0.9 * (100 << 30)) - (16 << 30) - reserve) // per_block
@@ -185,8 +223,10 @@ def test_cache_blocks_from_device_memory():
     with pytest.raises(ValueError, match="raise gpu_memory_utilization"):
         resolve.cache_blocks([gpu], config, engine, jnp.bfloat16, 0.17)
     cpu = types.SimpleNamespace(memory_stats=lambda: None)
-    assert resolve.cache_blocks([cpu], config, engine, jnp.bfloat16, 0.9) == \
-        resolve.CPU_CACHE_BYTES // per_block
+    assert (
+        resolve.cache_blocks([cpu], config, engine, jnp.bfloat16, 0.9)
+        == resolve.CPU_CACHE_BYTES // per_block
+    )
 
 
 class FlakyTokenizer:
@@ -207,8 +247,15 @@ class FlakyTokenizer:
 def test_a_request_failing_inside_a_step_ends_alone(checkpoint, llm):
     (good,) = llm.generate("fine", GREEDY, use_tqdm=False)
     # the engine decodes each request's new tokens: make one request's decoding fail
-    flaky = LLM(checkpoint, tensor_parallel_size=2, max_model_len=64, num_blocks=64,
-                use_tqdm=False, tokenizer=FlakyTokenizer(llm.tokenizer, None), **SIZES)
+    flaky = LLM(
+        checkpoint,
+        tensor_parallel_size=2,
+        max_model_len=64,
+        num_blocks=64,
+        use_tqdm=False,
+        tokenizer=FlakyTokenizer(llm.tokenizer, None),
+        **SIZES,
+    )
     flaky.tokenizer.bad_ids = [good.token_ids[0]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with pytest.raises(RequestFailed, match=r"prompt 0 failed inside a step: .*decode exploded"):

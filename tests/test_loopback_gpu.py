@@ -68,10 +68,17 @@ def _check(res, partial, residual, weight, dtype):
         np.testing.assert_array_equal(flat_out[tokens:], flat_res[tokens:].astype(np.float32))
 
 
-CASES = [(n, algo, dtype, tokens, hidden)
-         for n in (1, 2, 4, 8) for algo in ("one_shot", "two_shot", "direct")
-         for dtype, tokens, hidden in [("bfloat16", 1, 8192), ("bfloat16", 77, 4096),
-                                       ("float32", 3, 1024), ("float16", 16, 2048)]]
+CASES = [
+    (n, algo, dtype, tokens, hidden)
+    for n in (1, 2, 4, 8)
+    for algo in ("one_shot", "two_shot", "direct")
+    for dtype, tokens, hidden in [
+        ("bfloat16", 1, 8192),
+        ("bfloat16", 77, 4096),
+        ("float32", 3, 1024),
+        ("float16", 16, 2048),
+    ]
+]
 
 
 @pytest.mark.parametrize(("n", "algo", "dtype", "tokens", "hidden"), CASES)
@@ -101,8 +108,9 @@ def test_1000_calls_two_slots_and_graph_replays(loopback, rng, algo):
     comm = loopback.LoopbackComm(2)
     try:
         args = _inputs(rng, 2, 64, 4096, "bfloat16")
-        res = comm.run(*args, algo=algo, num_ctas=8, calls=1000, slots=2, graph_calls=20,
-                       graph_replays=10)
+        res = comm.run(
+            *args, algo=algo, num_ctas=8, calls=1000, slots=2, graph_calls=20, graph_replays=10
+        )
         _check(res, *args, "bfloat16")
         assert res.mismatches == 0  # every call and every replay gave call 0's bits
         assert len(res.call_us) == 10 and all(t > 0 for t in res.call_us)
@@ -143,8 +151,9 @@ def test_algos_share_a_slot(loopback, rng):
 # general one.
 @pytest.mark.parametrize(("algo", "num_ctas"), [("one_shot", 8), ("one_shot", 16), ("direct", 8)])
 def test_forced_timeout_is_reported_and_leaves_the_context_usable(loopback, rng, algo, num_ctas):
-    comm = loopback.LoopbackComm(2, CommSettings(workspace_mib=64, oneshot_mib=4, num_slots=2,
-                                                 timeout_s=0.5))
+    comm = loopback.LoopbackComm(
+        2, CommSettings(workspace_mib=64, oneshot_mib=4, num_slots=2, timeout_s=0.5)
+    )
     args = _inputs(rng, 2, 16, 2048, "bfloat16")
     res = comm.run(*args, algo=algo, num_ctas=num_ctas, calls=6, skip_call=3, skip_rank=1)
     assert res.error is not None and "rank 1" in res.error and "expired" in res.error
@@ -182,12 +191,18 @@ def test_lazy_loading_behind_a_spinning_kernel(loopback, preload):
     wait until the device idles, i.e. behind a fused kernel spinning for a peer. The extension
     preloads its kernels; this measures both cases in fresh processes (printed) and requires
     that a preloaded kernel launches at once."""
-    out = subprocess.run([sys.executable, "-c", _PROBE, "1" if preload else "0"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, "1" if preload else "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
     launch_s, done_s, spin_s = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"preload={preload}: launch {launch_s:.3f} s, probe done {done_s:.3f} s, "
-          f"spinner ended {spin_s:.3f} s")
+    print(
+        f"preload={preload}: launch {launch_s:.3f} s, probe done {done_s:.3f} s, "
+        f"spinner ended {spin_s:.3f} s"
+    )
     if preload:
         assert launch_s < 0.5 and done_s < 0.5  # ran beside the spinning kernel
     assert spin_s > 2.0  # the spinner did wait for its bound (3 s from ~0.2 s before)

@@ -37,13 +37,32 @@ def _launch(tmp_path: Path, scenario: str, nproc: int = 2, timeout_s: float = 4.
     if _gpus() < 1:
         pytest.skip("needs a GPU")
     gpus = _gpus()
-    env = dict(os.environ, JAX_TOKENWEAVE_TIMEOUT_S=str(timeout_s),
-               XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_PLATFORMS="cuda")
+    env = dict(
+        os.environ,
+        JAX_TOKENWEAVE_TIMEOUT_S=str(timeout_s),
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        JAX_PLATFORMS="cuda",
+    )
     coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), str(r), str(nproc), coordinator, str(r % gpus), scenario,
-         str(tmp_path / f"rank{r}.json")], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for r in range(nproc)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(WORKER),
+                str(r),
+                str(nproc),
+                coordinator,
+                str(r % gpus),
+                scenario,
+                str(tmp_path / f"rank{r}.json"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(nproc)
+    ]
     logs = [p.communicate(timeout=240)[0] for p in procs]
     results = []
     for r, p in enumerate(procs):

@@ -21,18 +21,29 @@ def run(mesh, partials, residual, weight, impl, eps=EPS, **kwargs):
     res_spec = P() if impl == "xla" else P("tp")
 
     def f(p, r, w):
-        return ops.allreduce_rmsnorm(p[0], r, w, axis_name="tp", eps=eps, impl=impl,
-                                     mesh=mesh, **kwargs)
+        return ops.allreduce_rmsnorm(
+            p[0], r, w, axis_name="tp", eps=eps, impl=impl, mesh=mesh, **kwargs
+        )
 
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), res_spec, P()),
-                               out_specs=(P(), res_spec), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            f,
+            mesh=mesh,
+            in_specs=(P("tp"), res_spec, P()),
+            out_specs=(P(), res_spec),
+            check_vma=False,
+        )
+    )
     return fn(partials, residual, weight)
 
 
 def reference(partials, residual_rows, weight, eps=EPS):
     summed = np.asarray(partials, np.float64).sum(0) + np.asarray(residual_rows, np.float64)
-    normed = summed / np.sqrt(np.mean(summed**2, -1, keepdims=True) + eps) * np.asarray(
-        weight, np.float64)
+    normed = (
+        summed
+        / np.sqrt(np.mean(summed**2, -1, keepdims=True) + eps)
+        * np.asarray(weight, np.float64)
+    )
     return normed, summed
 
 
@@ -46,8 +57,9 @@ def make_inputs(rng, n, t, h, dtype, impl):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("impl", ["xla", "xla_rsag", "auto"])
-@pytest.mark.parametrize(("tp", "tokens"), [(2, 1), (2, 7), (4, 3), (4, 16), (8, 1), (8, 13),
-                                            (8, 37)])
+@pytest.mark.parametrize(
+    ("tp", "tokens"), [(2, 1), (2, 7), (4, 3), (4, 16), (8, 1), (8, 13), (8, 37)]
+)
 def test_matches_reference(cpu_mesh, rng, tp, tokens, impl, dtype):
     mesh, h = cpu_mesh(tp), 32
     partials, residual, weight = make_inputs(rng, tp, tokens, h, dtype, impl)
@@ -92,17 +104,17 @@ def test_auto_falls_back_to_xla_rsag(cpu_mesh, rng):
 def test_bad_inputs(cpu_mesh, rng, impl):
     mesh, n, t, h = cpu_mesh(2), 2, 5, 16
     partials, residual, weight = make_inputs(rng, n, t, h, jnp.float32, impl)
-    with pytest.raises(ValueError, match="weight"):          # weight of the wrong width
+    with pytest.raises(ValueError, match="weight"):  # weight of the wrong width
         run(mesh, partials, residual, jnp.ones(h + 2, jnp.float32), impl)
-    with pytest.raises(ValueError, match="residual"):        # residual of the wrong width
+    with pytest.raises(ValueError, match="residual"):  # residual of the wrong width
         run(mesh, partials, residual[:, :8], weight, impl)
-    with pytest.raises(ValueError, match="residual"):        # wrong number of residual rows
+    with pytest.raises(ValueError, match="residual"):  # wrong number of residual rows
         run(mesh, partials, jnp.zeros((residual.shape[0] + n, h), jnp.float32), weight, impl)
-    with pytest.raises(ValueError, match="dtype"):           # residual dtype differs
+    with pytest.raises(ValueError, match="dtype"):  # residual dtype differs
         run(mesh, partials, residual.astype(jnp.bfloat16), weight, impl)
-    with pytest.raises(ValueError, match="floating"):        # integer partial sums
+    with pytest.raises(ValueError, match="floating"):  # integer partial sums
         run(mesh, partials.astype(jnp.int32), residual.astype(jnp.int32), weight, impl)
-    with pytest.raises(ValueError, match="empty"):           # no tokens
+    with pytest.raises(ValueError, match="empty"):  # no tokens
         run(mesh, partials[:, :0], residual[:0], weight, impl)
 
 
@@ -120,8 +132,9 @@ def test_partial_must_be_2d(cpu_mesh, rng):
     def f(p, r, w):
         return ops.allreduce_rmsnorm(p, r, w, axis_name="tp", impl="xla")
 
-    fn = jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()),
-                       check_vma=False)
+    fn = jax.shard_map(
+        f, mesh=mesh, in_specs=(P("tp"), P(), P()), out_specs=(P(), P()), check_vma=False
+    )
     with pytest.raises(ValueError, match="tokens, hidden"):
         fn(partials, residual, weight)
 

@@ -34,8 +34,10 @@ def _imported(path: Path, known: set[str] = frozenset()) -> list[str]:
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names += [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
-                      else node.module for a in node.names]
+            names += [
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                for a in node.names
+            ]
     return names
 
 
@@ -43,9 +45,14 @@ def import_graph() -> dict[str, set[str]]:
     """Edges module -> package module it imports (its own parent packages left out: Python
     imports those first anyway)."""
     mods = modules()
-    return {name: {m for m in _imported(path, set(mods))
-                   if m in mods and m != name and not name.startswith(m + ".")}
-            for name, path in mods.items()}
+    return {
+        name: {
+            m
+            for m in _imported(path, set(mods))
+            if m in mods and m != name and not name.startswith(m + ".")
+        }
+        for name, path in mods.items()
+    }
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -57,7 +64,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt):], nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -74,8 +81,10 @@ def test_no_import_cycles():
     graph = import_graph()
     assert "jax_tokenweave.moe" not in graph["jax_tokenweave.params"]
     assert graph["jax_tokenweave.models.auto"] >= {"jax_tokenweave.models.llama"}
-    assert not any(m.startswith("jax_tokenweave.models") for m in
-                   set().union(*(graph[m] for m in graph if m.startswith("jax_tokenweave.hf"))))
+    assert not any(
+        m.startswith("jax_tokenweave.models")
+        for m in set().union(*(graph[m] for m in graph if m.startswith("jax_tokenweave.hf")))
+    )
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
@@ -96,8 +105,11 @@ EXTRA_MODULES = {"jax_tokenweave.serve": "serve"}
 
 def extras_of(module: str) -> set[str]:
     """The extras ``module`` may import from (:data:`EXTRA_MODULES`)."""
-    return {extra for prefix, extra in EXTRA_MODULES.items()
-            if module == prefix or module.startswith(prefix + ".")}
+    return {
+        extra
+        for prefix, extra in EXTRA_MODULES.items()
+        if module == prefix or module.startswith(prefix + ".")
+    }
 
 
 def test_every_third_party_import_is_declared():
@@ -108,8 +120,7 @@ def test_every_third_party_import_is_declared():
     test = {_requirement_name(r) for r in extras["test"]}
     dists = importlib.metadata.packages_distributions()
     for name, path in modules().items():
-        allowed_extras = {_requirement_name(r) for extra in extras_of(name)
-                          for r in extras[extra]}
+        allowed_extras = {_requirement_name(r) for extra in extras_of(name) for r in extras[extra]}
         # the tests import every module: the test extra must bring what the extras' modules use
         assert allowed_extras <= test, f"{name}: test extra lacks {allowed_extras - test}"
         for imported in _imported(path):
@@ -145,8 +156,13 @@ print(json.dumps({"changed": changed, "cpus": [cpus, jax.config.jax_num_cpu_devi
 """
     names = sorted(modules())
     assert "jax_tokenweave.bench" in names and "jax_tokenweave.benchmarking" in names
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(names)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(names)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["changed"] == [], f"importing changed environment variables {report['changed']}"

@@ -29,30 +29,46 @@ def _single(q, k, v):
 def test_paged_attention_matches_dense(rng, tile):
     k_cache = rng.standard_normal((NB, BS, KVH, D)).astype(np.float32)
     v_cache = rng.standard_normal((NB, BS, KVH, D)).astype(np.float32)
-    width = 4                                               # blocks per table (2 key chunks)
+    width = 4  # blocks per table (2 key chunks)
     perm = rng.permutation(NB)
     tables = np.stack([perm[:4], perm[4:8], perm[8:12]]).astype(np.int32)
     # Three groups of `tile` rows, positions spread over 1..3 key chunks of 8.
     starts = [0, 5, 11] if tile == 4 else [0, 9, 15]
     positions = np.concatenate([np.arange(s, s + tile) for s in starts]).astype(np.int32)
     q = rng.standard_normal((3 * tile, HQ, D)).astype(np.float32)
-    got, k_back, _ = paged_attention(jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache),
-                                     jnp.asarray(tables[:, :width]), jnp.asarray(positions),
-                                     tile=tile, key_chunk=8)
+    got, k_back, _ = paged_attention(
+        jnp.asarray(q),
+        jnp.asarray(k_cache),
+        jnp.asarray(v_cache),
+        jnp.asarray(tables[:, :width]),
+        jnp.asarray(positions),
+        tile=tile,
+        key_chunk=8,
+    )
     np.testing.assert_array_equal(np.asarray(k_back), k_cache)
     flat_k = k_cache[tables].reshape(3, width * BS, KVH, D)
     flat_v = v_cache[tables].reshape(3, width * BS, KVH, D)
     group = np.repeat(np.arange(3), tile)
-    want = np.stack([_single(q[i].astype(np.float64), flat_k[group[i], :p + 1],
-                             flat_v[group[i], :p + 1]) for i, p in enumerate(positions)])
+    want = np.stack(
+        [
+            _single(q[i].astype(np.float64), flat_k[group[i], : p + 1], flat_v[group[i], : p + 1])
+            for i, p in enumerate(positions)
+        ]
+    )
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_rows_stay_finite():
     zeros = jnp.zeros((NB, BS, KVH, D), jnp.float32)
-    out, _, _ = paged_attention(jnp.ones((2, HQ, D)), zeros, zeros,
-                                jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32), tile=1,
-                                key_chunk=8)
+    out, _, _ = paged_attention(
+        jnp.ones((2, HQ, D)),
+        zeros,
+        zeros,
+        jnp.zeros((2, 2), jnp.int32),
+        jnp.zeros(2, jnp.int32),
+        tile=1,
+        key_chunk=8,
+    )
     assert np.isfinite(np.asarray(out)).all()
 
 
@@ -68,16 +84,33 @@ def test_split_cut_chunk_reads_the_first_half_from_the_cache(rng):
     v = rng.standard_normal((rows, KVH, D)).astype(np.float32)
     blocks = np.array([5, 2, 9], np.int32)
     positions = np.where(np.arange(rows) < n, np.arange(rows), 0).astype(np.int32)
-    slots = np.where(np.arange(rows) < n, blocks[positions // BS] * BS + positions % BS,
-                     NB * BS).astype(np.int32)
+    slots = np.where(
+        np.arange(rows) < n, blocks[positions // BS] * BS + positions % BS, NB * BS
+    ).astype(np.int32)
     tables = np.zeros((rows // tile, 4), np.int32)
     tables[:3, :3] = blocks
     cache = jnp.zeros((NB, BS, KVH, D), jnp.float32)
-    attention = PagedAttention([cache], [cache], plan.halves, jnp.asarray(slots),
-                               jnp.asarray(positions), jnp.asarray(tables), decode_rows=0,
-                               tile=tile, key_chunk=8)
-    outs = [attention(0, j, jnp.asarray(q[h.start:h.end]), jnp.asarray(k[h.start:h.end]),
-                      jnp.asarray(v[h.start:h.end])) for j, h in enumerate(plan.halves)]
+    attention = PagedAttention(
+        [cache],
+        [cache],
+        plan.halves,
+        jnp.asarray(slots),
+        jnp.asarray(positions),
+        jnp.asarray(tables),
+        decode_rows=0,
+        tile=tile,
+        key_chunk=8,
+    )
+    outs = [
+        attention(
+            0,
+            j,
+            jnp.asarray(q[h.start : h.end]),
+            jnp.asarray(k[h.start : h.end]),
+            jnp.asarray(v[h.start : h.end]),
+        )
+        for j, h in enumerate(plan.halves)
+    ]
     got = np.concatenate([np.asarray(o) for o in outs])[:n]
     want = reference_attention(q[:n], k[:n], v[:n], [n])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -89,10 +122,18 @@ def test_split_cut_chunk_reads_the_first_half_from_the_cache(rng):
 
 def test_tile_cut_is_refused():
     cache = jnp.zeros((NB, BS, KVH, D), jnp.float32)
-    plan = plan_batch([16], split=True, offset=6 - 128)             # 6 is no multiple of 4
-    attention = PagedAttention([cache], [cache], plan.halves, jnp.zeros(16, jnp.int32),
-                               jnp.zeros(16, jnp.int32), jnp.zeros((4, 4), jnp.int32),
-                               decode_rows=0, tile=4, key_chunk=8)
+    plan = plan_batch([16], split=True, offset=6 - 128)  # 6 is no multiple of 4
+    attention = PagedAttention(
+        [cache],
+        [cache],
+        plan.halves,
+        jnp.zeros(16, jnp.int32),
+        jnp.zeros(16, jnp.int32),
+        jnp.zeros((4, 4), jnp.int32),
+        decode_rows=0,
+        tile=4,
+        key_chunk=8,
+    )
     x = jnp.zeros((6, HQ, D))
     with pytest.raises(ValueError, match="cut a tile"):
         attention(0, 0, x, x[:, :KVH], x[:, :KVH])
@@ -112,8 +153,10 @@ def test_jit_compiles_once_for_any_context_length(rng):
 def test_padding_rows_with_a_negative_position_get_zeros(rng):
     """A decode row with position -1 (padding) attends to nothing: zeros, not NaN; the other
     rows are unchanged by it."""
-    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
-               for s in ((3, 4, 16), (8, 4, 2, 16), (8, 4, 2, 16)))
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(s), jnp.float32)
+        for s in ((3, 4, 16), (8, 4, 2, 16), (8, 4, 2, 16))
+    )
     tables = jnp.asarray(rng.permutation(8)[:6].reshape(3, 2), jnp.int32)
     positions = jnp.asarray([5, -1, 7], jnp.int32)
     out, _, _ = paged_attention(q, k, v, tables, positions, tile=1, key_chunk=4)

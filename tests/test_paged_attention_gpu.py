@@ -18,9 +18,10 @@ from jax_tokenweave.serving.paged_attention import paged_attention, resolve_impl
 from jax_tokenweave.util import ceil_div
 
 needs_kernel = pytest.mark.skipif(
-    not gpu_devices() or attention_kernel.unavailable_reason(
-        "gpu", jnp.bfloat16, 128, 4) is not None,
-    reason="needs a GPU and the CUDA extension")
+    not gpu_devices()
+    or attention_kernel.unavailable_reason("gpu", jnp.bfloat16, 128, 4) is not None,
+    reason="needs a GPU and the CUDA extension",
+)
 
 
 def _reference(q, k_cache, v_cache, tables, positions, tile):
@@ -33,7 +34,7 @@ def _reference(q, k_cache, v_cache, tables, positions, tile):
         table = tables[r // tile]
         ctx = positions[r] + 1
         slots = np.arange(ctx)
-        keys = k_cache[table[slots // bs], slots % bs]        # [ctx, KVH, D]
+        keys = k_cache[table[slots // bs], slots % bs]  # [ctx, KVH, D]
         values = v_cache[table[slots // bs], slots % bs]
         keys = np.repeat(keys, hq // kvh, axis=1)
         values = np.repeat(values, hq // kvh, axis=1)
@@ -56,11 +57,12 @@ def _case(rng, *, groups, tile, contexts, hq, kvh, d, bs, dtype, width=None):
     width = width or max(ceil_div(c, bs) for c in contexts) + 1
     num_blocks = groups * width + 3
     perm = rng.permutation(num_blocks).astype(np.int32)
-    tables = perm[:groups * width].reshape(groups, width)
+    tables = perm[: groups * width].reshape(groups, width)
     k_cache = rng.standard_normal((num_blocks, bs, kvh, d)).astype(np.float32)
     v_cache = rng.standard_normal((num_blocks, bs, kvh, d)).astype(np.float32)
-    positions = np.concatenate([np.arange(c - tile, c) if tile > 1 else [c - 1]
-                                for c in contexts]).astype(np.int32)
+    positions = np.concatenate(
+        [np.arange(c - tile, c) if tile > 1 else [c - 1] for c in contexts]
+    ).astype(np.int32)
     q = rng.standard_normal((groups * tile, hq, d)).astype(np.float32)
     cast = lambda a: jnp.asarray(a, dtype)
     return cast(q), cast(k_cache), cast(v_cache), tables, positions
@@ -73,8 +75,11 @@ def _as_f32(case):
 
 
 def _run(impl, q, k, v, tables, positions, tile):
-    fn = jax.jit(lambda q, k, v, t, p: paged_attention(q, k, v, t, p, tile=tile, key_chunk=64,
-                                                       implementation=impl))
+    fn = jax.jit(
+        lambda q, k, v, t, p: paged_attention(
+            q, k, v, t, p, tile=tile, key_chunk=64, implementation=impl
+        )
+    )
     out, k_back, v_back = fn(q, k, v, jnp.asarray(tables), jnp.asarray(positions))
     return np.asarray(out.astype(jnp.float32)), k_back, v_back
 
@@ -84,9 +89,18 @@ def _run(impl, q, k, v, tables, positions, tile):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize(("hq", "kvh", "d"), [(32, 8, 128), (8, 8, 64), (16, 2, 128)])
 def test_decode_rows_match_reference(rng, dtype, hq, kvh, d):
-    contexts = [1, 7, 64, 65, 513, 3000, 1024, 200]          # one split up to several
-    case = _case(rng, groups=len(contexts), tile=1, contexts=contexts, hq=hq, kvh=kvh, d=d,
-                 bs=16, dtype=dtype)
+    contexts = [1, 7, 64, 65, 513, 3000, 1024, 200]  # one split up to several
+    case = _case(
+        rng,
+        groups=len(contexts),
+        tile=1,
+        contexts=contexts,
+        hq=hq,
+        kvh=kvh,
+        d=d,
+        bs=16,
+        dtype=dtype,
+    )
     want = _reference(*_as_f32(case), tile=1)
     got, k_back, _ = _run("cuda", *case, tile=1)
     xla, _, _ = _run("xla", *case, tile=1)
@@ -99,14 +113,24 @@ def test_decode_rows_match_reference(rng, dtype, hq, kvh, d):
 @needs_kernel
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize(("tile", "hq", "kvh", "d", "bs"),
-                         [(64, 32, 8, 128, 16), (16, 8, 8, 64, 16), (64, 16, 2, 128, 8),
-                          (32, 4, 4, 128, 32)])
+@pytest.mark.parametrize(
+    ("tile", "hq", "kvh", "d", "bs"),
+    [(64, 32, 8, 128, 16), (16, 8, 8, 64, 16), (64, 16, 2, 128, 8), (32, 4, 4, 128, 32)],
+)
 def test_prompt_tiles_match_reference(rng, dtype, tile, hq, kvh, d, bs):
     # Chunks at the start of a prompt, after a cached prefix, and across many key tiles.
     contexts = [tile, 3 * tile, 777 + tile, 2048]
-    case = _case(rng, groups=len(contexts), tile=tile, contexts=contexts, hq=hq, kvh=kvh,
-                 d=d, bs=bs, dtype=dtype)
+    case = _case(
+        rng,
+        groups=len(contexts),
+        tile=tile,
+        contexts=contexts,
+        hq=hq,
+        kvh=kvh,
+        d=d,
+        bs=bs,
+        dtype=dtype,
+    )
     want = _reference(*_as_f32(case), tile=tile)
     got, _, _ = _run("cuda", *case, tile=tile)
     xla, _, _ = _run("xla", *case, tile=tile)
@@ -122,13 +146,22 @@ def test_padding_rows_and_every_output_written(rng):
     padding group (zero table): every output row is written and finite (the output buffer is
     checked finite and equal to the reference, which a row left unwritten would not be)."""
     tile, hq, kvh, d, bs = 64, 32, 8, 128, 16
-    q, k, v, tables, positions = _case(rng, groups=3, tile=tile, contexts=[100, 64, 500],
-                                       hq=hq, kvh=kvh, d=d, bs=bs, dtype=jnp.bfloat16)
+    q, k, v, tables, positions = _case(
+        rng,
+        groups=3,
+        tile=tile,
+        contexts=[100, 64, 500],
+        hq=hq,
+        kvh=kvh,
+        d=d,
+        bs=bs,
+        dtype=jnp.bfloat16,
+    )
     positions = positions.copy()
-    positions[tile + 40:2 * tile] = 0                  # group 1: 40 real rows, 24 padding
+    positions[tile + 40 : 2 * tile] = 0  # group 1: 40 real rows, 24 padding
     tables = tables.copy()
     tables[2] = 0
-    positions[2 * tile:] = 0                           # group 2: padding only
+    positions[2 * tile :] = 0  # group 2: padding only
     got, _, _ = _run("cuda", q, k, v, tables, positions, tile)
     want = _reference(*_as_f32((q, k, v, tables, positions)), tile)
     assert np.isfinite(got).all()
@@ -139,8 +172,9 @@ def test_padding_rows_and_every_output_written(rng):
 
 @needs_kernel
 @pytest.mark.gpu
-@pytest.mark.parametrize(("rows", "live", "kvh"), [(64, 1, 8), (64, 5, 8), (64, 64, 8),
-                                                   (256, 256, 8), (256, 130, 2)])
+@pytest.mark.parametrize(
+    ("rows", "live", "kvh"), [(64, 1, 8), (64, 5, 8), (64, 64, 8), (256, 256, 8), (256, 130, 2)]
+)
 def test_decode_rows_cut_by_live_rows_and_padding_rows_zero(rng, rows, live, kvh):
     """The decode kernel cuts rows by how many are live (position >= 0): one live row over
     many pieces, a full segment in one piece per row (written without the merge). Padding
@@ -158,8 +192,9 @@ def test_decode_rows_cut_by_live_rows_and_padding_rows_zero(rng, rows, live, kvh
     cast = lambda a: jnp.asarray(a, jnp.bfloat16)
     got, _, _ = _run("cuda", cast(q), cast(k_cache), cast(v_cache), tables, positions, 1)
     as_f32 = lambda a: np.asarray(cast(a).astype(jnp.float32))
-    want = _reference(as_f32(q[:live]), as_f32(k_cache), as_f32(v_cache), tables[:live],
-                      positions[:live], 1)
+    want = _reference(
+        as_f32(q[:live]), as_f32(k_cache), as_f32(v_cache), tables[:live], positions[:live], 1
+    )
     assert np.isfinite(got).all()
     assert _rel(got[:live], want) < 1e-2, _rel(got[:live], want)
     assert not np.any(got[live:])
@@ -183,8 +218,15 @@ def test_engine_serves_the_same_tokens_with_either_kernel(rng):
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 130, 77, 300)]
     outs = {}
     for impl in ("cuda", "xla"):
-        cfg = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8, prefill_tile=64,
-                           block_size=16, num_blocks=256, max_model_len=512, attention=impl)
+        cfg = EngineConfig(
+            max_num_batched_tokens=256,
+            max_num_seqs=8,
+            prefill_tile=64,
+            block_size=16,
+            num_blocks=256,
+            max_model_len=512,
+            attention=impl,
+        )
         engine = LLMEngine(model, cfg)
         res = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
         outs[impl] = [r.token_ids for r in res]
@@ -193,6 +235,7 @@ def test_engine_serves_the_same_tokens_with_either_kernel(rng):
 
 
 # ------------------------------------------------------------------------------------- CPU
+
 
 def test_auto_takes_xla_on_cpu_and_cuda_refuses_with_a_reason():
     assert resolve_implementation("auto", "cpu", jnp.bfloat16, 128, 4) == "xla"
@@ -203,12 +246,15 @@ def test_auto_takes_xla_on_cpu_and_cuda_refuses_with_a_reason():
         resolve_implementation("flash", "gpu", jnp.bfloat16, 128, 4)
 
 
-@pytest.mark.parametrize(("platform", "dtype", "d", "g", "why"), [
-    ("cpu", jnp.bfloat16, 128, 4, "not on CUDA"),
-    ("gpu", jnp.float32, 128, 4, "bfloat16 or float16"),
-    ("gpu", jnp.bfloat16, 96, 4, "head_dim 96"),
-    ("gpu", jnp.bfloat16, 128, 3, "3 query heads"),
-])
+@pytest.mark.parametrize(
+    ("platform", "dtype", "d", "g", "why"),
+    [
+        ("cpu", jnp.bfloat16, 128, 4, "not on CUDA"),
+        ("gpu", jnp.float32, 128, 4, "bfloat16 or float16"),
+        ("gpu", jnp.bfloat16, 96, 4, "head_dim 96"),
+        ("gpu", jnp.bfloat16, 128, 3, "3 query heads"),
+    ],
+)
 def test_unavailable_reasons(platform, dtype, d, g, why):
     reason = attention_kernel.unavailable_reason(platform, dtype, d, g)
     assert reason is not None
@@ -218,14 +264,17 @@ def test_unavailable_reasons(platform, dtype, d, g, why):
         assert "not built" in reason
 
 
-@pytest.mark.parametrize(("rows", "kvh", "splits"), [
-    (1, 8, 16),      # fewer (row, kv head) pairs than blocks wanted: the most pieces
-    (64, 8, 16),     # an engine's decode segment of one tile: maybe one live request
-    (64, 2, 16),
-    (66, 8, 1),      # 528 pairs fill the GPU
-    (256, 8, 1),
-    (300, 1, 16),    # 300 pairs: still too few
-    (400, 2, 1),
-])
+@pytest.mark.parametrize(
+    ("rows", "kvh", "splits"),
+    [
+        (1, 8, 16),  # fewer (row, kv head) pairs than blocks wanted: the most pieces
+        (64, 8, 16),  # an engine's decode segment of one tile: maybe one live request
+        (64, 2, 16),
+        (66, 8, 1),  # 528 pairs fill the GPU
+        (256, 8, 1),
+        (300, 1, 16),  # 300 pairs: still too few
+        (400, 2, 1),
+    ],
+)
 def test_decode_splits_fill_the_gpu(rows, kvh, splits):
     assert attention_kernel.decode_splits(rows, kvh) == splits

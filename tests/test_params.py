@@ -19,8 +19,14 @@ from jax_tokenweave.params import named_params, param_spec, partition_specs
 
 COL, ROW, REP = P(None, "tp"), P("tp", None), P()
 EXPECTED = {  # the parameter tables of jax_tokenweave.decoder_layer and jax_tokenweave.moe
-    "input_layernorm": REP, "post_attention_layernorm": REP, "qkv_proj": COL, "o_proj": ROW,
-    "gate_up_proj": COL, "down_proj": ROW, "qkv_bias": P("tp"), "moe.router": REP,
+    "input_layernorm": REP,
+    "post_attention_layernorm": REP,
+    "qkv_proj": COL,
+    "o_proj": ROW,
+    "gate_up_proj": COL,
+    "down_proj": ROW,
+    "qkv_bias": P("tp"),
+    "moe.router": REP,
     "moe.gate_up_proj": P(None, None, "tp"),
     "moe.down_proj": P(None, "tp", None),
 }
@@ -37,8 +43,7 @@ def _flat(tree) -> dict[str, object]:
 @pytest.mark.parametrize("name", ["tiny-qwen", "tiny-moe"])
 def test_get_partition_spec_gives_the_real_specs(cpu_mesh, name):
     mesh = cpu_mesh(4)
-    dec = WeaveDecoder(get_config(name, num_layers=1), mesh, dtype=jnp.float32,
-                       rngs=nnx.Rngs(0))
+    dec = WeaveDecoder(get_config(name, num_layers=1), mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
     specs = _flat(nnx.get_partition_spec(nnx.state(dec)))
     params = named_params(dec)
     assert set(specs) == set(params)
@@ -49,12 +54,11 @@ def test_get_partition_spec_gives_the_real_specs(cpu_mesh, name):
         value = params[key].get_value()
         assert value.sharding.is_equivalent_to(NamedSharding(mesh, spec), value.ndim), key
         kinds.add(spec)
-    assert {COL, ROW, REP} <= kinds                   # not every spec the same
+    assert {COL, ROW, REP} <= kinds  # not every spec the same
     assert not any(hasattr(p, "tp_spec") for p in params.values())
     # shard_map's in_specs come from the same metadata
     in_specs = dict(jax.tree_util.tree_flatten_with_path(partition_specs(dec))[0])
-    assert sorted(map(str, in_specs.values())) == sorted(str(v.get_value())
-                                                          for v in specs.values())
+    assert sorted(map(str, in_specs.values())) == sorted(str(v.get_value()) for v in specs.values())
 
 
 def test_orbax_round_trip_keeps_shardings_and_values(cpu_mesh, rng, tmp_path):
@@ -69,12 +73,14 @@ def test_orbax_round_trip_keeps_shardings_and_values(cpu_mesh, rng, tmp_path):
     checkpointer.wait_until_finished()
 
     # Restore the way a Flax user does: the target's shardings come from Flax's metadata.
-    abstract = nnx.eval_shape(lambda: WeaveDecoder(config, mesh, dtype=jnp.float32,
-                                                   rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: WeaveDecoder(config, mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    )
     graphdef, abstract_state = nnx.split(abstract)
     shardings = nnx.get_named_sharding(abstract_state, mesh)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          abstract_state, shardings)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+    )
     restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "ckpt", target))
     checkpointer.close()
 
@@ -87,4 +93,4 @@ def test_orbax_round_trip_keeps_shardings_and_values(cpu_mesh, rng, tmp_path):
         assert param_spec(after[name]) == param_spec(param) == _expected(name)
         sharded += param_spec(param) != REP
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
-    assert sharded >= 8              # per layer: qkv, o, the experts' gate_up and down
+    assert sharded >= 8  # per layer: qkv, o, the experts' gate_up and down

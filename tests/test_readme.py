@@ -73,19 +73,29 @@ def ci_status_snippet() -> str:
     return snippet
 
 
-@pytest.mark.parametrize(("tests", "want"), [
-    ("", 5),                                                  # collects no tests
-    ("def test_ok():\n    pass\n", 0),
-    ("def test_bad():\n    assert False\n", 1),
-], ids=["no-tests", "passing", "failing"])
+@pytest.mark.parametrize(
+    ("tests", "want"),
+    [
+        ("", 5),  # collects no tests
+        ("def test_ok():\n    pass\n", 0),
+        ("def test_bad():\n    assert False\n", 1),
+    ],
+    ids=["no-tests", "passing", "failing"],
+)
 def test_ci_status_handling_fails_on_no_tests(tmp_path, tests, want):
     """Behavioural: .ci/run's status handling (run verbatim with a stub ``TEST_COMMAND``, as the
     script has no override hook) exits non-zero when pytest collects no tests."""
     (tmp_path / "test_stub.py").write_text(tests)
     command = f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider test_stub.py"
     env = {**os.environ, "TEST_COMMAND": command}
-    result = subprocess.run(["bash", "-c", "set -euo pipefail\n" + ci_status_snippet()],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + ci_status_snippet()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == want, result.stdout + result.stderr
     if want == 5:
         assert "no tests ran" in result.stdout and "collected no tests" in result.stderr
@@ -133,8 +143,11 @@ def test_readme_options_exist():
 
 def python_block(marker: str) -> str:
     """The README's one python code block that contains ``marker``."""
-    (block,) = [body for lang, body in code_blocks(README.read_text())
-                if lang == "python" and marker in body]
+    (block,) = [
+        body
+        for lang, body in code_blocks(README.read_text())
+        if lang == "python" and marker in body
+    ]
     return block
 
 

@@ -17,16 +17,27 @@ from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import Chunk, ScheduledStep, Scheduler, Sequence
 from jax_tokenweave.util import ceil_div
 
-CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
-                   num_blocks=16, max_model_len=40, key_chunk=8, split_threshold=16)
+CFG = EngineConfig(
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    prefill_tile=8,
+    block_size=4,
+    num_blocks=16,
+    max_model_len=40,
+    key_chunk=8,
+    split_threshold=16,
+)
 MODEL = get_config("tiny")
 
 
 def seq(name: str, prompt_len: int, max_tokens: int = 4, **params) -> Sequence:
-    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(temperature=0.0,
-                                                                         max_tokens=max_tokens,
-                                                                         **params),
-                    seed=0, stop_ids=frozenset({99}))
+    return Sequence(
+        name,
+        list(range(1, prompt_len + 1)),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, **params),
+        seed=0,
+        stop_ids=frozenset({99}),
+    )
 
 
 def test_allocator():
@@ -54,29 +65,33 @@ def test_decodes_first_then_chunks_within_budget():
         s.add(seq(name, n))
     step = s.schedule()
     # a: 5 tokens (one tile), b: 24 of 30 (fills the 32-row budget), c waits for room.
-    assert [(c.seq.request_id, c.start, c.length) for c in step.chunks] == \
-        [("a", 0, 5), ("b", 0, 24)]
+    assert [(c.seq.request_id, c.start, c.length) for c in step.chunks] == [
+        ("a", 0, 5),
+        ("b", 0, 24),
+    ]
     assert not step.decodes and [q.request_id for q in s.waiting] == ["c"]
     assert [q.request_id for q in step.sampled] == ["a"]
     s.update(step, [7])
     step = s.schedule()
     # a decodes (8 rows), b's last 6 prompt tokens (8 rows), c's whole prompt (8 rows).
     assert [q.request_id for q in step.decodes] == ["a"]
-    assert [(c.seq.request_id, c.start, c.length) for c in step.chunks] == \
-        [("b", 24, 6), ("c", 0, 3)]
+    assert [(c.seq.request_id, c.start, c.length) for c in step.chunks] == [
+        ("b", 24, 6),
+        ("c", 0, 3),
+    ]
     assert [q.request_id for q in step.sampled] == ["a", "b", "c"]
 
 
 def test_admission_waits_for_blocks_and_frees_at_finish():
-    cfg = dataclasses.replace(CFG, num_blocks=6)          # 24 positions
+    cfg = dataclasses.replace(CFG, num_blocks=6)  # 24 positions
     s = Scheduler(cfg)
-    s.add(seq("a", 12, max_tokens=5))                     # needs 16 positions: 4 blocks
-    s.add(seq("b", 4, max_tokens=5))                      # needs 8: 2 blocks, so
-    s.add(seq("c", 4, max_tokens=5))                      # c must wait for a block
+    s.add(seq("a", 12, max_tokens=5))  # needs 16 positions: 4 blocks
+    s.add(seq("b", 4, max_tokens=5))  # needs 8: 2 blocks, so
+    s.add(seq("c", 4, max_tokens=5))  # c must wait for a block
     step = s.schedule()
     assert [c.seq.request_id for c in step.chunks] == ["a", "b"]
     assert s.allocator.num_free == 0 and [q.request_id for q in s.waiting] == ["c"]
-    s.update(step, [99, 5])                               # a stops (token 99)
+    s.update(step, [99, 5])  # a stops (token 99)
     a = step.chunks[0].seq
     assert a.finish_reason == "stop" and a.blocks == [] and s.allocator.num_free == 4
     step = s.schedule()
@@ -98,7 +113,7 @@ def test_length_finish_and_max_num_seqs():
     s.add(seq("a", 3, max_tokens=2))
     s.add(seq("b", 3, max_tokens=2))
     step = s.schedule()
-    assert [c.seq.request_id for c in step.chunks] == ["a"]   # one running at most
+    assert [c.seq.request_id for c in step.chunks] == ["a"]  # one running at most
     s.update(step, [1])
     step = s.schedule()
     assert [q.request_id for q in step.decodes] == ["a"] and not step.chunks
@@ -112,44 +127,46 @@ def test_pack_layout_and_arrays():
     s.add(seq("a", 5))
     s.update(s.schedule(), [42])
     s.add(seq("b", 30))
-    step = s.schedule()                    # a decodes; b's first 24 tokens
+    step = s.schedule()  # a decodes; b's first 24 tokens
     layout, arrays = pack(step, CFG, MODEL, tp=2)
     assert (layout.decode_rows, layout.rows, layout.groups) == (8, 32, 8 + 3)
     assert layout.plan.split and layout.plan.halves[1].start % CFG.prefill_tile == 0
     a, b = step.decodes[0], step.chunks[0].seq
     assert arrays.tokens[0] == 42 and arrays.positions[0] == 5
     assert arrays.slots[0] == a.blocks[5 // 4] * 4 + 5 % 4
-    assert (arrays.slots[1:8] == CFG.num_blocks * CFG.block_size).all()       # padding
+    assert (arrays.slots[1:8] == CFG.num_blocks * CFG.block_size).all()  # padding
     np.testing.assert_array_equal(arrays.tokens[8:32], b.prompt[:24])
     np.testing.assert_array_equal(arrays.positions[8:32], np.arange(24))
-    np.testing.assert_array_equal(arrays.tables[0, :len(a.blocks)], a.blocks)
+    np.testing.assert_array_equal(arrays.tables[0, : len(a.blocks)], a.blocks)
     for group in (8, 9, 10):
-        np.testing.assert_array_equal(arrays.tables[group, :len(b.blocks)], b.blocks)
+        np.testing.assert_array_equal(arrays.tables[group, : len(b.blocks)], b.blocks)
     assert arrays.sample_rows[0] == 0 and layout.samples == 4
 
 
 def test_layout_split_moves_to_a_tile_boundary():
-    cfg = dataclasses.replace(CFG, prefill_tile=16, max_num_batched_tokens=96,
-                              split_threshold=64)
+    cfg = dataclasses.replace(CFG, prefill_tile=16, max_num_batched_tokens=96, split_threshold=64)
     layout = make_layout(16, 96, cfg, MODEL, 2)
     assert layout.plan.split and layout.plan.halves[1].start % 16 == 0
-    assert not make_layout(0, 32, cfg, MODEL, 2).plan.split              # below threshold
+    assert not make_layout(0, 32, cfg, MODEL, 2).plan.split  # below threshold
     base = dataclasses.replace(cfg, schedule="baseline")
     assert not make_layout(16, 96, base, MODEL, 2).plan.split
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"prefill_tile": 12}, "power of two"),
-    ({"max_num_batched_tokens": 36}, "multiple of prefill_tile"),
-    ({"max_num_seqs": 32}, "no room"),
-    ({"key_chunk": 6}, "multiple of block_size"),
-    ({"schedule": "nocomm"}, "schedule"),
-    ({"comm": "nccl"}, "comm"),
-    ({"num_blocks": 0}, "num_blocks must be >= 1"),
-    ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
-    ({"tuning": 3}, "tuning"),
-    ({"async_scheduling": 1}, "async_scheduling must be a bool"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"prefill_tile": 12}, "power of two"),
+        ({"max_num_batched_tokens": 36}, "multiple of prefill_tile"),
+        ({"max_num_seqs": 32}, "no room"),
+        ({"key_chunk": 6}, "multiple of block_size"),
+        ({"schedule": "nocomm"}, "schedule"),
+        ({"comm": "nccl"}, "comm"),
+        ({"num_blocks": 0}, "num_blocks must be >= 1"),
+        ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
+        ({"tuning": 3}, "tuning"),
+        ({"async_scheduling": 1}, "async_scheduling must be a bool"),
+    ],
+)
 def test_engine_config_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(CFG, **kwargs)
@@ -160,8 +177,7 @@ def reference_pack(step, cfg, model, tp):
     tile, bs = cfg.prefill_tile, cfg.block_size
     decode = decode_rows(len(step.decodes), tile)
     used = decode + sum(ceil_div(c.length, tile) * tile for c in step.chunks)
-    layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model,
-                         tp)
+    layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model, tp)
     r, s = layout.rows, layout.samples
     tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
     slots = np.full(r, cfg.num_blocks * bs, np.int32)
@@ -176,7 +192,7 @@ def reference_pack(step, cfg, model, tp):
     for i, q in enumerate(step.decodes):
         place(i, q.blocks, step.tokens[i], step.positions[i])
         source[i] = step.sources[i]
-        tables[i, :len(q.blocks)] = q.blocks
+        tables[i, : len(q.blocks)] = q.blocks
         sample_rows[i] = i
     n_sampled, row = len(step.decodes), decode
     for chunk in step.chunks:
@@ -185,17 +201,25 @@ def reference_pack(step, cfg, model, tp):
             place(row + j, q.blocks, q.prompt[chunk.start + j], chunk.start + j)
         tiles = ceil_div(chunk.length, tile)
         group = decode + (row - decode) // tile
-        tables[group:group + tiles, :len(q.blocks)] = q.blocks
+        tables[group : group + tiles, : len(q.blocks)] = q.blocks
         if chunk.last:
             sample_rows[n_sampled] = row + chunk.length - 1
             n_sampled += 1
         row += tiles * tile
-    fields = [np.zeros(s, np.float32), np.ones(s, np.float32), np.zeros(s, np.int32),
-              np.zeros(s, np.uint32), np.zeros(s, np.int32)]
+    fields = [
+        np.zeros(s, np.float32),
+        np.ones(s, np.float32),
+        np.zeros(s, np.int32),
+        np.zeros(s, np.uint32),
+        np.zeros(s, np.int32),
+    ]
     for i, q in enumerate(step.sampled):
         p = q.params
-        for f, v in zip(fields, (p.temperature, p.top_p, max(p.top_k, 0), q.seed % (1 << 32),
-                                 step.counters[i]), strict=True):
+        for f, v in zip(
+            fields,
+            (p.temperature, p.top_p, max(p.top_k, 0), q.seed % (1 << 32), step.counters[i]),
+            strict=True,
+        ):
             f[i] = v
     want = np.asarray(any(q.params.logprobs is not None for q in step.sampled))
     return layout, (tokens, source, positions, slots, tables, sample_rows, *fields, want)
@@ -213,12 +237,19 @@ def random_step(rng, cfg):
 
     def make(prompt_len, computed, made):
         max_tokens = made + int(rng.integers(1, 4))
-        q = Sequence(f"r{len(decodes) + len(chunks)}", rng.integers(0, 1000, prompt_len).tolist(),
-                     SamplingParams(max_tokens=max_tokens, temperature=float(rng.random()),
-                                    top_p=float(rng.uniform(0.1, 1)),
-                                    top_k=int(rng.integers(-1, 5)),
-                                    logprobs=None if rng.random() < 0.9 else 1),
-                     seed=int(rng.integers(1 << 40)), stop_ids=frozenset())
+        q = Sequence(
+            f"r{len(decodes) + len(chunks)}",
+            rng.integers(0, 1000, prompt_len).tolist(),
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=float(rng.random()),
+                top_p=float(rng.uniform(0.1, 1)),
+                top_k=int(rng.integers(-1, 5)),
+                logprobs=None if rng.random() < 0.9 else 1,
+            ),
+            seed=int(rng.integers(1 << 40)),
+            stop_ids=frozenset(),
+        )
         q.num_computed, q.output = computed, rng.integers(0, 1000, made).tolist()
         need = ceil_div(prompt_len + max_tokens - 1, bs)
         q.blocks = [int(free.pop()) for _ in range(need)]
@@ -237,25 +268,45 @@ def random_step(rng, cfg):
     step = ScheduledStep(tuple(decodes), tuple(chunks))
     prev = int(rng.integers(1, cfg.max_num_seqs + 1))
     return dataclasses.replace(
-        step, positions=tuple(q.num_computed for q in decodes),
+        step,
+        positions=tuple(q.num_computed for q in decodes),
         tokens=tuple(q.output[-1] for q in decodes),
         sources=tuple(int(rng.integers(-1, prev)) for _ in decodes),
-        counters=tuple(len(q.output) for q in step.sampled))
+        counters=tuple(len(q.output) for q in step.sampled),
+    )
 
 
 @pytest.mark.parametrize("tile", [4, 8])
 def test_pack_equals_the_plain_reference(rng, tile):
-    cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=6, prefill_tile=tile,
-                       block_size=4, num_blocks=256, max_model_len=40, key_chunk=8,
-                       split_threshold=16)
+    cfg = EngineConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=6,
+        prefill_tile=tile,
+        block_size=4,
+        num_blocks=256,
+        max_model_len=40,
+        key_chunk=8,
+        split_threshold=16,
+    )
     for _ in range(200):
         step = random_step(rng, cfg)
         layout, arrays = pack(step, cfg, MODEL, tp=2)
         want_layout, want = reference_pack(step, cfg, MODEL, tp=2)
         assert layout == want_layout
-        got = (arrays.tokens, arrays.token_source, arrays.positions, arrays.slots,
-               arrays.tables, arrays.sample_rows, arrays.temperature, arrays.top_p,
-               arrays.top_k, arrays.seeds, arrays.counters, arrays.want_logprobs)
+        got = (
+            arrays.tokens,
+            arrays.token_source,
+            arrays.positions,
+            arrays.slots,
+            arrays.tables,
+            arrays.sample_rows,
+            arrays.temperature,
+            arrays.top_p,
+            arrays.top_k,
+            arrays.seeds,
+            arrays.counters,
+            arrays.want_logprobs,
+        )
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape
             np.testing.assert_array_equal(g, w)

@@ -11,16 +11,46 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--model", "tiny", "--layers", "1", "--tp", "2", "--num-requests", "5",
-        "--prompt-len", "8", "40", "--output-len", "2", "6", "--rate", "200",
-        "--max-num-batched-tokens", "16", "--max-num-seqs", "4", "--prefill-tile", "8",
-        "--block-size", "4", "--key-chunk", "8", "--split-threshold", "16", "--comm", "xla",
-        "--dtype", "float32"]
+TINY = [
+    "--model",
+    "tiny",
+    "--layers",
+    "1",
+    "--tp",
+    "2",
+    "--num-requests",
+    "5",
+    "--prompt-len",
+    "8",
+    "40",
+    "--output-len",
+    "2",
+    "6",
+    "--rate",
+    "200",
+    "--max-num-batched-tokens",
+    "16",
+    "--max-num-seqs",
+    "4",
+    "--prefill-tile",
+    "8",
+    "--block-size",
+    "4",
+    "--key-chunk",
+    "8",
+    "--split-threshold",
+    "16",
+    "--comm",
+    "xla",
+    "--dtype",
+    "float32",
+]
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("serve_bench",
-                                                  ROOT / "benchmarks" / "serve_bench.py")
+    spec = importlib.util.spec_from_file_location(
+        "serve_bench", ROOT / "benchmarks" / "serve_bench.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -35,17 +65,19 @@ def test_serve_bench_runs_both_engines_on_both_workloads(tmp_path, capsys):
     for per in report["runs"].values():
         assert set(per) == {"weave", "baseline"}
         for schedule, r in per.items():
-            assert r["output_tokens"] == sum(q["output_len"] for q in bench.make_requests(
-                bench.parse_args(["--out", "x", *TINY]), 256))
+            assert r["output_tokens"] == sum(
+                q["output_len"]
+                for q in bench.make_requests(bench.parse_args(["--out", "x", *TINY]), 256)
+            )
             assert r["output_tok_s"] > 0 and r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0
-            assert r["compilations"] == 0                       # warm-up compiled every layout
+            assert r["compilations"] == 0  # warm-up compiled every layout
             assert (r["split_steps"] > 0) == (schedule == "weave")
     assert set(report["throughput_ratio_weave_over_baseline"]) == {"all-at-once", "poisson"}
     for w in report["warmup"].values():
         assert w["loaded"] + w["compiled"] == w["layouts"] > 0 and w["seconds"] >= w["warmup_s"]
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "weave / baseline" in (tmp_path / "serve.md").read_text()
-    assert "0 loaded" in (tmp_path / "serve.md").read_text()    # tests run with caching off
+    assert "0 loaded" in (tmp_path / "serve.md").read_text()  # tests run with caching off
     assert "| poisson | baseline |" in capsys.readouterr().out
 
 

@@ -31,9 +31,18 @@ from jax_tokenweave.serving.step import jitted_forward
 from jax_tokenweave.testing.reference import reference_logits
 
 # 32-row steps in tiles of 8 (buckets 8/16/32 rows, decode segments of 0/8 rows): few programs.
-CFG = EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=8, block_size=4,
-                   num_blocks=48, max_model_len=64, key_chunk=8, split_threshold=16, comm="xla",
-                   max_logprobs=3)
+CFG = EngineConfig(
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    prefill_tile=8,
+    block_size=4,
+    num_blocks=48,
+    max_model_len=64,
+    key_chunk=8,
+    split_threshold=16,
+    comm="xla",
+    max_logprobs=3,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +58,7 @@ def reference_greedy(weights, config, prompt, n):
         logits = reference_logits(weights, config, np.asarray(tokens), [len(tokens)])[-1]
         lps.append(logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max())
         tokens.append(int(np.argmax(logits)))
-    return tokens[len(prompt):], lps
+    return tokens[len(prompt) :], lps
 
 
 def prompts(rng, lengths):
@@ -67,19 +76,20 @@ def run_with_arrivals(engine, arrivals, params):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 4])     # baseline and TP 1: tests/test_hf_parity.py
+@pytest.mark.parametrize("tp", [2, 4])  # baseline and TP 1: tests/test_hf_parity.py
 def test_greedy_matches_reference_with_arrivals_and_chunks(rng, cpu_mesh, tp):
     config = get_config("tiny")
-    model = LlamaModel(config, cpu_mesh(tp), dtype=jnp.float32,
-                       rngs=nnx.Rngs(int(rng.integers(1 << 30))))
-    engine = LLMEngine(model, CFG)                              # weave
+    model = LlamaModel(
+        config, cpu_mesh(tp), dtype=jnp.float32, rngs=nnx.Rngs(int(rng.integers(1 << 30)))
+    )
+    engine = LLMEngine(model, CFG)  # weave
     # 45 tokens need two 32-row steps; 21 arrives while the first decodes; 3 comes late.
     arrivals = {0: prompts(rng, (45, 6)), 2: prompts(rng, (21,)), 5: prompts(rng, (3,))}
-    outs = run_with_arrivals(engine, arrivals, SamplingParams(temperature=0.0,
-                                                              max_tokens=8, logprobs=3))
+    outs = run_with_arrivals(
+        engine, arrivals, SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+    )
     weights = logical_weights(model)
-    for out, prompt in zip(outs, [p for s in sorted(arrivals) for p in arrivals[s]],
-                           strict=True):
+    for out, prompt in zip(outs, [p for s in sorted(arrivals) for p in arrivals[s]], strict=True):
         want, lps = reference_greedy(weights, config, prompt, 8)
         assert out.token_ids == want and out.finish_reason == "length"
         for got, lp in zip(out.outputs[0].token_logprobs, lps, strict=True):
@@ -98,20 +108,36 @@ def test_step_updates_the_cache_in_place(model, schedule):
     layout = batch_lib.make_layout(8, 32, engine.config, engine.model_config, engine.tp)
     assert layout.plan.split == (schedule == "weave")
     cfg = engine.config
-    text = jitted_forward.lower(
-        engine._state, engine.cache, batch_lib.pack_padding(layout, cfg),
-        graphdef=engine._graphdef, layout=layout, schedule=schedule, comm=cfg.comm,
-        key_chunk=cfg.key_chunk, tuning=None).compile().as_text()
+    text = (
+        jitted_forward.lower(
+            engine._state,
+            engine.cache,
+            batch_lib.pack_padding(layout, cfg),
+            graphdef=engine._graphdef,
+            layout=layout,
+            schedule=schedule,
+            comm=cfg.comm,
+            key_chunk=cfg.key_chunk,
+            tuning=None,
+        )
+        .compile()
+        .as_text()
+    )
     shape = f"f32[{cfg.num_blocks},{cfg.block_size},{engine.model_config.num_kv_heads // 2},"
-    copies = [line for line in text.splitlines()
-              if re.search(rf"= {re.escape(shape)}\d+\]\S* copy\(", line)]
+    copies = [
+        line
+        for line in text.splitlines()
+        if re.search(rf"= {re.escape(shape)}\d+\]\S* copy\(", line)
+    ]
     assert text.count(shape) > 0 and copies == []
 
 
 def test_stream_of_deltas_equals_final_output(model, rng):
     engine = LLMEngine(model, CFG)
-    ids = [engine.add_request(p, SamplingParams(temperature=0.0,
-                                                max_tokens=6)) for p in prompts(rng, (9, 30))]
+    ids = [
+        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=6))
+        for p in prompts(rng, (9, 30))
+    ]
     seen: dict[str, list[int]] = {i: [] for i in ids}
     finished = {}
     while engine.has_unfinished():
@@ -129,14 +155,21 @@ def test_sampling_is_per_request_and_seeded(model, rng):
     ps = prompts(rng, (7, 12, 20))
     hot = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=8)
     alone = engine.generate([ps[0]], hot)[0].token_ids
-    mixed = engine.generate(ps, [hot, SamplingParams(temperature=0.0, max_tokens=8),
-                                 SamplingParams(temperature=0.7, seed=3, max_tokens=8)])
-    assert mixed[0].token_ids == alone                          # batching does not matter
+    mixed = engine.generate(
+        ps,
+        [
+            hot,
+            SamplingParams(temperature=0.0, max_tokens=8),
+            SamplingParams(temperature=0.7, seed=3, max_tokens=8),
+        ],
+    )
+    assert mixed[0].token_ids == alone  # batching does not matter
     other = engine.generate([ps[0]], dataclasses.replace(hot, seed=12))[0].token_ids
     assert other != alone
     greedy = engine.generate([ps[2]], SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
-    top1 = engine.generate([ps[2]], SamplingParams(temperature=5.0, top_k=1, seed=1,
-                                                   max_tokens=8))[0].token_ids
+    top1 = engine.generate([ps[2]], SamplingParams(temperature=5.0, top_k=1, seed=1, max_tokens=8))[
+        0
+    ].token_ids
     assert top1 == greedy
 
 
@@ -147,14 +180,21 @@ def test_sample_distribution():
     seeds, counters = jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32)
 
     def freq(top_p, top_k):
-        draws = np.asarray(sample(logits, seeds, counters, jnp.ones(n), jnp.full(n, top_p),
-                                  jnp.full(n, top_k, jnp.int32)))
+        draws = np.asarray(
+            sample(
+                logits,
+                seeds,
+                counters,
+                jnp.ones(n),
+                jnp.full(n, top_p),
+                jnp.full(n, top_k, jnp.int32),
+            )
+        )
         return np.bincount(draws, minlength=4) / n
 
     np.testing.assert_allclose(freq(1.0, 0), probs, atol=0.03)
-    np.testing.assert_allclose(freq(0.7, 0), [0.625, 0.375, 0, 0], atol=0.03)   # nucleus {0, 1}
-    np.testing.assert_allclose(freq(1.0, 3), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0],
-                               atol=0.03)
+    np.testing.assert_allclose(freq(0.7, 0), [0.625, 0.375, 0, 0], atol=0.03)  # nucleus {0, 1}
+    np.testing.assert_allclose(freq(1.0, 3), [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], atol=0.03)
 
 
 def test_stop_tokens_and_ignore_eos(model, rng):
@@ -162,13 +202,16 @@ def test_stop_tokens_and_ignore_eos(model, rng):
     full = LLMEngine(model, CFG).generate(ps, SamplingParams(temperature=0.0, max_tokens=10))
     stop = full[0].token_ids[3]
     first = full[0].token_ids.index(stop)
-    out = LLMEngine(model, CFG).generate(ps, SamplingParams(temperature=0.0, max_tokens=10,
-                                                             stop_token_ids=(stop,)))
-    assert out[0].token_ids == full[0].token_ids[:first + 1]
+    out = LLMEngine(model, CFG).generate(
+        ps, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(stop,))
+    )
+    assert out[0].token_ids == full[0].token_ids[: first + 1]
     assert out[0].finish_reason == "stop"
     eos = LLMEngine(model, CFG, eos_token_ids=stop)
-    assert eos.generate([ps[0]], SamplingParams(temperature=0.0,
-                                                max_tokens=10))[0].finish_reason == "stop"
+    assert (
+        eos.generate([ps[0]], SamplingParams(temperature=0.0, max_tokens=10))[0].finish_reason
+        == "stop"
+    )
     kept = eos.generate([ps[0]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
     assert kept.token_ids == full[0].token_ids and kept.finish_reason == "length"
 
@@ -182,10 +225,17 @@ def test_no_compilation_after_warmup_over_a_stream_of_arrivals(model, rng):
         step = 0
         while pending or engine.has_unfinished():
             for arrival, p in [x for x in pending if x[0] <= step]:
-                engine.add_request(p, SamplingParams(
-                    max_tokens=int(rng.integers(1, 12)), temperature=float(rng.choice([0, 0.8])),
-                    top_p=0.9, top_k=int(rng.integers(0, 5)), seed=int(rng.integers(100)),
-                    logprobs=int(rng.integers(0, 4))))
+                engine.add_request(
+                    p,
+                    SamplingParams(
+                        max_tokens=int(rng.integers(1, 12)),
+                        temperature=float(rng.choice([0, 0.8])),
+                        top_p=0.9,
+                        top_k=int(rng.integers(0, 5)),
+                        seed=int(rng.integers(100)),
+                        logprobs=int(rng.integers(0, 4)),
+                    ),
+                )
                 pending.remove((arrival, p))
             engine.step()
             step += 1
@@ -206,7 +256,7 @@ def test_full_cache_makes_requests_wait_not_fail(model, rng):
         engine.step()
         most = max(most, len(engine.scheduler.running))
         queued = max(queued, len(engine.scheduler.waiting) * (most == 3))
-    assert most == 3 and queued > 0         # blocks, not max_num_seqs (4), kept them waiting
+    assert most == 3 and queued > 0  # blocks, not max_num_seqs (4), kept them waiting
     assert [engine.release(i).token_ids for i in ids] == alone
     assert engine.scheduler.allocator.num_free == CFG.num_blocks
 
@@ -231,21 +281,26 @@ def test_failed_request_does_not_disturb_the_others(model, rng):
     assert engine.scheduler.allocator.num_free == CFG.num_blocks
 
 
-@pytest.mark.parametrize(("call", "match"), [
-    (lambda e: e.generate([]), "no prompts"),
-    (lambda e: e.generate([[1, 2], []]), "prompt 1 is empty"),
-    (lambda e: e.generate([[1, 256]]), "outside"),
-    (lambda e: e.generate([[1.7, 2.2]]), "prompt 0's token id must be an integer"),
-    (lambda e: e.generate([[True, 2]]), "token id must be an integer"),
-    (lambda e: e.generate([1, 2, 3]), "prompt 0 must be a sequence of token ids"),
-    (lambda e: e.generate([[1] * 60], SamplingParams(temperature=0.0,
-                                                     max_tokens=8)), "max_model_len"),
-    (lambda e: e.generate([[1]], SamplingParams(temperature=0.0, stop=("x",))), "tokenizer"),
-    (lambda e: e.generate([[1]], SamplingParams(temperature=0.0, logprobs=5)), "max_logprobs"),
-    (lambda e: e.generate([[1]], {"max_tokens": 3}), "SamplingParams"),
-    (lambda e: e.generate([[1], [2]], [SamplingParams(temperature=0.0)]), "2 prompts"),
-    (lambda e: LLMEngine(e.model, {"max_num_seqs": 2}), "EngineConfig"),
-])
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda e: e.generate([]), "no prompts"),
+        (lambda e: e.generate([[1, 2], []]), "prompt 1 is empty"),
+        (lambda e: e.generate([[1, 256]]), "outside"),
+        (lambda e: e.generate([[1.7, 2.2]]), "prompt 0's token id must be an integer"),
+        (lambda e: e.generate([[True, 2]]), "token id must be an integer"),
+        (lambda e: e.generate([1, 2, 3]), "prompt 0 must be a sequence of token ids"),
+        (
+            lambda e: e.generate([[1] * 60], SamplingParams(temperature=0.0, max_tokens=8)),
+            "max_model_len",
+        ),
+        (lambda e: e.generate([[1]], SamplingParams(temperature=0.0, stop=("x",))), "tokenizer"),
+        (lambda e: e.generate([[1]], SamplingParams(temperature=0.0, logprobs=5)), "max_logprobs"),
+        (lambda e: e.generate([[1]], {"max_tokens": 3}), "SamplingParams"),
+        (lambda e: e.generate([[1], [2]], [SamplingParams(temperature=0.0)]), "2 prompts"),
+        (lambda e: LLMEngine(e.model, {"max_num_seqs": 2}), "EngineConfig"),
+    ],
+)
 def test_input_errors(model, call, match):
     engine = LLMEngine(model, CFG)
     engine.model = model
@@ -254,27 +309,30 @@ def test_input_errors(model, call, match):
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": float("inf")}, "temperature"),
-    ({"temperature": -1.0}, "temperature"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_p": float("nan")}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"top_k": 1.5}, "top_k"),
-    ({"seed": 0.5}, "seed"),
-    ({"max_tokens": 0}, "max_tokens must be >= 1"),
-    ({"max_tokens": 2.5}, "max_tokens must be an integer"),
-    ({"max_tokens": None}, "max_tokens must be an integer"),
-    ({"stop_token_ids": [1.5]}, "stop_token_ids"),
-    ({"stop_token_ids": 3}, "stop_token_ids"),
-    ({"stop": [""]}, "stop"),
-    ({"stop": [3]}, "stop"),
-    ({"ignore_eos": 1}, "ignore_eos"),
-    ({"logprobs": -1}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"seed": 0.5}, "seed"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": 2.5}, "max_tokens must be an integer"),
+        ({"max_tokens": None}, "max_tokens must be an integer"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": [3]}, "stop"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
 def test_sampling_params_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -284,14 +342,16 @@ def test_sampling_params_normalised():
     p = SamplingParams(temperature=1, stop="end", stop_token_ids=[np.int64(3)])
     assert p.temperature == 1.0 and p.stop == ("end",) and p.stop_token_ids == (3,)
     assert SamplingParams(temperature=0.0).greedy and not p.greedy
-    assert SamplingParams().temperature == 1.0 and SamplingParams().n == 1      # vLLM's
+    assert SamplingParams().temperature == 1.0 and SamplingParams().n == 1  # vLLM's
 
 
 def test_generate_one_call(model, rng):
     ps = prompts(rng, (4, 10))
     got = generate(model, ps, 5)
-    want = [o.token_ids for o in LLMEngine(model, CFG).generate(ps, SamplingParams(temperature=0.0,
-                                                                                   max_tokens=5))]
+    want = [
+        o.token_ids
+        for o in LLMEngine(model, CFG).generate(ps, SamplingParams(temperature=0.0, max_tokens=5))
+    ]
     assert got == want
 
 
@@ -301,16 +361,25 @@ def test_logprobs_only_where_asked(model, rng):
     ps = prompts(rng, (9, 14))
     engine = LLMEngine(model, CFG)
     both = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=5, logprobs=2))
-    mixed = engine.generate(ps, [SamplingParams(temperature=0.0, max_tokens=5, logprobs=2),
-                                 SamplingParams(temperature=0.0, max_tokens=5)])
-    assert mixed[1].outputs[0].logprobs is None and [o.token_ids for o in mixed] == \
-        [o.token_ids for o in both]
-    for got, want in zip(mixed[0].outputs[0].token_logprobs, both[0].outputs[0].token_logprobs,
-                         strict=True):
-        assert got.token_id == want.token_id and [t for t, _ in got.top] == \
-            [t for t, _ in want.top]
-        np.testing.assert_allclose([got.logprob, *(v for _, v in got.top)],
-                                   [want.logprob, *(v for _, v in want.top)], atol=1e-5)
+    mixed = engine.generate(
+        ps,
+        [
+            SamplingParams(temperature=0.0, max_tokens=5, logprobs=2),
+            SamplingParams(temperature=0.0, max_tokens=5),
+        ],
+    )
+    assert mixed[1].outputs[0].logprobs is None and [o.token_ids for o in mixed] == [
+        o.token_ids for o in both
+    ]
+    for got, want in zip(
+        mixed[0].outputs[0].token_logprobs, both[0].outputs[0].token_logprobs, strict=True
+    ):
+        assert got.token_id == want.token_id and [t for t, _ in got.top] == [t for t, _ in want.top]
+        np.testing.assert_allclose(
+            [got.logprob, *(v for _, v in got.top)],
+            [want.logprob, *(v for _, v in want.top)],
+            atol=1e-5,
+        )
     engine.add_request(ps[0], SamplingParams(temperature=0.0, max_tokens=2))
     layout, arrays = engine.runner.pack(engine.scheduler.schedule())
     assert not arrays.want_logprobs

@@ -88,8 +88,8 @@ def check_layout(plan: BatchPlan) -> None:
     np.testing.assert_array_equal(positions, expected_pos)
     np.testing.assert_array_equal(segments, expected_seg)
     for half in plan.halves:
-        np.testing.assert_array_equal(half.positions(), positions[half.start:half.end])
-        np.testing.assert_array_equal(half.segment_ids(), segments[half.start:half.end])
+        np.testing.assert_array_equal(half.positions(), positions[half.start : half.end])
+        np.testing.assert_array_equal(half.segment_ids(), segments[half.start : half.end])
     if plan.split:
         # prefix_lengths of the second half: tokens of the same request in the first half.
         second = plan.halves[1]
@@ -155,8 +155,10 @@ def test_explicit_offset_honoured(lengths, data):
     check_layout(plan)
     # An explicit offset also beats the tuning table's.
     table = TuneTable({("m", 2, 1): TuneEntry(1 - mid, 8)})
-    assert plan_batch(lengths, offset=offset, split=True, tp=2, model="m",
-                      table=table).offset == offset
+    assert (
+        plan_batch(lengths, offset=offset, split=True, tp=2, model="m", table=table).offset
+        == offset
+    )
 
 
 @FAST
@@ -168,8 +170,9 @@ def test_offset_emptying_a_half_raises(lengths, data):
     mid = midpoint(total)
     # offsets that leave the first half (<= -mid) or the second (>= total - mid) empty; the
     # ranges move with mid, which exceeds 10_000 for the longest batches (up to 30_000 tokens)
-    bad = data.draw(st.one_of(st.integers(-mid - 10_000, -mid),
-                              st.integers(total - mid, total - mid + 10_000)))
+    bad = data.draw(
+        st.one_of(st.integers(-mid - 10_000, -mid), st.integers(total - mid, total - mid + 10_000))
+    )
     with pytest.raises(ValueError, match="non-empty"):
         plan_batch(lengths, offset=bad, split=True)
 
@@ -233,9 +236,10 @@ def test_hand_example_2560_offset():
     assert plan.cut_request == 1
     a, b = plan.halves
     assert [(p.request, p.start, p.length, p.position) for p in a.pieces] == [
-        (0, 0, 1000, 0), (1, 1000, 152, 0)]
-    assert [(p.request, p.start, p.length, p.position) for p in b.pieces] == [
-        (1, 1152, 1408, 152)]
+        (0, 0, 1000, 0),
+        (1, 1000, 152, 0),
+    ]
+    assert [(p.request, p.start, p.length, p.position) for p in b.pieces] == [(1, 1152, 1408, 152)]
 
 
 def test_hand_example_1536_and_threshold():
@@ -255,8 +259,14 @@ def test_round_up_and_midpoint():
 
 
 def test_wave_model_from_config():
-    cfg = DecoderConfig(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-                        num_kv_heads=8, head_dim=128)
+    cfg = DecoderConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+    )
     assert WaveModel.from_config(cfg, 8) == WaveModel()
     assert WaveModel.from_config(cfg, 4, num_sms=120).gemm_n == 14336
     with pytest.raises(ValueError):
@@ -270,15 +280,16 @@ def test_wave_model_from_config():
 def test_tuning_table_offset_threshold_and_ctas():
     """One table: the plan's split threshold, offset correction and CTA counts all come from
     it (its model's rows, else the wildcard rows)."""
-    table = TuneTable({("llama3-70b", 8, 2048): TuneEntry(128, 32, 4),
-                       ("*", 8, 1): TuneEntry(None, 12)},
-                      thresholds={("llama3-70b", 8): 2048, ("*", 8): 1500})
+    table = TuneTable(
+        {("llama3-70b", 8, 2048): TuneEntry(128, 32, 4), ("*", 8, 1): TuneEntry(None, 12)},
+        thresholds={("llama3-70b", 8): 2048, ("*", 8): 1500},
+    )
     plan = plan_batch([2048], tp=8, model="llama3-70b", table=table)
-    assert plan.offset == 128 and plan.half_lengths == (1152, 896)   # wave rule's 0, + 128
+    assert plan.offset == 128 and plan.half_lengths == (1152, 896)  # wave rule's 0, + 128
     assert plan.tuning == TuneEntry(128, 32, 4)
     assert plan_batch([2047], tp=8, model="llama3-70b", table=table).tuning == TuneEntry(None, 12)
     assert not plan_batch([2047], tp=8, model="llama3-70b", table=table).split
-    assert plan_batch([1500], tp=8, model="other", table=table).split    # wildcard threshold
+    assert plan_batch([1500], tp=8, model="other", table=table).split  # wildcard threshold
     assert not plan_batch([1499], tp=8, table=table).split
     # No rows for TP 4: the paper's defaults (split from 1024 tokens, 16/8 CTAs, wave rule).
     plan = plan_batch([2048], tp=4, model="llama3-70b", table=table)
@@ -307,22 +318,25 @@ def test_shipped_table_rule():
     big = plan_batch([1024] * 8, tp=2, config=llama)
     assert big.half_lengths == (4096, 4096) and big.tuning == TuneEntry(0, 16)
     assert plan_batch([1024] * 8, tp=2, config=qwen).tuning == TuneEntry(None, 16)
-    assert plan_batch([1024] * 2, tp=4, config=llama).split   # TP 4: not measured, paper's 1024
+    assert plan_batch([1024] * 2, tp=4, config=llama).split  # TP 4: not measured, paper's 1024
 
 
-@pytest.mark.parametrize(("lengths", "kwargs", "message"), [
-    ([], {}, "empty batch"),
-    ([3, 4, 5, 0], {}, "request 3 has length 0"),
-    ([3, -1], {}, "request 1 has length -1"),
-    ([3, 2.5], {}, "request 1 has a non-integer length"),
-    ([3, True], {}, "request 1 has a non-integer length"),
-    (5, {}, "sequence of ints"),
-    ([4], {"tp": 0}, "tp must be"),
-    ([4], {"threshold": 1}, "threshold must be"),
-    ([1], {"split": True}, "cannot split"),
-    ([4], {"split": 1}, "split must be"),
-    ([4], {"offset": 1.5, "split": True}, "offset must be"),
-])
+@pytest.mark.parametrize(
+    ("lengths", "kwargs", "message"),
+    [
+        ([], {}, "empty batch"),
+        ([3, 4, 5, 0], {}, "request 3 has length 0"),
+        ([3, -1], {}, "request 1 has length -1"),
+        ([3, 2.5], {}, "request 1 has a non-integer length"),
+        ([3, True], {}, "request 1 has a non-integer length"),
+        (5, {}, "sequence of ints"),
+        ([4], {"tp": 0}, "tp must be"),
+        ([4], {"threshold": 1}, "threshold must be"),
+        ([1], {"split": True}, "cannot split"),
+        ([4], {"split": 1}, "split must be"),
+        ([4], {"offset": 1.5, "split": True}, "offset must be"),
+    ],
+)
 def test_bad_inputs_raise(lengths, kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_batch(lengths, **kwargs)

@@ -19,33 +19,46 @@ def test_tune_entry_and_defaults():
     assert TuneEntry(offset=None, num_ctas=16, first_num_ctas=8) == DEFAULT_ENTRY
     assert DEFAULT_ENTRY.ctas(True) == 8 and DEFAULT_ENTRY.ctas(False) == 16
     assert TuneEntry(0, 4).ctas(True) == 4
-    assert tuning.POLICY_ENTRY.ctas(True) is None        # the kernel policy decides
+    assert tuning.POLICY_ENTRY.ctas(True) is None  # the kernel policy decides
     hash(TuneEntry(-128, 32, 2))
-    for bad in (dict(offset=None, num_ctas=0), dict(offset=None, num_ctas=33),
-                dict(offset=None, num_ctas=8.0), dict(offset=1.5, num_ctas=8),
-                dict(offset=None, num_ctas=8, first_num_ctas=64),
-                dict(offset=None, num_ctas=True)):
+    for bad in (
+        dict(offset=None, num_ctas=0),
+        dict(offset=None, num_ctas=33),
+        dict(offset=None, num_ctas=8.0),
+        dict(offset=1.5, num_ctas=8),
+        dict(offset=None, num_ctas=8, first_num_ctas=64),
+        dict(offset=None, num_ctas=True),
+    ):
         with pytest.raises(ValueError):
             TuneEntry(**bad)
 
 
 def test_lookup_nearest_at_or_below_and_wildcard():
-    table = TuneTable({("m", 4, 1024): TuneEntry(0, 8), ("m", 4, 4096): TuneEntry(-128, 16, 8),
-                       ("m", 2, 2048): TuneEntry(128, 32), ("*", 4, 1): TuneEntry(None, 4),
-                       ("*", 4, 8192): TuneEntry(None, 2)},
-                      thresholds={("m", 4): 3000, ("*", 4): 5000})
+    table = TuneTable(
+        {
+            ("m", 4, 1024): TuneEntry(0, 8),
+            ("m", 4, 4096): TuneEntry(-128, 16, 8),
+            ("m", 2, 2048): TuneEntry(128, 32),
+            ("*", 4, 1): TuneEntry(None, 4),
+            ("*", 4, 8192): TuneEntry(None, 2),
+        },
+        thresholds={("m", 4): 3000, ("*", 4): 5000},
+    )
     assert table.entry("m", 4, 1024) == TuneEntry(0, 8)
     assert table.entry("m", 4, 4095) == TuneEntry(0, 8)
     assert table.entry("m", 4, 4096) == TuneEntry(-128, 16, 8)
-    assert table.entry("m", 4, 100000) == TuneEntry(-128, 16, 8)   # its own rows first
-    assert table.entry("m", 4, 1023) == TuneEntry(None, 4)          # below its own: wildcard
+    assert table.entry("m", 4, 100000) == TuneEntry(-128, 16, 8)  # its own rows first
+    assert table.entry("m", 4, 1023) == TuneEntry(None, 4)  # below its own: wildcard
     assert table.entry("other", 4, 9000) == TuneEntry(None, 2)
     assert table.entry(None, 4, 10) == TuneEntry(None, 4)
-    assert table.entry("m", 8, 4096) == DEFAULT_ENTRY                # no rows for TP 8
+    assert table.entry("m", 8, 4096) == DEFAULT_ENTRY  # no rows for TP 8
     mine = TuneEntry(None, 2)
     assert table.entry("m", 1, 5, default=mine) is mine
     assert (table.threshold("m", 4), table.threshold("x", 4), table.threshold("m", 2)) == (
-        3000, 5000, tuning.DEFAULT_THRESHOLD)
+        3000,
+        5000,
+        tuning.DEFAULT_THRESHOLD,
+    )
     assert tuning.lookup("m", 4, 4096, table) == TuneEntry(-128, 16, 8)
     for bad in (("", 4, 8), ("m", 0, 8), ("m", 4, 0), ("m", 4, 8.0)):
         with pytest.raises(ValueError):
@@ -60,25 +73,30 @@ def test_lookup_nearest_at_or_below_and_wildcard():
 def test_model_name_by_shapes():
     llama = get_config("llama3-70b")
     table = TuneTable(models={"llama3-70b": tuning.signature(llama)})
-    assert table.model_name(get_config("llama3-70b", num_layers=4, vocab_size=1000)) == \
-        "llama3-70b"                                        # layer shapes only
+    assert (
+        table.model_name(get_config("llama3-70b", num_layers=4, vocab_size=1000)) == "llama3-70b"
+    )  # layer shapes only
     assert table.model_name(get_config("qwen2.5-72b")) is None
     assert table.model_name(get_config("llama3-70b", intermediate_size=28160)) is None
 
 
 def test_json_round_trip(tmp_path):
-    table = TuneTable({("llama3-70b", 4, 8192): TuneEntry(-128, 16, 8),
-                       ("llama3-70b", 4, 2048): TuneEntry(None, 8),
-                       ("*", 2, 1): TuneEntry(None, None),
-                       ("qwen2.5-72b", 2, 4096): TuneEntry(256, 32, None)},
-                      thresholds={("*", 2): 4096, ("llama3-70b", 4): 2048},
-                      models={"llama3-70b": tuning.signature(get_config("llama3-70b"))},
-                      meta={"source": "a test"})
+    table = TuneTable(
+        {
+            ("llama3-70b", 4, 8192): TuneEntry(-128, 16, 8),
+            ("llama3-70b", 4, 2048): TuneEntry(None, 8),
+            ("*", 2, 1): TuneEntry(None, None),
+            ("qwen2.5-72b", 2, 4096): TuneEntry(256, 32, None),
+        },
+        thresholds={("*", 2): 4096, ("llama3-70b", 4): 2048},
+        models={"llama3-70b": tuning.signature(get_config("llama3-70b"))},
+        meta={"source": "a test"},
+    )
     path = tmp_path / "tune.json"
     tuning.save(table, path, extra={("llama3-70b", 4, 8192): {"latency_ms": 1.5}})
     data = json.loads(path.read_text())
     assert data["format"] == tuning.FORMAT and len(data["entries"]) == 4
-    assert data["entries"][2]["latency_ms"] == 1.5   # sorted: ("*", ...) and the 2048 row first
+    assert data["entries"][2]["latency_ms"] == 1.5  # sorted: ("*", ...) and the 2048 row first
     loaded = tuning.load(path)
     assert loaded == table and loaded.meta == {"source": "a test"}
     assert tuning.from_json(tuning.to_json(TuneTable())) == TuneTable()
@@ -91,27 +109,57 @@ def test_reads_the_first_format():
     assert table.threshold("llama3-70b", 2) == tuning.DEFAULT_THRESHOLD
 
 
-@pytest.mark.parametrize(("data", "match"), [
-    ([], "format"),
-    ({"format": "v0", "entries": []}, "format"),
-    ({"format": tuning.FORMAT}, "entries"),
-    ({"format": tuning.FORMAT, "entries": [1]}, "not an object"),
-    ({"format": tuning.FORMAT, "entries": [{"model": "m", "tp": 2, "tokens": 8}]}, "num_ctas"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 64}]}, r"\[1, 32\]"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": "2", "tokens": 8, "num_ctas": 8}]}, "tp"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8, "offset": "x"}]},
-     "offset"),
-    ({"format": tuning.FORMAT,
-      "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8}] * 2}, "duplicate"),
-    ({"format": tuning.FORMAT, "entries": [], "thresholds": [{"model": "m", "tp": 2}]},
-     "split_threshold"),
-    ({"format": tuning.FORMAT, "entries": [],
-      "thresholds": [{"model": "m", "tp": 2, "split_threshold": 0}]}, "threshold"),
-    ({"format": tuning.FORMAT, "entries": [], "models": {"m": 3}}, "models"),
-])
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ([], "format"),
+        ({"format": "v0", "entries": []}, "format"),
+        ({"format": tuning.FORMAT}, "entries"),
+        ({"format": tuning.FORMAT, "entries": [1]}, "not an object"),
+        ({"format": tuning.FORMAT, "entries": [{"model": "m", "tp": 2, "tokens": 8}]}, "num_ctas"),
+        (
+            {
+                "format": tuning.FORMAT,
+                "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 64}],
+            },
+            r"\[1, 32\]",
+        ),
+        (
+            {
+                "format": tuning.FORMAT,
+                "entries": [{"model": "m", "tp": "2", "tokens": 8, "num_ctas": 8}],
+            },
+            "tp",
+        ),
+        (
+            {
+                "format": tuning.FORMAT,
+                "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8, "offset": "x"}],
+            },
+            "offset",
+        ),
+        (
+            {
+                "format": tuning.FORMAT,
+                "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 8}] * 2,
+            },
+            "duplicate",
+        ),
+        (
+            {"format": tuning.FORMAT, "entries": [], "thresholds": [{"model": "m", "tp": 2}]},
+            "split_threshold",
+        ),
+        (
+            {
+                "format": tuning.FORMAT,
+                "entries": [],
+                "thresholds": [{"model": "m", "tp": 2, "split_threshold": 0}],
+            },
+            "threshold",
+        ),
+        ({"format": tuning.FORMAT, "entries": [], "models": {"m": 3}}, "models"),
+    ],
+)
 def test_json_bad_input(tmp_path, data, match):
     with pytest.raises(ValueError, match=match):
         tuning.from_json(data)

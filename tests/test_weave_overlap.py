@@ -25,60 +25,68 @@ from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
 # ------------------------------------------------------------------------- HLO checker ---
 
+
 def _start(name, slot, rows, extra=""):
-    return (f"  %{name} = (bf16[{rows},64]{{1,0}}, bf16[4,64]{{1,0}}) custom-call(%a, %b, %w), "
-            f'custom_call_target="{hlo_check.START_TARGET}", api_version=API_VERSION_TYPED_FFI, '
-            f"backend_config={{algo = 1 : i32, comm_id = 3 : i64, eps = 9.99999997E-7 : f32, "
-            f"num_ctas = 8 : i32, slot = {slot} : i32}}{extra}")
+    return (
+        f"  %{name} = (bf16[{rows},64]{{1,0}}, bf16[4,64]{{1,0}}) custom-call(%a, %b, %w), "
+        f'custom_call_target="{hlo_check.START_TARGET}", api_version=API_VERSION_TYPED_FFI, '
+        f"backend_config={{algo = 1 : i32, comm_id = 3 : i64, eps = 9.99999997E-7 : f32, "
+        f"num_ctas = 8 : i32, slot = {slot} : i32}}{extra}"
+    )
 
 
 def _done(name, slot, rows):
-    return (f"  %{name} = (bf16[{rows},64]{{1,0}}, bf16[4,64]{{1,0}}) custom-call(%gte.1, %gte.2,"
-            f' %a, %b, %w), custom_call_target="{hlo_check.DONE_TARGET}", '
-            "output_to_operand_aliasing={{0}: (0, {}), {1}: (1, {})}, "
-            f"api_version=API_VERSION_TYPED_FFI, backend_config={{comm_id = 3 : i64, "
-            f"slot = {slot} : i32}}")
+    return (
+        f"  %{name} = (bf16[{rows},64]{{1,0}}, bf16[4,64]{{1,0}}) custom-call(%gte.1, %gte.2,"
+        f' %a, %b, %w), custom_call_target="{hlo_check.DONE_TARGET}", '
+        "output_to_operand_aliasing={{0}: (0, {}), {1}: (1, {})}, "
+        f"api_version=API_VERSION_TYPED_FFI, backend_config={{comm_id = 3 : i64, "
+        f"slot = {slot} : i32}}"
+    )
 
 
-SYNTHETIC = "\n".join([
-    "HloModule jit_f, is_scheduled=true, entry_computation_layout={(bf16[8,64]{1,0})->bf16[8,64]}",
-    "",
-    "%fused_dot (p0: bf16[8,64], p1: bf16[64,64]) -> bf16[8,64] {",
-    "  %p0 = bf16[8,64]{1,0} parameter(0)",
-    "  %p1 = bf16[64,64]{1,0} parameter(1)",
-    "  ROOT %d = bf16[8,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, "
-    "rhs_contracting_dims={0}",
-    "}",
-    "",
-    "%command_buffer (p: bf16[9,64], q: bf16[64,64]) -> (bf16[9,64], s8[16]) {",
-    "  %p = bf16[9,64]{1,0} parameter(0)",
-    "  %q = bf16[64,64]{1,0} parameter(1)",
-    "  ROOT %cublas = (bf16[9,64]{1,0}, s8[16]{0}) custom-call(%p, %q), "
-    'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{}}',
-    "}",
-    "",
-    "ENTRY %main (a: bf16[8,64], b: bf16[4,64], w: f32[64]) -> bf16[8,64] {",
-    "  %a = bf16[8,64]{1,0} parameter(0)",
-    _start("start.0", 0, 8),
-    "  %call = (bf16[9,64]{1,0}, s8[16]{0}) call(%y, %q), to_apply=%command_buffer",
-    _start("start.1", 1, 9),
-    "  %opt-barrier.1 = (bf16[8,64]{1,0}) opt-barrier(%t)",
-    _done("done.0", 0, 8),
-    "  %gemm_fusion = bf16[8,64]{1,0} fusion(%a, %w), kind=kCustom, calls=%fused_dot, "
-    'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
-    _start("start.2", 0, 8),
-    _done("done.1", 1, 9),
-    _done("done.2", 0, 8),
-    "  ROOT %r = bf16[8,64]{1,0} add(%a, %a)",
-    "}",
-])
+SYNTHETIC = "\n".join(
+    [
+        "HloModule jit_f, is_scheduled=true, "
+        "entry_computation_layout={(bf16[8,64]{1,0})->bf16[8,64]}",
+        "",
+        "%fused_dot (p0: bf16[8,64], p1: bf16[64,64]) -> bf16[8,64] {",
+        "  %p0 = bf16[8,64]{1,0} parameter(0)",
+        "  %p1 = bf16[64,64]{1,0} parameter(1)",
+        "  ROOT %d = bf16[8,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}",
+        "}",
+        "",
+        "%command_buffer (p: bf16[9,64], q: bf16[64,64]) -> (bf16[9,64], s8[16]) {",
+        "  %p = bf16[9,64]{1,0} parameter(0)",
+        "  %q = bf16[64,64]{1,0} parameter(1)",
+        "  ROOT %cublas = (bf16[9,64]{1,0}, s8[16]{0}) custom-call(%p, %q), "
+        'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{}}',
+        "}",
+        "",
+        "ENTRY %main (a: bf16[8,64], b: bf16[4,64], w: f32[64]) -> bf16[8,64] {",
+        "  %a = bf16[8,64]{1,0} parameter(0)",
+        _start("start.0", 0, 8),
+        "  %call = (bf16[9,64]{1,0}, s8[16]{0}) call(%y, %q), to_apply=%command_buffer",
+        _start("start.1", 1, 9),
+        "  %opt-barrier.1 = (bf16[8,64]{1,0}) opt-barrier(%t)",
+        _done("done.0", 0, 8),
+        "  %gemm_fusion = bf16[8,64]{1,0} fusion(%a, %w), kind=kCustom, calls=%fused_dot, "
+        'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
+        _start("start.2", 0, 8),
+        _done("done.1", 1, 9),
+        _done("done.2", 0, 8),
+        "  ROOT %r = bf16[8,64]{1,0} add(%a, %a)",
+        "}",
+    ]
+)
 
 
 def test_overlap_report_synthetic():
     pairs = hlo_check.overlap_report(SYNTHETIC)
     assert [(p.slot, p.rows, len(p.gemms)) for p in pairs] == [(0, 8, 1), (1, 9, 1), (0, 8, 0)]
     assert pairs[0].gemms[0].target == "__cublas$gemm" and pairs[0].gemm_dims() == {9, 64}
-    assert pairs[1].gemm_dims() == {8, 64}   # the triton GEMM fusion, counted once
+    assert pairs[1].gemm_dims() == {8, 64}  # the triton GEMM fusion, counted once
     assert [p.overlapped for p in pairs] == [True, True, False]
     assert "serialised" not in "".join(hlo_check.overlap_problems(SYNTHETIC))
     assert hlo_check.overlap_problems(SYNTHETIC) == []
@@ -107,10 +115,12 @@ def test_overlap_report_errors():
     with pytest.raises(ValueError, match="ENTRY"):
         hlo_check.overlap_report("HloModule m\n")
     assert hlo_check.overlap_problems("HloModule m\nENTRY %e () -> f32[] {\n}\n") == [
-        "no allreduce_rmsnorm start/done pair in the compiled HLO"]
+        "no allreduce_rmsnorm start/done pair in the compiled HLO"
+    ]
 
 
 # ------------------------------------------------------------------ the schedule on CPU ---
+
 
 def _run(dec, batch, hidden, calls, jit_opts=True):
     graphdef, state = nnx.split(dec)
@@ -138,22 +148,31 @@ def test_ffi_refused_on_cpu_and_auto_falls_back(cpu_mesh, rng):
     dec(hidden, batch, schedule="baseline", comm="ffi")
 
 
-@pytest.mark.parametrize(("lengths", "offset", "tp"), [
-    ((5, 9, 3), -120, 4),      # halves 8 + 9, request 1 cut by the split
-    ((3, 11, 7, 2), None, 8),  # T=23: not divisible by TP
-])
+@pytest.mark.parametrize(
+    ("lengths", "offset", "tp"),
+    [
+        ((5, 9, 3), -120, 4),  # halves 8 + 9, request 1 cut by the split
+        ((3, 11, 7, 2), None, 8),  # T=23: not divisible by TP
+    ],
+)
 def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, lengths, offset, tp):
     fake = FakeKernel()
     config, mesh = get_config("tiny", num_layers=3), cpu_mesh(tp)
     batch = plan_batch(lengths, tp=tp, split=True, offset=offset)
     assert batch.split and batch.cut_request is not None
     dec = build_decoder(config, mesh, jnp.float32, rng)
-    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
-                         jnp.float32)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
     entry = TuneEntry(None, 12, 4)
-    ffi, xla, base = _run(dec, batch, hidden, [
-        dict(schedule="weave", comm="ffi", tuning=entry, reducer=fake.overlap),
-        dict(schedule="weave", comm="xla"), dict(schedule="baseline")])
+    ffi, xla, base = _run(
+        dec,
+        batch,
+        hidden,
+        [
+            dict(schedule="weave", comm="ffi", tuning=entry, reducer=fake.overlap),
+            dict(schedule="weave", comm="xla"),
+            dict(schedule="baseline"),
+        ],
+    )
     for out in (ffi, xla):
         np.testing.assert_allclose(np.asarray(out), np.asarray(base), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(ffi), np.asarray(xla), rtol=1e-6, atol=1e-6)
@@ -169,8 +188,7 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, lengths, offset, tp
     assert ctas == [4] + [12] * (4 * n - 1)
     # without tuning=, the default entry's CTA counts
     fake.log.clear()
-    (again,) = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi",
-                                              reducer=fake.overlap)])
+    (again,) = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.overlap)])
     np.testing.assert_allclose(np.asarray(again), np.asarray(ffi), rtol=1e-6, atol=1e-6)
     assert [c for op, _, c in fake.log if op == "start"] == [8] + [16] * (4 * n - 1)
 
@@ -179,13 +197,15 @@ def test_comm_resolution_and_configuration(cpu_mesh, monkeypatch):
     """Which reducer each (schedule, comm) configures, and ``auto``'s choice."""
     mesh, hidden = cpu_mesh(2), get_config("tiny").hidden_size
     split, whole = plan_batch((5, 9), split=True), plan_batch((5, 9), split=False)
-    want = {("baseline", "xla", split): (1, reducers.Psum),
-            ("nocomm", "xla", split): (1, reducers.Local),
-            ("weave", "local", split): (2, reducers.LocalSharded),
-            ("weave", "ffi", split): (2, reducers.Overlap),
-            ("weave", "xla", split): (2, reducers.Sharded),
-            ("weave", "ffi-sync", split): (2, reducers.Sharded),
-            ("weave", "ffi", whole): (1, reducers.Sharded)}
+    want = {
+        ("baseline", "xla", split): (1, reducers.Psum),
+        ("nocomm", "xla", split): (1, reducers.Local),
+        ("weave", "local", split): (2, reducers.LocalSharded),
+        ("weave", "ffi", split): (2, reducers.Overlap),
+        ("weave", "xla", split): (2, reducers.Sharded),
+        ("weave", "ffi-sync", split): (2, reducers.Sharded),
+        ("weave", "ffi", whole): (1, reducers.Sharded),
+    }
     ctx = reducers.ReduceContext("tp", mesh, 1e-6)
     for (schedule, comm, batch), (halves, cls) in want.items():
         got_halves, factory = configure(schedule, comm, batch)
@@ -195,7 +215,7 @@ def test_comm_resolution_and_configuration(cpu_mesh, monkeypatch):
     assert configure("weave", "xla", split)[1](ctx).impl == "xla_rsag"
     with pytest.raises(ValueError, match="resolved"):
         configure("weave", "auto", split)
-    assert resolve_comm("auto", mesh, "tp", jnp.float32, split, hidden) == "xla"   # CPU
+    assert resolve_comm("auto", mesh, "tp", jnp.float32, split, hidden) == "xla"  # CPU
     with pytest.raises(RuntimeError, match="comm='ffi-sync' is unavailable"):
         resolve_comm("ffi-sync", mesh, "tp", jnp.float32, split, hidden)
     assert resolve_comm("local", mesh, "tp", jnp.float32, split, hidden) == "local"
@@ -209,10 +229,16 @@ def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
     config, mesh = get_config("tiny"), cpu_mesh(2)
     batch = plan_batch((5, 4), tp=2, split=False)
     dec = build_decoder(config, mesh, jnp.float32, rng)
-    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
-                         jnp.float32)
-    ffi, base = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.sync,
-                                               tuning=DEFAULT_ENTRY), dict(schedule="baseline")])
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
+    ffi, base = _run(
+        dec,
+        batch,
+        hidden,
+        [
+            dict(schedule="weave", comm="ffi", reducer=fake.sync, tuning=DEFAULT_ENTRY),
+            dict(schedule="baseline"),
+        ],
+    )
     np.testing.assert_allclose(np.asarray(ffi), np.asarray(base), rtol=1e-4, atol=1e-4)
     calls = 2 * config.num_layers
     assert fake.log == [("sync", 0, 8)] + [("sync", 0, 16)] * (calls - 1)
@@ -228,6 +254,7 @@ def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
 
 # ------------------------------------------------------- ordering by data, in the jaxpr ---
 
+
 def _sub_jaxprs(eqn):
     for value in eqn.params.values():
         for v in value if isinstance(value, (tuple, list)) else (value,):
@@ -238,8 +265,10 @@ def _sub_jaxprs(eqn):
 
 
 def _has_dot(jaxpr) -> bool:
-    return any(e.primitive.name == "dot_general" or any(_has_dot(j) for j in _sub_jaxprs(e))
-               for e in jaxpr.eqns)
+    return any(
+        e.primitive.name == "dot_general" or any(_has_dot(j) for j in _sub_jaxprs(e))
+        for e in jaxpr.eqns
+    )
 
 
 def _ffi_jaxpr(jaxpr):
@@ -260,7 +289,7 @@ def data_order_report(jaxpr, start_target, done_target):
     data, whatever the scheduler does)."""
     eqns = jaxpr.eqns
     producer = {}
-    anc = []   # bitset of ancestor equations
+    anc = []  # bitset of ancestor equations
     for i, e in enumerate(eqns):
         bits = 0
         for v in e.invars:
@@ -270,8 +299,9 @@ def data_order_report(jaxpr, start_target, done_target):
         anc.append(bits)
         for v in e.outvars:
             producer[v] = i
-    gemm = [e.primitive.name == "dot_general" or any(_has_dot(j) for j in _sub_jaxprs(e))
-            for e in eqns]
+    gemm = [
+        e.primitive.name == "dot_general" or any(_has_dot(j) for j in _sub_jaxprs(e)) for e in eqns
+    ]
     open_, pairs = {}, []
     for i, e in enumerate(eqns):
         if e.primitive.name != "ffi_call":
@@ -282,8 +312,11 @@ def data_order_report(jaxpr, start_target, done_target):
             open_[slot] = i
         elif e.params["target_name"] == done_target:
             s = open_.pop(slot)
-            between = [eqns[g].outvars[0].aval.shape for g in range(s + 1, i)
-                       if gemm[g] and anc[g] >> s & 1 and anc[i] >> g & 1]
+            between = [
+                eqns[g].outvars[0].aval.shape
+                for g in range(s + 1, i)
+                if gemm[g] and anc[g] >> s & 1 and anc[i] >> g & 1
+            ]
             pairs.append((slot, eqns[s].outvars[0].aval.shape[0], between))
     assert not open_
     return pairs
@@ -308,22 +341,29 @@ def test_ordering_by_data_in_jaxpr(cpu_mesh, rng, monkeypatch):
         return nnx.merge(graphdef, state)(hidden, batch, schedule="weave", comm="ffi")
 
     inner = _ffi_jaxpr(jax.make_jaxpr(f)(state, hidden).jaxpr)
-    pairs = data_order_report(inner, _ffi.TARGETS["allreduce_rmsnorm_start"],
-                              _ffi.TARGETS["allreduce_rmsnorm_done"])
+    pairs = data_order_report(
+        inner, _ffi.TARGETS["allreduce_rmsnorm_start"], _ffi.TARGETS["allreduce_rmsnorm_done"]
+    )
     assert len(pairs) == 4 * config.num_layers
     for slot, rows, between in pairs[:-1]:
         assert rows == lens[slot]
         assert between, pairs
         assert any(shape[0] == lens[1 - slot] for shape in between), (slot, between)
-    assert pairs[-1][0] == 1 and not pairs[-1][2]   # the last kernel has nothing to hide behind
+    assert pairs[-1][0] == 1 and not pairs[-1][2]  # the last kernel has nothing to hide behind
     targets = [e.params["target_name"] for e in inner.eqns if e.primitive.name == "ffi_call"]
     assert _ffi.TARGETS["allreduce_rmsnorm"] not in targets
 
 
 # ------------------------------------------------------------------------------------ GPU ---
 
-GPU_CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_heads=8, num_kv_heads=4,
-                  head_dim=128, num_layers=2)
+GPU_CONFIG = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=128,
+    num_layers=2,
+)
 
 
 @pytest.mark.gpu
@@ -334,11 +374,18 @@ def test_gpu_weave_ffi_matches_baseline(ffi_mesh2, rng):
     batch = plan_batch((300, 500, 212), tp=2, split=True, offset=-80)
     assert batch.half_lengths == (432, 580) and batch.cut_request == 1
     dec = build_decoder(config, mesh, jnp.bfloat16, rng)
-    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)),
-                         jnp.bfloat16)
-    ffi, xla, base = _run(dec, batch, hidden, [
-        dict(schedule="weave", comm="ffi", tuning=TuneEntry(None, 16, 8)),
-        dict(schedule="weave", comm="xla"), dict(schedule="baseline")], jit_opts=False)
+    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.bfloat16)
+    ffi, xla, base = _run(
+        dec,
+        batch,
+        hidden,
+        [
+            dict(schedule="weave", comm="ffi", tuning=TuneEntry(None, 16, 8)),
+            dict(schedule="weave", comm="xla"),
+            dict(schedule="baseline"),
+        ],
+        jit_opts=False,
+    )
     assert np.isfinite(np.asarray(ffi, np.float32)).all()
     assert rel_err(ffi, base) < 2e-2
     assert rel_err(ffi, xla) < 2e-2

@@ -19,8 +19,11 @@ from jax_tokenweave.params import named_params
 def build_decoder(config, mesh, dtype, rng: np.random.Generator) -> WeaveDecoder:
     """A decoder with random weights, norm weights randomised too (so a swapped norm shows)."""
     dec = WeaveDecoder(config, mesh, dtype=dtype, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
-    norms = {name: 1 + 0.2 * rng.standard_normal(p[...].shape)
-             for name, p in named_params(dec).items() if name.endswith(("norm", "layernorm"))}
+    norms = {
+        name: 1 + 0.2 * rng.standard_normal(p[...].shape)
+        for name, p in named_params(dec).items()
+        if name.endswith(("norm", "layernorm"))
+    }
     dec.load_weights(norms, strict=False)
     return dec
 
@@ -58,8 +61,7 @@ class FakeKernel:
         n = jax.lax.axis_size(axis_name)
         return ops._xla_rsag(partial, residual, weight, axis_name, n, eps)
 
-    def start(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None,
-              slot=0):
+    def start(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None, slot=0):
         self.log.append(("start", slot, num_ctas))
         normed, res = self._math(partial, residual, weight, axis_name, eps)
         return _ffi.Pending(normed, res, partial, residual, weight.astype(jnp.float32))
@@ -81,8 +83,11 @@ class FakeKernel:
         assert not inflight, self.log
 
 
-CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-                  "jax_enable_compilation_cache")
+CACHE_SETTINGS = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_enable_compilation_cache",
+)
 
 
 def fresh_process_jax_cache(monkeypatch) -> Iterator[None]:

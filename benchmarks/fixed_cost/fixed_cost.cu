@@ -15,8 +15,8 @@
 #include <cstdlib>
 #include <vector>
 
-#include "../../ffi/oneshot.cu"
 #include "../../ffi/local_rows.cu"
+#include "../../ffi/oneshot.cu"
 #include "../../ffi/oneshot_rows.cu"
 
 namespace {
@@ -25,20 +25,25 @@ using tokenweave::KernelParams;
 using tokenweave::kThreads;
 using Bf = __nv_bfloat16;
 
-#define CHECK(expr)                                                                          \
-  do {                                                                                       \
-    cudaError_t e_ = (expr);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
+#define CHECK(expr)                                                                              \
+  do {                                                                                           \
+    cudaError_t e_ = (expr);                                                                     \
+    if (e_ != cudaSuccess) {                                                                     \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
+      std::exit(1);                                                                              \
+    }                                                                                            \
   } while (0)
 
 constexpr int kH = 8192, kLaunches = 200, kReplays = 21;
 
 struct Small {  // what a compiler-generated fusion passes
-  const Bf* partial; const Bf* residual; const float* weight; Bf* normed; Bf* residual_out;
-  int tokens; float eps;
+  const Bf* partial;
+  const Bf* residual;
+  const float* weight;
+  Bf* normed;
+  Bf* residual_out;
+  int tokens;
+  float eps;
 };
 
 // One row per block: sum = partial + residual (rounded to bf16), residual_out = sum,
@@ -75,7 +80,8 @@ __device__ __forceinline__ void Row(const Bf* partial, const Bf* residual, const
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
     const uint4 r = tokenweave::PackRound<Bf>(acc[u]);
-    tokenweave::St(residual_out + static_cast<int64_t>(row) * kH + (threadIdx.x + u * kThreads) * 8, r);
+    tokenweave::St(residual_out + static_cast<int64_t>(row) * kH + (threadIdx.x + u * kThreads) * 8,
+                   r);
 #pragma unroll
     for (int i = 0; i < 8; ++i) ss += acc[u][i] * acc[u][i];
   }
@@ -107,23 +113,25 @@ __global__ void __launch_bounds__(kThreads) Minimal(Small s) {
 
 __global__ void __launch_bounds__(kThreads) BigParams(const __grid_constant__ KernelParams p) {
   if (blockIdx.x < p.tokens)
-    Row<false>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual), static_cast<const float*>(p.weight),
-               static_cast<Bf*>(p.normed), static_cast<Bf*>(p.residual_out), blockIdx.x, p.eps, 0);
+    Row<false>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual),
+               static_cast<const float*>(p.weight), static_cast<Bf*>(p.normed),
+               static_cast<Bf*>(p.residual_out), blockIdx.x, p.eps, 0);
 }
 
 __global__ void __launch_bounds__(kThreads) WithCallState(const __grid_constant__ KernelParams p) {
   const tokenweave::CallState c = tokenweave::BeginCall(p);
   if (c.abort) return;
   if (blockIdx.x < p.tokens)
-    Row<false>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual), static_cast<const float*>(p.weight),
-               static_cast<Bf*>(p.normed), static_cast<Bf*>(p.residual_out), blockIdx.x, p.eps, 0);
+    Row<false>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual),
+               static_cast<const float*>(p.weight), static_cast<Bf*>(p.normed),
+               static_cast<Bf*>(p.residual_out), blockIdx.x, p.eps, 0);
 }
 
 __global__ void __launch_bounds__(kThreads) WithStack(const __grid_constant__ KernelParams p) {
   if (blockIdx.x < p.tokens)
-    Row<true>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual), static_cast<const float*>(p.weight),
-              static_cast<Bf*>(p.normed), static_cast<Bf*>(p.residual_out), blockIdx.x, p.eps,
-              p.slot);
+    Row<true>(static_cast<const Bf*>(p.partial), static_cast<const Bf*>(p.residual),
+              static_cast<const float*>(p.weight), static_cast<Bf*>(p.normed),
+              static_cast<Bf*>(p.residual_out), blockIdx.x, p.eps, p.slot);
 }
 
 template <typename Launch>
@@ -185,8 +193,11 @@ int main() {
   CHECK(cudaMemcpy(weight, hw.data(), kH * sizeof(float), cudaMemcpyHostToDevice));
 
   KernelParams p{};
-  p.partial = partial; p.residual = residual; p.weight = weight;
-  p.normed = normed; p.residual_out = residual_out;
+  p.partial = partial;
+  p.residual = residual;
+  p.weight = weight;
+  p.normed = normed;
+  p.residual_out = residual_out;
   p.ctl[0] = static_cast<tokenweave::SlotControl*>(Alloc(sizeof(tokenweave::SlotControl)));
   p.rank_ctl[0] = static_cast<tokenweave::RankControl*>(Alloc(sizeof(tokenweave::RankControl)));
   p.oneshot[0] = static_cast<char*>(Alloc(3 * 256));
@@ -195,17 +206,31 @@ int main() {
   CHECK(cudaHostAlloc(reinterpret_cast<void**>(&p.err), sizeof(tokenweave::ErrorRecord),
                       cudaHostAllocMapped));
   p.oneshot_bytes = 256;
-  p.rank = 0; p.nranks = 1; p.hidden = kH; p.eps = 1e-5f; p.timeout_ns = 1000000000ull;
+  p.rank = 0;
+  p.nranks = 1;
+  p.hidden = kH;
+  p.eps = 1e-5f;
+  p.timeout_ns = 1000000000ull;
 
   std::printf("| variant | T | CTAs | us per launch | minus empty |\n|---|---|---|---|---|\n");
   const double empty = UsPerLaunch([&](cudaStream_t s) { Empty<<<1, 32, 0, s>>>(); }, stream);
   std::printf("| empty kernel | - | 1 | %.2f | 0 |\n", empty);
   for (int t : {1, 16, 64, 256}) {
-    p.tokens = t; p.rows = t;
-    const Small small{static_cast<const Bf*>(partial), static_cast<const Bf*>(residual), weight,
-                      static_cast<Bf*>(normed), static_cast<Bf*>(residual_out), t, 1e-5f};
+    p.tokens = t;
+    p.rows = t;
+    const Small small{static_cast<const Bf*>(partial),
+                      static_cast<const Bf*>(residual),
+                      weight,
+                      static_cast<Bf*>(normed),
+                      static_cast<Bf*>(residual_out),
+                      t,
+                      1e-5f};
     const int ctas = t < 16 ? 16 : t;
-    struct V { const char* name; int ctas; double us; };
+    struct V {
+      const char* name;
+      int ctas;
+      double us;
+    };
     std::vector<V> rows;
     auto run = [&](const char* name, int grid, auto launch) {
       rows.push_back({name, grid, UsPerLaunch(launch, stream)});
@@ -227,9 +252,8 @@ int main() {
     run("N = 1 kernel, 256 threads x 4 vectors", t, [&](cudaStream_t s) {
       tokenweave::LocalRowsKernel<Bf, 256, 4, false><<<t, 256, 0, s>>>(p);
     });
-    run("decode one-shot kernel (a row per block)", ctas, [&](cudaStream_t s) {
-      tokenweave::OneShotRowsKernel<Bf, 2><<<ctas, kThreads, 0, s>>>(p);
-    });
+    run("decode one-shot kernel (a row per block)", ctas,
+        [&](cudaStream_t s) { tokenweave::OneShotRowsKernel<Bf, 2><<<ctas, kThreads, 0, s>>>(p); });
     run("general one-shot kernel, 512-thread rows", ctas, [&](cudaStream_t s) {
       tokenweave::OneShotKernel<Bf, 2, kThreads><<<ctas, kThreads, 0, s>>>(p);
     });

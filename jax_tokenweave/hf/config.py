@@ -75,8 +75,9 @@ def load_hf_config(path: str) -> HFModelInfo:
         bos_token_id=_optional_id(*pick("bos_token_id"), "bos_token_id"),
         pad_token_id=_optional_id(*pick("pad_token_id"), "pad_token_id"),
         torch_dtype=torch_dtype if isinstance(torch_dtype, str) else None,
-        max_position_embeddings=_optional_id(raw.get("max_position_embeddings"), config_path,
-                                             "max_position_embeddings"),
+        max_position_embeddings=_optional_id(
+            raw.get("max_position_embeddings"), config_path, "max_position_embeddings"
+        ),
     )
 
 
@@ -106,8 +107,11 @@ def _number(raw: Mapping[str, Any], key: str, kind: type, default: Any = None) -
         if default is None:
             raise UnsupportedConfigError(f"config lacks required key {key!r}")
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or \
-            (kind is int and value != int(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (kind is int and value != int(value))
+    ):
         raise UnsupportedConfigError(f"{key} must be {kind.__name__}, got {value!r}")
     return kind(value)
 
@@ -125,7 +129,8 @@ def decoder_config_from_hf(raw: Mapping[str, Any]) -> DecoderConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedConfigError(
-            f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+            f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+        )
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -133,15 +138,15 @@ def decoder_config_from_hf(raw: Mapping[str, Any]) -> DecoderConfig:
         raise UnsupportedConfigError("mlp_bias=True is not supported")
     if model_type in ("llama", "mistral") and raw.get("attention_bias"):
         raise UnsupportedConfigError(
-            "attention_bias=True (a bias on q/k/v *and* o_proj) is not supported")
+            "attention_bias=True (a bias on q/k/v *and* o_proj) is not supported"
+        )
     _warn_sliding_window(raw, model_type)
 
     hidden = _number(raw, "hidden_size", int)
     heads = _number(raw, "num_attention_heads", int)
     theta, scaling = _rope(raw)
     num_experts = _number(raw, "num_local_experts", int) if model_type == "mixtral" else 0
-    extra = {"experts_per_token": _number(raw, "num_experts_per_tok", int)} if num_experts \
-        else {}
+    extra = {"experts_per_token": _number(raw, "num_experts_per_tok", int)} if num_experts else {}
     try:
         return DecoderConfig(
             hidden_size=hidden,
@@ -170,24 +175,32 @@ def _rope(raw: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     if not isinstance(params, Mapping) or not isinstance(scaling, Mapping):
         raise UnsupportedConfigError("rope_parameters / rope_scaling must be JSON objects")
     merged = {**scaling, **params}
-    theta = _number({"rope_theta": params.get("rope_theta", raw.get("rope_theta"))},
-                    "rope_theta", float, 10000.0)
+    theta = _number(
+        {"rope_theta": params.get("rope_theta", raw.get("rope_theta"))},
+        "rope_theta",
+        float,
+        10000.0,
+    )
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
         raise UnsupportedConfigError(
-            f"rope scaling type {rope_type!r} is not supported (only 'default' and 'llama3')")
-    for key in ("factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings"):
+            f"rope scaling type {rope_type!r} is not supported (only 'default' and 'llama3')"
+        )
+    for key in (
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ):
         if key not in merged:
             raise UnsupportedConfigError(f"llama3 rope scaling lacks key {key!r}")
     return theta, RopeScaling(
         factor=_number(merged, "factor", float),
         low_freq_factor=_number(merged, "low_freq_factor", float),
         high_freq_factor=_number(merged, "high_freq_factor", float),
-        original_max_position_embeddings=_number(merged, "original_max_position_embeddings",
-                                                 int),
+        original_max_position_embeddings=_number(merged, "original_max_position_embeddings", int),
     )
 
 
@@ -200,4 +213,6 @@ def _warn_sliding_window(raw: Mapping[str, Any], model_type: str) -> None:
     if active:
         warnings.warn(
             f"{model_type}: sliding_window={window} is ignored; full causal attention is used "
-            f"(identical for sequences no longer than the window)", stacklevel=3)
+            f"(identical for sequences no longer than the window)",
+            stacklevel=3,
+        )

@@ -32,28 +32,41 @@ def hf_sources(config: DecoderConfig) -> dict[str, Source]:
     MoE experts ``experts.{e}.w1/w3/w2`` are stacked into ``[E, ...]`` arrays.
     """
     h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
-    nq, nkv, v, e = config.num_heads * d, config.num_kv_heads * d, config.vocab_size, \
-        config.num_experts
-    out = {"embed": Source("model.embed_tokens.weight", (v, h)),
-           "decoder.final_norm": Source("model.norm.weight", (h,))}
+    nq, nkv, v, e = (
+        config.num_heads * d,
+        config.num_kv_heads * d,
+        config.vocab_size,
+        config.num_experts,
+    )
+    out = {
+        "embed": Source("model.embed_tokens.weight", (v, h)),
+        "decoder.final_norm": Source("model.norm.weight", (h,)),
+    }
     if not config.tie_word_embeddings:
         out["lm_head"] = Source("lm_head.weight", (v, h), transpose=True)
     for i in range(config.num_layers):
         hf_p, p = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = hf_p + "self_attn."
-        out.update({
-            p + "input_layernorm": Source(hf_p + "input_layernorm.weight", (h,)),
-            p + "post_attention_layernorm": Source(hf_p + "post_attention_layernorm.weight",
-                                                   (h,)),
-            p + "q_proj": Source(attn + "q_proj.weight", (nq, h), transpose=True),
-            p + "k_proj": Source(attn + "k_proj.weight", (nkv, h), transpose=True),
-            p + "v_proj": Source(attn + "v_proj.weight", (nkv, h), transpose=True),
-            p + "o_proj": Source(attn + "o_proj.weight", (h, nq), transpose=True),
-        })
+        out.update(
+            {
+                p + "input_layernorm": Source(hf_p + "input_layernorm.weight", (h,)),
+                p + "post_attention_layernorm": Source(
+                    hf_p + "post_attention_layernorm.weight", (h,)
+                ),
+                p + "q_proj": Source(attn + "q_proj.weight", (nq, h), transpose=True),
+                p + "k_proj": Source(attn + "k_proj.weight", (nkv, h), transpose=True),
+                p + "v_proj": Source(attn + "v_proj.weight", (nkv, h), transpose=True),
+                p + "o_proj": Source(attn + "o_proj.weight", (h, nq), transpose=True),
+            }
+        )
         if config.qkv_bias:
-            out.update({p + "q_bias": Source(attn + "q_proj.bias", (nq,)),
-                        p + "k_bias": Source(attn + "k_proj.bias", (nkv,)),
-                        p + "v_bias": Source(attn + "v_proj.bias", (nkv,))})
+            out.update(
+                {
+                    p + "q_bias": Source(attn + "q_proj.bias", (nq,)),
+                    p + "k_bias": Source(attn + "k_proj.bias", (nkv,)),
+                    p + "v_bias": Source(attn + "v_proj.bias", (nkv,)),
+                }
+            )
         if e:
             moe = hf_p + "block_sparse_moe."
 
@@ -61,16 +74,23 @@ def hf_sources(config: DecoderConfig) -> dict[str, Source]:
                 names = tuple(f"{moe}experts.{j}.{w}.weight" for j in range(e))
                 return Source(names, shape, transpose=True)
 
-            out.update({p + "moe.router": Source(moe + "gate.weight", (e, h), transpose=True),
-                        p + "moe.gate_proj": experts("w1", (f, h)),
-                        p + "moe.up_proj": experts("w3", (f, h)),
-                        p + "moe.down_proj": experts("w2", (h, f))})
+            out.update(
+                {
+                    p + "moe.router": Source(moe + "gate.weight", (e, h), transpose=True),
+                    p + "moe.gate_proj": experts("w1", (f, h)),
+                    p + "moe.up_proj": experts("w3", (f, h)),
+                    p + "moe.down_proj": experts("w2", (h, f)),
+                }
+            )
         else:
             mlp = hf_p + "mlp."
-            out.update({p + "gate_proj": Source(mlp + "gate_proj.weight", (f, h), transpose=True),
-                        p + "up_proj": Source(mlp + "up_proj.weight", (f, h), transpose=True),
-                        p + "down_proj": Source(mlp + "down_proj.weight", (h, f),
-                                                transpose=True)})
+            out.update(
+                {
+                    p + "gate_proj": Source(mlp + "gate_proj.weight", (f, h), transpose=True),
+                    p + "up_proj": Source(mlp + "up_proj.weight", (f, h), transpose=True),
+                    p + "down_proj": Source(mlp + "down_proj.weight", (h, f), transpose=True),
+                }
+            )
     return out
 
 
@@ -84,8 +104,9 @@ def fused_sources(sources: Mapping[str, Source], tp: int) -> dict[str, Source | 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def check_checkpoint(ckpt: SafetensorsCheckpoint, sources: Mapping[str, Source],
-                     config: DecoderConfig) -> None:
+def check_checkpoint(
+    ckpt: SafetensorsCheckpoint, sources: Mapping[str, Source], config: DecoderConfig
+) -> None:
     """Check every source exists with its shape (one error listing all problems); warn about
     checkpoint tensors the model does not use (a tied ``lm_head.weight`` is silently unused)."""
     missing, wrong = [], []
@@ -101,15 +122,24 @@ def check_checkpoint(ckpt: SafetensorsCheckpoint, sources: Mapping[str, Source],
     if missing:
         problems.append(f"missing tensors: {few(missing)}")
     if wrong:
-        problems.append(f"tensors of the wrong shape (the config implies the expected one): "
-                        f"{few(wrong)}")
+        problems.append(
+            f"tensors of the wrong shape (the config implies the expected one): {few(wrong)}"
+        )
     if problems:
         raise CheckpointError(f"{ckpt.path}: " + "; ".join(problems))
-    unused = [n for n in ckpt.tensors if n not in used and not n.endswith(_IGNORED_SUFFIXES)
-              and not (config.tie_word_embeddings and n == "lm_head.weight")]
+    unused = [
+        n
+        for n in ckpt.tensors
+        if n not in used
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_word_embeddings and n == "lm_head.weight")
+    ]
     if unused:
-        warnings.warn(f"{ckpt.path}: {len(unused)} checkpoint tensors are not used by the "
-                      f"model: {few(unused)}", stacklevel=3)
+        warnings.warn(
+            f"{ckpt.path}: {len(unused)} checkpoint tensors are not used by the "
+            f"model: {few(unused)}",
+            stacklevel=3,
+        )
 
 
 def float_dtype(dtype: Any) -> jnp.dtype:
@@ -121,13 +151,15 @@ def float_dtype(dtype: Any) -> jnp.dtype:
     except TypeError as e:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype!r}") from e
     if not jnp.issubdtype(dt, jnp.floating):
-        raise ValueError(f"dtype must be a floating-point dtype (bfloat16, float16, float32), "
-                         f"got {dt}")
+        raise ValueError(
+            f"dtype must be a floating-point dtype (bfloat16, float16, float32), got {dt}"
+        )
     return dt
 
 
-def load_pretrained(model_cls: type, path: str, mesh: Mesh, dtype: Any = None, *,
-                    axis_name: str = "tp") -> Any:
+def load_pretrained(
+    model_cls: type, path: str, mesh: Mesh, dtype: Any = None, *, axis_name: str = "tp"
+) -> Any:
     """``model_cls(config, mesh, axis_name=, dtype=, rngs=)`` with its weights read from a Hugging
     Face checkpoint directory ``path`` (``config.json`` + safetensors files).
 
@@ -141,20 +173,24 @@ def load_pretrained(model_cls: type, path: str, mesh: Mesh, dtype: Any = None, *
     info = load_hf_config(path)
     ckpt = SafetensorsCheckpoint(path)
     check_checkpoint(ckpt, hf_sources(info.config), info.config)
-    model = nnx.eval_shape(lambda: model_cls(info.config, mesh, axis_name=axis_name,
-                                             dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(
+        lambda: model_cls(info.config, mesh, axis_name=axis_name, dtype=dtype, rngs=nnx.Rngs(0))
+    )
     sources = fused_sources(hf_sources(info.config), mesh.shape[axis_name])
     params = named_params(model)
     if set(params) != set(sources):
         raise CheckpointError(
             f"internal: parameter names {sorted(set(params) ^ set(sources))} do not match "
-            f"between {model_cls.__name__} and the Hugging Face mapping")
+            f"between {model_cls.__name__} and the Hugging Face mapping"
+        )
     for name, param in params.items():
         abstract = param.get_value()
         src = sources[name]
         if tuple(abstract.shape) != src.target_shape():
-            raise CheckpointError(f"internal: {name} has shape {abstract.shape}, the checkpoint "
-                                  f"mapping gives {src.target_shape()}")
+            raise CheckpointError(
+                f"internal: {name} has shape {abstract.shape}, the checkpoint "
+                f"mapping gives {src.target_shape()}"
+            )
         param.set_value(load_sharded(ckpt, src, mesh, param_spec(param), abstract.dtype))
     model.hf_info = info
     return model

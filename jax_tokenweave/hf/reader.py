@@ -48,7 +48,8 @@ def _open(path: str) -> Any:
         return safetensors.safe_open(path, framework="numpy")
     except (safetensors.SafetensorError, OSError) as e:
         raise CheckpointError(
-            f"{path}: not a readable safetensors file (truncated or corrupt): {e}") from e
+            f"{path}: not a readable safetensors file (truncated or corrupt): {e}"
+        ) from e
 
 
 class SafetensorsCheckpoint:
@@ -63,15 +64,18 @@ class SafetensorsCheckpoint:
         if os.path.isfile(index_path):
             weight_map = read_json(index_path).get("weight_map")
             if not isinstance(weight_map, dict) or not all(
-                    isinstance(f, str) and f == os.path.basename(f) for f in weight_map.values()):
+                isinstance(f, str) and f == os.path.basename(f) for f in weight_map.values()
+            ):
                 raise CheckpointError(
-                    f"{index_path} needs a 'weight_map' of tensor name -> file name in {path}")
+                    f"{index_path} needs a 'weight_map' of tensor name -> file name in {path}"
+                )
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
             weight_map, files = None, [SINGLE_FILE]
         else:
             raise CheckpointError(
-                f"{path}: no safetensors weights ({INDEX_FILE} or {SINGLE_FILE}) found")
+                f"{path}: no safetensors weights ({INDEX_FILE} or {SINGLE_FILE}) found"
+            )
         self.tensors: dict[str, TensorInfo] = {}
         self._handles: dict[str, Any] = {}
         for name in files:
@@ -81,15 +85,20 @@ class SafetensorsCheckpoint:
             handle = self._handles[file] = _open(file)
             for key in handle.keys():  # noqa: SIM118 (a safe_open handle is no dict)
                 block = handle.get_slice(key)
-                self.tensors[key] = TensorInfo(file, block.get_dtype(),
-                                               tuple(int(d) for d in block.get_shape()))
+                self.tensors[key] = TensorInfo(
+                    file, block.get_dtype(), tuple(int(d) for d in block.get_shape())
+                )
         if weight_map is not None:
-            absent = [k for k, f in weight_map.items()
-                      if k not in self.tensors or os.path.basename(self.tensors[k].file) != f]
+            absent = [
+                k
+                for k, f in weight_map.items()
+                if k not in self.tensors or os.path.basename(self.tensors[k].file) != f
+            ]
             if absent:
                 raise CheckpointError(
                     f"{path}: tensors listed in {INDEX_FILE} are missing from their files: "
-                    f"{few(absent)}")
+                    f"{few(absent)}"
+                )
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -107,8 +116,9 @@ class SafetensorsCheckpoint:
         try:
             return np.asarray(self._handles[info.file].get_slice(name)[index])
         except (safetensors.SafetensorError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{info.file}: cannot read tensor {name!r} "
-                                  f"({info.dtype} {list(info.shape)}): {e}") from e
+            raise CheckpointError(
+                f"{info.file}: cannot read tensor {name!r} ({info.dtype} {list(info.shape)}): {e}"
+            ) from e
 
 
 def few(names: Sequence[str], n: int = 5) -> str:
@@ -175,11 +185,13 @@ def check_source(ckpt: SafetensorsCheckpoint, src: Source | Fused) -> None:
         got = ckpt.info(n).shape
         if got != src.shape:
             raise CheckpointError(
-                f"{ckpt.path}: tensor {n!r} has shape {got}, the config implies {src.shape}")
+                f"{ckpt.path}: tensor {n!r} has shape {got}, the config implies {src.shape}"
+            )
 
 
-def _read_target_slice(ckpt: SafetensorsCheckpoint, src: Source | Fused,
-                       index: tuple[slice, ...]) -> np.ndarray:
+def _read_target_slice(
+    ckpt: SafetensorsCheckpoint, src: Source | Fused, index: tuple[slice, ...]
+) -> np.ndarray:
     """The block ``target[index]`` of the target array described by ``src``."""
     index = tuple(index) + (slice(None),) * (len(src.target_shape()) - len(index))
     if isinstance(src, Fused):
@@ -189,21 +201,29 @@ def _read_target_slice(ckpt: SafetensorsCheckpoint, src: Source | Fused,
             a, b = max(lo, seg.fused_start), min(hi, seg.fused_start + seg.length)
             if a < b:
                 start = seg.part_start + a - seg.fused_start
-                blocks.append(_read_target_slice(ckpt, src.parts[seg.part],
-                                                 (*index[:-1], slice(start, start + b - a))))
+                blocks.append(
+                    _read_target_slice(
+                        ckpt, src.parts[seg.part], (*index[:-1], slice(start, start + b - a))
+                    )
+                )
         return np.concatenate(blocks, axis=-1)
     if src.stacked:
         picks = range(len(src.names))[index[0]]
-        return np.stack([_read_target_slice(ckpt, Source(src.names[i], src.shape, src.transpose),
-                                            index[1:]) for i in picks])
+        return np.stack(
+            [
+                _read_target_slice(ckpt, Source(src.names[i], src.shape, src.transpose), index[1:])
+                for i in picks
+            ]
+        )
     if src.transpose:
         stored = (*index[:-2], index[-1], index[-2])
         return np.swapaxes(ckpt.read(src.names, stored), -1, -2)
     return ckpt.read(src.names, index)
 
 
-def load_sharded(ckpt: SafetensorsCheckpoint, src: Source | Fused, mesh: Mesh, spec: PartitionSpec,
-                 dtype: Any) -> jax.Array:
+def load_sharded(
+    ckpt: SafetensorsCheckpoint, src: Source | Fused, mesh: Mesh, spec: PartitionSpec, dtype: Any
+) -> jax.Array:
     """A ``jax.Array`` of ``src.target_shape()`` sharded as ``NamedSharding(mesh, spec)``.
 
     Each addressable device's callback reads only its own block from the file (devices with the
@@ -216,7 +236,8 @@ def load_sharded(ckpt: SafetensorsCheckpoint, src: Source | Fused, mesh: Mesh, s
         key = tuple((s.start, s.stop, s.step) for s in index)
         if key not in cache:
             cache[key] = np.ascontiguousarray(
-                _read_target_slice(ckpt, src, index).astype(dtype, copy=False))
+                _read_target_slice(ckpt, src, index).astype(dtype, copy=False)
+            )
         return cache[key]
 
     return jax.make_array_from_callback(src.target_shape(), NamedSharding(mesh, spec), callback)

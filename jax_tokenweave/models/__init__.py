@@ -12,5 +12,14 @@ from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.models.mixtral import MixtralModel
 from jax_tokenweave.models.qwen2 import Qwen2Model
 
-__all__ = ["CONFIGS", "MODEL_CLASSES", "LlamaModel", "MixtralModel", "Qwen2Model",
-           "config_names", "from_pretrained", "get_config", "register_model"]
+__all__ = [
+    "CONFIGS",
+    "MODEL_CLASSES",
+    "LlamaModel",
+    "MixtralModel",
+    "Qwen2Model",
+    "config_names",
+    "from_pretrained",
+    "get_config",
+    "register_model",
+]

@@ -38,12 +38,14 @@ def model_class(model_type: str) -> type[LlamaModel]:
     """The class registered for ``model_type``; ``UnsupportedConfigError`` where there is none."""
     if model_type not in MODEL_CLASSES:
         raise UnsupportedConfigError(
-            f"model_type {model_type!r} is not supported; supported: {sorted(MODEL_CLASSES)}")
+            f"model_type {model_type!r} is not supported; supported: {sorted(MODEL_CLASSES)}"
+        )
     return MODEL_CLASSES[model_type]
 
 
-def from_pretrained(path: str, mesh: Mesh, dtype: Any = None, *,
-                    axis_name: str = "tp") -> LlamaModel:
+def from_pretrained(
+    path: str, mesh: Mesh, dtype: Any = None, *, axis_name: str = "tp"
+) -> LlamaModel:
     """Load a Hugging Face Llama / Mistral / Qwen2 / Mixtral checkpoint directory with the class
     its ``config.json``'s ``model_type`` is registered to (see ``LlamaModel.from_pretrained``).
 
@@ -52,4 +54,3 @@ def from_pretrained(path: str, mesh: Mesh, dtype: Any = None, *,
     """
     info = load_hf_config(path)
     return model_class(info.model_type).from_pretrained(path, mesh, dtype, axis_name=axis_name)
-

@@ -42,15 +42,24 @@ from jax_tokenweave.split import BatchPlan
 class LlamaModel(nnx.Module):
     """Embedding, TP decoder stack and LM head over the mesh axis ``axis_name`` (size N)."""
 
-    def __init__(self, config: DecoderConfig, mesh: Mesh, *, axis_name: str = "tp",
-                 dtype: jnp.dtype = jnp.bfloat16, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        mesh: Mesh,
+        *,
+        axis_name: str = "tp",
+        dtype: jnp.dtype = jnp.bfloat16,
+        rngs: nnx.Rngs,
+    ) -> None:
         if axis_name not in mesh.axis_names:
             raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
         tp = mesh.shape[axis_name]
         config.check_tensor_parallel(tp)
         if config.vocab_size % tp:
-            raise ValueError(f"vocab_size={config.vocab_size} is not divisible by the "
-                             f"tensor-parallel degree {tp} (the embedding is vocab-sharded)")
+            raise ValueError(
+                f"vocab_size={config.vocab_size} is not divisible by the "
+                f"tensor-parallel degree {tp} (the embedding is vocab-sharded)"
+            )
         self.config = config
         self.mesh = mesh
         self.axis_name = axis_name
@@ -58,12 +67,12 @@ class LlamaModel(nnx.Module):
         self.embed = make_param(rngs, (v, h), dtype, mesh, P(axis_name, None), 1.0)
         self.decoder = WeaveDecoder(config, mesh, axis_name=axis_name, dtype=dtype, rngs=rngs)
         if not config.tie_word_embeddings:
-            self.lm_head = make_param(rngs, (h, v), dtype, mesh, P(None, axis_name),
-                                      1 / np.sqrt(h))
+            self.lm_head = make_param(rngs, (h, v), dtype, mesh, P(None, axis_name), 1 / np.sqrt(h))
 
     @classmethod
-    def from_pretrained(cls, path: str, mesh: Mesh, dtype: Any = None, *,
-                        axis_name: str = "tp") -> Any:
+    def from_pretrained(
+        cls, path: str, mesh: Mesh, dtype: Any = None, *, axis_name: str = "tp"
+    ) -> Any:
         """This class with the weights of the Hugging Face checkpoint directory ``path``, each
         device reading only its shards (``jax_tokenweave.hf.loading.load_pretrained``; ``dtype``
         floating point, default bfloat16). ``jax_tokenweave.from_pretrained`` picks the class
@@ -84,8 +93,9 @@ class LlamaModel(nnx.Module):
             found = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)
             return jax.lax.psum(jnp.where(valid[:, None], found, 0).astype(table.dtype), axis)
 
-        return jax.shard_map(lookup, mesh=self.mesh, in_specs=(P(axis, None), P()),
-                             out_specs=P(), check_vma=False)(self.embed[...], tokens)
+        return jax.shard_map(
+            lookup, mesh=self.mesh, in_specs=(P(axis, None), P()), out_specs=P(), check_vma=False
+        )(self.embed[...], tokens)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final-normed hidden [T, H] replicated -> float32 logits [T, V] replicated."""
@@ -99,11 +109,19 @@ class LlamaModel(nnx.Module):
             local = jnp.einsum(pattern, h, w, preferred_element_type=jnp.float32)
             return jax.lax.all_gather(local, axis, axis=1, tiled=True)
 
-        return jax.shard_map(project, mesh=self.mesh, in_specs=(P(), spec), out_specs=P(),
-                             check_vma=False)(hidden, head)
+        return jax.shard_map(
+            project, mesh=self.mesh, in_specs=(P(), spec), out_specs=P(), check_vma=False
+        )(hidden, head)
 
-    def __call__(self, tokens: jax.Array, batch: BatchPlan, *, schedule: Schedule = "weave",
-                 comm: Comm = "auto", return_kv: bool = False) -> Any:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        batch: BatchPlan,
+        *,
+        schedule: Schedule = "weave",
+        comm: Comm = "auto",
+        return_kv: bool = False,
+    ) -> Any:
         """``tokens`` int [T] packed as ``batch`` -> float32 logits [T, V] replicated.
 
         With ``return_kv`` also the decoder's per-layer ``(k, v)`` (see ``WeaveDecoder``).
@@ -117,8 +135,9 @@ class LlamaModel(nnx.Module):
         if not isinstance(batch, BatchPlan):
             raise ValueError(f"batch must be a split.BatchPlan, got {type(batch)}")
         if shape[0] != batch.num_tokens:
-            raise ValueError(f"got {shape[0]} tokens but the batch's request lengths sum to "
-                             f"{batch.num_tokens}")
+            raise ValueError(
+                f"got {shape[0]} tokens but the batch's request lengths sum to {batch.num_tokens}"
+            )
         hidden = self.embed_tokens(tokens.astype(jnp.int32))
         out = self.decoder(hidden, batch, schedule=schedule, comm=comm, return_kv=return_kv)
         if return_kv:
@@ -128,4 +147,3 @@ class LlamaModel(nnx.Module):
     def numpy_weights(self) -> dict[str, np.ndarray]:
         """All weights as full NumPy arrays by name (gathers the shards)."""
         return numpy_weights(self)
-

@@ -29,5 +29,4 @@ def missing_dependencies() -> list[str]:
 
 
 if missing_dependencies():
-    raise ImportError(f"the HTTP server needs {', '.join(missing_dependencies())}: "
-                      f"{INSTALL_HINT}")
+    raise ImportError(f"the HTTP server needs {', '.join(missing_dependencies())}: {INSTALL_HINT}")

@@ -29,31 +29,60 @@ ENGINE_OPTIONS = tuple(bm.ENGINE_OPTIONS)
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=bm.HelpFormatter)
-    p.add_argument("model", nargs="?", help="checkpoint directory or Hugging Face model id in "
-                                            "the local cache")
-    p.add_argument("--random", metavar="NAME",
-                   help=f"serve this named config with random weights instead "
-                        f"({bm.config_names_help()})")
-    p.add_argument("--layers", type=bm.positive_int, help="--random: decoder layers to stack "
-                                                           "(default: the config's)")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=bm.HelpFormatter,
+    )
+    p.add_argument(
+        "model", nargs="?", help="checkpoint directory or Hugging Face model id in the local cache"
+    )
+    p.add_argument(
+        "--random",
+        metavar="NAME",
+        help=f"serve this named config with random weights instead ({bm.config_names_help()})",
+    )
+    p.add_argument(
+        "--layers",
+        type=bm.positive_int,
+        help="--random: decoder layers to stack (default: the config's)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=bm.nonnegative_int, default=8000, help="port to listen on")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: MODEL, "
-                                               "or the --random name)")
-    p.add_argument("--max-waiting", type=bm.positive_int, default=1024,
-                   help="requests waiting for admission at most; beyond: 429")
-    p.add_argument("--drain-timeout", type=bm.positive_float, default=30.0,
-                   help="seconds requests in flight may take to finish after SIGTERM")
-    p.add_argument("--max-logprobs", type=bm.nonnegative_int, default=20,
-                   help="top log-probabilities a request may ask for")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="do not compile every step program before listening")
-    p.add_argument("--log-level", default="warning",
-                   choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn's log level")
+    p.add_argument(
+        "--served-model-name",
+        help="the model's name in the API (default: MODEL, or the --random name)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=bm.positive_int,
+        default=1024,
+        help="requests waiting for admission at most; beyond: 429",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=bm.positive_float,
+        default=30.0,
+        help="seconds requests in flight may take to finish after SIGTERM",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=bm.nonnegative_int,
+        default=20,
+        help="top log-probabilities a request may ask for",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="do not compile every step program before listening",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level",
+    )
     cli.add_llm_options(p, ENGINE_OPTIONS)
     return p
 
@@ -74,8 +103,9 @@ def load(args: argparse.Namespace) -> Any:
 
     config = bm.load_config(args.random, args.layers)
     dtype = jnp.bfloat16 if kw["dtype"] == "auto" else kw["dtype"]
-    model = LlamaModel(config, make_mesh(None, args.tp), dtype=dtype,
-                       rngs=nnx.Rngs(args.engine_seed))
+    model = LlamaModel(
+        config, make_mesh(None, args.tp), dtype=dtype, rngs=nnx.Rngs(args.engine_seed)
+    )
     for key in ("tensor_parallel_size", "dtype"):
         kw.pop(key)
     return LLM(model, tokenizer=False, **kw)
@@ -84,10 +114,12 @@ def load(args: argparse.Namespace) -> Any:
 def describe(llm: Any, name: str, host: str, port: int) -> str:
     """The startup line."""
     cfg = llm.engine.config
-    return (f"jax-tokenweave: serving {name!r} (TP {llm.engine.tp}, "
-            f"{llm.engine.cache.k[0].dtype}, max_model_len {cfg.max_model_len}, "
-            f"{cfg.num_blocks} KV blocks of {cfg.block_size}, max_num_seqs {cfg.max_num_seqs}, "
-            f"{'text' if llm.tokenizer else 'token ids only'}) on http://{host}:{port}")
+    return (
+        f"jax-tokenweave: serving {name!r} (TP {llm.engine.tp}, "
+        f"{llm.engine.cache.k[0].dtype}, max_model_len {cfg.max_model_len}, "
+        f"{cfg.num_blocks} KV blocks of {cfg.block_size}, max_num_seqs {cfg.max_num_seqs}, "
+        f"{'text' if llm.tokenizer else 'token ids only'}) on http://{host}:{port}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,9 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = args.served_model_name or args.model or args.random
     from jax_tokenweave.serve.server import run
 
-    return run(llm, name, args.host, args.port, max_waiting=args.max_waiting,
-               drain_timeout=args.drain_timeout, log_level=args.log_level,
-               startup_line=lambda port: describe(llm, name, args.host, port))
+    return run(
+        llm,
+        name,
+        args.host,
+        args.port,
+        max_waiting=args.max_waiting,
+        drain_timeout=args.drain_timeout,
+        log_level=args.log_level,
+        startup_line=lambda port: describe(llm, name, args.host, port),
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ class SSEResponse(StreamingResponse):
             with contextlib.suppress(OSError):
                 await self.stream_response(send)
 
-        tasks = [asyncio.ensure_future(stream()),
-                 asyncio.ensure_future(self.listen_for_disconnect(receive))]
+        tasks = [
+            asyncio.ensure_future(stream()),
+            asyncio.ensure_future(self.listen_for_disconnect(receive)),
+        ]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -55,6 +57,7 @@ class SSEResponse(StreamingResponse):
 
 async def until_disconnect(raw: Request, work: Awaitable[Any]) -> Any:
     """``await work``, cancelled (raising :class:`ClientGone`) if the client disconnects."""
+
     async def disconnected() -> None:
         while (await raw.receive())["type"] != "http.disconnect":
             pass
@@ -114,7 +117,7 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
             return _error(400, f"invalid JSON: {err.get('msg')}")
-        param = loc[0] if loc else None            # the request's field (not a union branch)
+        param = loc[0] if loc else None  # the request's field (not a union branch)
         return _error(400, f"{'.'.join(loc) or 'body'}: {err.get('msg')}", param)
 
     @app.exception_handler(P.BadRequest)
@@ -148,8 +151,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models() -> P.ModelList:
         path = state.llm.model_path
-        return P.ModelList(data=[P.ModelCard(id=state.model_name, created=P.now(),
-                                             root=path, max_model_len=state.max_model_len)])
+        return P.ModelList(
+            data=[
+                P.ModelCard(
+                    id=state.model_name,
+                    created=P.now(),
+                    root=path,
+                    max_model_len=state.max_model_len,
+                )
+            ]
+        )
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: P.CompletionRequest, raw: Request) -> Any:
@@ -165,18 +176,24 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         ids = renderer.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         if max_tokens is None:
-            max_tokens = max(state.max_model_len - len(ids), 1)     # vLLM's default
+            max_tokens = max(state.max_model_len - len(ids), 1)  # vLLM's default
         if req.top_logprobs is not None and not req.logprobs:
             raise P.BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = P.sampling_params(req, max_tokens, logprobs)
-        return await _serve(raw, state, renderer, "chatcmpl", [(None, ids)], params, req,
-                            chat=True)
+        return await _serve(raw, state, renderer, "chatcmpl", [(None, ids)], params, req, chat=True)
 
 
-async def _serve(raw: Request, state: ServerState, renderer: Renderer, prefix: str,
-                 prompts: list[tuple[str | None, list[int]]], params: Any, req: Any,
-                 chat: bool) -> Any:
+async def _serve(
+    raw: Request,
+    state: ServerState,
+    renderer: Renderer,
+    prefix: str,
+    prompts: list[tuple[str | None, list[int]]],
+    params: Any,
+    req: Any,
+    chat: bool,
+) -> Any:
     for _, ids in prompts:
         renderer.check_fits(ids, params, "messages" if chat else "prompt")
     rid = P.new_id(prefix)
@@ -191,7 +208,8 @@ async def _serve(raw: Request, state: ServerState, renderer: Renderer, prefix: s
     if req.stream:
         return SSEResponse(renderer.stream(rid, handles, params, req, chat))
     collect: Callable[[Handle], Awaitable[Collected]] = lambda h: Collected.of(
-        state.engine.deltas(h), params.n)
+        state.engine.deltas(h), params.n
+    )
     tasks = [asyncio.ensure_future(collect(h)) for h in handles]
     try:
         results = await until_disconnect(raw, asyncio.gather(*tasks))

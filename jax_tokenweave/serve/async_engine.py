@@ -63,7 +63,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.accepting = True
-        self._handles: dict[str, Handle] = {}        # touched on the event loop only
+        self._handles: dict[str, Handle] = {}  # touched on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -95,17 +95,24 @@ class AsyncEngine:
         return len(self._handles)
 
     # -- requests (event loop) -----------------------------------------------------------
-    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-            prompt: str | None = None) -> Handle:
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> Handle:
         """Queue a request (``ValueError`` for a bad one, :class:`Overloaded` when full)."""
         if not self.accepting:
             raise Overloaded("the server is shutting down", 503)
         if self.engine.counts()[1] >= self.max_waiting:
-            raise Overloaded(f"too many requests waiting (max_waiting={self.max_waiting}); "
-                             f"retry later", 429)
+            raise Overloaded(
+                f"too many requests waiting (max_waiting={self.max_waiting}); retry later", 429
+            )
         handle = Handle(request_id, len(prompt_ids), asyncio.Queue(), time.perf_counter())
-        self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt,
-                                arrival_time=handle.arrival)
+        self.engine.add_request(
+            prompt_ids, params, request_id=request_id, prompt=prompt, arrival_time=handle.arrival
+        )
         self._handles[request_id] = handle
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         self._wake.set()
@@ -154,8 +161,7 @@ class AsyncEngine:
                 reasons = [d.finish_reason for d in deltas if d.finish_reason]
                 self.metrics.finished("error" if "error" in reasons else last.finish_reason)
                 if handle.generated > 1 and handle.first_token is not None:
-                    self.metrics.tpot.observe((now - handle.first_token) /
-                                              (handle.generated - 1))
+                    self.metrics.tpot.observe((now - handle.first_token) / (handle.generated - 1))
             handle.queue.put_nowait(deltas)
 
     def _fail_all(self, err: BaseException) -> None:
@@ -187,9 +193,9 @@ class AsyncEngine:
             for d in deltas:
                 grouped[d.request_id].append(d)
                 if d.request_finished:
-                    with contextlib.suppress(KeyError, ValueError):   # forgotten meanwhile
+                    with contextlib.suppress(KeyError, ValueError):  # forgotten meanwhile
                         engine.release(d.request_id)
             try:
                 loop.call_soon_threadsafe(self._deliver, dict(grouped))
-            except RuntimeError:        # the event loop closed: shutting down
+            except RuntimeError:  # the event loop closed: shutting down
                 return

@@ -31,30 +31,46 @@ class Metrics:
 
     def __init__(self, engine: Any) -> None:
         self.registry = reg = CollectorRegistry()
-        self.requests = Counter("tokenweave_requests", "Requests by how they ended",
-                                ["status"], registry=reg)
+        self.requests = Counter(
+            "tokenweave_requests", "Requests by how they ended", ["status"], registry=reg
+        )
         for status in STATUSES:
             self.requests.labels(status)
-        self.ttft = Histogram("tokenweave_time_to_first_token_seconds", "Time to first token",
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.tpot = Histogram("tokenweave_time_per_output_token_seconds",
-                              "Time per output token after the first", buckets=TPOT_BUCKETS,
-                              registry=reg)
-        self.prompt_tokens = Counter("tokenweave_prompt_tokens", "Prompt tokens admitted",
-                                     registry=reg)
-        self.generation_tokens = Counter("tokenweave_generation_tokens", "Tokens generated",
-                                         registry=reg)
-        Gauge("tokenweave_num_requests_running", "Requests running", registry=reg
-              ).set_function(lambda: engine.counts()[0])
-        Gauge("tokenweave_num_requests_waiting", "Requests waiting for admission", registry=reg
-              ).set_function(lambda: engine.counts()[1])
-        Gauge("tokenweave_kv_blocks_in_use", "KV cache blocks held by requests", registry=reg
-              ).set_function(lambda: engine.num_blocks_in_use)
-        Gauge("tokenweave_kv_blocks_total", "KV cache blocks", registry=reg
-              ).set_function(lambda: engine.config.num_blocks)
-        Gauge("tokenweave_generation_tokens_per_second",
-              f"Tokens generated per second over the last {RATE_WINDOW_S:g} s", registry=reg
-              ).set_function(self.tokens_per_second)
+        self.ttft = Histogram(
+            "tokenweave_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            "tokenweave_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=TPOT_BUCKETS,
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "tokenweave_prompt_tokens", "Prompt tokens admitted", registry=reg
+        )
+        self.generation_tokens = Counter(
+            "tokenweave_generation_tokens", "Tokens generated", registry=reg
+        )
+        Gauge("tokenweave_num_requests_running", "Requests running", registry=reg).set_function(
+            lambda: engine.counts()[0]
+        )
+        Gauge(
+            "tokenweave_num_requests_waiting", "Requests waiting for admission", registry=reg
+        ).set_function(lambda: engine.counts()[1])
+        Gauge(
+            "tokenweave_kv_blocks_in_use", "KV cache blocks held by requests", registry=reg
+        ).set_function(lambda: engine.num_blocks_in_use)
+        Gauge("tokenweave_kv_blocks_total", "KV cache blocks", registry=reg).set_function(
+            lambda: engine.config.num_blocks
+        )
+        Gauge(
+            "tokenweave_generation_tokens_per_second",
+            f"Tokens generated per second over the last {RATE_WINDOW_S:g} s",
+            registry=reg,
+        ).set_function(self.tokens_per_second)
         self._lock = threading.Lock()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 

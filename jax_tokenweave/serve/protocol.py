@@ -203,15 +203,17 @@ def now() -> int:
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
     """The request's ``SamplingParams`` (``max_tokens`` resolved by the caller);
     :class:`BadRequest` naming the field for a value out of range."""
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise BadRequest(f"{name} is not supported (only 0)", name)
-    kwargs: dict[str, Any] = dict(n=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
-                                  logprobs=logprobs)
+    kwargs: dict[str, Any] = dict(
+        n=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs
+    )
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
@@ -227,7 +229,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error object for ``status``."""
-    kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-            503: "service_unavailable"}.get(status, "server_error")
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param,
-                                         code=status)).model_dump()
+    kind = {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }.get(status, "server_error")
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=kind, param=param, code=status)
+    ).model_dump()

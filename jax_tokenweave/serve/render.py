@@ -22,8 +22,13 @@ from jax_tokenweave.serve import protocol as P
 from jax_tokenweave.serving import SamplingParams, StreamDelta, TokenLogprob
 
 # ``LLMEngine.check_request``'s messages -> the request field at fault (else the prompt)
-_CHECK_FIELDS = (("logprobs=", "logprobs"), (": n=", "n"), ("stop strings", "stop"),
-                 ("KV cache blocks", "max_tokens"), ("max_tokens", "max_tokens"))
+_CHECK_FIELDS = (
+    ("logprobs=", "logprobs"),
+    (": n=", "n"),
+    ("stop strings", "stop"),
+    ("KV cache blocks", "max_tokens"),
+    ("max_tokens", "max_tokens"),
+)
 
 
 @dataclasses.dataclass
@@ -66,8 +71,10 @@ class Renderer:
     # -- requests ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.state.model_name:
-            raise P.BadRequest(f"model {model!r} does not exist; this server serves "
-                               f"{self.state.model_name!r}", "model")
+            raise P.BadRequest(
+                f"model {model!r} does not exist; this server serves {self.state.model_name!r}",
+                "model",
+            )
 
     def completion_prompts(self, req: P.CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """``(text, token ids)`` of each prompt of ``req``."""
@@ -97,26 +104,32 @@ class Renderer:
         for m in req.messages:
             content = m.content
             if isinstance(content, list):
-                content = "".join(part.get("text", "") for part in content
-                                  if part.get("type") == "text")
+                content = "".join(
+                    part.get("text", "") for part in content if part.get("type") == "text"
+                )
             messages.append({"role": m.role, "content": content or ""})
         try:
             return self.state.llm.chat_prompt(messages)
         except ValueError as err:
             raise P.BadRequest(str(err), "messages") from None
-        except Exception as err:      # the template refused the conversation
-            raise P.BadRequest(f"messages: the chat template failed: {err}",
-                               "messages") from None
+        except Exception as err:  # the template refused the conversation
+            raise P.BadRequest(f"messages: the chat template failed: {err}", "messages") from None
 
     def check_fits(self, ids: Sequence[int], params: SamplingParams, what: str) -> None:
         """:class:`BadRequest` naming the field where the request cannot run."""
         limit = self.state.max_model_len
         if len(ids) >= limit:
-            raise P.BadRequest(f"{what} has {len(ids)} tokens; this model's maximum context "
-                               f"length (max_model_len) is {limit}", what)
+            raise P.BadRequest(
+                f"{what} has {len(ids)} tokens; this model's maximum context "
+                f"length (max_model_len) is {limit}",
+                what,
+            )
         if len(ids) + params.max_tokens > limit:
-            raise P.BadRequest(f"max_tokens={params.max_tokens} beside a {len(ids)}-token "
-                               f"{what} exceeds max_model_len ({limit})", "max_tokens")
+            raise P.BadRequest(
+                f"max_tokens={params.max_tokens} beside a {len(ids)}-token "
+                f"{what} exceeds max_model_len ({limit})",
+                "max_tokens",
+            )
         try:
             self.state.llm.engine.check_request(ids, params, what)
         except ValueError as err:
@@ -128,8 +141,9 @@ class Renderer:
     def _token(self, token_id: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-    def _completion_logprobs(self, entries: Sequence[TokenLogprob],
-                             offset: int = 0) -> P.CompletionLogprobs:
+    def _completion_logprobs(
+        self, entries: Sequence[TokenLogprob], offset: int = 0
+    ) -> P.CompletionLogprobs:
         out = P.CompletionLogprobs()
         for e in entries:
             token = self._token(e.token_id)
@@ -144,40 +158,72 @@ class Renderer:
         content = []
         for e in entries:
             token = self._token(e.token_id)
-            content.append(P.TokenLogprobEntry(
-                token=token, logprob=e.logprob, bytes=list(token.encode()),
-                top_logprobs=[P.TopLogprob(token=(t := self._token(i)), logprob=lp,
-                                           bytes=list(t.encode())) for i, lp in e.top]))
+            content.append(
+                P.TokenLogprobEntry(
+                    token=token,
+                    logprob=e.logprob,
+                    bytes=list(token.encode()),
+                    top_logprobs=[
+                        P.TopLogprob(
+                            token=(t := self._token(i)), logprob=lp, bytes=list(t.encode())
+                        )
+                        for i, lp in e.top
+                    ],
+                )
+            )
         return P.ChoiceLogprobs(content=content)
 
     @staticmethod
     def _usage(handles: Sequence[Any], completion_tokens: int) -> P.Usage:
         prompt = sum(h.prompt_tokens for h in handles)
-        return P.Usage(prompt_tokens=prompt, completion_tokens=completion_tokens,
-                       total_tokens=prompt + completion_tokens)
+        return P.Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt + completion_tokens,
+        )
 
-    def response(self, rid: str, handles: Sequence[Any], results: Sequence[Collected],
-                 params: SamplingParams, chat: bool) -> Any:
+    def response(
+        self,
+        rid: str,
+        handles: Sequence[Any],
+        results: Sequence[Collected],
+        params: SamplingParams,
+        chat: bool,
+    ) -> Any:
         """The non-streamed response."""
         n, made = params.n, sum(len(s.token_ids) for r in results for s in r.samples)
         usage = self._usage(handles, made)
         want_lp = params.logprobs is not None
         if chat:
-            choices = [P.ChatChoice(index=i, message=P.AssistantMessage(content="".join(s.text)),
-                                    logprobs=self._chat_logprobs(s.logprobs) if want_lp else None,
-                                    finish_reason=s.finish_reason)
-                       for i, s in enumerate(results[0].samples)]
-            return P.ChatCompletionResponse(id=rid, created=P.now(), model=self.state.model_name,
-                                            choices=choices, usage=usage)
-        choices = [P.CompletionChoice(
-            index=p * n + i, text="".join(s.text), finish_reason=s.finish_reason,
-            logprobs=self._completion_logprobs(s.logprobs) if want_lp else None)
-            for p, r in enumerate(results) for i, s in enumerate(r.samples)]
-        return P.CompletionResponse(id=rid, created=P.now(), model=self.state.model_name,
-                                    choices=choices, usage=usage)
+            choices = [
+                P.ChatChoice(
+                    index=i,
+                    message=P.AssistantMessage(content="".join(s.text)),
+                    logprobs=self._chat_logprobs(s.logprobs) if want_lp else None,
+                    finish_reason=s.finish_reason,
+                )
+                for i, s in enumerate(results[0].samples)
+            ]
+            return P.ChatCompletionResponse(
+                id=rid, created=P.now(), model=self.state.model_name, choices=choices, usage=usage
+            )
+        choices = [
+            P.CompletionChoice(
+                index=p * n + i,
+                text="".join(s.text),
+                finish_reason=s.finish_reason,
+                logprobs=self._completion_logprobs(s.logprobs) if want_lp else None,
+            )
+            for p, r in enumerate(results)
+            for i, s in enumerate(r.samples)
+        ]
+        return P.CompletionResponse(
+            id=rid, created=P.now(), model=self.state.model_name, choices=choices, usage=usage
+        )
 
-    async def stream(self, rid: str, handles: Sequence[Any], params: SamplingParams, req: Any,
-                     chat: bool) -> AsyncIterator[str]:
+    async def stream(
+        self, rid: str, handles: Sequence[Any], params: SamplingParams, req: Any, chat: bool
+    ) -> AsyncIterator[str]:
         """Server-sent events of the request (module docstring)."""
         created, model, n = P.now(), self.state.model_name, params.n
         want_lp = params.logprobs is not None
@@ -197,23 +243,48 @@ class Renderer:
                     if index not in started:
                         started.add(index)
                         delta.role = "assistant"
-                    chunk: Any = P.ChatCompletionChunk(id=rid, created=created, model=model,
-                                                       choices=[P.ChatChunkChoice(
-                        index=index, delta=delta, finish_reason=d.finish_reason,
-                        logprobs=self._chat_logprobs(lps) if want_lp else None)])
+                    chunk: Any = P.ChatCompletionChunk(
+                        id=rid,
+                        created=created,
+                        model=model,
+                        choices=[
+                            P.ChatChunkChoice(
+                                index=index,
+                                delta=delta,
+                                finish_reason=d.finish_reason,
+                                logprobs=self._chat_logprobs(lps) if want_lp else None,
+                            )
+                        ],
+                    )
                 else:
                     offset = offsets.get(index, 0)
-                    chunk = P.CompletionResponse(id=rid, created=created, model=model,
-                                                 choices=[P.CompletionChoice(
-                        index=index, text=d.text or "", finish_reason=d.finish_reason,
-                        logprobs=self._completion_logprobs(lps, offset) if want_lp else None)])
+                    chunk = P.CompletionResponse(
+                        id=rid,
+                        created=created,
+                        model=model,
+                        choices=[
+                            P.CompletionChoice(
+                                index=index,
+                                text=d.text or "",
+                                finish_reason=d.finish_reason,
+                                logprobs=self._completion_logprobs(lps, offset)
+                                if want_lp
+                                else None,
+                            )
+                        ],
+                    )
                     offsets[index] = offset + len(d.text or "")
                 yield f"data: {chunk.model_dump_json()}\n\n"
             else:
                 if include_usage:
                     cls = P.ChatCompletionChunk if chat else P.CompletionResponse
-                    last = cls(id=rid, created=created, model=model, choices=[],
-                               usage=self._usage(handles, made))
+                    last = cls(
+                        id=rid,
+                        created=created,
+                        model=model,
+                        choices=[],
+                        usage=self._usage(handles, made),
+                    )
                     yield f"data: {last.model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
         finally:

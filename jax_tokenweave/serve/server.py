@@ -18,8 +18,9 @@ class _Server(uvicorn.Server):
     """uvicorn's server, telling the engine to stop taking requests as shutdown starts and
     printing the startup line once it listens."""
 
-    def __init__(self, config: uvicorn.Config, state: Any,
-                 startup_line: Callable[[int], str]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: Any, startup_line: Callable[[int], str]
+    ) -> None:
         super().__init__(config)
         self._state = state
         self._startup_line = startup_line
@@ -28,7 +29,7 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         with super().capture_signals():
             yield
-            self._captured_signals.clear()   # drained: exit 0, not re-raise the signal
+            self._captured_signals.clear()  # drained: exit 0, not re-raise the signal
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self._state.engine.stop_accepting()
@@ -44,12 +45,27 @@ class _Server(uvicorn.Server):
             print(self._startup_line(port), flush=True)
 
 
-def run(llm: Any, name: str, host: str, port: int, *, max_waiting: int, drain_timeout: float,
-        log_level: str, startup_line: Callable[[int], str]) -> int:
+def run(
+    llm: Any,
+    name: str,
+    host: str,
+    port: int,
+    *,
+    max_waiting: int,
+    drain_timeout: float,
+    log_level: str,
+    startup_line: Callable[[int], str],
+) -> int:
     """Serve until SIGTERM / Ctrl-C (module docstring); the exit status."""
     app = build_app(llm, model_name=name, max_waiting=max_waiting)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=drain_timeout, access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=drain_timeout,
+        access_log=False,
+    )
     server = _Server(config, app.state.server, startup_line)
     server.run()
     print("jax-tokenweave: stopped", file=sys.stderr, flush=True)

@@ -35,6 +35,18 @@ from jax_tokenweave.serving.outputs import (
 )
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "OutOfBlocksError",
-           "RequestFailed", "RequestOutput", "SamplingParams", "StreamDelta", "TokenLogprob",
-           "count_compilations", "generate"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "Logprob",
+    "OutOfBlocksError",
+    "RequestFailed",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamDelta",
+    "TokenLogprob",
+    "count_compilations",
+    "generate",
+]

@@ -80,9 +80,16 @@ def decode_splits(rows: int, kv_heads: int) -> int:
     return MAX_SPLITS if pairs < TARGET_BLOCKS else math.ceil(TARGET_BLOCKS / pairs)
 
 
-def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
-                    positions: jax.Array, *, tile: int,
-                    scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    tables: jax.Array,
+    positions: jax.Array,
+    *,
+    tile: int,
+    scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``serving.paged_attention.paged_attention`` on the CUDA kernels (module docstring).
 
     ``q`` [G * tile, Hq, D]; ``k_cache``, ``v_cache`` [NB, BS, KVH, D] (q's dtype); ``tables``
@@ -95,33 +102,57 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
     why = unavailable_reason("gpu", q.dtype, d, hq // kvh if hq % kvh == 0 else 0)
     if why is not None:
         raise ValueError(f"paged_attention (cuda): {why}")
-    if (k_cache.dtype != q.dtype or v_cache.shape != k_cache.shape
-            or v_cache.dtype != q.dtype or k_cache.shape[3] != d or rows != groups * tile):
-        raise ValueError(f"paged_attention (cuda): bad shapes q {q.shape} {q.dtype}, caches "
-                         f"{k_cache.shape} {k_cache.dtype} / {v_cache.shape} {v_cache.dtype}, "
-                         f"tables {tables.shape}, tile {tile}")
+    if (
+        k_cache.dtype != q.dtype
+        or v_cache.shape != k_cache.shape
+        or v_cache.dtype != q.dtype
+        or k_cache.shape[3] != d
+        or rows != groups * tile
+    ):
+        raise ValueError(
+            f"paged_attention (cuda): bad shapes q {q.shape} {q.dtype}, caches "
+            f"{k_cache.shape} {k_cache.dtype} / {v_cache.shape} {v_cache.dtype}, "
+            f"tables {tables.shape}, tile {tile}"
+        )
     _register()
     group = hq // kvh
     splits = decode_splits(groups, kvh) if tile == 1 else 0
     # Decode partials: per (row, kv head, split, head of the group) D sums and (max, total).
     work = (groups * kvh * splits * group * (d + 2),) if tile == 1 else (1,)
-    outs = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-            jax.ShapeDtypeStruct(work, jnp.float32))
+    outs = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        jax.ShapeDtypeStruct(work, jnp.float32),
+    )
     positions = positions.astype(jnp.int32)
     # Live decode rows: how finely the kernel cuts each row (the prompt-tile kernel ignores it).
     live = jnp.sum(positions >= 0, dtype=jnp.int32).reshape(1)
     call = jax.ffi.ffi_call(TARGET, outs, input_output_aliases={1: 1, 2: 2})
-    out, k_cache, v_cache, _ = call(q, k_cache, v_cache, tables.astype(jnp.int32), positions,
-                                    live, tile=np.int32(tile), splits=np.int32(splits),
-                                    scale=np.float32(scale))
+    out, k_cache, v_cache, _ = call(
+        q,
+        k_cache,
+        v_cache,
+        tables.astype(jnp.int32),
+        positions,
+        live,
+        tile=np.int32(tile),
+        splits=np.int32(splits),
+        scale=np.float32(scale),
+    )
     return out, k_cache, v_cache
 
 
-def rope_cache_write(qkv: jax.Array, positions: jax.Array, slots: jax.Array,
-                     inv_freq: np.ndarray, k_cache: jax.Array, v_cache: jax.Array, *,
-                     num_q_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def rope_cache_write(
+    qkv: jax.Array,
+    positions: jax.Array,
+    slots: jax.Array,
+    inv_freq: np.ndarray,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    num_q_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """RoPE and the cache write of one step's rows in one CUDA kernel (``ffi/rope_cache.h``),
     per rank: what ``attention.apply_rope`` on q and k and two ``paged_cache.write`` compute.
 
@@ -133,20 +164,37 @@ def rope_cache_write(qkv: jax.Array, positions: jax.Array, slots: jax.Array,
     rows, heads, d = qkv.shape
     kvh = k_cache.shape[2]
     if jnp.dtype(qkv.dtype) not in DTYPES or d % 16 or heads != num_q_heads + 2 * kvh:
-        raise ValueError(f"rope_cache_write (cuda): qkv {qkv.shape} {qkv.dtype} does not hold "
-                         f"{num_q_heads} query heads and 2 x {kvh} kv heads of a multiple of 16 "
-                         f"in bfloat16 or float16")
-    if (k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype
-            or v_cache.shape != k_cache.shape or k_cache.shape[3] != d
-            or positions.shape != (rows,) or slots.shape != (rows,)
-            or np.shape(inv_freq) != (d // 2,)):
-        raise ValueError(f"rope_cache_write (cuda): bad shapes qkv {qkv.shape}, caches "
-                         f"{k_cache.shape} {k_cache.dtype} / {v_cache.shape}, positions "
-                         f"{positions.shape}, slots {slots.shape}, inv_freq {np.shape(inv_freq)}")
+        raise ValueError(
+            f"rope_cache_write (cuda): qkv {qkv.shape} {qkv.dtype} does not hold "
+            f"{num_q_heads} query heads and 2 x {kvh} kv heads of a multiple of 16 "
+            f"in bfloat16 or float16"
+        )
+    if (
+        k_cache.dtype != qkv.dtype
+        or v_cache.dtype != qkv.dtype
+        or v_cache.shape != k_cache.shape
+        or k_cache.shape[3] != d
+        or positions.shape != (rows,)
+        or slots.shape != (rows,)
+        or np.shape(inv_freq) != (d // 2,)
+    ):
+        raise ValueError(
+            f"rope_cache_write (cuda): bad shapes qkv {qkv.shape}, caches "
+            f"{k_cache.shape} {k_cache.dtype} / {v_cache.shape}, positions "
+            f"{positions.shape}, slots {slots.shape}, inv_freq {np.shape(inv_freq)}"
+        )
     _register()
-    outs = (jax.ShapeDtypeStruct((rows, num_q_heads, d), qkv.dtype),
-            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    outs = (
+        jax.ShapeDtypeStruct((rows, num_q_heads, d), qkv.dtype),
+        jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+        jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+    )
     call = jax.ffi.ffi_call(ROPE_TARGET, outs, input_output_aliases={4: 1, 5: 2})
-    return call(qkv, positions.astype(jnp.int32), slots.astype(jnp.int32),
-                jnp.asarray(inv_freq, jnp.float32), k_cache, v_cache)
+    return call(
+        qkv,
+        positions.astype(jnp.int32),
+        slots.astype(jnp.int32),
+        jnp.asarray(inv_freq, jnp.float32),
+        k_cache,
+        v_cache,
+    )

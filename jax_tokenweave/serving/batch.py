@@ -83,16 +83,16 @@ class StepArrays:
 
 
 @functools.lru_cache(maxsize=256)
-def make_layout(decode: int, rows: int, cfg: EngineConfig, model: DecoderConfig,
-                tp: int) -> StepLayout:
+def make_layout(
+    decode: int, rows: int, cfg: EngineConfig, model: DecoderConfig, tp: int
+) -> StepLayout:
     """The layout of a step of ``rows`` rows whose decode segment has ``decode`` rows."""
     tile = cfg.prefill_tile
     name = tuning.model_name(model)
     split = None if cfg.schedule == "weave" and rows >= 2 * tile else False
     offset = cfg.tuning.offset if cfg.tuning is not None else None
     kwargs = dict(tp=tp, model=name, wave=WaveModel.from_config(model, tp))
-    plan = plan_batch([rows], threshold=cfg.split_threshold, split=split, offset=offset,
-                      **kwargs)
+    plan = plan_batch([rows], threshold=cfg.split_threshold, split=split, offset=offset, **kwargs)
     if plan.split and plan.halves[1].start % tile:
         first = min(max(round(plan.halves[1].start / tile) * tile, tile), rows - tile)
         plan = plan_batch([rows], split=True, offset=first - midpoint(rows), **kwargs)
@@ -100,17 +100,17 @@ def make_layout(decode: int, rows: int, cfg: EngineConfig, model: DecoderConfig,
     return StepLayout(decode, rows, tile, samples, plan)
 
 
-def pack(step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig,
-         tp: int) -> tuple[StepLayout, StepArrays]:
+def pack(
+    step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig, tp: int
+) -> tuple[StepLayout, StepArrays]:
     """Lay ``step`` out (module docstring) and fill its arrays (NumPy, no per-token loop)."""
     tile, bs, width = cfg.prefill_tile, cfg.block_size, cfg.table_width
     decodes, chunks = step.decodes, step.chunks
     lengths = np.fromiter((c.length for c in chunks), np.int64, len(chunks))
-    tiles = ceil_div(lengths, tile)                                 # [C]
+    tiles = ceil_div(lengths, tile)  # [C]
     decode = decode_rows(len(decodes), tile)
     used = decode + int(tiles.sum()) * tile
-    layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model,
-                         tp)
+    layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model, tp)
     r, s = layout.rows, layout.samples
     tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
     source = np.full(r, -1, np.int32)
@@ -129,19 +129,21 @@ def pack(step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig,
         sample_rows[:n] = np.arange(n)
     if chunks:
         starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
-        first = decode + tile * (np.cumsum(tiles) - tiles)          # [C] first row
-        chunk = np.repeat(np.arange(len(chunks)), lengths)          # [T] chunk of each token
+        first = decode + tile * (np.cumsum(tiles) - tiles)  # [C] first row
+        chunk = np.repeat(np.arange(len(chunks)), lengths)  # [T] chunk of each token
         offset = np.arange(chunk.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         rows, pos = first[chunk] + offset, starts[chunk] + offset
-        chunk_tables = np.stack([c.seq.table_row(width) for c in chunks])      # [C, W]
-        tokens[rows] = np.concatenate([c.seq.prompt_array()[c.start:c.start + c.length]
-                                       for c in chunks])
+        chunk_tables = np.stack([c.seq.table_row(width) for c in chunks])  # [C, W]
+        tokens[rows] = np.concatenate(
+            [c.seq.prompt_array()[c.start : c.start + c.length] for c in chunks]
+        )
         positions[rows] = pos
         slots[rows] = chunk_tables[chunk, pos // bs] * bs + pos % bs
-        tables[decode:decode + int(tiles.sum())] = chunk_tables[
-            np.repeat(np.arange(len(chunks)), tiles)]
+        tables[decode : decode + int(tiles.sum())] = chunk_tables[
+            np.repeat(np.arange(len(chunks)), tiles)
+        ]
         last = np.fromiter((c.last for c in chunks), bool, len(chunks))
-        sample_rows[n:n + int(last.sum())] = (first + lengths - 1)[last]
+        sample_rows[n : n + int(last.sum())] = (first + lengths - 1)[last]
 
     sampled = step.sampled
     k = len(sampled)
@@ -155,16 +157,37 @@ def pack(step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig,
         seeds[:k] = [q.seed % (1 << 32) for q in sampled]
         counters[:k] = step.counters
     want = np.asarray(any(q.params.logprobs is not None for q in sampled))
-    return layout, StepArrays(tokens, source, positions, slots, tables, sample_rows,
-                              temperature, top_p, top_k, seeds, counters, want)
+    return layout, StepArrays(
+        tokens,
+        source,
+        positions,
+        slots,
+        tables,
+        sample_rows,
+        temperature,
+        top_p,
+        top_k,
+        seeds,
+        counters,
+        want,
+    )
 
 
 def pack_padding(layout: StepLayout, cfg: EngineConfig) -> StepArrays:
     """Arrays of ``layout`` with padding rows only (they write nothing): for compiling."""
     r, s = layout.rows, layout.samples
     zeros = lambda n, dtype=np.int32: np.zeros(n, dtype)
-    return StepArrays(zeros(r), np.full(r, -1, np.int32), zeros(r),
-                      np.full(r, cfg.num_blocks * cfg.block_size, np.int32),
-                      np.zeros((layout.groups, cfg.table_width), np.int32), zeros(s),
-                      zeros(s, np.float32), np.ones(s, np.float32), zeros(s), zeros(s, np.uint32),
-                      zeros(s), np.asarray(False))
+    return StepArrays(
+        zeros(r),
+        np.full(r, -1, np.int32),
+        zeros(r),
+        np.full(r, cfg.num_blocks * cfg.block_size, np.int32),
+        np.zeros((layout.groups, cfg.table_width), np.int32),
+        zeros(s),
+        zeros(s, np.float32),
+        np.ones(s, np.float32),
+        zeros(s),
+        zeros(s, np.uint32),
+        zeros(s),
+        np.asarray(False),
+    )

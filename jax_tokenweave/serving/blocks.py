@@ -48,7 +48,8 @@ class BlockAllocator:
             raise OutOfBlocksError(
                 f"out of KV cache blocks: asked for {count}, {len(self._free)} of "
                 f"{self.num_blocks} free (block size {self.block_size}); finish or abort "
-                f"requests, or make the cache larger (num_blocks)")
+                f"requests, or make the cache larger (num_blocks)"
+            )
         out = [self._free.pop() for _ in range(count)]
         self._used.update(out)
         return out

@@ -47,14 +47,32 @@ def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...])
     from jax_tokenweave.serving.config import SERVING_SCHEDULES, EngineConfig
 
     defaults = EngineConfig()
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=bm.positive_int, default=1,
-                   help="tensor-parallel degree (on a CPU-only host, as many virtual devices)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                   help="parameter dtype (auto: the checkpoint's torch_dtype)")
-    p.add_argument("--schedule", choices=SERVING_SCHEDULES, default=defaults.schedule,
-                   help="weave (TokenWeave) or baseline (plain TP)")
-    p.add_argument("--comm", choices=bm.COMMS, default=defaults.comm,
-                   help="weave's reductions: the fused kernel (ffi), XLA, or auto")
+    p.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=bm.positive_int,
+        default=1,
+        help="tensor-parallel degree (on a CPU-only host, as many virtual devices)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="parameter dtype (auto: the checkpoint's torch_dtype)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=SERVING_SCHEDULES,
+        default=defaults.schedule,
+        help="weave (TokenWeave) or baseline (plain TP)",
+    )
+    p.add_argument(
+        "--comm",
+        choices=bm.COMMS,
+        default=defaults.comm,
+        help="weave's reductions: the fused kernel (ffi), XLA, or auto",
+    )
     bm.add_engine_options(p, engine_options)
     p.set_defaults(max_model_len=None, num_blocks=None)
     for action in p._actions:
@@ -62,22 +80,38 @@ def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...])
             action.help = "positions per request (default: the checkpoint's)"
         elif action.dest == "num_blocks":
             action.help = "KV cache blocks (default: sized by --gpu-memory-utilization)"
-    p.add_argument("--gpu-memory-utilization", type=bm.positive_float, default=0.9,
-                   help="share of each device's memory for weights, activations and KV cache")
-    p.add_argument("--engine-seed", type=bm.nonnegative_int, default=0,
-                   help="seeds the requests that bring none")
-    p.add_argument("--cpu-devices", type=bm.positive_int,
-                   help="virtual CPU devices to ask for on CPU-only hosts (default: --tp)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=bm.positive_float,
+        default=0.9,
+        help="share of each device's memory for weights, activations and KV cache",
+    )
+    p.add_argument(
+        "--engine-seed",
+        type=bm.nonnegative_int,
+        default=0,
+        help="seeds the requests that bring none",
+    )
+    p.add_argument(
+        "--cpu-devices",
+        type=bm.positive_int,
+        help="virtual CPU devices to ask for on CPU-only hosts (default: --tp)",
+    )
 
 
 def llm_kwargs(args: argparse.Namespace, engine_options: tuple[str, ...]) -> dict[str, Any]:
     """``LLM(...)`` keywords of :func:`add_llm_options`' options."""
     from jax_tokenweave.serving.resolve import TORCH_DTYPES
 
-    kw: dict[str, Any] = {name: getattr(args, name) for name in engine_options
-                          if getattr(args, name) is not None}
-    kw.update(tensor_parallel_size=args.tp,
-              dtype=args.dtype if args.dtype == "auto" else TORCH_DTYPES[args.dtype],
-              schedule=args.schedule, comm=args.comm, seed=args.engine_seed,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+    kw: dict[str, Any] = {
+        name: getattr(args, name) for name in engine_options if getattr(args, name) is not None
+    }
+    kw.update(
+        tensor_parallel_size=args.tp,
+        dtype=args.dtype if args.dtype == "auto" else TORCH_DTYPES[args.dtype],
+        schedule=args.schedule,
+        comm=args.comm,
+        seed=args.engine_seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
     return kw

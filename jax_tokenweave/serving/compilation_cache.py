@@ -18,7 +18,7 @@ from jax.experimental.compilation_cache import compilation_cache as _cc
 DEFAULT_DIR = "~/.cache/jax_tokenweave/xla"
 _MIN_TIME = "jax_persistent_cache_min_compile_time_secs"
 _MIN_TIME_DEFAULT = 1.0
-_ours: str | None = None            # the directory this module set (None: none)
+_ours: str | None = None  # the directory this module set (None: none)
 
 
 def use_compilation_cache(path: str | os.PathLike | None) -> str | None:
@@ -34,9 +34,8 @@ def use_compilation_cache(path: str | os.PathLike | None) -> str | None:
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
         if current:
-            _cc.reset_cache()       # JAX opens its cache once: let it open the new directory
+            _cc.reset_cache()  # JAX opens its cache once: let it open the new directory
         _ours = path
-    if (getattr(jax.config, _MIN_TIME) == _MIN_TIME_DEFAULT
-            and _MIN_TIME.upper() not in os.environ):
+    if getattr(jax.config, _MIN_TIME) == _MIN_TIME_DEFAULT and _MIN_TIME.upper() not in os.environ:
         jax.config.update(_MIN_TIME, 0.0)
     return path

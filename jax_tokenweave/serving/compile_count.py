@@ -48,8 +48,10 @@ def count_compilations() -> Iterator[CompileCounter]:
         yield counter
     finally:
         counter.active = False  # stays inert where JAX cannot unregister listeners
-        for name, listener in (("unregister_event_duration_listener", counter._listener),
-                               ("unregister_event_listener", counter._hit_listener)):
+        for name, listener in (
+            ("unregister_event_duration_listener", counter._listener),
+            ("unregister_event_listener", counter._hit_listener),
+        ):
             unregister = getattr(jax.monitoring, name, None)
             if unregister is not None:
                 unregister(listener)

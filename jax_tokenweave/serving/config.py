@@ -76,44 +76,65 @@ class EngineConfig:
     compilation_cache_dir: str | None = DEFAULT_DIR
 
     def __post_init__(self) -> None:
-        for name, minimum in (("max_num_batched_tokens", 1), ("max_num_seqs", 1),
-                              ("max_model_len", 2), ("block_size", 1), ("num_blocks", 1),
-                              ("prefill_tile", 1), ("key_chunk", 1), ("split_threshold", 2),
-                              ("max_logprobs", 0), ("seed", 0)):
+        for name, minimum in (
+            ("max_num_batched_tokens", 1),
+            ("max_num_seqs", 1),
+            ("max_model_len", 2),
+            ("block_size", 1),
+            ("num_blocks", 1),
+            ("prefill_tile", 1),
+            ("key_chunk", 1),
+            ("split_threshold", 2),
+            ("max_logprobs", 0),
+            ("seed", 0),
+        ):
             if name != "split_threshold" or self.split_threshold is not None:
                 checks.at_least(getattr(self, name), minimum, f"EngineConfig.{name}")
         tile = self.prefill_tile
         if tile & (tile - 1):
             raise ValueError(f"EngineConfig.prefill_tile must be a power of two, got {tile}")
         if self.max_num_batched_tokens % tile:
-            raise ValueError(f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens})"
-                             f" must be a multiple of prefill_tile ({tile})")
+            raise ValueError(
+                f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens})"
+                f" must be a multiple of prefill_tile ({tile})"
+            )
         if self.max_num_batched_tokens < self.max_decode_rows + tile:
             raise ValueError(
                 f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) leaves no "
                 f"room for a prompt chunk beside {self.max_num_seqs} decode tokens (padded to "
-                f"{self.max_decode_rows} rows); it must be >= {self.max_decode_rows + tile}")
+                f"{self.max_decode_rows} rows); it must be >= {self.max_decode_rows + tile}"
+            )
         if self.key_chunk % self.block_size:
-            raise ValueError(f"EngineConfig.key_chunk ({self.key_chunk}) must be a multiple of "
-                             f"block_size ({self.block_size})")
+            raise ValueError(
+                f"EngineConfig.key_chunk ({self.key_chunk}) must be a multiple of "
+                f"block_size ({self.block_size})"
+            )
         if self.schedule not in SERVING_SCHEDULES:
-            raise ValueError(f"EngineConfig.schedule must be one of {SERVING_SCHEDULES}, got "
-                             f"{self.schedule!r}")
+            raise ValueError(
+                f"EngineConfig.schedule must be one of {SERVING_SCHEDULES}, got {self.schedule!r}"
+            )
         if self.comm not in COMMS:
             raise ValueError(f"EngineConfig.comm must be one of {COMMS}, got {self.comm!r}")
         if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(f"EngineConfig.attention must be one of {ATTENTION_IMPLS}, got "
-                             f"{self.attention!r}")
+            raise ValueError(
+                f"EngineConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}"
+            )
         if self.compilation_cache_dir is not None and not isinstance(
-                self.compilation_cache_dir, str | os.PathLike):
-            raise ValueError(f"EngineConfig.compilation_cache_dir must be a path or None, got "
-                             f"{self.compilation_cache_dir!r}")
+            self.compilation_cache_dir, str | os.PathLike
+        ):
+            raise ValueError(
+                f"EngineConfig.compilation_cache_dir must be a path or None, got "
+                f"{self.compilation_cache_dir!r}"
+            )
         if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"EngineConfig.async_scheduling must be a bool, got "
-                             f"{self.async_scheduling!r}")
+            raise ValueError(
+                f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
+            )
         if self.tuning is not None and not isinstance(self.tuning, TuneEntry):
-            raise ValueError(f"EngineConfig.tuning must be a tuning.TuneEntry or None, got "
-                             f"{type(self.tuning).__name__}")
+            raise ValueError(
+                f"EngineConfig.tuning must be a tuning.TuneEntry or None, got "
+                f"{type(self.tuning).__name__}"
+            )
 
     @property
     def max_decode_rows(self) -> int:
@@ -127,4 +148,3 @@ class EngineConfig:
         per_chunk = self.key_chunk // self.block_size
         blocks = ceil_div(self.max_model_len, self.block_size)
         return ceil_div(blocks, per_chunk) * per_chunk
-

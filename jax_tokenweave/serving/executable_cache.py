@@ -51,8 +51,18 @@ MAGIC = b"jax-tokenweave executable v1\n"
 _DIGEST = hashlib.sha256().digest_size
 _ENV_PREFIXES = ("XLA_", "JAX_TOKENWEAVE_", "LIBTPU_INIT_ARGS", "NCCL_", "NVIDIA_TF32")
 _ENV_SKIP = ("JAX_TOKENWEAVE_COMMIT",)
-_CONFIG_SKIP = ("cache", "log", "dump", "traceback", "pprint", "timeout", "explain",
-                "transfer_guard", "source_url", "debug_key_reuse")
+_CONFIG_SKIP = (
+    "cache",
+    "log",
+    "dump",
+    "traceback",
+    "pprint",
+    "timeout",
+    "explain",
+    "transfer_guard",
+    "source_url",
+    "debug_key_reuse",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +81,9 @@ class Serializer(Protocol):
 
     def serialize(self, compiled: Any) -> bytes: ...
 
-    def deserialize(self, payload: bytes, in_tree: Any, out_tree: Any,
-                    devices: Sequence[Any]) -> Any: ...
+    def deserialize(
+        self, payload: bytes, in_tree: Any, out_tree: Any, devices: Sequence[Any]
+    ) -> Any: ...
 
 
 class JaxSerializer:
@@ -91,12 +102,13 @@ class JaxSerializer:
     def serialize(self, compiled: Any) -> bytes:
         return self._module.serialize(compiled)[0]
 
-    def deserialize(self, payload: bytes, in_tree: Any, out_tree: Any,
-                    devices: Sequence[Any]) -> Any:
+    def deserialize(
+        self, payload: bytes, in_tree: Any, out_tree: Any, devices: Sequence[Any]
+    ) -> Any:
         devices = list(devices)
-        return self._module.deserialize_and_load(payload, in_tree, out_tree,
-                                                 backend=devices[0].client,
-                                                 execution_devices=devices)
+        return self._module.deserialize_and_load(
+            payload, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
+        )
 
 
 def _dtype(leaf: Any) -> np.dtype:
@@ -120,22 +132,30 @@ def describe_leaf(leaf: Any) -> tuple[Any, ...]:
     mesh = getattr(sharding, "mesh", None)
     where: tuple[Any, ...]
     if mesh is not None and hasattr(mesh, "devices"):
-        where = (type(sharding).__name__, repr(getattr(sharding, "spec", None)),
-                 tuple(mesh.axis_names), tuple(mesh.devices.shape),
-                 tuple(int(d.id) for d in mesh.devices.flat),
-                 getattr(sharding, "memory_kind", None))
+        where = (
+            type(sharding).__name__,
+            repr(getattr(sharding, "spec", None)),
+            tuple(mesh.axis_names),
+            tuple(mesh.devices.shape),
+            tuple(int(d.id) for d in mesh.devices.flat),
+            getattr(sharding, "memory_kind", None),
+        )
     else:
-        where = (type(sharding).__name__, repr(sharding),
-                 tuple(sorted(int(d.id) for d in sharding.device_set)))
+        where = (
+            type(sharding).__name__,
+            repr(sharding),
+            tuple(sorted(int(d.id) for d in sharding.device_set)),
+        )
     return shape, dtype, bool(getattr(leaf, "weak_type", False)), where
 
 
 def describe_args(args: Any) -> dict[str, Any]:
     """The key's part for a pytree of arguments: its structure and every leaf (by path)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
-    return {"tree": str(treedef),
-            "leaves": [(jax.tree_util.keystr(path), describe_leaf(leaf))
-                       for path, leaf in leaves]}
+    return {
+        "tree": str(treedef),
+        "leaves": [(jax.tree_util.keystr(path), describe_leaf(leaf)) for path, leaf in leaves],
+    }
 
 
 @functools.cache
@@ -150,8 +170,9 @@ def source_hash() -> str:
     if _extension.import_error() is None:
         files.append(Path(_extension.get().__file__))
     for path in files:
-        digest.update(str(path.relative_to(root) if path.is_relative_to(root) else path.name)
-                      .encode())
+        digest.update(
+            str(path.relative_to(root) if path.is_relative_to(root) else path.name).encode()
+        )
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
 
@@ -165,15 +186,24 @@ def environment(devices: Iterable[Any]) -> dict[str, Any]:
     devices = list(devices)
     client = devices[0].client if devices else None
     return {
-        "python": sys.version_info[:2], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-        "flax": flax.__version__, "numpy": np.__version__,
+        "python": sys.version_info[:2],
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "numpy": np.__version__,
         "platform": sorted({d.platform for d in devices}),
         "device_kinds": sorted({d.device_kind for d in devices}),
         "platform_version": getattr(client, "platform_version", None),
-        "config": {k: repr(v) for k, v in sorted(jax.config.values.items())
-                   if not any(s in k for s in _CONFIG_SKIP)},
-        "env": {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(_ENV_PREFIXES) and k not in _ENV_SKIP},
+        "config": {
+            k: repr(v)
+            for k, v in sorted(jax.config.values.items())
+            if not any(s in k for s in _CONFIG_SKIP)
+        },
+        "env": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith(_ENV_PREFIXES) and k not in _ENV_SKIP
+        },
         "source": source_hash(),
     }
 
@@ -182,8 +212,9 @@ def program_key(program: Mapping[str, Any], devices: Iterable[Any]) -> str:
     """A program's cache key (hex SHA-256): ``program`` (the caller's description: layout,
     static arguments, model, :func:`describe_args` of the inputs, compiler options; values
     are keyed by ``repr`` where not JSON) plus :func:`environment`."""
-    text = json.dumps({"program": program, "environment": environment(devices)},
-                      sort_keys=True, default=repr)
+    text = json.dumps(
+        {"program": program, "environment": environment(devices)}, sort_keys=True, default=repr
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -196,8 +227,10 @@ def _check_args(compiled: Any, args: Any) -> None:
         raise ValueError(f"{len(want)} arguments compiled, {len(got)} given")
     for i, (w, g) in enumerate(zip(want, got, strict=True)):
         if tuple(w.shape) != _shape(g) or np.dtype(w.dtype) != _dtype(g):
-            raise ValueError(f"argument {i}: compiled for {w.dtype}{list(w.shape)}, given "
-                             f"{_dtype(g)}{list(_shape(g))}")
+            raise ValueError(
+                f"argument {i}: compiled for {w.dtype}{list(w.shape)}, given "
+                f"{_dtype(g)}{list(_shape(g))}"
+            )
 
 
 class ExecutableCache:
@@ -205,10 +238,12 @@ class ExecutableCache:
     nothing). ``serializer`` default :class:`JaxSerializer`; without JAX's serialization
     module the cache turns itself off with one warning. Thread-safe."""
 
-    def __init__(self, directory: str | os.PathLike | None,
-                 serializer: Serializer | None = None) -> None:
-        self.directory = (None if directory is None
-                          else Path(os.path.expanduser(os.fspath(directory))))
+    def __init__(
+        self, directory: str | os.PathLike | None, serializer: Serializer | None = None
+    ) -> None:
+        self.directory = (
+            None if directory is None else Path(os.path.expanduser(os.fspath(directory)))
+        )
         self._lock = threading.Lock()
         self._unserializable = False
         self._serializer = serializer
@@ -235,8 +270,11 @@ class ExecutableCache:
             if self.directory is None:
                 return
             self.directory = None
-        warnings.warn(f"executable cache off: {why}; warm-up compiles every layout",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"executable cache off: {why}; warm-up compiles every layout",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def load(self, key: str, args: Any, out_tree: Any, devices: Sequence[Any]) -> Any | None:
         """The program stored under ``key``, checked against ``args`` (the positional
@@ -253,8 +291,11 @@ class ExecutableCache:
         except FileNotFoundError:
             return None
         except OSError as e:
-            warnings.warn(f"executable cache: cannot read {path} ({e}); compiling",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"executable cache: cannot read {path} ({e}); compiling",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return None
         try:
             payload = self._unpack(data, key)
@@ -263,8 +304,11 @@ class ExecutableCache:
             _check_args(compiled, args)
             return compiled
         except Exception as e:  # any failure to load means: compile instead
-            warnings.warn(f"executable cache: ignoring {path} ({type(e).__name__}: {e}); "
-                          f"compiling", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"executable cache: ignoring {path} ({type(e).__name__}: {e}); compiling",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return None
 
     def store(self, key: str, compiled: Any) -> bool:
@@ -282,17 +326,22 @@ class ExecutableCache:
             with self._lock:
                 first, self._unserializable = not self._unserializable, True
             if first:
-                warnings.warn(f"executable cache: cannot serialize a step program "
-                              f"({type(e).__name__}: {e}); it is compiled again at the next "
-                              f"start", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"executable cache: cannot serialize a step program "
+                    f"({type(e).__name__}: {e}); it is compiled again at the next "
+                    f"start",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return False
         body = pickle.dumps({"key": key, "executable": payload}, protocol=5)
         path = directory / f"{key}.bin"
         try:
             atomic_write(path, MAGIC + hashlib.sha256(body).digest() + body)
         except OSError as e:
-            warnings.warn(f"executable cache: cannot write {path} ({e})", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"executable cache: cannot write {path} ({e})", RuntimeWarning, stacklevel=2
+            )
             return False
         return True
 
@@ -300,7 +349,7 @@ class ExecutableCache:
     def _unpack(data: bytes, key: str) -> bytes:
         if not data.startswith(MAGIC):
             raise ValueError("not an executable-cache file (bad magic)")
-        digest, body = data[len(MAGIC):len(MAGIC) + _DIGEST], data[len(MAGIC) + _DIGEST:]
+        digest, body = data[len(MAGIC) : len(MAGIC) + _DIGEST], data[len(MAGIC) + _DIGEST :]
         if hashlib.sha256(body).digest() != digest:
             raise ValueError("checksum mismatch (truncated or corrupt)")
         record = pickle.loads(body)
@@ -339,7 +388,7 @@ def register_ffi_targets() -> None:
 
 
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-_hits = threading.local()        # JAX persistent-cache hits seen by this thread
+_hits = threading.local()  # JAX persistent-cache hits seen by this thread
 _listener_lock = threading.Lock()
 _listening = False
 
@@ -364,8 +413,10 @@ def compile_to_store(lowered: Any, platform: str) -> tuple[Any, str | None]:
     before = getattr(_hits, "count", 0)
     compiled = lowered.compile()
     if platform == "cpu" and getattr(_hits, "count", 0) > before:
-        return compiled, ("XLA:CPU took it from JAX's persistent compilation cache, and such a "
-                          "program does not survive a second serialization")
+        return compiled, (
+            "XLA:CPU took it from JAX's persistent compilation cache, and such a "
+            "program does not survive a second serialization"
+        )
     return compiled, None
 
 

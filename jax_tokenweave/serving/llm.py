@@ -66,8 +66,10 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
 def check_tokenizer(tokenizer: Any) -> Any:
     """``tokenizer`` if it can encode and decode (``ValueError`` naming ``tokenizer`` else)."""
     if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
-        raise ValueError(f"LLM tokenizer must be a tokenizer (with encode and decode), a "
-                         f"directory, None or False; got {type(tokenizer).__name__}")
+        raise ValueError(
+            f"LLM tokenizer must be a tokenizer (with encode and decode), a "
+            f"directory, None or False; got {type(tokenizer).__name__}"
+        )
     return tokenizer
 
 
@@ -75,17 +77,20 @@ def make_mesh(mesh: Mesh | None, tp: int | None, axis_name: str = "tp") -> Mesh:
     """``mesh`` as given, or a 1-D ``axis_name`` mesh over the first ``tp`` devices (default 1)."""
     if mesh is not None:
         if tp is not None and mesh.shape.get(axis_name) != tp:
-            raise ValueError(f"tp={tp} disagrees with the mesh's {axis_name!r} axis "
-                             f"({dict(mesh.shape)})")
+            raise ValueError(
+                f"tp={tp} disagrees with the mesh's {axis_name!r} axis ({dict(mesh.shape)})"
+            )
         return mesh
     tp = 1 if tp is None else checks.at_least(tp, 1, "tensor_parallel_size")
     devices = jax.devices()
     if len(devices) < tp:
-        hint = (f"; on a CPU-only host set JAX_NUM_CPU_DEVICES={tp} (or XLA_FLAGS="
-                f"--xla_force_host_platform_device_count={tp}) before JAX starts"
-                if devices[0].platform == "cpu" else "")
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, have {len(devices)}"
-                         f"{hint}")
+        hint = (
+            f"; on a CPU-only host set JAX_NUM_CPU_DEVICES={tp} (or XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={tp}) before JAX starts"
+            if devices[0].platform == "cpu"
+            else ""
+        )
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, have {len(devices)}{hint}")
     return Mesh(np.array(devices[:tp]), (axis_name,))
 
 
@@ -112,24 +117,40 @@ class LLM:
       config: an ``EngineConfig``; ``**engine`` overrides its fields (``max_num_seqs=...``).
     """
 
-    def __init__(self, model: Any, *, tensor_parallel_size: int | None = None,
-                 tp: int | None = None, mesh: Mesh | None = None, dtype: Any = "auto",
-                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
-                 tokenizer: Any = None, seed: int | None = None, use_tqdm: bool = True,
-                 warmup: bool = False, config: EngineConfig | None = None,
-                 **engine: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tensor_parallel_size: int | None = None,
+        tp: int | None = None,
+        mesh: Mesh | None = None,
+        dtype: Any = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        tokenizer: Any = None,
+        seed: int | None = None,
+        use_tqdm: bool = True,
+        warmup: bool = False,
+        config: EngineConfig | None = None,
+        **engine: Any,
+    ) -> None:
         unknown = sorted(set(engine) - _ENGINE_FIELDS)
         if unknown:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"LLM config must be an EngineConfig, got {type(config).__name__}")
         if tp is not None and tensor_parallel_size is not None and tp != tensor_parallel_size:
-            raise ValueError(f"LLM tp={tp} and tensor_parallel_size={tensor_parallel_size} "
-                             f"disagree (tp is an alias)")
+            raise ValueError(
+                f"LLM tp={tp} and tensor_parallel_size={tensor_parallel_size} "
+                f"disagree (tp is an alias)"
+            )
         tp = tensor_parallel_size if tensor_parallel_size is not None else tp
         resolve.check_utilization(gpu_memory_utilization)
-        if tokenizer is not None and tokenizer is not False and not isinstance(
-                tokenizer, str | os.PathLike):
+        if (
+            tokenizer is not None
+            and tokenizer is not False
+            and not isinstance(tokenizer, str | os.PathLike)
+        ):
             check_tokenizer(tokenizer)
         bar = tqdm(total=3, desc="LLM: loading weights", disable=not use_tqdm, leave=False)
         with bar:
@@ -140,11 +161,14 @@ class LLM:
 
                 source = resolve.checkpoint_dir(model)
                 info = load_hf_config(source)
-                model = from_pretrained(source, make_mesh(mesh, tp),
-                                        resolve.param_dtype(dtype, info.torch_dtype))
+                model = from_pretrained(
+                    source, make_mesh(mesh, tp), resolve.param_dtype(dtype, info.torch_dtype)
+                )
             elif tp is not None or mesh is not None:
-                raise ValueError("tensor_parallel_size and mesh apply to a checkpoint; a model "
-                                 "brings its own mesh")
+                raise ValueError(
+                    "tensor_parallel_size and mesh apply to a checkpoint; a model "
+                    "brings its own mesh"
+                )
             elif dtype != "auto":
                 raise ValueError("dtype applies to a checkpoint; a model has its own")
             bar.update()
@@ -155,8 +179,9 @@ class LLM:
                 tokenizer = load_tokenizer(source)
             self.tokenizer = tokenizer or None
             self.model_path = source
-            engine_config = self._engine_config(model, config, engine, max_model_len, seed,
-                                                gpu_memory_utilization)
+            engine_config = self._engine_config(
+                model, config, engine, max_model_len, seed, gpu_memory_utilization
+            )
             self.engine = LLMEngine(model, engine_config, tokenizer=self.tokenizer)
             bar.update()
             if warmup:
@@ -168,23 +193,34 @@ class LLM:
         self._driver: asyncio.Task[None] | None = None
 
     @staticmethod
-    def _engine_config(model: Any, config: EngineConfig | None, engine: dict[str, Any],
-                       max_model_len: int | None, seed: int | None,
-                       utilization: float) -> EngineConfig:
+    def _engine_config(
+        model: Any,
+        config: EngineConfig | None,
+        engine: dict[str, Any],
+        max_model_len: int | None,
+        seed: int | None,
+        utilization: float,
+    ) -> EngineConfig:
         fields = {**(config.__dict__ if config is not None else {}), **engine}
         info = getattr(model, "hf_info", None)
         limit = None if info is None else info.max_position_embeddings
         fields["max_model_len"] = resolve.model_len(
-            max_model_len if max_model_len is not None else fields.get("max_model_len"), limit,
-            EngineConfig.max_model_len)
+            max_model_len if max_model_len is not None else fields.get("max_model_len"),
+            limit,
+            EngineConfig.max_model_len,
+        )
         if seed is not None:
             fields["seed"] = checks.at_least(seed, 0, "LLM seed")
         if "num_blocks" not in fields:
             probe = EngineConfig(**fields)
             mesh = model.mesh
             fields["num_blocks"] = resolve.cache_blocks(
-                list(mesh.devices.flat), model.config, probe,
-                model.embed.get_value().dtype, utilization)
+                list(mesh.devices.flat),
+                model.config,
+                probe,
+                model.embed.get_value().dtype,
+                utilization,
+            )
         return EngineConfig(**fields)
 
     # -- prompts -------------------------------------------------------------------------
@@ -201,12 +237,14 @@ class LLM:
             raise ValueError("messages need a tokenizer with a chat template (this LLM has none)")
         if not messages:
             raise ValueError("messages is empty")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _prepare(self, prompt: Any, params: SamplingParams | None,
-                 what: str) -> tuple[str | None, list[int], SamplingParams]:
+    def _prepare(
+        self, prompt: Any, params: SamplingParams | None, what: str
+    ) -> tuple[str | None, list[int], SamplingParams]:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -222,28 +260,38 @@ class LLM:
         ids, params = self.engine.check_request(prompt, params, what)
         return text, ids, params
 
-    def _prepare_all(self, prompts: Any, params: Any) -> list[tuple[str | None, list[int],
-                                                                    SamplingParams]]:
+    def _prepare_all(
+        self, prompts: Any, params: Any
+    ) -> list[tuple[str | None, list[int], SamplingParams]]:
         if isinstance(prompts, str | Mapping) or (
-                isinstance(prompts, Sequence) and prompts and
-                all(not isinstance(t, str | bytes | Sequence | np.ndarray | Mapping)
-                    for t in prompts)):
-            prompts = [prompts]                                 # one prompt
+            isinstance(prompts, Sequence)
+            and prompts
+            and all(
+                not isinstance(t, str | bytes | Sequence | np.ndarray | Mapping) for t in prompts
+            )
+        ):
+            prompts = [prompts]  # one prompt
         if isinstance(prompts, bytes) or not isinstance(prompts, Sequence | Iterator):
-            raise ValueError(f"prompts must be a string, token ids, a dict or a list of them, "
-                             f"got {type(prompts).__name__}")
+            raise ValueError(
+                f"prompts must be a string, token ids, a dict or a list of them, "
+                f"got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if not prompts:
             raise ValueError("no prompts: give at least one prompt")
         if isinstance(params, SamplingParams) or params is None:
             params = [params] * len(prompts)
         elif not isinstance(params, Sequence) or isinstance(params, str | bytes):
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
-                             f"{type(params).__name__}")
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(params).__name__}"
+            )
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return [self._prepare(p, sp, f"prompt {i}")
-                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        return [
+            self._prepare(p, sp, f"prompt {i}")
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
 
     # -- stepping ------------------------------------------------------------------------
     def _route(self, deltas: list[StreamDelta]) -> None:
@@ -268,18 +316,24 @@ class LLM:
             raise RequestFailed(f"{what} failed inside a step: {errors[0]}")
 
     # -- API -----------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Serve the prompts to the end; one ``RequestOutput`` per prompt, in order (each with
         ``n`` outputs). A request that failed inside a step raises ``RequestFailed``."""
         prepared = self._prepare_all(prompts, sampling_params)
         ids: list[str] = []
         try:
-            ids += [self.engine.add_request(tokens, sp, prompt=text)
-                    for text, tokens, sp in prepared]
-            with tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts",
-                      leave=False) as bar:
+            ids += [
+                self.engine.add_request(tokens, sp, prompt=text) for text, tokens, sp in prepared
+            ]
+            with tqdm(
+                total=len(ids), disable=not use_tqdm, desc="Processed prompts", leave=False
+            ) as bar:
                 left = set(ids)
                 while left:
                     self._route(self.engine.step())
@@ -287,21 +341,25 @@ class LLM:
                     bar.update(len(done))
                     left -= done
             outs = [self.engine.release(i) for i in ids]
-        finally:   # an error or an interrupt: nothing of this call stays in the engine
+        finally:  # an error or an interrupt: nothing of this call stays in the engine
             self.engine.abort_all(ids)
         for i, out in enumerate(outs):
             self._raise_failed(out, f"prompt {i}")
         return outs
 
-    def chat(self, messages: Sequence[Mapping[str, Any]],
-             sampling_params: SamplingParams | None = None, *,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """:meth:`generate` of one conversation rendered by :meth:`chat_prompt`."""
-        return self.generate({"prompt_token_ids": self.chat_prompt(messages)}, sampling_params,
-                             use_tqdm=use_tqdm)
+        return self.generate(
+            {"prompt_token_ids": self.chat_prompt(messages)}, sampling_params, use_tqdm=use_tqdm
+        )
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None
-               ) -> Iterator[StreamDelta]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield the request's :class:`StreamDelta` as each step makes a token (others' requests
         advance too); with ``n`` > 1 the samples' deltas interleave (``delta.index``). Closing
         the iterator early aborts the request."""
@@ -322,8 +380,9 @@ class LLM:
         finally:
             self._close(rid)
 
-    async def astream(self, prompt: Prompt, params: SamplingParams | None = None
-                      ) -> AsyncIterator[StreamDelta]:
+    async def astream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> AsyncIterator[StreamDelta]:
         """:meth:`stream` for asyncio: the steps run in a worker thread, so the event loop stays
         free; concurrent ``astream`` calls are served together."""
         text, tokens, params = self._prepare(prompt, params, "prompt")

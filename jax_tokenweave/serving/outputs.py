@@ -35,8 +35,7 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         """Time to first token."""
-        return None if self.first_token_time is None else self.first_token_time - \
-            self.arrival_time
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     def tpot(self, num_tokens: int) -> float | None:
         """Time per output token after the first (None with fewer than two tokens)."""
@@ -115,8 +114,9 @@ def vllm_logprobs(entries: list[TokenLogprob], tokenizer: Any) -> list[dict[int,
     decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: None)
     out = []
     for e in entries:
-        entry = {tok: Logprob(lp, rank, decode(tok)) for rank, (tok, lp) in
-                 enumerate(e.top, start=1)}
+        entry = {
+            tok: Logprob(lp, rank, decode(tok)) for rank, (tok, lp) in enumerate(e.top, start=1)
+        }
         if e.token_id not in entry:
             entry = {e.token_id: Logprob(e.logprob, None, decode(e.token_id)), **entry}
         out.append(entry)
@@ -159,7 +159,7 @@ class TextState:
         """Re-decode ``token_ids``; True where a stop string appeared (the text is cut)."""
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        self.text = text[:min(cuts)] if cuts else text
+        self.text = text[: min(cuts)] if cuts else text
         return bool(cuts)
 
     def delta(self, final: bool) -> str:
@@ -171,5 +171,5 @@ class TextState:
                 end = min(end, len(self.text) - 1)
         if end <= self.emitted:
             return ""
-        out, self.emitted = self.text[self.emitted:end], end
+        out, self.emitted = self.text[self.emitted : end], end
         return out

@@ -45,15 +45,17 @@ from jax_tokenweave.split import Half
 ATTENTION_IMPLS = ("auto", "cuda", "xla")
 
 
-def resolve_implementation(implementation: str, platform: str, dtype: jnp.dtype,
-                           head_dim: int, group: int) -> str:
+def resolve_implementation(
+    implementation: str, platform: str, dtype: jnp.dtype, head_dim: int, group: int
+) -> str:
     """``"cuda"`` or ``"xla"`` for ``implementation`` in :data:`ATTENTION_IMPLS`: ``"auto"``
     takes the CUDA kernels where they can run (:func:`attention_kernel.unavailable_reason` is
     None) and the pure-JAX loop elsewhere; an explicit ``"cuda"`` that cannot run raises
     ``ValueError`` with the reason."""
     if implementation not in ATTENTION_IMPLS:
-        raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLS}, got "
-                         f"{implementation!r}")
+        raise ValueError(
+            f"attention implementation must be one of {ATTENTION_IMPLS}, got {implementation!r}"
+        )
     if implementation == "xla":
         return "xla"
     why = attention_kernel.unavailable_reason(platform, dtype, head_dim, group)
@@ -64,10 +66,18 @@ def resolve_implementation(implementation: str, platform: str, dtype: jnp.dtype,
     return "xla"
 
 
-def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables: jax.Array,
-                    positions: jax.Array, *, tile: int, key_chunk: int,
-                    scale: float | None = None,
-                    implementation: str = "xla") -> tuple[jax.Array, jax.Array, jax.Array]:
+def paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    tables: jax.Array,
+    positions: jax.Array,
+    *,
+    tile: int,
+    key_chunk: int,
+    scale: float | None = None,
+    implementation: str = "xla",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal attention of query groups over their requests' paged K/V (module docstring).
 
     Args:
@@ -89,15 +99,20 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
     _, bs, kvh, _ = k_cache.shape
     groups, per_chunk = rows // tile, key_chunk // bs
     if rows % tile or tables.shape[0] != groups or key_chunk % bs:
-        raise ValueError(f"bad paged attention shapes: q {q.shape}, tile {tile}, tables "
-                         f"{tables.shape}, key_chunk {key_chunk}, block size {bs}")
+        raise ValueError(
+            f"bad paged attention shapes: q {q.shape}, tile {tile}, tables "
+            f"{tables.shape}, key_chunk {key_chunk}, block size {bs}"
+        )
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if implementation == "cuda":
-        return attention_kernel.paged_attention(q, k_cache, v_cache, tables, positions,
-                                                tile=tile, scale=scale)
+        return attention_kernel.paged_attention(
+            q, k_cache, v_cache, tables, positions, tile=tile, scale=scale
+        )
     if implementation != "xla":
-        raise ValueError(f"paged_attention: implementation must be 'xla' or 'cuda' (resolve "
-                         f"'auto' with resolve_implementation), got {implementation!r}")
+        raise ValueError(
+            f"paged_attention: implementation must be 'xla' or 'cuda' (resolve "
+            f"'auto' with resolve_implementation), got {implementation!r}"
+        )
     qg = q.reshape(groups, tile, kvh, hq // kvh, d)
     pos = positions.reshape(groups, tile)
     stat_shape = (groups, tile, kvh, hq // kvh)
@@ -107,9 +122,13 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
         blocks = jax.lax.dynamic_slice_in_dim(tables, c * per_chunk, per_chunk, axis=1)
         keys = k_cache[blocks].reshape(groups, key_chunk, kvh, d)
         values = v_cache[blocks].reshape(groups, key_chunk, kvh, d)
-        s = jnp.einsum("ntkgd,nckd->ntkgc", qg, keys.astype(q.dtype),
-                       preferred_element_type=jnp.float32) * scale
-        visible = c * key_chunk + jnp.arange(key_chunk) <= pos[:, :, None]   # [G, tile, C]
+        s = (
+            jnp.einsum(
+                "ntkgd,nckd->ntkgc", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32
+            )
+            * scale
+        )
+        visible = c * key_chunk + jnp.arange(key_chunk) <= pos[:, :, None]  # [G, tile, C]
         s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -117,15 +136,20 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, tables
         correction = jnp.exp(m - m_safe)
         total = total * correction + p.sum(axis=-1)
         acc = acc * correction[..., None] + jnp.einsum(
-            "ntkgc,nckd->ntkgd", p.astype(v_cache.dtype), values,
-            preferred_element_type=jnp.float32)
+            "ntkgc,nckd->ntkgd", p.astype(v_cache.dtype), values, preferred_element_type=jnp.float32
+        )
         # Not a pass-through: XLA would forward it and see the loop's read beside a later
         # write of the same buffer (module docstring).
         k_cache, v_cache = jax.lax.optimization_barrier((k_cache, v_cache))
         return m_new, total, acc, k_cache, v_cache
 
-    init = (jnp.full(stat_shape, -jnp.inf, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
-            jnp.zeros((*stat_shape, d), jnp.float32), k_cache, v_cache)
+    init = (
+        jnp.full(stat_shape, -jnp.inf, jnp.float32),
+        jnp.zeros(stat_shape, jnp.float32),
+        jnp.zeros((*stat_shape, d), jnp.float32),
+        k_cache,
+        v_cache,
+    )
     num_chunks = jnp.max(positions) // key_chunk + 1
     _, total, acc, k_cache, v_cache = jax.lax.fori_loop(0, num_chunks, body, init)
     out = acc / jnp.where(total > 0, total, 1.0)[..., None]
@@ -142,10 +166,20 @@ class PagedAttention:
     ``implementation``: ``"xla"`` or ``"cuda"`` (:func:`paged_attention`).
     """
 
-    def __init__(self, k: Sequence[jax.Array], v: Sequence[jax.Array], halves: Sequence[Half],
-                 slots: jax.Array, positions: jax.Array, tables: jax.Array, *,
-                 decode_rows: int, tile: int, key_chunk: int,
-                 implementation: str = "xla") -> None:
+    def __init__(
+        self,
+        k: Sequence[jax.Array],
+        v: Sequence[jax.Array],
+        halves: Sequence[Half],
+        slots: jax.Array,
+        positions: jax.Array,
+        tables: jax.Array,
+        *,
+        decode_rows: int,
+        tile: int,
+        key_chunk: int,
+        implementation: str = "xla",
+    ) -> None:
         self.k, self.v = list(k), list(v)
         self.halves = tuple(halves)
         self.slots, self.positions, self.tables = slots, positions, tables
@@ -153,8 +187,9 @@ class PagedAttention:
         self.implementation = implementation
         # Padding decode rows (their slot is past the cache) attend to nothing: position -1.
         num_slots = self.k[0].shape[0] * self.k[0].shape[1]
-        self.decode_positions = jnp.where(slots[:decode_rows] < num_slots,
-                                          positions[:decode_rows], -1)
+        self.decode_positions = jnp.where(
+            slots[:decode_rows] < num_slots, positions[:decode_rows], -1
+        )
 
     @property
     def fuses_rope(self) -> bool:
@@ -162,40 +197,52 @@ class PagedAttention:
         (:meth:`rope_and_attend`; ``stack.run_stack`` calls it)."""
         return self.implementation == "cuda"
 
-    def __call__(self, layer: int, j: int, q: jax.Array, k: jax.Array,
-                 v: jax.Array) -> jax.Array:
+    def __call__(self, layer: int, j: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         lo, hi = self.halves[j].start, self.halves[j].end
         self.k[layer] = paged_cache.write(self.k[layer], self.slots[lo:hi], k)
         self.v[layer] = paged_cache.write(self.v[layer], self.slots[lo:hi], v)
         return self._attend(layer, lo, hi, q)
 
-    def rope_and_attend(self, layer: int, j: int, qkv: jax.Array, nq: int,
-                        inv_freq: np.ndarray) -> jax.Array:
+    def rope_and_attend(
+        self, layer: int, j: int, qkv: jax.Array, nq: int, inv_freq: np.ndarray
+    ) -> jax.Array:
         """As ``__call__``, from the projection's heads before RoPE (``qkv`` [T_j, heads, D],
         q's ``nq`` first): RoPE and the K/V write in one CUDA kernel
         (``attention_kernel.rope_cache_write``), then the attention."""
         lo, hi = self.halves[j].start, self.halves[j].end
         q, self.k[layer], self.v[layer] = attention_kernel.rope_cache_write(
-            qkv, self.positions[lo:hi], self.slots[lo:hi], inv_freq, self.k[layer],
-            self.v[layer], num_q_heads=nq)
+            qkv,
+            self.positions[lo:hi],
+            self.slots[lo:hi],
+            inv_freq,
+            self.k[layer],
+            self.v[layer],
+            num_q_heads=nq,
+        )
         return self._attend(layer, lo, hi, q)
 
     def _attend(self, layer: int, lo: int, hi: int, q: jax.Array) -> jax.Array:
         """Rows [lo, hi) of the step attend over layer ``layer``'s cache (written)."""
         d, tile = self.decode_rows, self.tile
         parts = []
-        for a, b, size, first_group in ((lo, min(hi, d), 1, lo),
-                                        (max(lo, d), hi, tile, d + (max(lo, d) - d) // tile)):
+        for a, b, size, first_group in (
+            (lo, min(hi, d), 1, lo),
+            (max(lo, d), hi, tile, d + (max(lo, d) - d) // tile),
+        ):
             if a >= b:
                 continue
             if (a - d) % size or (b - a) % size:
                 raise ValueError(f"rows [{a}, {b}) cut a tile of {size} rows")
             groups = (b - a) // size
             out, self.k[layer], self.v[layer] = paged_attention(
-                q[a - lo:b - lo], self.k[layer], self.v[layer],
-                self.tables[first_group:first_group + groups],
+                q[a - lo : b - lo],
+                self.k[layer],
+                self.v[layer],
+                self.tables[first_group : first_group + groups],
                 self.decode_positions[a:b] if size == 1 else self.positions[a:b],
-                tile=size, key_chunk=self.key_chunk, implementation=self.implementation)
+                tile=size,
+                key_chunk=self.key_chunk,
+                implementation=self.implementation,
+            )
             parts.append(out)
         return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-

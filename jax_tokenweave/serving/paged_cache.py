@@ -44,18 +44,27 @@ def cache_spec(axis_name: str = "tp") -> PartitionSpec:
     return PartitionSpec(None, None, axis_name, None)
 
 
-def init_paged_cache(config: DecoderConfig, mesh: Mesh, num_blocks: int, block_size: int,
-                     dtype: jnp.dtype, axis_name: str = "tp") -> PagedKVCache:
+def init_paged_cache(
+    config: DecoderConfig,
+    mesh: Mesh,
+    num_blocks: int,
+    block_size: int,
+    dtype: jnp.dtype,
+    axis_name: str = "tp",
+) -> PagedKVCache:
     """A zeroed cache of ``num_blocks`` blocks of ``block_size`` positions per layer."""
     if num_blocks < 1 or block_size < 1:
-        raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
-                         f"{block_size}")
+        raise ValueError(
+            f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+        )
     config.check_tensor_parallel(mesh.shape[axis_name])
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype),
-                    out_shardings=NamedSharding(mesh, cache_spec(axis_name)))
-    return PagedKVCache([zeros() for _ in range(config.num_layers)],
-                        [zeros() for _ in range(config.num_layers)])
+    zeros = jax.jit(
+        lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, cache_spec(axis_name))
+    )
+    return PagedKVCache(
+        [zeros() for _ in range(config.num_layers)], [zeros() for _ in range(config.num_layers)]
+    )
 
 
 def write(cache: jax.Array, slots: jax.Array, values: jax.Array) -> jax.Array:

@@ -29,10 +29,15 @@ class Sample:
         """The sample's ``CompletionOutput`` so far."""
         lps = None if self.logprobs is None else list(self.logprobs)
         return CompletionOutput(
-            self.seq.index, None if self.text is None else self.text.text,
-            list(self.seq.output), None if lps is None else float(sum(e.logprob for e in lps)),
-            None if lps is None else vllm_logprobs(lps, tokenizer), self.seq.finish_reason, lps,
-            self.error)
+            self.seq.index,
+            None if self.text is None else self.text.text,
+            list(self.seq.output),
+            None if lps is None else float(sum(e.logprob for e in lps)),
+            None if lps is None else vllm_logprobs(lps, tokenizer),
+            self.seq.finish_reason,
+            lps,
+            self.error,
+        )
 
 
 @dataclasses.dataclass(eq=False)

@@ -28,8 +28,13 @@ from jax_tokenweave.hf.errors import CheckpointError
 from jax_tokenweave.util import ceil_div
 
 CPU_CACHE_BYTES = 1 << 30
-TORCH_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "half": jnp.float16,
-                "float32": jnp.float32, "float": jnp.float32}
+TORCH_DTYPES = {
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "half": jnp.float16,
+    "float32": jnp.float32,
+    "float": jnp.float32,
+}
 
 
 def checkpoint_dir(model: str | os.PathLike) -> str:
@@ -38,7 +43,7 @@ def checkpoint_dir(model: str | os.PathLike) -> str:
     path = os.fspath(model)
     if os.path.isdir(path):
         return path
-    if path.startswith((".", "/", "~")) or path.count("/") > 1:   # a path, not an org/name id
+    if path.startswith((".", "/", "~")) or path.count("/") > 1:  # a path, not an org/name id
         raise CheckpointError(f"checkpoint directory does not exist: {path}")
     from huggingface_hub import snapshot_download
 
@@ -50,7 +55,8 @@ def checkpoint_dir(model: str | os.PathLike) -> str:
         raise CheckpointError(
             f"{path!r} is not a checkpoint directory, and not a model in the local Hugging Face "
             f"cache ({HF_HUB_CACHE}); models are not downloaded here: fetch it first "
-            f"(hf download {path}) or pass a directory ({type(err).__name__})") from None
+            f"(hf download {path}) or pass a directory ({type(err).__name__})"
+        ) from None
 
 
 def param_dtype(dtype: Any, torch_dtype: str | None) -> Any:
@@ -60,8 +66,9 @@ def param_dtype(dtype: Any, torch_dtype: str | None) -> Any:
         name = name.removeprefix("torch.")
         if name not in TORCH_DTYPES:
             what = f"the checkpoint's torch_dtype {name!r}" if dtype == "auto" else repr(dtype)
-            raise ValueError(f"LLM dtype: {what} is not one of 'auto', "
-                             f"{', '.join(map(repr, TORCH_DTYPES))}")
+            raise ValueError(
+                f"LLM dtype: {what} is not one of 'auto', {', '.join(map(repr, TORCH_DTYPES))}"
+            )
         return TORCH_DTYPES[name]
     return dtype
 
@@ -75,36 +82,51 @@ def model_len(max_model_len: int | None, limit: int | None, default: int) -> int
         return limit if limit is not None else default
     max_model_len = checks.at_least(max_model_len, 2, "LLM max_model_len")
     if limit is not None and max_model_len > limit:
-        raise ValueError(f"LLM max_model_len={max_model_len} exceeds the model's "
-                         f"max_position_embeddings ({limit})")
+        raise ValueError(
+            f"LLM max_model_len={max_model_len} exceeds the model's "
+            f"max_position_embeddings ({limit})"
+        )
     return max_model_len
 
 
 def block_bytes(model_config: Any, block_size: int, tp: int, dtype: Any) -> int:
     """Bytes of one KV cache block on each device (K and V of every layer, its KV heads)."""
     heads = ceil_div(model_config.num_kv_heads, tp)
-    return (2 * model_config.num_layers * block_size * heads * model_config.head_dim
-            * jnp.dtype(dtype).itemsize)
+    return (
+        2
+        * model_config.num_layers
+        * block_size
+        * heads
+        * model_config.head_dim
+        * jnp.dtype(dtype).itemsize
+    )
 
 
 def activation_reserve(model_config: Any, tokens: int, tp: int) -> int:
     """A generous bound on one step's activation bytes on a device: float32 hidden states,
     q/k/v, the MLP's intermediate and the logits of ``tokens`` rows, four times over."""
-    per_row = (4 * model_config.hidden_size + 3 * model_config.intermediate_size // tp
-               + model_config.vocab_size // tp)
+    per_row = (
+        4 * model_config.hidden_size
+        + 3 * model_config.intermediate_size // tp
+        + model_config.vocab_size // tp
+    )
     return 4 * 4 * tokens * per_row
 
 
 def check_utilization(utilization: Any) -> float:
     """``gpu_memory_utilization`` in (0, 1] (``ValueError`` naming it else)."""
-    if not (isinstance(utilization, int | float) and not isinstance(utilization, bool)
-            and 0 < utilization <= 1):
+    if not (
+        isinstance(utilization, int | float)
+        and not isinstance(utilization, bool)
+        and 0 < utilization <= 1
+    ):
         raise ValueError(f"LLM gpu_memory_utilization must be in (0, 1], got {utilization!r}")
     return float(utilization)
 
 
-def cache_blocks(devices: Any, model_config: Any, engine: Any, dtype: Any,
-                 utilization: float) -> int:
+def cache_blocks(
+    devices: Any, model_config: Any, engine: Any, dtype: Any, utilization: float
+) -> int:
     """Blocks for a cache of ``utilization`` of the devices' memory (module docstring)."""
     check_utilization(utilization)
     tp = len(devices)
@@ -115,12 +137,15 @@ def cache_blocks(devices: Any, model_config: Any, engine: Any, dtype: Any,
         fit = max(CPU_CACHE_BYTES // per_block, request_blocks)
         return int(min(engine.max_num_seqs * request_blocks, fit))
     reserve = activation_reserve(model_config, engine.max_num_batched_tokens, tp)
-    free = min(math.floor(s["bytes_limit"] * utilization) - s.get("bytes_in_use", 0) - reserve
-               for s in stats)
+    free = min(
+        math.floor(s["bytes_limit"] * utilization) - s.get("bytes_in_use", 0) - reserve
+        for s in stats
+    )
     blocks = free // per_block
     if blocks < request_blocks:
         raise ValueError(
             f"gpu_memory_utilization={utilization} leaves room for {max(blocks, 0)} KV cache "
             f"blocks, fewer than one request of max_model_len={engine.max_model_len} needs "
-            f"({request_blocks}); raise gpu_memory_utilization or lower max_model_len")
+            f"({request_blocks}); raise gpu_memory_utilization or lower max_model_len"
+        )
     return int(blocks)

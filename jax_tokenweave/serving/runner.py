@@ -78,32 +78,50 @@ class ModelRunner:
         self.tp = self.mesh.shape[self.axis_name]
         self.graphdef, self.state = nnx.split(model)
         self._leaves, self._state_def = jax.tree_util.tree_flatten(self.state)
-        self.cache = init_paged_cache(self.model_config, self.mesh, config.num_blocks,
-                                      config.block_size, model.embed.get_value().dtype,
-                                      self.axis_name)
-        self.no_tokens = jax.device_put(np.zeros(config.max_num_seqs, np.int32),
-                                        NamedSharding(self.mesh, P()))
+        self.cache = init_paged_cache(
+            self.model_config,
+            self.mesh,
+            config.num_blocks,
+            config.block_size,
+            model.embed.get_value().dtype,
+            self.axis_name,
+        )
+        self.no_tokens = jax.device_put(
+            np.zeros(config.max_num_seqs, np.int32), NamedSharding(self.mesh, P())
+        )
         self.model_type = f"{type(model).__module__}.{type(model).__qualname__}"
         self.platform = str(self.mesh.devices.flat[0].platform)
         self.executable_cache = ExecutableCache(
-            None if config.compilation_cache_dir is None else
-            os.path.join(os.path.expanduser(config.compilation_cache_dir), exe_cache.SUBDIR))
-        self._executables: dict[batch_lib.StepLayout, Any] = {}   # warmed-up forwards
+            None
+            if config.compilation_cache_dir is None
+            else os.path.join(os.path.expanduser(config.compilation_cache_dir), exe_cache.SUBDIR)
+        )
+        self._executables: dict[batch_lib.StepLayout, Any] = {}  # warmed-up forwards
         self._samplers: dict[tuple[int, str, int], Any] = {}  # (rows, sampler, logprobs)
 
     def _static(self, layout: batch_lib.StepLayout) -> dict[str, Any]:
         cfg = self.config
-        return dict(graphdef=self.graphdef, layout=layout, schedule=cfg.schedule, comm=cfg.comm,
-                    key_chunk=cfg.key_chunk, tuning=cfg.tuning, attention=cfg.attention,
-                    state_def=self._state_def)
+        return dict(
+            graphdef=self.graphdef,
+            layout=layout,
+            schedule=cfg.schedule,
+            comm=cfg.comm,
+            key_chunk=cfg.key_chunk,
+            tuning=cfg.tuning,
+            attention=cfg.attention,
+            state_def=self._state_def,
+        )
 
-    def pack(self, scheduled: ScheduledStep) -> tuple[batch_lib.StepLayout,
-                                                      batch_lib.StepArrays]:
+    def pack(self, scheduled: ScheduledStep) -> tuple[batch_lib.StepLayout, batch_lib.StepArrays]:
         """The step's layout and host arrays (``batch.pack``)."""
         return batch_lib.pack(scheduled, self.config, self.model_config, self.tp)
 
-    def run(self, layout: batch_lib.StepLayout, arrays: batch_lib.StepArrays,
-            prev_tokens: jax.Array | None = None) -> StepOutputs:
+    def run(
+        self,
+        layout: batch_lib.StepLayout,
+        arrays: batch_lib.StepArrays,
+        prev_tokens: jax.Array | None = None,
+    ) -> StepOutputs:
         """Dispatch the step (no wait): the forward program, then the sampler program the host
         picks (greedy where no sampled row draws; log-probabilities only where one asked).
         The cache is replaced by the step's. Returns its device outputs. ``prev_tokens``: the
@@ -111,8 +129,9 @@ class ModelRunner:
         prev = self.no_tokens if prev_tokens is None else prev_tokens
         program = self._executables.get(layout)
         if program is None:
-            logits, self.cache = jitted_forward(self._leaves, self.cache, arrays, prev,
-                                                **self._static(layout))
+            logits, self.cache = jitted_forward(
+                self._leaves, self.cache, arrays, prev, **self._static(layout)
+            )
         else:
             logits, self.cache = program(self._leaves, self.cache, arrays, prev)
         sampler = "sample" if np.any(np.asarray(arrays.temperature) > 0) else "greedy"
@@ -121,20 +140,27 @@ class ModelRunner:
         compiled = self._samplers.get((layout.samples, sampler, logprobs))
         if compiled is not None:
             return compiled(logits, *settings, prev)
-        return jitted_sampler(logits, *settings, prev, sampler=sampler, num_logprobs=logprobs,
-                              mesh=self.mesh)
+        return jitted_sampler(
+            logits, *settings, prev, sampler=sampler, num_logprobs=logprobs, mesh=self.mesh
+        )
 
-    def dispatch(self, scheduled: ScheduledStep, arrays: tuple[batch_lib.StepLayout,
-                                                               batch_lib.StepArrays],
-                 previous: InFlight | None = None) -> InFlight:
+    def dispatch(
+        self,
+        scheduled: ScheduledStep,
+        arrays: tuple[batch_lib.StepLayout, batch_lib.StepArrays],
+        previous: InFlight | None = None,
+    ) -> InFlight:
         """Dispatch a packed step (``arrays``: :meth:`pack`'s) whose decodes may take tokens
         from ``previous`` (the step dispatched before it); starts copying its tokens to the
         host."""
         layout, host = arrays
         outputs = self.run(layout, host, None if previous is None else previous.outputs.tokens)
         want = bool(host.want_logprobs)
-        for leaf in ((outputs.tokens, outputs.logprob, outputs.top_logprobs, outputs.top_ids)
-                     if want else (outputs.tokens,)):
+        for leaf in (
+            (outputs.tokens, outputs.logprob, outputs.top_logprobs, outputs.top_ids)
+            if want
+            else (outputs.tokens,)
+        ):
             leaf.copy_to_host_async()
         return InFlight(scheduled, layout, outputs, want)
 
@@ -152,11 +178,17 @@ class ModelRunner:
         """Every step layout this configuration can produce."""
         cfg, tile = self.config, self.config.prefill_tile
         budget = cfg.max_num_batched_tokens
-        ladder = sorted({min(next_pow2(n), budget) for n in
-                         (tile << i for i in range(budget.bit_length() + 1))} | {budget})
+        ladder = sorted(
+            {min(next_pow2(n), budget) for n in (tile << i for i in range(budget.bit_length() + 1))}
+            | {budget}
+        )
         decodes = sorted({0} | {decode_rows(n, tile) for n in range(1, cfg.max_num_seqs + 1)})
-        return [batch_lib.make_layout(d, r, cfg, self.model_config, self.tp)
-                for d in decodes for r in ladder if r >= max(d, tile) and r - d <= budget - d]
+        return [
+            batch_lib.make_layout(d, r, cfg, self.model_config, self.tp)
+            for d in decodes
+            for r in ladder
+            if r >= max(d, tile) and r - d <= budget - d
+        ]
 
     def warmup(self, workers: int | None = None, progress: bool = False) -> WarmupReport:
         """Make every layout's program (afterwards no step compiles): load it from the
@@ -167,9 +199,12 @@ class ModelRunner:
         layouts = self.layouts()
         args = {layout: self.padding_args(layout) for layout in layouts}
         cache = self.executable_cache
-        keys = ({layout: self.program_key(layout, args[layout]) for layout in layouts}
-                if cache.enabled else {})
-        out_tree = jax.tree_util.tree_structure((0, self.cache))   # (logits, cache)
+        keys = (
+            {layout: self.program_key(layout, args[layout]) for layout in layouts}
+            if cache.enabled
+            else {}
+        )
+        out_tree = jax.tree_util.tree_structure((0, self.cache))  # (logits, cache)
         bar = tqdm(total=len(layouts), desc="warm-up", unit="layout", disable=not progress)
         counts = {"loaded": 0, "compiled": 0}
         lock = threading.Lock()
@@ -184,34 +219,52 @@ class ModelRunner:
         def compile_and_store(layout: batch_lib.StepLayout, lowered: Any) -> None:
             program, unstorable = exe_cache.compile_to_store(lowered, self.platform)
             if layout in keys and program.out_tree != out_tree:  # a load would rebuild a
-                cache.disable(f"the step's output tree {program.out_tree} is not the "  # wrong
-                              f"expected {out_tree}")                                  # tree
-            elif (layout in keys and unstorable is None
-                  and exe_cache.process_local_reason(program) is None):
+                cache.disable(
+                    f"the step's output tree {program.out_tree} is not the "  # wrong
+                    f"expected {out_tree}"
+                )  # tree
+            elif (
+                layout in keys
+                and unstorable is None
+                and exe_cache.process_local_reason(program) is None
+            ):
                 cache.store(keys[layout], program)
             done(layout, program, "compiled")
 
         with bar, concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             missing = layouts
             if keys:
-                exe_cache.register_ffi_targets()        # before XLA loads programs naming them
-                found = list(pool.map(lambda layout: cache.load(
-                    keys[layout], args[layout], out_tree, list(self.mesh.devices.flat)),
-                    layouts))
+                exe_cache.register_ffi_targets()  # before XLA loads programs naming them
+                found = list(
+                    pool.map(
+                        lambda layout: cache.load(
+                            keys[layout], args[layout], out_tree, list(self.mesh.devices.flat)
+                        ),
+                        layouts,
+                    )
+                )
                 for layout, program in zip(layouts, found, strict=True):
                     if program is not None:
                         done(layout, program, "loaded")
                 missing = [layout for layout, p in zip(layouts, found, strict=True) if p is None]
-            futures = [pool.submit(compile_and_store, layout, jitted_forward.lower(
-                *args[layout], **self._static(layout))) for layout in missing]
+            futures = [
+                pool.submit(
+                    compile_and_store,
+                    layout,
+                    jitted_forward.lower(*args[layout], **self._static(layout)),
+                )
+                for layout in missing
+            ]
             for future in futures:
                 future.result()
             self._warm_samplers(pool, args)
-        return WarmupReport(len(layouts), counts["loaded"], counts["compiled"],
-                            time.perf_counter() - start)
+        return WarmupReport(
+            len(layouts), counts["loaded"], counts["compiled"], time.perf_counter() - start
+        )
 
-    def _warm_samplers(self, pool: concurrent.futures.Executor,
-                       args: dict[batch_lib.StepLayout, tuple[Any, ...]]) -> None:
+    def _warm_samplers(
+        self, pool: concurrent.futures.Executor, args: dict[batch_lib.StepLayout, tuple[Any, ...]]
+    ) -> None:
         """Make the sampler programs every warmed-up layout may pick: per sampled-row count,
         greedy or drawn, with log-probabilities or not, on the forward program's logits
         (shape, dtype, sharding from its ``out_info``); loaded from the executable cache, else
@@ -225,17 +278,29 @@ class ModelRunner:
                 for logprobs in sorted({0, self.config.max_logprobs}):
                     which = (layout.samples, sampler, logprobs)
                     if which not in self._samplers:
-                        wanted[which] = inputs, {"sampler": sampler, "num_logprobs": logprobs,
-                                                  "mesh": self.mesh}
+                        wanted[which] = (
+                            inputs,
+                            {"sampler": sampler, "num_logprobs": logprobs, "mesh": self.mesh},
+                        )
 
         def make(inputs: tuple[Any, ...], static: dict[str, Any]) -> Any:
-            key = exe_cache.program_key(
-                {"function": f"{jitted_sampler.__module__}.sample_step", "static": static,
-                 "inputs": exe_cache.describe_args(inputs)}, devices) if cache.enabled else None
+            key = (
+                exe_cache.program_key(
+                    {
+                        "function": f"{jitted_sampler.__module__}.sample_step",
+                        "static": static,
+                        "inputs": exe_cache.describe_args(inputs),
+                    },
+                    devices,
+                )
+                if cache.enabled
+                else None
+            )
             program = None if key is None else cache.load(key, inputs, out_tree, devices)
             if program is None:
                 program, unstorable = exe_cache.compile_to_store(
-                    jitted_sampler.lower(*inputs, **static), self.platform)
+                    jitted_sampler.lower(*inputs, **static), self.platform
+                )
                 if key is not None and unstorable is None:
                     cache.store(key, program)
             return program
@@ -246,8 +311,12 @@ class ModelRunner:
     def padding_args(self, layout: batch_lib.StepLayout) -> tuple[Any, ...]:
         """The forward program's arguments for ``layout`` with padding rows only (what warm-up
         compiles with): the state's leaves, the cache, the arrays, the previous tokens."""
-        return (self._leaves, self.cache, batch_lib.pack_padding(layout, self.config),
-                self.no_tokens)
+        return (
+            self._leaves,
+            self.cache,
+            batch_lib.pack_padding(layout, self.config),
+            self.no_tokens,
+        )
 
     def program_key(self, layout: batch_lib.StepLayout, args: tuple[Any, ...]) -> str:
         """The executable cache's key of ``layout``'s program on ``args`` (state, cache,
@@ -257,12 +326,15 @@ class ModelRunner:
         static = {k: repr(v) for k, v in self._static(layout).items() if k != "graphdef"}
         return exe_cache.program_key(
             {**self._model_key, "static": static, "inputs": exe_cache.describe_args(args)},
-            self.mesh.devices.flat)
+            self.mesh.devices.flat,
+        )
 
     @functools.cached_property
     def _model_key(self) -> dict[str, Any]:
-        return {"function": f"{jitted_forward.__module__}.{jitted_forward.__name__}",
-                "compiler_options": STEP_COMPILER_OPTIONS, "model_type": self.model_type,
-                "model_config": repr(self.model_config),
-                "graphdef": [repr(self.graphdef), repr(getattr(self.graphdef, "attributes",
-                                                               None))]}
+        return {
+            "function": f"{jitted_forward.__module__}.{jitted_forward.__name__}",
+            "compiler_options": STEP_COMPILER_OPTIONS,
+            "model_type": self.model_type,
+            "model_config": repr(self.model_config),
+            "graphdef": [repr(self.graphdef), repr(getattr(self.graphdef, "attributes", None))],
+        }

@@ -18,8 +18,14 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature: jax.Array,
-           top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+def sample(
+    logits: jax.Array,
+    seeds: jax.Array,
+    counters: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+) -> jax.Array:
     """One token per row of ``logits`` [S, V]; the other arguments are [S]. Returns int32 [S].
 
     Sampling rows draw from ``softmax(logits / temperature)`` restricted to the ``top_k`` most
@@ -35,7 +41,7 @@ def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature
     k = jnp.asarray(top_k, jnp.int32)[:, None]
     in_top_k = (k <= 0) | (rank < k)
     probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs          # mass ranked above
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass ranked above
     keep = in_top_k & (before < jnp.asarray(top_p, jnp.float32)[:, None])
     keep = keep.at[:, 0].set(True)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
@@ -44,8 +50,9 @@ def sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array, temperature
     return jnp.where(temperature <= 0.0, greedy(logits), sampled)
 
 
-def logprobs(logits: jax.Array, tokens: jax.Array,
-             num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def logprobs(
+    logits: jax.Array, tokens: jax.Array, num_top: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the model's distribution (``log_softmax(logits)``, no temperature):
     of ``tokens`` [S] -> [S], and the ``num_top`` largest -> values [S, K], ids int32 [S, K]."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -61,35 +61,50 @@ class SamplingParams:
         set_("n", checks.at_least(self.n, 1, "SamplingParams.n"))
         set_("temperature", _real(self.temperature, "temperature"))
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX):
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 "
-                             f"(0 = greedy), got {self.temperature!r}")
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0 "
+                f"(0 = greedy), got {self.temperature!r}"
+            )
         set_("top_p", _real(self.top_p, "top_p"))
         if not 0 < self.top_p <= 1:  # NaN fails both comparisons
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         set_("top_k", checks.integer(self.top_k, "SamplingParams.top_k"))
         if not -1 <= self.top_k <= INT32_MAX:
-            raise ValueError(f"SamplingParams.top_k must be in [1, {INT32_MAX}], or 0 / -1 for "
-                             f"all tokens, got {self.top_k}")
+            raise ValueError(
+                f"SamplingParams.top_k must be in [1, {INT32_MAX}], or 0 / -1 for "
+                f"all tokens, got {self.top_k}"
+            )
         if self.seed is not None:
             set_("seed", checks.integer(self.seed, "SamplingParams.seed"))
             if not 0 <= self.seed <= UINT32_MAX:
-                raise ValueError(f"SamplingParams.seed must be in [0, {UINT32_MAX}], got "
-                                 f"{self.seed}")
+                raise ValueError(
+                    f"SamplingParams.seed must be in [0, {UINT32_MAX}], got {self.seed}"
+                )
         set_("max_tokens", checks.at_least(self.max_tokens, 1, "SamplingParams.max_tokens"))
         if self.max_tokens > INT32_MAX:
-            raise ValueError(f"SamplingParams.max_tokens must be <= {INT32_MAX}, got "
-                             f"{self.max_tokens}")
-        set_("stop_token_ids", tuple(checks.at_least(t, 0, "SamplingParams.stop_token_ids entry")
-                                     for t in _sequence(self.stop_token_ids, "stop_token_ids")))
-        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else \
-            _sequence(self.stop, "stop")
+            raise ValueError(
+                f"SamplingParams.max_tokens must be <= {INT32_MAX}, got {self.max_tokens}"
+            )
+        set_(
+            "stop_token_ids",
+            tuple(
+                checks.at_least(t, 0, "SamplingParams.stop_token_ids entry")
+                for t in _sequence(self.stop_token_ids, "stop_token_ids")
+            ),
+        )
+        stop = (
+            ()
+            if self.stop is None
+            else (self.stop,)
+            if isinstance(self.stop, str)
+            else _sequence(self.stop, "stop")
+        )
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {s!r}")
         set_("stop", tuple(stop))
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got "
-                             f"{self.ignore_eos!r}")
+            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             set_("logprobs", checks.at_least(self.logprobs, 0, "SamplingParams.logprobs"))
 

@@ -54,18 +54,19 @@ class Sequence:
     params: SamplingParams
     seed: int
     stop_ids: frozenset[int]
-    index: int = 0                  # which sample of its request (SamplingParams.n)
+    index: int = 0  # which sample of its request (SamplingParams.n)
     output: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0
     blocks: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     num_pending: int = 0
     in_flight: int = 0
-    sample_step: int = -1           # serial of the last step that samples it,
-    sample_step_index: int = -1     # and its index among that step's sampled requests
+    sample_step: int = -1  # serial of the last step that samples it,
+    sample_step_index: int = -1  # and its index among that step's sampled requests
     _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
-    _table: tuple[list[int], np.ndarray] | None = dataclasses.field(default=None, init=False,
-                                                                      repr=False)
+    _table: tuple[list[int], np.ndarray] | None = dataclasses.field(
+        default=None, init=False, repr=False
+    )
 
     def prompt_array(self) -> np.ndarray:
         """The prompt as int32 [len(prompt)] (made once)."""
@@ -79,7 +80,7 @@ class Sequence:
         cached = self._table
         if cached is None or cached[0] is not self.blocks or cached[1].shape[0] != width:
             row = np.zeros(width, np.int32)
-            row[:len(self.blocks)] = self.blocks
+            row[: len(self.blocks)] = self.blocks
             self._table = cached = (self.blocks, row)
         return cached[1]
 
@@ -155,19 +156,23 @@ class Scheduler:
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
-        self.deferred: set[Sequence] = set()    # finished, blocks held by unprocessed steps
-        self._serial = 0                        # non-empty steps scheduled
+        self.deferred: set[Sequence] = set()  # finished, blocks held by unprocessed steps
+        self._serial = 0  # non-empty steps scheduled
 
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """``ValueError`` where a request of this size (``n`` samples) could never run."""
         cfg, needed = self.config, prompt_len + max_tokens - 1
         if prompt_len + max_tokens > cfg.max_model_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({cfg.max_model_len})")
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({cfg.max_model_len})"
+            )
         blocks = self.allocator.blocks_for(needed) * n
         if blocks > cfg.num_blocks:
-            raise ValueError(f"the request needs {blocks} KV cache blocks of {cfg.block_size} "
-                             f"positions but the cache has only {cfg.num_blocks} (num_blocks)")
+            raise ValueError(
+                f"the request needs {blocks} KV cache blocks of {cfg.block_size} "
+                f"positions but the cache has only {cfg.num_blocks} (num_blocks)"
+            )
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (``ValueError`` where it could never fit, see :meth:`check_fits`)."""
@@ -208,12 +213,19 @@ class Scheduler:
         sources = []
         for seq in decodes:
             if seq.num_pending and seq.sample_step != self._serial - 1:
-                raise RuntimeError(f"request {seq.request_id!r}: its input token is in flight "
-                                   f"from a step before the previous one")
+                raise RuntimeError(
+                    f"request {seq.request_id!r}: its input token is in flight "
+                    f"from a step before the previous one"
+                )
             sources.append(seq.sample_step_index if seq.num_pending else -1)
         step = ScheduledStep(
-            decodes, tuple(chunks), tuple(s.num_computed for s in decodes),
-            tuple(0 if s.num_pending else s.output[-1] for s in decodes), tuple(sources), ())
+            decodes,
+            tuple(chunks),
+            tuple(s.num_computed for s in decodes),
+            tuple(0 if s.num_pending else s.output[-1] for s in decodes),
+            tuple(sources),
+            (),
+        )
         sampled = step.sampled
         step = dataclasses.replace(step, counters=tuple(s.num_made for s in sampled))
         for seq in decodes:

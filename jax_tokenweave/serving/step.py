@@ -61,10 +61,19 @@ def tuning_entry(layout: StepLayout, tuning: TuneEntry | None) -> TuneEntry:
     return tuning or layout.plan.tuning or DEFAULT_ENTRY
 
 
-def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays,
-                    cache: PagedKVCache, layout: StepLayout, *, schedule: str, comm: str,
-                    key_chunk: int, tuning: TuneEntry | None = None, attention: str = "auto"
-                    ) -> tuple[jax.Array, PagedKVCache]:
+def decoder_forward(
+    decoder: WeaveDecoder,
+    hidden: jax.Array,
+    arrays: StepArrays,
+    cache: PagedKVCache,
+    layout: StepLayout,
+    *,
+    schedule: str,
+    comm: str,
+    key_chunk: int,
+    tuning: TuneEntry | None = None,
+    attention: str = "auto",
+) -> tuple[jax.Array, PagedKVCache]:
     """The decoder stack on a packed step (module docstring).
 
     ``hidden`` [R, H] replicated; ``arrays``: the step's positions, slots, tables [R] /
@@ -75,39 +84,87 @@ def decoder_forward(decoder: WeaveDecoder, hidden: jax.Array, arrays: StepArrays
     entry = tuning_entry(layout, tuning)
     plan = layout.plan
     schedule = resolve_schedule(schedule, comm, decoder.mesh, decoder.axis_name)
-    resolved = resolve_comm(comm, decoder.mesh, decoder.axis_name, decoder.dtype, plan,
-                            decoder.config.hidden_size, entry) if schedule == "weave" else "xla"
+    resolved = (
+        resolve_comm(
+            comm,
+            decoder.mesh,
+            decoder.axis_name,
+            decoder.dtype,
+            plan,
+            decoder.config.hidden_size,
+            entry,
+        )
+        if schedule == "weave"
+        else "xla"
+    )
     halves, factory = configure(schedule, resolved, plan)
     ctx = decoder.context(entry)
     graphdef, state = nnx.split(decoder)
     cfg = decoder.config
-    impl = resolve_implementation(attention, decoder.mesh.devices.flat[0].platform,
-                                  cache.k[0].dtype, cfg.head_dim,
-                                  cfg.num_heads // cfg.num_kv_heads)
+    impl = resolve_implementation(
+        attention,
+        decoder.mesh.devices.flat[0].platform,
+        cache.k[0].dtype,
+        cfg.head_dim,
+        cfg.num_heads // cfg.num_kv_heads,
+    )
 
-    def per_rank(state: Any, x: jax.Array, positions: jax.Array, slots: jax.Array,
-                 tables: jax.Array, k: list[jax.Array], v: list[jax.Array]) -> Any:
-        attention = PagedAttention(k, v, halves, slots, positions, tables,
-                                   decode_rows=layout.decode_rows, tile=layout.tile,
-                                   key_chunk=key_chunk, implementation=impl)
-        outs = run_stack(nnx.merge(graphdef, state), [x[h.start:h.end] for h in halves],
-                         [positions[h.start:h.end] for h in halves], factory(ctx), attention)
+    def per_rank(
+        state: Any,
+        x: jax.Array,
+        positions: jax.Array,
+        slots: jax.Array,
+        tables: jax.Array,
+        k: list[jax.Array],
+        v: list[jax.Array],
+    ) -> Any:
+        attention = PagedAttention(
+            k,
+            v,
+            halves,
+            slots,
+            positions,
+            tables,
+            decode_rows=layout.decode_rows,
+            tile=layout.tile,
+            key_chunk=key_chunk,
+            implementation=impl,
+        )
+        outs = run_stack(
+            nnx.merge(graphdef, state),
+            [x[h.start : h.end] for h in halves],
+            [positions[h.start : h.end] for h in halves],
+            factory(ctx),
+            attention,
+        )
         out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
         return out, attention.k, attention.v
 
     layers = [cache_spec(decoder.axis_name)] * decoder.config.num_layers
-    fn = jax.shard_map(per_rank, mesh=decoder.mesh,
-                       in_specs=(partition_specs(decoder), P(), P(), P(), P(), layers, layers),
-                       out_specs=(P(), layers, layers), check_vma=False)
-    out, k, v = fn(state, hidden, arrays.positions, arrays.slots, arrays.tables, cache.k,
-                   cache.v)
+    fn = jax.shard_map(
+        per_rank,
+        mesh=decoder.mesh,
+        in_specs=(partition_specs(decoder), P(), P(), P(), P(), layers, layers),
+        out_specs=(P(), layers, layers),
+        check_vma=False,
+    )
+    out, k, v = fn(state, hidden, arrays.positions, arrays.slots, arrays.tables, cache.k, cache.v)
     return out, PagedKVCache(k, v)
 
 
-def model_forward(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: StepLayout, *,
-                  schedule: str, comm: str, key_chunk: int, tuning: TuneEntry | None = None,
-                  attention: str = "auto", prev_tokens: jax.Array | None = None
-                  ) -> tuple[jax.Array, PagedKVCache]:
+def model_forward(
+    model: Any,
+    cache: PagedKVCache,
+    arrays: StepArrays,
+    layout: StepLayout,
+    *,
+    schedule: str,
+    comm: str,
+    key_chunk: int,
+    tuning: TuneEntry | None = None,
+    attention: str = "auto",
+    prev_tokens: jax.Array | None = None,
+) -> tuple[jax.Array, PagedKVCache]:
     """Embed, run the stack (:func:`decoder_forward`), project the sampled rows to logits.
     ``model``: a ``models.llama.LlamaModel``. Returns ``(logits [S, V], cache)``.
 
@@ -119,9 +176,18 @@ def model_forward(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: S
         src = arrays.token_source
         tokens = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], tokens)
     hidden = model.embed_tokens(tokens)
-    out, cache = decoder_forward(model.decoder, hidden, arrays, cache, layout,
-                                 schedule=schedule, comm=comm, key_chunk=key_chunk,
-                                 tuning=tuning, attention=attention)
+    out, cache = decoder_forward(
+        model.decoder,
+        hidden,
+        arrays,
+        cache,
+        layout,
+        schedule=schedule,
+        comm=comm,
+        key_chunk=key_chunk,
+        tuning=tuning,
+        attention=attention,
+    )
     return model.logits(out[arrays.sample_rows]), cache
 
 
@@ -130,10 +196,19 @@ SAMPLERS = ("greedy", "sample")
 (``sampling.sample``, which sorts the vocabulary)."""
 
 
-def sample_step(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
-                temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
-                prev_tokens: jax.Array | None = None, *, sampler: str,
-                num_logprobs: int, mesh: Mesh | None = None) -> StepOutputs:
+def sample_step(
+    logits: jax.Array,
+    seeds: jax.Array,
+    counters: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    top_k: jax.Array,
+    prev_tokens: jax.Array | None = None,
+    *,
+    sampler: str,
+    num_logprobs: int,
+    mesh: Mesh | None = None,
+) -> StepOutputs:
     """One token per row of ``logits`` [S, V] (``sampler``, one of :data:`SAMPLERS`; the
     sampling settings are [S], as ``StepArrays``'), with ``num_logprobs`` top
     log-probabilities (0: none; the log-probability fields are then zeros [S] and [S, 0]).
@@ -149,8 +224,11 @@ def sample_step(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
     if num_logprobs:
         chosen, top, ids = sampling.logprobs(logits, tokens, num_logprobs)
     else:
-        chosen, top, ids = (jnp.zeros(n, jnp.float32), jnp.zeros((n, 0), jnp.float32),
-                            jnp.zeros((n, 0), jnp.int32))
+        chosen, top, ids = (
+            jnp.zeros(n, jnp.float32),
+            jnp.zeros((n, 0), jnp.float32),
+            jnp.zeros((n, 0), jnp.int32),
+        )
     if prev_tokens is not None:  # [P], replicated: the next step's prev_tokens
         if n > prev_tokens.shape[0]:
             raise ValueError(f"{n} sampled rows exceed prev_tokens' {prev_tokens.shape[0]}")
@@ -160,18 +238,43 @@ def sample_step(logits: jax.Array, seeds: jax.Array, counters: jax.Array,
     return StepOutputs(tokens, chosen, top, ids)
 
 
-def model_step(model: Any, cache: PagedKVCache, arrays: StepArrays, layout: StepLayout, *,
-               schedule: str, comm: str, key_chunk: int, num_logprobs: int,
-               tuning: TuneEntry | None = None, attention: str = "auto",
-               prev_tokens: jax.Array | None = None,
-               sampler: str = "sample") -> tuple[StepOutputs, PagedKVCache]:
+def model_step(
+    model: Any,
+    cache: PagedKVCache,
+    arrays: StepArrays,
+    layout: StepLayout,
+    *,
+    schedule: str,
+    comm: str,
+    key_chunk: int,
+    num_logprobs: int,
+    tuning: TuneEntry | None = None,
+    attention: str = "auto",
+    prev_tokens: jax.Array | None = None,
+    sampler: str = "sample",
+) -> tuple[StepOutputs, PagedKVCache]:
     """:func:`model_forward` then :func:`sample_step` in one function (one program where it is
     jitted whole; the engine runs them as two, see ``jitted_forward``)."""
-    logits, cache = model_forward(model, cache, arrays, layout, schedule=schedule, comm=comm,
-                                  key_chunk=key_chunk, tuning=tuning, attention=attention,
-                                  prev_tokens=prev_tokens)
-    return sample_step(logits, *sampling_arrays(arrays), prev_tokens, sampler=sampler,
-                       num_logprobs=num_logprobs, mesh=model.mesh), cache
+    logits, cache = model_forward(
+        model,
+        cache,
+        arrays,
+        layout,
+        schedule=schedule,
+        comm=comm,
+        key_chunk=key_chunk,
+        tuning=tuning,
+        attention=attention,
+        prev_tokens=prev_tokens,
+    )
+    return sample_step(
+        logits,
+        *sampling_arrays(arrays),
+        prev_tokens,
+        sampler=sampler,
+        num_logprobs=num_logprobs,
+        mesh=model.mesh,
+    ), cache
 
 
 def sampling_arrays(arrays: StepArrays) -> tuple[Any, ...]:
@@ -187,14 +290,36 @@ buffers, 8.2 ms without (``benchmarks/step_dispatch.py``, ``benchmarks/results/2
 with the inputs and outputs copied through an uncaptured call, 7.0 against 7.6 ms."""
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "layout", "schedule", "comm",
-                                             "key_chunk", "tuning", "attention", "state_def"),
-                   donate_argnames=("cache",), compiler_options=STEP_COMPILER_OPTIONS)
-def jitted_forward(state: Any, cache: PagedKVCache, arrays: StepArrays,
-                   prev_tokens: jax.Array | None = None, *, graphdef: Any, layout: StepLayout,
-                   schedule: str, comm: str, key_chunk: int, tuning: TuneEntry | None,
-                   attention: str = "auto", state_def: Any = None
-                   ) -> tuple[jax.Array, PagedKVCache]:
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "graphdef",
+        "layout",
+        "schedule",
+        "comm",
+        "key_chunk",
+        "tuning",
+        "attention",
+        "state_def",
+    ),
+    donate_argnames=("cache",),
+    compiler_options=STEP_COMPILER_OPTIONS,
+)
+def jitted_forward(
+    state: Any,
+    cache: PagedKVCache,
+    arrays: StepArrays,
+    prev_tokens: jax.Array | None = None,
+    *,
+    graphdef: Any,
+    layout: StepLayout,
+    schedule: str,
+    comm: str,
+    key_chunk: int,
+    tuning: TuneEntry | None,
+    attention: str = "auto",
+    state_def: Any = None,
+) -> tuple[jax.Array, PagedKVCache]:
     """:func:`model_forward` on ``nnx.merge(graphdef, state)``, jitted, the cache donated
     (shared by every engine of the same model structure: equal shapes compile once).
     ``state_def``: ``state`` is the list of the state's leaves, of this tree (a flat list
@@ -208,9 +333,18 @@ def jitted_forward(state: Any, cache: PagedKVCache, arrays: StepArrays,
     sampler program (:data:`jitted_sampler`)."""
     if state_def is not None:
         state = jax.tree_util.tree_unflatten(state_def, state)
-    return model_forward(nnx.merge(graphdef, state), cache, arrays, layout, schedule=schedule,
-                         comm=comm, key_chunk=key_chunk, tuning=tuning, attention=attention,
-                         prev_tokens=prev_tokens)
+    return model_forward(
+        nnx.merge(graphdef, state),
+        cache,
+        arrays,
+        layout,
+        schedule=schedule,
+        comm=comm,
+        key_chunk=key_chunk,
+        tuning=tuning,
+        attention=attention,
+        prev_tokens=prev_tokens,
+    )
 
 
 jitted_sampler = jax.jit(sample_step, static_argnames=("sampler", "num_logprobs", "mesh"))

@@ -23,17 +23,24 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def reference_decoder(weights: Mapping[str, np.ndarray], config: DecoderConfig,
-                      hidden: np.ndarray, request_lengths: Sequence[int],
-                      prefix: str = "") -> np.ndarray:
+def reference_decoder(
+    weights: Mapping[str, np.ndarray],
+    config: DecoderConfig,
+    hidden: np.ndarray,
+    request_lengths: Sequence[int],
+    prefix: str = "",
+) -> np.ndarray:
     """The decoder stack (any schedule that computes the model): ``hidden`` [T, H] packed as
     ``request_lengths`` -> final-normed hidden states [T, H].
 
     ``weights``: full arrays named as ``params.named_params`` (with ``prefix`` prepended, e.g.
     ``"decoder."``).
     """
-    w = {k[len(prefix):]: np.asarray(v, np.float64) for k, v in weights.items()
-         if k.startswith(prefix)}
+    w = {
+        k[len(prefix) :]: np.asarray(v, np.float64)
+        for k, v in weights.items()
+        if k.startswith(prefix)
+    }
     eps, d = config.rms_norm_eps, config.head_dim
     lengths = tuple(request_lengths)
     positions = plan_batch(lengths, split=False).positions()
@@ -52,9 +59,14 @@ def reference_decoder(weights: Mapping[str, np.ndarray], config: DecoderConfig,
         h = h + attn.reshape(t, -1) @ w[p + "o_proj"]
         x = rms_norm(h, w[p + "post_attention_layernorm"], eps)
         if config.num_experts > 0:
-            mlp = reference_moe(x, w[p + "moe.router"], w[p + "moe.gate_proj"],
-                                w[p + "moe.up_proj"], w[p + "moe.down_proj"],
-                                config.experts_per_token)
+            mlp = reference_moe(
+                x,
+                w[p + "moe.router"],
+                w[p + "moe.gate_proj"],
+                w[p + "moe.up_proj"],
+                w[p + "moe.down_proj"],
+                config.experts_per_token,
+            )
         else:
             g, u = x @ w[p + "gate_proj"], x @ w[p + "up_proj"]
             mlp = (g / (1 + np.exp(-g)) * u) @ w[p + "down_proj"]
@@ -62,8 +74,12 @@ def reference_decoder(weights: Mapping[str, np.ndarray], config: DecoderConfig,
     return rms_norm(h, w["final_norm"], eps)
 
 
-def reference_logits(weights: Mapping[str, np.ndarray], config: DecoderConfig,
-                     tokens: np.ndarray, request_lengths: Sequence[int]) -> np.ndarray:
+def reference_logits(
+    weights: Mapping[str, np.ndarray],
+    config: DecoderConfig,
+    tokens: np.ndarray,
+    request_lengths: Sequence[int],
+) -> np.ndarray:
     """``LlamaModel``: tokens [T] packed as ``request_lengths`` -> logits [T, V] (float64)."""
     embed = np.asarray(weights["embed"], np.float64)
     hidden = embed[np.asarray(tokens)]
