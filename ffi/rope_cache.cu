@@ -5,22 +5,13 @@
 // float32(position) * inv_freq, the rotation in float32, rounded to the cache dtype.
 #include "rope_cache.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "attention_common.cuh"
 
 namespace tokenweave {
 namespace {
 
 constexpr int kRopeThreads = 256;
 constexpr int kPairs = 8;  // pairs per thread: one 16-byte vector of each half
-
-__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T FromFloat(float x);
-template <> __device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kRopeThreads) RopeCacheKernel(const RopeCacheParams p) {
@@ -34,7 +25,8 @@ __global__ void __launch_bounds__(kRopeThreads) RopeCacheKernel(const RopeCacheP
     const int c = static_cast<int>(u % chunks);
     const int h = static_cast<int>((u / chunks) % heads);
     const int row = static_cast<int>(u / (static_cast<int64_t>(chunks) * heads));
-    const T* src = static_cast<const T*>(p.qkv) + (static_cast<int64_t>(row) * heads + h) * p.head_dim;
+    const T* src =
+        static_cast<const T*>(p.qkv) + (static_cast<int64_t>(row) * heads + h) * p.head_dim;
     const int d0 = c * kPairs;
     uint4 a = *reinterpret_cast<const uint4*>(src + d0);
     uint4 b = *reinterpret_cast<const uint4*>(src + half + d0);
@@ -55,18 +47,23 @@ __global__ void __launch_bounds__(kRopeThreads) RopeCacheKernel(const RopeCacheP
       }
     }
     const float pos = static_cast<float>(p.positions[row]);
-    const T* x1 = reinterpret_cast<const T*>(&a);
-    const T* x2 = reinterpret_cast<const T*>(&b);
-    uint4 oa, ob;
-    T* y1 = reinterpret_cast<T*>(&oa);
-    T* y2 = reinterpret_cast<T*>(&ob);
+    float x1[kPairs], x2[kPairs], y1[kPairs], y2[kPairs];
+    attn::Unpack8<T>(a, x1);
+    attn::Unpack8<T>(b, x2);
 #pragma unroll
     for (int i = 0; i < kPairs; ++i) {
       float s, co;
       sincosf(pos * p.inv_freq[d0 + i], &s, &co);
-      const float f1 = ToFloat(x1[i]), f2 = ToFloat(x2[i]);
-      y1[i] = FromFloat<T>(f1 * co - f2 * s);
-      y2[i] = FromFloat<T>(f2 * co + f1 * s);
+      y1[i] = x1[i] * co - x2[i] * s;
+      y2[i] = x2[i] * co + x1[i] * s;
+    }
+    uint4 oa, ob;
+    uint32_t* wa = reinterpret_cast<uint32_t*>(&oa);
+    uint32_t* wb = reinterpret_cast<uint32_t*>(&ob);
+#pragma unroll
+    for (int i = 0; i < kPairs / 2; ++i) {
+      wa[i] = attn::Vec<T>::FromFloat2(y1[2 * i], y1[2 * i + 1]);
+      wb[i] = attn::Vec<T>::FromFloat2(y2[2 * i], y2[2 * i + 1]);
     }
     *reinterpret_cast<uint4*>(dst + d0) = oa;
     *reinterpret_cast<uint4*>(dst + half + d0) = ob;

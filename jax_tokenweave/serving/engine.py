@@ -34,7 +34,6 @@ executable cache) or compiles them all, after which a stream of requests compile
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import threading
 import time
@@ -46,31 +45,20 @@ import numpy as np
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.config import EngineConfig
+from jax_tokenweave.serving.deltas import end_delta, mark_last, sample_delta
 from jax_tokenweave.serving.executable_cache import WarmupReport
 from jax_tokenweave.serving.outputs import (
     RequestMetrics,
     RequestOutput,
     StreamDelta,
     TextState,
-    TokenLogprob,
 )
 from jax_tokenweave.serving.requests import Request, Sample
 from jax_tokenweave.serving.runner import InFlight, ModelRunner
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import ScheduledStep, Scheduler
 from jax_tokenweave.serving.scheduler import Sequence as Seq
-from jax_tokenweave.util import ceil_div
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counts since the engine was made: ``steps``, ``split_steps`` (woven in two halves),
-    ``cut_steps`` (a request's prompt chunk cut by the split), ``tokens`` (real rows run)."""
-
-    steps: int = 0
-    split_steps: int = 0
-    cut_steps: int = 0
-    tokens: int = 0
+from jax_tokenweave.serving.stats import EngineStats
 
 
 class LLMEngine:
@@ -81,31 +69,43 @@ class LLMEngine:
     checkpoint's, ``model.hf_info``). The model's weights are read at construction.
     """
 
-    def __init__(self, model: Any, config: EngineConfig | None = None, *, tokenizer: Any = None,
-                 eos_token_ids: int | Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Any = None,
+        eos_token_ids: int | Sequence[int] | None = None,
+    ) -> None:
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
-            raise ValueError(f"tokenizer must have a decode method (a transformers tokenizer), "
-                             f"got {type(tokenizer).__name__}")
+            raise ValueError(
+                f"tokenizer must have a decode method (a transformers tokenizer), "
+                f"got {type(tokenizer).__name__}"
+            )
         self.config = config = config or EngineConfig()
         self.runner = ModelRunner(model, config)
         self.model_config, self.tp = self.runner.model_config, self.runner.tp
         self.mesh, self.axis_name = self.runner.mesh, self.runner.axis_name
         self.tokenizer = tokenizer
         info = getattr(model, "hf_info", None)
-        self.eos_token_ids = frozenset(checks.eos_token_ids(
-            eos_token_ids if eos_token_ids is not None
-            else (info.eos_token_ids if info is not None else None)))
+        self.eos_token_ids = frozenset(
+            checks.eos_token_ids(
+                eos_token_ids
+                if eos_token_ids is not None
+                else (info.eos_token_ids if info is not None else None)
+            )
+        )
         self.scheduler = Scheduler(config)
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
-        self._lock = threading.RLock()          # the scheduler and the request table
-        self._step_lock = threading.Lock()      # one step at a time (the cache)
+        self._lock = threading.RLock()  # the scheduler and the request table
+        self._step_lock = threading.Lock()  # one step at a time (the cache)
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._inflight: collections.deque[InFlight] = collections.deque()  # tokens not taken
-        self._notices: list[StreamDelta] = []   # deltas made outside step() (abort, failures)
+        self._notices: list[StreamDelta] = []  # deltas made outside step() (abort, failures)
 
     @property
     def cache(self) -> Any:
@@ -128,57 +128,77 @@ class LLMEngine:
     def counts(self) -> tuple[int, int]:
         """Requests ``(running, waiting)`` now, each counted once whatever its ``n``."""
         with self._lock:
-            return (len({s.request_id for s in self.scheduler.running}),
-                    len({s.request_id for s in self.scheduler.waiting}))
+            return (
+                len({s.request_id for s in self.scheduler.running}),
+                len({s.request_id for s in self.scheduler.waiting}),
+            )
 
     # -- requests ------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    *, request_id: str | None = None, prompt: str | None = None,
-                    arrival_time: float | None = None) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
         """Queue a request (``params.n`` samples); returns its id. ``ValueError`` (nothing
         queued) for bad token ids, bad params, stop strings without a tokenizer, too many
         logprobs, or a request that could never fit the cache or ``max_model_len``."""
         ids, params = self.check_request(prompt_token_ids, params)
-        stop_ids = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos
-                                                           else set(self.eos_token_ids)))
+        stop_ids = frozenset(
+            set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        )
         with self._lock:
             rid = str(next(self._ids)) if request_id is None else str(request_id)
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             seed = params.seed if params.seed is not None else int(self._rng.integers(1 << 31))
-            samples = [Sample(Seq(rid, ids, params, params.sample_seed(seed, i),
-                                   stop_ids, index=i),
-                               TextState(self.tokenizer, params.stop)
-                               if self.tokenizer is not None else None,
-                               [] if params.logprobs is not None else None)
-                       for i in range(params.n)]
+            samples = [
+                Sample(
+                    Seq(rid, ids, params, params.sample_seed(seed, i), stop_ids, index=i),
+                    TextState(self.tokenizer, params.stop) if self.tokenizer is not None else None,
+                    [] if params.logprobs is not None else None,
+                )
+                for i in range(params.n)
+            ]
             for sample in samples:
                 self.scheduler.add(sample.seq)
             self._requests[rid] = Request(
-                rid, prompt, ids, samples,
-                RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time))
+                rid,
+                prompt,
+                ids,
+                samples,
+                RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
+            )
         return rid
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None,
-                      what: str = "prompt") -> tuple[list[int], SamplingParams]:
+    def check_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None, what: str = "prompt"
+    ) -> tuple[list[int], SamplingParams]:
         """The checks of :meth:`add_request` (``ValueError`` naming ``what``), no side effect:
         the prompt's ids as a list and the params (default ``SamplingParams()``)."""
         ids = checks.token_ids(prompt_token_ids, self.model_config.vocab_size, what)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"{what}: params must be a SamplingParams, got "
-                             f"{type(params).__name__}")
+            raise ValueError(
+                f"{what}: params must be a SamplingParams, got {type(params).__name__}"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{what}: stop strings need a tokenizer (the engine has none)")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"{what}: logprobs={params.logprobs} exceeds the engine's "
-                             f"max_logprobs ({self.config.max_logprobs})")
+            raise ValueError(
+                f"{what}: logprobs={params.logprobs} exceeds the engine's "
+                f"max_logprobs ({self.config.max_logprobs})"
+            )
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"{what}: stop_token_ids must be in [0, {vocab})")
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"{what}: n={params.n} exceeds max_num_seqs "
-                             f"({self.config.max_num_seqs})")
+            raise ValueError(
+                f"{what}: n={params.n} exceeds max_num_seqs ({self.config.max_num_seqs})"
+            )
         try:
             self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
         except ValueError as err:
@@ -204,7 +224,7 @@ class LLMEngine:
             for sample in request.samples:
                 if not sample.seq.finished:
                     self.scheduler.finish(sample.seq, "abort")
-                    self._notices.append(self._end_delta(request, sample))
+                    self._notices.append(end_delta(request, sample))
                 held |= sample.seq.in_flight > 0
         return held
 
@@ -225,8 +245,13 @@ class LLMEngine:
         """The request's output so far (final once it finished)."""
         with self._lock:
             r = self._requests[request_id]
-            return RequestOutput(r.request_id, r.prompt_text, list(r.prompt_ids),
-                                 [s.completion(self.tokenizer) for s in r.samples], r.metrics)
+            return RequestOutput(
+                r.request_id,
+                r.prompt_text,
+                list(r.prompt_ids),
+                [s.completion(self.tokenizer) for s in r.samples],
+                r.metrics,
+            )
 
     def release(self, request_id: str) -> RequestOutput:
         """:meth:`output` of a finished request, then forget it."""
@@ -247,7 +272,7 @@ class LLMEngine:
             if not self._inflight:
                 self._dispatch_next()
             if self._inflight and len(self._inflight) < depth:
-                self._dispatch_next()       # step n+1 out before step n's tokens
+                self._dispatch_next()  # step n+1 out before step n's tokens
             taken = self._take_oldest() if self._inflight else []
             with self._lock:
                 notices, self._notices = self._notices, []
@@ -264,7 +289,7 @@ class LLMEngine:
                 if scheduled.empty:
                     return
                 packed = self.runner.pack(scheduled)
-            self._count(scheduled, packed[0])
+            self.stats.record(scheduled, packed[0])
             previous = self._inflight[-1] if self._inflight else None
             self._inflight.append(self.runner.dispatch(scheduled, packed, previous))
         except Exception as err:
@@ -288,14 +313,7 @@ class LLMEngine:
             if not sample.seq.finished:
                 sample.error = f"{type(err).__name__}: {err}"
                 self.scheduler.finish(sample.seq, "error")
-                self._notices.append(self._end_delta(request, sample))
-
-    def _end_delta(self, request: Request, sample: Sample) -> StreamDelta:
-        if request.finished:
-            request.metrics.finish_time = time.perf_counter()
-        text = None if sample.text is None else ""
-        return StreamDelta(request.request_id, (), text, None, sample.seq.finish_reason,
-                           sample.seq.index, request.finished, sample.error)
+                self._notices.append(end_delta(request, sample))
 
     def _take_oldest(self) -> list[StreamDelta]:
         """Wait for the oldest step in flight's tokens, advance its requests; their deltas."""
@@ -310,69 +328,34 @@ class LLMEngine:
         sampled = done.scheduled.sampled
         with self._lock:
             self._inflight.popleft()
-            gained = set(self.scheduler.update(done.scheduled,
-                                               outputs.tokens[:len(sampled)].tolist()))
+            gained = set(
+                self.scheduler.update(done.scheduled, outputs.tokens[: len(sampled)].tolist())
+            )
             deltas = []
             for i, seq in enumerate(sampled):
                 if seq not in gained:
                     continue
                 try:
-                    deltas.append(self._delta(seq, i, outputs, now))
+                    deltas.append(
+                        sample_delta(
+                            self._requests[seq.request_id],
+                            seq,
+                            i,
+                            outputs,
+                            now,
+                            self.scheduler.finish,
+                        )
+                    )
                 except Exception as err:
                     self._fail(seq, err)
-            return self._mark_last(deltas)
-
-    def _mark_last(self, deltas: list[StreamDelta]) -> list[StreamDelta]:
-        """``request_finished`` on the last delta of each finished request only (its samples
-        may all finish in one step)."""
-        seen: set[str] = set()
-        for k in range(len(deltas) - 1, -1, -1):
-            d = deltas[k]
-            last = d.request_id not in seen and self._requests[d.request_id].finished
-            seen.add(d.request_id)
-            if d.request_finished != last:
-                deltas[k] = dataclasses.replace(d, request_finished=last)
-        return deltas
-
-    def _count(self, step: ScheduledStep, layout: batch_lib.StepLayout) -> None:
-        stats = self.stats
-        stats.steps += 1
-        stats.tokens += len(step.decodes) + sum(c.length for c in step.chunks)
-        if layout.plan.split:
-            stats.split_steps += 1
-            cut, row = layout.plan.halves[1].start, layout.decode_rows
-            for c in step.chunks:
-                stats.cut_steps += row < cut < row + c.length
-                row += ceil_div(c.length, layout.tile) * layout.tile
-
-    def _delta(self, seq: Seq, row: int, outputs: Any, now: float) -> StreamDelta:
-        request = self._requests[seq.request_id]
-        sample = request.samples[seq.index]
-        token = seq.output[-1]
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-        logprob = None
-        if sample.logprobs is not None:
-            k = seq.params.logprobs
-            top = zip(outputs.top_ids[row, :k].tolist(), outputs.top_logprobs[row, :k].tolist(),
-                      strict=True)
-            logprob = TokenLogprob(token, float(outputs.logprob[row]), tuple(top))
-            sample.logprobs.append(logprob)
-        text = None
-        if sample.text is not None:
-            if sample.text.update(seq.output) and not seq.finished:
-                self.scheduler.finish(seq, "stop")
-            text = sample.text.delta(final=seq.finished)
-        if request.finished:
-            request.metrics.finish_time = now
-        return StreamDelta(seq.request_id, (token,), text,
-                           None if logprob is None else (logprob,), seq.finish_reason,
-                           seq.index)
+            return mark_last(deltas, self._requests)
 
     # -- conveniences --------------------------------------------------------------------
-    def generate(self, prompts: Iterable[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Iterable[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Serve token-id prompts to the end, alongside anything already queued (whose deltas
         this drops: read those requests' :meth:`output`); results in prompt order. Every prompt
         is checked before any is queued."""
@@ -390,7 +373,7 @@ class LLMEngine:
             while any(not self._requests[i].finished for i in ids):
                 self.step()
             return [self.release(i) for i in ids]
-        except BaseException:      # interrupted or failed: nothing of this call stays queued
+        except BaseException:  # interrupted or failed: nothing of this call stays queued
             self.abort_all(ids)
             raise
 
@@ -400,7 +383,7 @@ class LLMEngine:
         request_ids = list(request_ids)
         held = [self._abort(rid) for rid in request_ids]
         if any(held) and self._step_lock.acquire(blocking=False):
-            try:    # take the steps in flight now; the next step() returns their deltas
+            try:  # take the steps in flight now; the next step() returns their deltas
                 while self._inflight:
                     self._notices += self._take_oldest()
             finally:
@@ -419,4 +402,3 @@ class LLMEngine:
         (``ModelRunner.warmup``); afterwards no step compiles. Returns how many layouts were
         loaded and compiled, and the seconds it took."""
         return self.runner.warmup(workers, progress)
-
