@@ -77,6 +77,7 @@ def paged_attention(
     key_chunk: int,
     scale: float | None = None,
     implementation: str = "xla",
+    counters: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal attention of query groups over their requests' paged K/V (module docstring).
 
@@ -90,6 +91,8 @@ def paged_attention(
         loop's, the CUDA kernels choose their own).
       implementation: ``"xla"`` (the pure-JAX loop) or ``"cuda"`` (module docstring; resolve
         ``"auto"`` first with :func:`resolve_implementation`).
+      counters: ``"cuda"`` decode groups only: int32 zeros [>= G * KVH] (the kernel's arrival
+        counters, as ``attention_kernel.rope_cache_write`` makes them; None: made here).
     Returns:
       ``(out [G * tile, Hq, D] in q's dtype, k_cache, v_cache)``: the caches come back
       unchanged, threaded through the key loop; write the next K/V into *these* (module
@@ -106,7 +109,14 @@ def paged_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if implementation == "cuda":
         return attention_kernel.paged_attention(
-            q, k_cache, v_cache, tables, positions, tile=tile, scale=scale
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            positions,
+            tile=tile,
+            scale=scale,
+            counters=counters,
         )
     if implementation != "xla":
         raise ValueError(
@@ -210,7 +220,8 @@ class PagedAttention:
         q's ``nq`` first): RoPE and the K/V write in one CUDA kernel
         (``attention_kernel.rope_cache_write``), then the attention."""
         lo, hi = self.halves[j].start, self.halves[j].end
-        q, self.k[layer], self.v[layer] = attention_kernel.rope_cache_write(
+        decode = max(0, min(hi, self.decode_rows) - lo)  # decode rows of the half
+        q, self.k[layer], self.v[layer], counters = attention_kernel.rope_cache_write(
             qkv,
             self.positions[lo:hi],
             self.slots[lo:hi],
@@ -218,11 +229,15 @@ class PagedAttention:
             self.k[layer],
             self.v[layer],
             num_q_heads=nq,
+            num_counters=decode * self.k[layer].shape[2],
         )
-        return self._attend(layer, lo, hi, q)
+        return self._attend(layer, lo, hi, q, counters if decode else None)
 
-    def _attend(self, layer: int, lo: int, hi: int, q: jax.Array) -> jax.Array:
-        """Rows [lo, hi) of the step attend over layer ``layer``'s cache (written)."""
+    def _attend(
+        self, layer: int, lo: int, hi: int, q: jax.Array, counters: jax.Array | None = None
+    ) -> jax.Array:
+        """Rows [lo, hi) of the step attend over layer ``layer``'s cache (written);
+        ``counters``: the decode rows' zeroed arrival counters (CUDA kernels; None: made)."""
         d, tile = self.decode_rows, self.tile
         parts = []
         for a, b, size, first_group in (
@@ -243,6 +258,7 @@ class PagedAttention:
                 tile=size,
                 key_chunk=self.key_chunk,
                 implementation=self.implementation,
+                counters=counters if size == 1 else None,
             )
             parts.append(out)
         return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
