@@ -231,9 +231,9 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
     if (warp == 0 && quad == 0) work[D] = m, work[D + 1] = l;
   }
   // Arrive; the last piece of (row, h) to arrive merges every piece.
+  __shared__ int last;
   __threadfence();  // this block's entry is visible before its arrival
-  __syncthreads();  // (and every warp is past the last tile: the stages are free)
-  int& last = *reinterpret_cast<int*>(smem);
+  __syncthreads();
   if (tid == 0) last = atomicAdd(p.counters + static_cast<int64_t>(row) * p.kvh + h, 1) == rs.n - 1;
   __syncthreads();
   if (!last) return;
