@@ -48,9 +48,8 @@ ffi::Error CopyIfNotAliased(const ffi::AnyBuffer& in, void* out, cudaStream_t st
 ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                               ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> live,
-                              ffi::Buffer<ffi::S32> counters, ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                              ffi::Result<ffi::Buffer<ffi::S32>> counters_out,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_out,
+                              ffi::Result<ffi::AnyBuffer> v_out,
                               ffi::Result<ffi::Buffer<ffi::F32>> work, int32_t tile, int32_t splits,
                               float scale) {
   AttnDType dtype;
@@ -108,15 +107,6 @@ ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
     if (static_cast<int64_t>(work->element_count()) < need)
       return Bad("work buffer holds " + std::to_string(work->element_count()) +
                  " floats, the decode kernel needs " + std::to_string(need));
-    if (static_cast<int64_t>(counters.element_count()) < rows * kvh)
-      return Bad("counters hold " + std::to_string(counters.element_count()) +
-                 " int32, the decode kernel needs rows * kv heads = " + std::to_string(rows * kvh));
-    p.counters = counters_out->typed_data();
-    if (p.counters != counters.typed_data())  // zero on entry: what XLA handed in
-      if (cudaError_t e = cudaMemcpyAsync(p.counters, counters.typed_data(), counters.size_bytes(),
-                                          cudaMemcpyDeviceToDevice, stream);
-          e != cudaSuccess)
-        return Cuda(e, "copying the counters");
   }
   // The caches are aliased outputs: XLA hands back the same buffers (copy where it did not).
   for (auto [from, to] :
@@ -134,8 +124,7 @@ ffi::Error RopeCacheImpl(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::Buffer<ff
                          ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> inv_freq,
                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                          ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> k_out,
-                         ffi::Result<ffi::AnyBuffer> v_out,
-                         ffi::Result<ffi::Buffer<ffi::S32>> counters) {
+                         ffi::Result<ffi::AnyBuffer> v_out) {
   const ffi::DataType t = qkv.element_type();
   if (t != ffi::DataType::BF16 && t != ffi::DataType::F16)
     return Bad("qkv must be bfloat16 or float16", kRope);
@@ -179,8 +168,6 @@ ffi::Error RopeCacheImpl(cudaStream_t stream, ffi::AnyBuffer qkv, ffi::Buffer<ff
   p.head_dim = static_cast<int32_t>(d);
   p.num_blocks = static_cast<int32_t>(kd[0]);
   p.block_size = static_cast<int32_t>(kd[1]);
-  p.counters = counters->typed_data();
-  p.num_counters = static_cast<int64_t>(counters->element_count());
   if (cudaError_t e = LaunchRopeCache(p, t == ffi::DataType::BF16, stream); e != cudaSuccess)
     return Cuda(e, "kernel launch", kRope);
   return ffi::Error::Success();
@@ -198,11 +185,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweavePagedAttention, tokenweave::PagedAttenti
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tables [G, W]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions [rows]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live [1] (decode rows)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // counters [>= G * KVH], zeros
                                   .Ret<ffi::AnyBuffer>()         // out [rows, Hq, D]
                                   .Ret<ffi::AnyBuffer>()         // k_cache (aliased)
                                   .Ret<ffi::AnyBuffer>()         // v_cache (aliased)
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // counters (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // work (decode partials)
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("splits")
@@ -212,14 +197,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweavePagedAttention, tokenweave::PagedAttenti
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveRopeCacheWrite, tokenweave::RopeCacheImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // qkv [rows, Hq + 2 KVH, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions [rows]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [rows]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq [D / 2]
-                                  .Arg<ffi::AnyBuffer>()          // k_cache [NB, BS, KVH, D]
-                                  .Arg<ffi::AnyBuffer>()          // v_cache [NB, BS, KVH, D]
-                                  .Ret<ffi::AnyBuffer>()          // q [rows, Hq, D], rotated
-                                  .Ret<ffi::AnyBuffer>()          // k_cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()          // v_cache (aliased)
-                                  .Ret<ffi::Buffer<ffi::S32>>(),  // counters, zeroed
+                                  .Arg<ffi::AnyBuffer>()         // qkv [rows, Hq + 2 KVH, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions [rows]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [rows]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // inv_freq [D / 2]
+                                  .Arg<ffi::AnyBuffer>()         // k_cache [NB, BS, KVH, D]
+                                  .Arg<ffi::AnyBuffer>()         // v_cache [NB, BS, KVH, D]
+                                  .Ret<ffi::AnyBuffer>()         // q [rows, Hq, D], rotated
+                                  .Ret<ffi::AnyBuffer>()         // k_cache (aliased)
+                                  .Ret<ffi::AnyBuffer>(),        // v_cache (aliased)
                               {ffi::Traits::kCmdBufferCompatible});

@@ -22,8 +22,6 @@ enum class AttnDType : int32_t { kF16 = 1, kBF16 = 2 };
 //                                             clamps, so bad data cannot fault)
 //   live       int32 [1]                      decode: rows with a position >= 0 (how finely
 //                                             rows are cut; any value gives the same result)
-//   counters   int32 [>= groups * kvh]        decode only: zero on entry; the last piece of a
-//                                             (row, kv head) to finish merges the pieces
 //   work       float32                        decode only: per (row, kv head, split, head of
 //                                             the group) head_dim partial sums, max, total
 struct AttentionParams {
@@ -35,7 +33,6 @@ struct AttentionParams {
   const int32_t* live;
   void* out;
   float* work;
-  int32_t* counters;  // decode: per (row, kv head) pieces done; zero on entry
   int32_t groups, tile, hq, kvh, head_dim, block_size, width, num_blocks;
   int32_t splits;  // decode: blocks per (row, kv head), the most pieces a row's context is
                    // cut into (pieces of a multiple of 32 keys, as many as `live` rows need)

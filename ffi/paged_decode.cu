@@ -9,9 +9,7 @@
 // S = Q K^T for the whole tile on tensor cores (mma.sync m16n8k16, float32 accumulators) and
 // keeps the same online softmax (base-2, float32), then adds P V for its quarter of head_dim.
 // A row cut in one piece is normalised and written here; otherwise the block writes
-// unnormalised partial sums with their max and total, and the last piece of the (row, kv head)
-// to finish (an arrival counter per pair, zero on entry) merges them: one launch per segment,
-// no merge kernel.
+// unnormalised partial sums with their max and total, and the merge kernel combines them.
 #include "attention_common.cuh"
 #include "attention_mma.cuh"
 
@@ -37,41 +35,6 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }
 
-// Head g of (row, h) merged over the row's n pieces by one warp: the lanes take the pieces'
-// maxima and totals side by side (warp reductions), then dims lane, lane + 32, ... summing
-// over the pieces, and write the normalised output. L2 loads: other blocks wrote the pieces.
-template <typename T, int D, int G>
-__device__ __forceinline__ void MergeHead(const AttentionParams& p, int row, int h, int g, int n,
-                                          int lane) {
-  const float* work =
-      p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) + g * (D + 2);
-  constexpr int kStride = G * (D + 2);  // from one piece's entry to the next one's
-  float mx = -INFINITY;
-  for (int s = lane; s < n; s += 32) mx = fmaxf(mx, __ldcg(work + s * kStride + D));
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  const auto weight = [&](int s) {
-    const float m = __ldcg(work + s * kStride + D);
-    return m == -INFINITY ? 0.f : exp2f(m - mx);
-  };
-  float total = 0.f;
-  for (int s = lane; s < n; s += 32) total += weight(s) * __ldcg(work + s * kStride + D + 1);
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  float sum[D / 32] = {};
-#pragma unroll 4
-  for (int s = 0; s < n; ++s) {
-    const float c = weight(s);
-#pragma unroll
-    for (int i = 0; i < D / 32; ++i)
-      sum[i] = fmaf(c, __ldcg(work + s * kStride + lane + 32 * i), sum[i]);
-  }
-  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
-#pragma unroll
-  for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = Vec<T>::FromFloat(sum[i] * inv);
-}
-
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams p) {
   constexpr int kKeys = kTileBytes / (4 * D);          // keys per tile (K and V, 2 bytes each)
@@ -87,7 +50,7 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
   const RowSplit rs = SplitRow(p, row);
   const int k0 = split * rs.chunk;
-  if (k0 >= rs.ctx) return;  // not a piece: neither counted nor merged
+  if (k0 >= rs.ctx) return;  // the merge reads only the pieces under ctx
   const int k1 = min(rs.ctx, k0 + rs.chunk);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int bs = p.block_size;
@@ -209,9 +172,9 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
 
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (g >= G) return;
   // This thread's outputs: head g, dims warp * D / 4 + dt * 8 + quad * 2 + {0, 1}.
   if (rs.n == 1) {  // the row's only piece: its normalised output
-    if (g >= G) return;
     T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
     const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
@@ -221,30 +184,57 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
     return;
   }
   // Head g's entry of this piece: D unnormalised sums, then the max and the total.
-  if (g < G) {
-    float* work =
-        p.work + (((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G + g) * (D + 2);
+  float* work =
+      p.work + (((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G + g) * (D + 2);
 #pragma unroll
-    for (int dt = 0; dt < kDimTiles; ++dt)
-      *reinterpret_cast<float2*>(work + (warp * kDimTiles + dt) * 8 + quad * 2) =
-          make_float2(o[dt][0], o[dt][1]);
-    if (warp == 0 && quad == 0) work[D] = m, work[D + 1] = l;
+  for (int dt = 0; dt < kDimTiles; ++dt)
+    *reinterpret_cast<float2*>(work + (warp * kDimTiles + dt) * 8 + quad * 2) =
+        make_float2(o[dt][0], o[dt][1]);
+  if (warp == 0 && quad == 0) work[D] = m, work[D + 1] = l;
+}
+
+// Grid (row, kv head), G warps: warp g merges head g of the group over the row's pieces: its
+// lanes take the splits' maxima and totals side by side (warp reductions), then dims
+// lane, lane + 32, ... summing over the splits, and write the normalised output.
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
+  const int row = blockIdx.x, h = blockIdx.y, g = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = SplitRow(p, row).n;
+  if (n == 1) return;  // the split kernel wrote the row's output
+  const float* work =
+      p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) + g * (D + 2);
+  constexpr int kStride = G * (D + 2);  // from one split's entry to the next one's
+  float mx = -INFINITY;
+  for (int s = lane; s < n; s += 32) mx = fmaxf(mx, work[s * kStride + D]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const auto weight = [&](int s) {
+    const float m = work[s * kStride + D];
+    return m == -INFINITY ? 0.f : exp2f(m - mx);
+  };
+  float total = 0.f;
+  for (int s = lane; s < n; s += 32) total += weight(s) * work[s * kStride + D + 1];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  float sum[D / 32] = {};
+#pragma unroll 4
+  for (int s = 0; s < n; ++s) {
+    const float c = weight(s);
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) sum[i] = fmaf(c, work[s * kStride + lane + 32 * i], sum[i]);
   }
-  // Arrive; the last piece of (row, h) to arrive merges every piece.
-  __shared__ int last;
-  __threadfence();  // this block's entry is visible before its arrival
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(p.counters + static_cast<int64_t>(row) * p.kvh + h, 1) == rs.n - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other pieces' entries, seen after their arrivals
-  for (int head = warp; head < G; head += kWarps) MergeHead<T, D, G>(p, row, h, head, rs.n, lane);
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = Vec<T>::FromFloat(sum[i] * inv);
 }
 
 template <typename T, int D, int G>
 cudaError_t LaunchDecode(const AttentionParams& p, cudaStream_t stream) {
   const int rows = p.groups;
   DecodeSplitKernel<T, D, G><<<dim3(p.splits, p.kvh, rows), kThreads, 0, stream>>>(p);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  DecodeMergeKernel<T, D, G><<<dim3(rows, p.kvh), 32 * G, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

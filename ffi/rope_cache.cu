@@ -20,9 +20,6 @@ __global__ void __launch_bounds__(kRopeThreads) RopeCacheKernel(const RopeCacheP
   const int64_t units = static_cast<int64_t>(p.rows) * heads * chunks;
   const int half = p.head_dim / 2;
   const int64_t cache_slots = static_cast<int64_t>(p.num_blocks) * p.block_size;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kRopeThreads) + threadIdx.x;
-       i < p.num_counters; i += static_cast<int64_t>(gridDim.x) * kRopeThreads)
-    p.counters[i] = 0;
   for (int64_t u = blockIdx.x * static_cast<int64_t>(kRopeThreads) + threadIdx.x; u < units;
        u += static_cast<int64_t>(gridDim.x) * kRopeThreads) {
     const int c = static_cast<int>(u % chunks);
@@ -76,8 +73,7 @@ __global__ void __launch_bounds__(kRopeThreads) RopeCacheKernel(const RopeCacheP
 template <typename T>
 cudaError_t LaunchFor(const RopeCacheParams& p, cudaStream_t stream) {
   const int64_t units = static_cast<int64_t>(p.rows) * (p.hq + 2 * p.kvh) * (p.head_dim / 16);
-  const int64_t work = units > p.num_counters ? units : p.num_counters;
-  const int64_t want = (work + kRopeThreads - 1) / kRopeThreads;
+  const int64_t want = (units + kRopeThreads - 1) / kRopeThreads;
   const int grid = static_cast<int>(want < 65535 ? want : 65535);
   RopeCacheKernel<T><<<grid, kRopeThreads, 0, stream>>>(p);
   return cudaGetLastError();
@@ -88,7 +84,7 @@ cudaError_t LaunchFor(const RopeCacheParams& p, cudaStream_t stream) {
 bool RopeCacheShapeSupported(int head_dim) { return head_dim > 0 && head_dim % 16 == 0; }
 
 cudaError_t LaunchRopeCache(const RopeCacheParams& p, bool bf16, cudaStream_t stream) {
-  if (p.rows == 0 && p.num_counters == 0) return cudaSuccess;
+  if (p.rows == 0) return cudaSuccess;
   if (!RopeCacheShapeSupported(p.head_dim)) return cudaErrorInvalidValue;
   return bf16 ? LaunchFor<__nv_bfloat16>(p, stream) : LaunchFor<__half>(p, stream);
 }

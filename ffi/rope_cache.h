@@ -9,8 +9,6 @@
 //   q_out      [rows, hq, head_dim]           the queries, rotated
 //   k_cache,   [num_blocks, block_size, kvh, head_dim], written in place at the rows' slots
 //   v_cache    (keys rotated, values as they are)
-//   counters   int32, set to zero: the arrival counters the decode attention of the same rows
-//              needs zero on entry (paged_attention.h), with no memset of their own
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -27,8 +25,6 @@ struct RopeCacheParams {
   void* q_out;
   void* k_cache;
   void* v_cache;
-  int32_t* counters;  // zeroed here: the decode attention's arrival counters
-  int64_t num_counters;
   int32_t rows, hq, kvh, head_dim, num_blocks, block_size;
 };
 

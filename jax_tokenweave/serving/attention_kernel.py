@@ -9,9 +9,8 @@ rank (inside ``shard_map``):
   (:func:`decode_splits`, from the static shapes); each block streams its piece's keys and
   values through shared memory (cp.async, three stages) and serves every query head of its kv
   head (grouped-query attention), keeping an online softmax in float32. A row cut in one piece
-  is written at once; for the others the last piece to finish (an arrival counter per row
-  and kv head, zeroed by ``rope_cache_write``) merges the pieces: one launch per segment. Rows
-  with a negative position (padding) attend to nothing and get zeros.
+  is written at once; a second small kernel merges the pieces of the others. Rows with a
+  negative position (padding) attend to nothing and get zeros.
 * ``tile > 1`` (prompt tiles, ``ffi/paged_prefill.cu``): a flash-attention kernel on tensor
   cores (``mma.sync`` m16n8k16, bf16/fp16 in, float32 accumulation). Each block takes 128
   (query, head) rows of one tile (the heads of one kv head side by side, so a key tile in
@@ -90,15 +89,12 @@ def paged_attention(
     *,
     tile: int,
     scale: float,
-    counters: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``serving.paged_attention.paged_attention`` on the CUDA kernels (module docstring).
 
     ``q`` [G * tile, Hq, D]; ``k_cache``, ``v_cache`` [NB, BS, KVH, D] (q's dtype); ``tables``
-    int32 [G, W]; ``positions`` int32 [G * tile] (decode rows: < 0 for padding); ``counters``
-    (decode): int32 zeros [>= G * KVH], the pieces' arrival counters (``rope_cache_write``
-    makes them with no launch of their own; None: zeros here). Returns ``(out [G * tile, Hq,
-    D], k_cache, v_cache)``, the caches aliased to the inputs.
+    int32 [G, W]; ``positions`` int32 [G * tile] (decode rows: < 0 for padding). Returns
+    ``(out [G * tile, Hq, D], k_cache, v_cache)``, the caches aliased to the inputs.
     """
     rows, hq, d = q.shape
     kvh = k_cache.shape[2]
@@ -123,29 +119,23 @@ def paged_attention(
     splits = decode_splits(groups, kvh) if tile == 1 else 0
     # Decode partials: per (row, kv head, split, head of the group) D sums and (max, total).
     work = (groups * kvh * splits * group * (d + 2),) if tile == 1 else (1,)
-    if counters is None:
-        counters = jnp.zeros(max(1, groups * kvh) if tile == 1 else 1, jnp.int32)
-    if counters.dtype != jnp.int32 or counters.ndim != 1:
-        raise ValueError(f"paged_attention (cuda): counters must be int32 [n], got {counters}")
     outs = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-        jax.ShapeDtypeStruct(counters.shape, jnp.int32),
         jax.ShapeDtypeStruct(work, jnp.float32),
     )
     positions = positions.astype(jnp.int32)
     # Live decode rows: how finely the kernel cuts each row (the prompt-tile kernel ignores it).
     live = jnp.sum(positions >= 0, dtype=jnp.int32).reshape(1)
-    call = jax.ffi.ffi_call(TARGET, outs, input_output_aliases={1: 1, 2: 2, 6: 3})
-    out, k_cache, v_cache, _, _ = call(
+    call = jax.ffi.ffi_call(TARGET, outs, input_output_aliases={1: 1, 2: 2})
+    out, k_cache, v_cache, _ = call(
         q,
         k_cache,
         v_cache,
         tables.astype(jnp.int32),
         positions,
         live,
-        counters,
         tile=np.int32(tile),
         splits=np.int32(splits),
         scale=np.float32(scale),
@@ -162,16 +152,14 @@ def rope_cache_write(
     v_cache: jax.Array,
     *,
     num_q_heads: int,
-    num_counters: int = 0,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """RoPE and the cache write of one step's rows in one CUDA kernel (``ffi/rope_cache.h``),
     per rank: what ``attention.apply_rope`` on q and k and two ``paged_cache.write`` compute.
 
     ``qkv`` [R, Hq + 2 KVH, D] (the projection's heads in the order q, k, v); ``positions``,
     ``slots`` int32 [R] (a slot outside the cache is dropped); ``inv_freq`` [D / 2];
     ``k_cache``, ``v_cache`` [NB, BS, KVH, D] in qkv's dtype. Returns ``(q [R, Hq, D],
-    k_cache, v_cache, counters)``, the caches aliased to the inputs, ``counters`` int32 zeros
-    [max(1, num_counters)] for the decode attention of these rows (:func:`paged_attention`).
+    k_cache, v_cache)``, the caches aliased to the inputs.
     """
     rows, heads, d = qkv.shape
     kvh = k_cache.shape[2]
@@ -200,7 +188,6 @@ def rope_cache_write(
         jax.ShapeDtypeStruct((rows, num_q_heads, d), qkv.dtype),
         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-        jax.ShapeDtypeStruct((max(1, num_counters),), jnp.int32),
     )
     call = jax.ffi.ffi_call(ROPE_TARGET, outs, input_output_aliases={4: 1, 5: 2})
     return call(

@@ -77,7 +77,6 @@ def paged_attention(
     key_chunk: int,
     scale: float | None = None,
     implementation: str = "xla",
-    counters: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal attention of query groups over their requests' paged K/V (module docstring).
 
@@ -91,8 +90,6 @@ def paged_attention(
         loop's, the CUDA kernels choose their own).
       implementation: ``"xla"`` (the pure-JAX loop) or ``"cuda"`` (module docstring; resolve
         ``"auto"`` first with :func:`resolve_implementation`).
-      counters: ``"cuda"`` decode groups only: int32 zeros [>= G * KVH] (the kernel's arrival
-        counters, as ``attention_kernel.rope_cache_write`` makes them; None: made here).
     Returns:
       ``(out [G * tile, Hq, D] in q's dtype, k_cache, v_cache)``: the caches come back
       unchanged, threaded through the key loop; write the next K/V into *these* (module
@@ -109,14 +106,7 @@ def paged_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if implementation == "cuda":
         return attention_kernel.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            tables,
-            positions,
-            tile=tile,
-            scale=scale,
-            counters=counters,
+            q, k_cache, v_cache, tables, positions, tile=tile, scale=scale
         )
     if implementation != "xla":
         raise ValueError(
@@ -220,8 +210,7 @@ class PagedAttention:
         q's ``nq`` first): RoPE and the K/V write in one CUDA kernel
         (``attention_kernel.rope_cache_write``), then the attention."""
         lo, hi = self.halves[j].start, self.halves[j].end
-        decode = max(0, min(hi, self.decode_rows) - lo)  # decode rows of the half
-        q, self.k[layer], self.v[layer], counters = attention_kernel.rope_cache_write(
+        q, self.k[layer], self.v[layer] = attention_kernel.rope_cache_write(
             qkv,
             self.positions[lo:hi],
             self.slots[lo:hi],
@@ -229,15 +218,11 @@ class PagedAttention:
             self.k[layer],
             self.v[layer],
             num_q_heads=nq,
-            num_counters=decode * self.k[layer].shape[2],
         )
-        return self._attend(layer, lo, hi, q, counters if decode else None)
+        return self._attend(layer, lo, hi, q)
 
-    def _attend(
-        self, layer: int, lo: int, hi: int, q: jax.Array, counters: jax.Array | None = None
-    ) -> jax.Array:
-        """Rows [lo, hi) of the step attend over layer ``layer``'s cache (written);
-        ``counters``: the decode rows' zeroed arrival counters (CUDA kernels; None: made)."""
+    def _attend(self, layer: int, lo: int, hi: int, q: jax.Array) -> jax.Array:
+        """Rows [lo, hi) of the step attend over layer ``layer``'s cache (written)."""
         d, tile = self.decode_rows, self.tile
         parts = []
         for a, b, size, first_group in (
@@ -258,7 +243,6 @@ class PagedAttention:
                 tile=size,
                 key_chunk=self.key_chunk,
                 implementation=self.implementation,
-                counters=counters if size == 1 else None,
             )
             parts.append(out)
         return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
