@@ -35,7 +35,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave import attention as attn_lib
-from jax_tokenweave import tuning as tuning_lib
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.decoder_layer import DecoderLayer
 from jax_tokenweave.params import load_weights, make_param, partition_specs
@@ -48,10 +47,9 @@ from jax_tokenweave.schedules import (
     ReducerFactory,
     Schedule,
     check_call,
-    configure,
     ffi_unavailable,
     resolve_comm,
-    resolve_schedule,
+    stack_setup,
 )
 from jax_tokenweave.split import BatchPlan, plan_batch
 from jax_tokenweave.stack import PrefillAttention, concat, run_stack
@@ -149,23 +147,18 @@ class WeaveDecoder(nnx.Module):
         check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, comm)
         if tuning is not None and not isinstance(tuning, TuneEntry):
             raise ValueError(f"tuning must be a tuning.TuneEntry or None, got {type(tuning)}")
-        entry = (
-            tuning
-            or batch.tuning
-            or tuning_lib.lookup(tuning_lib.model_name(self.config), self.tp, batch.num_tokens)
+        setup = stack_setup(
+            self.config,
+            self.mesh,
+            self.axis_name,
+            self.dtype,
+            batch,
+            schedule=schedule,
+            comm=comm,
+            tuning=tuning,
+            reducer=reducer,
         )
-        if reducer is None:
-            schedule = resolve_schedule(schedule, comm, self.mesh, self.axis_name)
-        resolved = (
-            resolve_comm(
-                comm, self.mesh, self.axis_name, self.dtype, batch, self.config.hidden_size, entry
-            )
-            if schedule == "weave" and reducer is None
-            else "xla"
-        )
-        halves, factory = configure(schedule, resolved, batch)
-        factory = reducer or factory
-        ctx = self.context(entry)
+        halves, factory, ctx = setup.halves, setup.reducer, self.context(setup.tuning)
         impl = attn_lib.default_implementation(
             str(self.mesh.devices.flat[0].platform), self.dtype, self.config.head_dim
         )

@@ -18,6 +18,7 @@ collective removed: a timing floor, NOT the model's output). ``comm`` says how `
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, get_args
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jax_tokenweave import reducers
+from jax_tokenweave import tuning as tuning_lib
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.split import BatchPlan, Half
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
@@ -162,3 +164,47 @@ def _unsplit(batch: BatchPlan) -> BatchPlan:
     from jax_tokenweave.split import plan_batch
 
     return plan_batch(batch.request_lengths, split=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSetup:
+    """What one call of the decoder stack runs: its ``halves``, its ``reducer`` factory and the
+    fused kernel's CTA counts (``tuning``)."""
+
+    halves: tuple[Half, ...]
+    reducer: ReducerFactory
+    tuning: TuneEntry
+
+
+def stack_setup(
+    config: DecoderConfig,
+    mesh: Mesh,
+    axis_name: str,
+    dtype: Any,
+    batch: BatchPlan,
+    *,
+    schedule: str,
+    comm: str,
+    tuning: TuneEntry | None = None,
+    reducer: ReducerFactory | None = None,
+) -> StackSetup:
+    """The one setup of ``WeaveDecoder`` and the serving step for ``batch`` on ``mesh``'s
+    ``axis_name``: the CTA counts (``tuning``, else the plan's, else the tuning table's entry
+    for the model, TP degree and token count), the schedule (:func:`resolve_schedule`), the
+    comm (:func:`resolve_comm`; ``xla`` where ``reducer`` replaces the schedule's) and
+    :func:`configure`'s halves and reducer."""
+    tp = mesh.shape[axis_name]
+    entry = (
+        tuning
+        or batch.tuning
+        or tuning_lib.lookup(tuning_lib.model_name(config), tp, batch.num_tokens)
+    )
+    if reducer is None:
+        schedule = resolve_schedule(schedule, comm, mesh, axis_name)
+    resolved = (
+        resolve_comm(comm, mesh, axis_name, dtype, batch, config.hidden_size, entry)
+        if schedule == "weave" and reducer is None
+        else "xla"
+    )
+    halves, factory = configure(schedule, resolved, batch)
+    return StackSetup(halves, reducer or factory, entry)

@@ -32,13 +32,13 @@ from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.params import partition_specs
-from jax_tokenweave.schedules import configure, resolve_comm, resolve_schedule
+from jax_tokenweave.schedules import stack_setup
 from jax_tokenweave.serving import sampling
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_implementation
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
 from jax_tokenweave.stack import run_stack
-from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
+from jax_tokenweave.tuning import TuneEntry
 
 
 @jax.tree_util.register_dataclass
@@ -53,12 +53,6 @@ class StepOutputs:
     logprob: jax.Array
     top_logprobs: jax.Array
     top_ids: jax.Array
-
-
-def tuning_entry(layout: StepLayout, tuning: TuneEntry | None) -> TuneEntry:
-    """The fused kernel's CTA counts: ``tuning``, else the tuning table's entry of the layout's
-    plan (as ``WeaveDecoder`` takes it), else the default entry."""
-    return tuning or layout.plan.tuning or DEFAULT_ENTRY
 
 
 def decoder_forward(
@@ -81,24 +75,17 @@ def decoder_forward(
     [R, H] (replicated) and the cache with the step's K/V written. ``attention``: the
     paged-attention implementation (``paged_attention.ATTENTION_IMPLS``).
     """
-    entry = tuning_entry(layout, tuning)
-    plan = layout.plan
-    schedule = resolve_schedule(schedule, comm, decoder.mesh, decoder.axis_name)
-    resolved = (
-        resolve_comm(
-            comm,
-            decoder.mesh,
-            decoder.axis_name,
-            decoder.dtype,
-            plan,
-            decoder.config.hidden_size,
-            entry,
-        )
-        if schedule == "weave"
-        else "xla"
+    setup = stack_setup(
+        decoder.config,
+        decoder.mesh,
+        decoder.axis_name,
+        decoder.dtype,
+        layout.plan,
+        schedule=schedule,
+        comm=comm,
+        tuning=tuning,
     )
-    halves, factory = configure(schedule, resolved, plan)
-    ctx = decoder.context(entry)
+    halves, factory, ctx = setup.halves, setup.reducer, decoder.context(setup.tuning)
     graphdef, state = nnx.split(decoder)
     cfg = decoder.config
     impl = resolve_implementation(
