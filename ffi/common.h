@@ -15,6 +15,7 @@ constexpr int kMaxOneShotCtas = 128;  // largest grid of the one-shot kernel (no
 constexpr int kMinCtas = 1;
 constexpr int kThreads = 512;  // threads per block
 constexpr int kMaxHidden = 16384;
+constexpr int kHiddenMultiple = 8;  // rows move as 16-byte vectors (8 x 16-bit)
 constexpr int kNumBarriers = 2;     // barrier ids per call (two-shot, direct)
 constexpr int kLamportBuffers = 3;  // one-shot receive buffers per slot, rotated
 

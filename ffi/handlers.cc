@@ -69,9 +69,10 @@ ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer resid
   if (pd.size() != 2 || pd[0] < 1 || pd[1] < 1)
     return Invalid("partial must be [T, H], got " + Shape(pd));
   const int64_t tokens = pd[0], hidden = pd[1], rows = (tokens + n - 1) / n;
-  if (hidden % 8 != 0 || hidden > kMaxHidden)
-    return Invalid("hidden size must be a multiple of 8 and at most " + std::to_string(kMaxHidden) +
-                   ", got " + std::to_string(hidden));
+  if (hidden % kHiddenMultiple != 0 || hidden > kMaxHidden)
+    return Invalid("hidden size must be a multiple of " + std::to_string(kHiddenMultiple) +
+                   " and at most " + std::to_string(kMaxHidden) + ", got " +
+                   std::to_string(hidden));
   const auto rd = residual.dimensions(), nd = normed.dimensions(), od = residual_out.dimensions();
   if (rd.size() != 2 || rd[0] != rows || rd[1] != hidden)
     return Invalid("residual must be [" + std::to_string(rows) + ", " + std::to_string(hidden) +

@@ -164,7 +164,12 @@ NB_MODULE(_tokenweave_ffi, m) {
     d["max_hidden"] = kMaxHidden;
     d["threads"] = kThreads;
     d["oneshot_buffers"] = kLamportBuffers;
-    d["hidden_multiple"] = 8;
+    d["hidden_multiple"] = kHiddenMultiple;
+    nb::dict algos;  // the ids the handlers take as `algo` (common.h's Algo)
+    algos["two_shot"] = static_cast<int>(Algo::kTwoShot);
+    algos["one_shot"] = static_cast<int>(Algo::kOneShot);
+    algos["direct"] = static_cast<int>(Algo::kDirect);
+    d["algos"] = algos;
     return d;
   });
   m.def(

@@ -33,5 +33,5 @@ def get() -> ModuleType:
 def limits() -> dict[str, Any]:
     """The kernel's limits as the extension defines them: ``max_ranks``, ``min_ctas``,
     ``max_ctas`` (barrier variants), ``max_oneshot_ctas``, ``max_hidden``, ``hidden_multiple``,
-    ``threads``, ``oneshot_buffers``."""
+    ``threads``, ``oneshot_buffers``, and ``algos`` (variant name -> the id the handlers take)."""
     return dict(get().limits())

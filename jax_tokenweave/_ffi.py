@@ -26,7 +26,6 @@ TARGETS = {
     "allreduce_rmsnorm_start": "tokenweave_allreduce_rmsnorm_start",
     "allreduce_rmsnorm_done": "tokenweave_allreduce_rmsnorm_done",
 }
-ALGO_IDS = {"two_shot": 1, "one_shot": 2, "direct": 3}
 
 _lock = threading.Lock()
 _registered = False
@@ -100,7 +99,7 @@ def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo
         comm_id=np.int64(comm.comm_id),
         slot=np.int32(slot),
         num_ctas=np.int32(num_ctas),
-        algo=np.int32(ALGO_IDS[algo]),
+        algo=np.int32(_extension.limits()["algos"][algo]),  # the extension's own ids
     )
     outs = (
         jax.ShapeDtypeStruct(partial.shape, partial.dtype),

@@ -35,6 +35,9 @@ def test_extension_imports_and_exposes_handlers():
     assert lim["max_ranks"] == 8 and lim["min_ctas"] >= 1 and lim["max_ctas"] >= 16
     assert _ffi.register_targets() and _ffi.register_targets()  # idempotent, on CPU-only jax
     assert (lim["min_ctas"], lim["max_ctas"]) == (tuning.MIN_CTAS, tuning.MAX_CTAS)
+    # the variant ids come from the extension's enum: the Python names are exactly its variants
+    assert set(lim["algos"]) == set(kernel_policy.ALGOS)
+    assert len(set(lim["algos"].values())) == len(lim["algos"])
 
 
 @needs_ext

@@ -1,8 +1,10 @@
 """Qwen2: the Llama architecture with a bias on the q/k/v projections (``qkv_bias=True``).
 
-``Qwen2Model`` is ``LlamaModel`` with that checked; the biases are ``decoder.layers.{i}.q_bias``
-etc. (see ``jax_tokenweave.layers``). Qwen2's sliding window is not implemented (full causal
-attention; the loader warns where a checkpoint enables it).
+``Qwen2Model`` is ``LlamaModel`` with that checked; the biases are
+``decoder.layers.{i}.qkv_bias``, fused per rank (``params.logical_weights`` gives the logical
+``q_bias``, ``k_bias``, ``v_bias``; see ``jax_tokenweave.decoder_layer``). Qwen2's sliding
+window is not implemented (full causal attention; the loader warns where a checkpoint enables
+it).
 """
 
 from __future__ import annotations
