@@ -159,11 +159,11 @@ def measure(
     for name in list(fns):
         if not table[name].reference or reference is None:
             continue
-        err = timing.rel_error(fns[name](), reference)
-        info[name]["rel_err"] = err
-        if not err <= tol:
+        rel = timing.rel_error(fns[name](), reference)
+        info[name]["rel_err"] = rel
+        if not rel <= tol:
             info[name].update(
-                status="mismatch", reason=f"relative error {err:.3g} vs baseline > {tol}"
+                status="mismatch", reason=f"relative error {rel:.3g} vs baseline > {tol}"
             )
             del fns[name]
     del reference

@@ -1,60 +1,12 @@
 """Wave-aware split planning and the ragged batch layout (pure Python, no JAX).
 
-A prefill batch is a list of requests whose tokens are packed back to back in request order
-(no padding between requests), ``T = sum(request_lengths)`` tokens in all. TokenWeave splits the
-batch into two near-equal halves A = ``[0, a)`` and B = ``[a, T)`` so that one half's
-communication (the fused ReduceScatter + residual + RMSNorm + AllGather) overlaps the other
-half's compute. :func:`plan_batch` turns the request lengths into a :class:`BatchPlan`, a frozen,
-hashable value usable as a static ``jit`` argument.
-
-When to split
-    ``split=None`` (default) splits iff ``T >= threshold``; ``threshold=None`` (default) takes the
-    tuning table's for the model and TP degree (``jax_tokenweave.tuning``: 4096 at TP=2 where
-    measured, else the paper's 1024); ``split=True`` forces a split (needs ``T >= 2``);
-    ``split=False`` never splits.
-
-Where to split
-    ``mid = round_up(T, 256) / 2`` and ``a = mid + offset``. Padding to 256 only defines the
-    midpoint: tokens are *not* padded, the second half simply holds the remaining ``T - a`` real
-    tokens. The offset is, in order of precedence:
-
-    1. the ``offset=`` argument of :func:`plan_batch`;
-    2. else the rule's split point plus the tuning table entry's ``offset`` for
-       ``(model, tp, T)``, a tuned correction (dropped where it would leave a half empty). The
-       rule, with a ``config`` (or ``cost``): work balance, ``cost.CostModel.balanced_split``
-       (the multiple of the tile next to where the halves' GEMM + causal attention work is
-       equal: the midpoint for uniform batches, more tokens in the first half when the split
-       cuts a long request); without: the wave rule, :func:`wave_offset`.
-
-    An offset that leaves either half empty (``a`` outside ``[1, T-1]``) raises ``ValueError``.
-    The offset applies only to a plan that splits; a plan that does not split has ``offset == 0``.
-
-The plan's ``tuning`` is the table's entry for ``(model, tp, T)``: the fused kernel's CTA counts
-``WeaveDecoder`` uses (and the offset above), so offset and CTAs come from one table.
-
-The wave rule (:class:`WaveModel`)
-    A GEMM with ``M`` rows and ``gemm_n`` output columns runs
-    ``tiles(M) = ceil(M / tile_m) * ceil(gemm_n / tile_n)`` output tiles in
-    ``waves(M) = ceil(tiles(M) / num_sms)`` waves (one tile per SM per wave). The candidates for
-    ``a`` are ``mid + k * tile_m`` for ``|k| <= max_steps`` (default 4) with ``1 <= a <= T - 1``;
-    the rule picks the candidate minimising, in order: ``waves(a) + waves(T - a)``; the idle tile
-    slots of the two halves' last waves (``waste``); the wave imbalance
-    ``|waves(a) - waves(T - a)|``; ``|k|`` (so the midpoint wins when nothing is gained); ``k``
-    (the smaller first half). Because candidates differ by whole tile rows, ``tiles(a) +
-    tiles(T - a)`` is the same for all of them, so ``waste`` only re-states the wave count; it is
-    kept so the rule reads the same for any candidate set. When no candidate is in range (only for
-    ``T <= tile_m`` or so, i.e. forced splits of tiny batches) the rule uses ``a = T // 2``.
-    ``gemm_n`` is the per-rank output width of the GEMM that dominates a layer, the fused
-    gate/up projection: ``2 * intermediate_size / tp`` (:meth:`WaveModel.from_config`); the
-    default 7168 is Llama-3-70B at TP 8. The model ignores the SMs the concurrent
-    communication kernel occupies; pass a smaller ``num_sms`` to account for them.
-
-A request cut by the split
-    A request whose tokens straddle ``a`` (the split point falls strictly inside it) has one
-    piece in each half: the first ends half A with ``position == 0``, the second starts half B
-    with ``position`` = the number of its tokens in half A (its ``prefix``). Its queries attend
-    causally over the first piece's K/V of the same layer plus its own. A split point exactly at
-    a request boundary cuts nothing (``cut_request is None``). At most one request is cut.
+A batch is requests packed back to back (``T`` tokens). :func:`plan_batch` decides whether and
+where to cut it into halves A = ``[0, a)`` and B = ``[a, T)`` (one half's communication overlaps
+the other's compute) and returns a :class:`BatchPlan`: hashable, a static ``jit`` argument,
+with the halves' pieces and the tuning table's CTA counts. A request cut by the split has a
+piece in each half; B's piece attends to A's K/V of the same request. When to split, where
+(work balance or the wave rule, :class:`WaveModel`, plus the table's offset) and how a cut
+request is laid out: ``docs/SPLIT.md``.
 """
 
 from __future__ import annotations

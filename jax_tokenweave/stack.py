@@ -36,7 +36,7 @@ qkv_heads``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,17 @@ class AttentionFn(Protocol):
 
     def __call__(
         self, layer: int, half: int, q: jax.Array, k: jax.Array, v: jax.Array
+    ) -> jax.Array: ...
+
+
+class RopeFusingAttentionFn(AttentionFn, Protocol):
+    """An attention function that applies RoPE itself where ``fuses_rope`` (module docstring):
+    ``rope_and_attend(layer, half, qkv [T_j, heads, D], nq, inv_freq [D / 2])``."""
+
+    fuses_rope: bool
+
+    def rope_and_attend(
+        self, layer: int, half: int, qkv: jax.Array, nq: int, inv_freq: np.ndarray
     ) -> jax.Array: ...
 
 
@@ -77,7 +88,8 @@ def run_stack(
         for j in halves:
             if getattr(attention, "fuses_rope", False):
                 qkv, nq = layer.qkv_heads(reducer.ready(j))
-                attn = attention.rope_and_attend(i, j, qkv, nq, inv_frequencies(layer.config))
+                fusing = cast(RopeFusingAttentionFn, attention)
+                attn = fusing.rope_and_attend(i, j, qkv, nq, inv_frequencies(layer.config))
             else:
                 q, k, v = layer.qkv(reducer.ready(j), positions[j])
                 attn = attention(i, j, q, k, v)
