@@ -51,10 +51,23 @@ ffi::Error Lookup(int64_t comm_id, int32_t ordinal, Comm** comm, DeviceState** d
   return ffi::Error::Success();
 }
 
-ffi::Error Prepare(int32_t ordinal, ffi::AnyBuffer partial, ffi::AnyBuffer residual,
-                   ffi::AnyBuffer weight, ffi::AnyBuffer normed, ffi::AnyBuffer residual_out,
-                   int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo,
-                   Call* call) {
+// One fused call's operands and attributes, as the handlers receive them.
+struct CallArgs {
+  ffi::AnyBuffer partial;       // [T, H]
+  ffi::AnyBuffer residual;      // [ceil(T/N), H]
+  ffi::AnyBuffer weight;        // [H], f32 or the partial's dtype
+  ffi::AnyBuffer normed;        // [T, H], output
+  ffi::AnyBuffer residual_out;  // [ceil(T/N), H], output
+  int64_t comm_id;
+  int32_t slot;
+  float eps;
+  int32_t num_ctas;
+  int32_t algo;
+};
+
+ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
+  const auto& [partial, residual, weight, normed, residual_out, comm_id, slot, eps, num_ctas,
+               algo] = args;
   if (ffi::Error e = Lookup(comm_id, ordinal, &call->comm, &call->dev); e.failure()) return e;
   const Comm& comm = *call->comm;
   const CommOptions& opt = comm.options();
@@ -154,8 +167,10 @@ ffi::Error RunImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
                    ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> residual_out,
                    int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo) {
   Call call;
-  if (ffi::Error e = Prepare(ordinal, partial, residual, weight, *normed, *residual_out, comm_id,
-                             slot, eps, num_ctas, algo, &call);
+  if (ffi::Error e = Prepare(
+          ordinal,
+          {partial, residual, weight, *normed, *residual_out, comm_id, slot, eps, num_ctas, algo},
+          &call);
       e.failure())
     return e;
   return Launch(call, stream);
@@ -169,8 +184,10 @@ ffi::Error StartImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partia
                      ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> residual_out,
                      int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo) {
   Call call;
-  if (ffi::Error e = Prepare(ordinal, partial, residual, weight, *normed, *residual_out, comm_id,
-                             slot, eps, num_ctas, algo, &call);
+  if (ffi::Error e = Prepare(
+          ordinal,
+          {partial, residual, weight, *normed, *residual_out, comm_id, slot, eps, num_ctas, algo},
+          &call);
       e.failure())
     return e;
   DeviceState& d = *call.dev;
