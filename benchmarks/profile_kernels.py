@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=len(jax.devices("gpu")), help="GPUs in the axis")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="tokens T")
     ap.add_argument("--hidden", type=int, default=8192, help="hidden size H (bf16)")
+    ap.add_argument(
+        "--weight-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the RMSNorm weight's dtype, the same for every mode (a bf16 model's is bf16)",
+    )
     ap.add_argument("--algo", default="auto", help="fused kernel variant")
     ap.add_argument(
         "--ctas",
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in args.tokens:
         n, h = args.tp, args.hidden
         part = jnp.asarray(rng.standard_normal((n * tokens, h)), jnp.bfloat16)
-        w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), jnp.float32)
+        w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), jnp.dtype(args.weight_dtype))
         for impl, ctas in [("xla", 0)] + [("ffi", c) for c in args.ctas]:
             rows_res = tokens if impl == "xla" else ops.rows_per_rank(tokens, n)
             res = jnp.asarray(rng.standard_normal((n * rows_res, h)), jnp.bfloat16)
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             command=" ".join(["benchmarks/profile_kernels.py", *(argv or sys.argv[1:])]),
             date=time.strftime("%Y-%m-%d"),
             tp=args.tp,
+            weight_dtype=args.weight_dtype,
             hidden=args.hidden,
             devices=[str(d) for d in mesh.devices.flat],
             method="torch.profiler device time of every kernel in a jitted chain of "
