@@ -6,9 +6,10 @@
 //
 // Why a kernel of its own: the protocol kernels pay the slot's state atomic, the end-of-call
 // advance and their code size even when N = 1 (4.05 us per call at T = 1 on an H200 against
-// 2.18 us for a minimal add + norm, benchmarks/results/2026-11-23-h200x1/fixed_cost.md). A
-// group of one never waits and never fails, and its slot state is never read by a peer, so
-// skipping the state is safe: every call of a one-rank comm takes this path.
+// 2.18 us for a minimal add + norm, benchmarks/results/2026-11-23-h200x1/fixed_cost.md; 2.47
+// us with this kernel, benchmarks/results/2026-11-24-h200x1). A group of one never waits and
+// no peer reads its slot state, so skipping the state is safe: every call of a one-rank comm
+// takes this path (a closed comm still leaves NaN, below).
 #include "rowops.cuh"
 
 namespace tokenweave {
