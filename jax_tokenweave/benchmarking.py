@@ -424,6 +424,8 @@ def sibling_module(anchor: str, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(
         f"_benchmarks_{name}", Path(anchor).with_name(f"{name}.py")
     )
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {name}.py beside {anchor}")
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

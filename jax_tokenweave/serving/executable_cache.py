@@ -300,7 +300,10 @@ class ExecutableCache:
         try:
             payload = self._unpack(data, key)
             in_tree = jax.tree_util.tree_structure((args, {}))
-            compiled = self._serializer.deserialize(payload, in_tree, out_tree, devices)
+            serializer = self._serializer
+            if serializer is None:  # (the cache turned itself off: no serializer)
+                return None
+            compiled = serializer.deserialize(payload, in_tree, out_tree, devices)
             _check_args(compiled, args)
             return compiled
         except Exception as e:  # any failure to load means: compile instead
@@ -321,7 +324,10 @@ class ExecutableCache:
         if directory is None or not self.enabled:
             return False
         try:
-            payload = self._serializer.serialize(compiled)
+            serializer = self._serializer
+            if serializer is None:  # (the cache turned itself off: no serializer)
+                return False
+            payload = serializer.serialize(compiled)
         except Exception as e:  # whatever JAX raises: warm-up goes on without this file
             with self._lock:
                 first, self._unserializable = not self._unserializable, True

@@ -264,7 +264,7 @@ def model_step(
     ), cache
 
 
-def sampling_arrays(arrays: StepArrays) -> tuple[Any, ...]:
+def sampling_arrays(arrays: StepArrays) -> tuple[Any, Any, Any, Any, Any]:
     """The sampling settings of a step, in :func:`sample_step`'s order."""
     return arrays.seeds, arrays.counters, arrays.temperature, arrays.top_p, arrays.top_k
 
