@@ -37,10 +37,14 @@ from jax_tokenweave.config import RopeScaling
 class PieceLike(Protocol):
     """What attention needs of ``split.Piece``: global start, length, position in its request."""
 
-    request: int
-    start: int
-    length: int
-    position: int
+    @property
+    def request(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def position(self) -> int: ...
 
 
 # ---------------------------------------------------------------------------------------- RoPE

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import os
 import threading
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,7 @@ class CommSettings:
     def from_env(cls, **overrides) -> CommSettings:
         """Settings with the ``JAX_TOKENWEAVE_*`` environment as defaults, ``overrides`` on top
         (None values ignored)."""
-        fields = dict(
+        fields: dict[str, Any] = dict(
             workspace_mib=float(_env("JAX_TOKENWEAVE_WORKSPACE_MB", "2048")),
             oneshot_mib=float(_env("JAX_TOKENWEAVE_ONESHOT_MB", "8")),
             num_slots=int(_env("JAX_TOKENWEAVE_SLOTS", "4")),

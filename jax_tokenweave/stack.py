@@ -52,7 +52,7 @@ class AttentionFn(Protocol):
     """``(layer index, half index, q, k, v) -> attention output [T_j, Nq/N, D]``."""
 
     def __call__(
-        self, layer: int, half: int, q: jax.Array, k: jax.Array, v: jax.Array
+        self, layer: int, half: int, q: jax.Array, k: jax.Array, v: jax.Array, /
     ) -> jax.Array: ...
 
 
@@ -63,7 +63,7 @@ class RopeFusingAttentionFn(AttentionFn, Protocol):
     fuses_rope: bool
 
     def rope_and_attend(
-        self, layer: int, half: int, qkv: jax.Array, nq: int, inv_freq: np.ndarray
+        self, layer: int, half: int, qkv: jax.Array, nq: int, inv_freq: np.ndarray, /
     ) -> jax.Array: ...
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -91,7 +92,7 @@ def make_layout(
     name = tuning.model_name(model)
     split = None if cfg.schedule == "weave" and rows >= 2 * tile else False
     offset = cfg.tuning.offset if cfg.tuning is not None else None
-    kwargs = dict(tp=tp, model=name, wave=WaveModel.from_config(model, tp))
+    kwargs: dict[str, Any] = dict(tp=tp, model=name, wave=WaveModel.from_config(model, tp))
     plan = plan_batch([rows], threshold=cfg.split_threshold, split=split, offset=offset, **kwargs)
     if plan.split and plan.halves[1].start % tile:
         first = min(max(round(plan.halves[1].start / tile) * tile, tile), rows - tile)
