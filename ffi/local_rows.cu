@@ -17,27 +17,80 @@ namespace {
 
 constexpr int kMaxLocalGrid = 4096;  // blocks at most; more rows are taken grid-stride
 
-// kBlock threads per row, kU 16-byte vectors per thread: rowops' FusedRow, one pass with the
-// row in registers while vpr <= kBlock * kU, two passes beyond. The comm's failure word is
-// loaded first and looked at last (its latency hides behind the row's): a comm closed since a
-// command buffer recorded this call leaves NaN, as every other variant does.
-template <typename T, int kBlock, int kU>
+// One row held in registers (vpr <= kBlock * kU): the sources' loads are issued first (they may
+// miss to HBM; the weights hit L2), one block-wide sum of squares (a single barrier), then the
+// normed row. kFull: vpr == kBlock * kU, no bounds checks.
+template <typename T, int kBlock, int kU, bool kFull>
+__device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* partial,
+                                            const char* residual, char* normed, char* residual_out,
+                                            int vpr, float* red) {
+  constexpr int kN = Vec<T>::kN;
+  const int tid = threadIdx.x;
+  uint4 a[kU], b[kU];
+  float4 w[kU][kN / 4];
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (kFull || tid + u * kBlock < vpr) {
+      a[u] = Ldg(partial + (tid + u * kBlock) * 16);
+      b[u] = Ldg(residual + (tid + u * kBlock) * 16);
+    }
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (kFull || tid + u * kBlock < vpr) LoadWeights<T>(p, tid + u * kBlock, w[u]);
+  float acc[kU][kN];
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (!kFull && tid + u * kBlock >= vpr) continue;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) acc[u][i] = 0.f;
+    AddVec<T>(acc[u], a[u]);
+    AddVec<T>(acc[u], b[u]);
+    St(residual_out + (tid + u * kBlock) * 16, PackRound<T>(acc[u]));
+#pragma unroll
+    for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (tid % 32 == 0) red[tid / 32] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kBlock / 32; ++i) total += red[i];
+  __syncthreads();  // every thread has read red before a next row writes it
+  const float inv = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
+  auto emit = [&](int v, uint4 o) { St(normed + v * 16, o); };
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (kFull || tid + u * kBlock < vpr) EmitNormed<T>(acc[u], w[u], inv, tid + u * kBlock, emit);
+}
+
+// kBlock threads per row, kU 16-byte vectors per thread; rows longer than kBlock * kU vectors
+// take rowops' two-pass FusedRow. kFull: every row is exactly kBlock * kU vectors. The comm's
+// failure word is loaded first and looked at last (its latency hides behind the row's): a comm
+// closed since a command buffer recorded this call leaves NaN, as every other variant does.
+template <typename T, int kBlock, int kU, bool kFull>
 __global__ void __launch_bounds__(kBlock) LocalRowsKernel(const __grid_constant__ KernelParams p) {
   __shared__ float red[kBlock / 32];
   const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
   const int vpr = p.hidden / Vec<T>::kN;
   const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
   for (int row = blockIdx.x; row < p.tokens; row += gridDim.x) {
-    const char* rows[2] = {static_cast<const char*>(p.partial) + row * rb,
-                           static_cast<const char*>(p.residual) + row * rb};
+    const char* partial = static_cast<const char*>(p.partial) + row * rb;
+    const char* residual = static_cast<const char*>(p.residual) + row * rb;
     char* normed = static_cast<char*>(p.normed) + row * rb;
     char* residual_out = static_cast<char*>(p.residual_out) + row * rb;
-    FusedRow<T, kBlock, kU, true>(
-        p,
-        [&](int v0, float(*acc)[Vec<T>::kN]) {  // partial, then residual, all loads in flight
-          LoadSum<T, kBlock, 2, kU>(acc, rows, 2, v0, vpr);
-        },
-        residual_out, normed, [&](int v, uint4 o) { St(normed + v * 16, o); }, red, 0);
+    if (kFull || vpr <= kBlock * kU) {
+      RegisterRow<T, kBlock, kU, kFull>(p, partial, residual, normed, residual_out, vpr, red);
+    } else {
+      FusedRow<T, kBlock, kU, false>(
+          p,
+          [&](int v0, float(*acc)[Vec<T>::kN]) {
+            const char* rows[2] = {partial, residual};
+            LoadSum<T, kBlock, 2, kU>(acc, rows, 2, v0, vpr);
+          },
+          residual_out, normed, [&](int v, uint4 o) { St(normed + v * 16, o); }, red, 0);
+    }
     if (failed != 0) {
       __syncthreads();  // after every thread's stores of the row
       for (int v = threadIdx.x; v < vpr; v += kBlock) {
@@ -53,7 +106,7 @@ constexpr int kLocalBlock = kThreads, kLocalU = 2;  // rows of 8192 bf16 in regi
 template <typename T>
 cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   const int grid = p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid;
-  LocalRowsKernel<T, kLocalBlock, kLocalU><<<grid, kLocalBlock, 0, stream>>>(p);
+  LocalRowsKernel<T, kLocalBlock, kLocalU, false><<<grid, kLocalBlock, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -72,9 +125,9 @@ cudaError_t LaunchLocalRows(const KernelParams& p, DType dtype, cudaStream_t str
 cudaError_t PreloadLocalRowsKernels() {
   cudaFuncAttributes a;
   for (const void* k :
-       {reinterpret_cast<const void*>(LocalRowsKernel<float, kLocalBlock, kLocalU>),
-        reinterpret_cast<const void*>(LocalRowsKernel<__half, kLocalBlock, kLocalU>),
-        reinterpret_cast<const void*>(LocalRowsKernel<__nv_bfloat16, kLocalBlock, kLocalU>)})
+       {reinterpret_cast<const void*>(LocalRowsKernel<float, kLocalBlock, kLocalU, false>),
+        reinterpret_cast<const void*>(LocalRowsKernel<__half, kLocalBlock, kLocalU, false>),
+        reinterpret_cast<const void*>(LocalRowsKernel<__nv_bfloat16, kLocalBlock, kLocalU, false>)})
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;
 }

@@ -243,10 +243,15 @@ int main() {
         [&](cudaStream_t s) { WithCallState<<<ctas, kThreads, 0, s>>>(p); });
     run("+ local (stack) array", ctas,
         [&](cudaStream_t s) { WithStack<<<ctas, kThreads, 0, s>>>(p); });
-    run("N = 1 kernel (local_rows.cu), 512 threads x 2 vectors", t,
-        [&](cudaStream_t s) { tokenweave::LocalRowsKernel<Bf, 512, 2><<<t, 512, 0, s>>>(p); });
-    run("N = 1 kernel, 256 threads x 4 vectors", t,
-        [&](cudaStream_t s) { tokenweave::LocalRowsKernel<Bf, 256, 4><<<t, 256, 0, s>>>(p); });
+    run("N = 1 kernel (local_rows.cu), 512 threads x 2 vectors", t, [&](cudaStream_t s) {
+      tokenweave::LocalRowsKernel<Bf, 512, 2, false><<<t, 512, 0, s>>>(p);
+    });
+    run("N = 1 kernel, 512 x 2, no bounds checks", t, [&](cudaStream_t s) {
+      tokenweave::LocalRowsKernel<Bf, 512, 2, true><<<t, 512, 0, s>>>(p);
+    });
+    run("N = 1 kernel, 256 threads x 4 vectors", t, [&](cudaStream_t s) {
+      tokenweave::LocalRowsKernel<Bf, 256, 4, false><<<t, 256, 0, s>>>(p);
+    });
     run("decode one-shot kernel (a row per block)", ctas,
         [&](cudaStream_t s) { tokenweave::OneShotRowsKernel<Bf, 2><<<ctas, kThreads, 0, s>>>(p); });
     run("general one-shot kernel, 512-thread rows", ctas, [&](cudaStream_t s) {
