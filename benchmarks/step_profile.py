@@ -31,9 +31,10 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_steps(step: Callable[[], Any], n: int, top: int = 12) -> dict[str, Any]:
+def profile_steps(step: Callable[[], Any], n: int, top: int = 24) -> dict[str, Any]:
     """Profile ``n`` calls of ``step`` (each must wait for its results, as ``engine.step``
-    does). Returns ``{"status", "wall_ms", "busy_ms", "gap_ms", "kernels"}``, times per step."""
+    does). Returns ``{"status", "wall_ms", "busy_ms", "gap_ms", "launches_per_step",
+    "kernels"}``, times per step; each kernel with its launches per step."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -54,8 +55,10 @@ def profile_steps(step: Callable[[], Any], n: int, top: int = 12) -> dict[str, A
     kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     by_name: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter[str] = collections.Counter()
     for e in kernels:
         by_name[e.name[:80]] += e.device_time_total
+        calls[e.name[:80]] += 1
     busy = busy_us(intervals) / 1e3 / n
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return {
@@ -65,6 +68,10 @@ def profile_steps(step: Callable[[], Any], n: int, top: int = 12) -> dict[str, A
         "busy_ms": busy,
         "gap_ms": wall * 1e3 / n - busy,
         "kernel_ms": sum(by_name.values()) / 1e3 / n,
-        "kernels": [{"name": k, "ms_per_step": v / 1e3 / n} for k, v in ranked],
+        "launches_per_step": len(kernels) / n,
+        "kernels": [
+            {"name": k, "ms_per_step": v / 1e3 / n, "calls_per_step": calls[k] / n}
+            for k, v in ranked
+        ],
         "host_profile": text.getvalue(),
     }
