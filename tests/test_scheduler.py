@@ -11,7 +11,7 @@ import pytest
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.serving.batch import make_layout, pack
 from jax_tokenweave.serving.blocks import BlockAllocator, OutOfBlocksError
-from jax_tokenweave.serving.buckets import decode_rows, next_pow2, step_rows
+from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_pow2, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import Chunk, ScheduledStep, Scheduler, Sequence
@@ -57,6 +57,27 @@ def test_buckets():
     assert [next_pow2(n) for n in (0, 1, 3, 4, 5)] == [1, 1, 4, 4, 8]
     assert [decode_rows(n, 8) for n in (0, 1, 8, 9)] == [0, 8, 8, 16]
     assert [step_rows(n, 48, 8) for n in (1, 9, 17, 40, 48)] == [8, 16, 32, 48, 48]
+    # decodes alone: powers of two from 8, never above the mixed steps' decode segment
+    assert [decode_only_rows(n, 64) for n in (1, 8, 9, 33, 64, 65)] == [8, 8, 16, 64, 64, 128]
+    assert [decode_only_rows(n, 4) for n in (1, 5)] == [4, 8]
+
+
+def test_a_decode_only_step_is_not_padded_to_a_tile():
+    cfg = dataclasses.replace(
+        CFG, prefill_tile=16, block_size=8, key_chunk=16, max_num_batched_tokens=64
+    )
+    s = Scheduler(cfg)
+    for name in "abc":
+        s.add(seq(name, 3))
+    step = s.schedule()  # three prompt chunks: one 16-row tile each
+    layout, _ = pack(step, cfg, MODEL, 1)
+    assert (layout.decode_rows, layout.rows) == (0, 64)
+    s.update(step, [7, 8, 9])
+    step = s.schedule()  # three decodes, nothing else: 8 rows, not a 16-row tile
+    layout, arrays = pack(step, cfg, MODEL, 1)
+    assert len(step.decodes) == 3 and not step.chunks
+    assert (layout.decode_rows, layout.rows, arrays.tokens.shape) == (8, 8, (8,))
+    assert arrays.tokens[:3].tolist() == [7, 8, 9]
 
 
 def test_decodes_first_then_chunks_within_budget():
@@ -175,9 +196,15 @@ def test_engine_config_checked(kwargs, match):
 def reference_pack(step, cfg, model, tp):
     """``batch.pack`` written plainly (one token at a time), to check the vectorized one."""
     tile, bs = cfg.prefill_tile, cfg.block_size
-    decode = decode_rows(len(step.decodes), tile)
-    used = decode + sum(ceil_div(c.length, tile) * tile for c in step.chunks)
-    layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model, tp)
+    if step.decodes and not step.chunks:  # decodes only: no tile alignment, fewer rows
+        decode = rows = min(
+            max(next_pow2(len(step.decodes)), 8), decode_rows(len(step.decodes), tile)
+        )
+    else:
+        decode = decode_rows(len(step.decodes), tile)
+        used = decode + sum(ceil_div(c.length, tile) * tile for c in step.chunks)
+        rows = step_rows(used, cfg.max_num_batched_tokens, tile)
+    layout = make_layout(decode, rows, cfg, model, tp)
     r, s = layout.rows, layout.samples
     tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
     slots = np.full(r, cfg.num_blocks * bs, np.int32)

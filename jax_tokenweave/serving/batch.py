@@ -6,7 +6,8 @@ Rows of the packed batch (``R = layout.rows``):
 rows                   content
 ====================== ================================================================
 ``[0, D)``             decode segment, ``D = layout.decode_rows``: one token per decoding
-                       request (its latest token), then padding rows
+                       request (its latest token), then padding rows; a step with no
+                       prompt chunk has ``R = D`` (``buckets.decode_only_rows``)
 ``[D, R)``             prompt chunks, each starting on a ``tile`` boundary (relative to
                        ``D``), padded to whole tiles, then padding tiles
 ====================== ================================================================
@@ -35,7 +36,7 @@ import numpy as np
 
 from jax_tokenweave import tuning
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.serving.buckets import decode_rows, step_rows
+from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.scheduler import ScheduledStep
 from jax_tokenweave.split import BatchPlan, WaveModel, midpoint, plan_batch
@@ -109,9 +110,12 @@ def pack(
     decodes, chunks = step.decodes, step.chunks
     lengths = np.fromiter((c.length for c in chunks), np.int64, len(chunks))
     tiles = ceil_div(lengths, tile)  # [C]
-    decode = decode_rows(len(decodes), tile)
-    used = decode + int(tiles.sum()) * tile
-    layout = make_layout(decode, step_rows(used, cfg.max_num_batched_tokens, tile), cfg, model, tp)
+    if decodes and not chunks:
+        decode = rows = decode_only_rows(len(decodes), tile)
+    else:
+        decode = decode_rows(len(decodes), tile)
+        rows = step_rows(decode + int(tiles.sum()) * tile, cfg.max_num_batched_tokens, tile)
+    layout = make_layout(decode, rows, cfg, model, tp)
     r, s = layout.rows, layout.samples
     tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
     source = np.full(r, -1, np.int32)

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import executable_cache as exe_cache
-from jax_tokenweave.serving.buckets import decode_rows, next_pow2
+from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_pow2
 from jax_tokenweave.serving.compilation_cache import use_compilation_cache
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.executable_cache import ExecutableCache, WarmupReport
@@ -182,13 +182,12 @@ class ModelRunner:
             {min(next_pow2(n), budget) for n in (tile << i for i in range(budget.bit_length() + 1))}
             | {budget}
         )
-        decodes = sorted({0} | {decode_rows(n, tile) for n in range(1, cfg.max_num_seqs + 1)})
-        return [
-            batch_lib.make_layout(d, r, cfg, self.model_config, self.tp)
-            for d in decodes
-            for r in ladder
-            if r >= max(d, tile) and r - d <= budget - d
-        ]
+        counts = range(1, cfg.max_num_seqs + 1)
+        decodes = sorted({0} | {decode_rows(n, tile) for n in counts})
+        mixed = [(d, r) for d in decodes for r in ladder if r >= max(d, tile) and r <= budget]
+        only = sorted({(d, d) for d in (decode_only_rows(n, tile) for n in counts)} - set(mixed))
+        make = batch_lib.make_layout
+        return [make(d, r, cfg, self.model_config, self.tp) for d, r in mixed + only]
 
     def warmup(self, workers: int | None = None, progress: bool = False) -> WarmupReport:
         """Make every layout's program (afterwards no step compiles): load it from the
