@@ -89,6 +89,11 @@ def add_model_options(
         action="store_true",
         help="the synchronous engine (EngineConfig.async_scheduling=False)",
     )
+    p.add_argument(
+        "--no-command-buffers",
+        action="store_true",
+        help="decode steps without XLA command buffers (EngineConfig.command_buffers=False)",
+    )
     bm.add_engine_options(p, engine)
     p.add_argument(
         "--copy-gb",
@@ -211,6 +216,7 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
         max_logprobs=0,
         seed=a.seed,
         async_scheduling=not a.sync,
+        command_buffers=not a.no_command_buffers,
     )
 
 

@@ -109,17 +109,7 @@ def test_step_updates_the_cache_in_place(model, schedule):
     assert layout.plan.split == (schedule == "weave")
     cfg = engine.config
     text = (
-        jitted_forward.lower(
-            engine._state,
-            engine.cache,
-            batch_lib.pack_padding(layout, cfg),
-            graphdef=engine._graphdef,
-            layout=layout,
-            schedule=schedule,
-            comm=cfg.comm,
-            key_chunk=cfg.key_chunk,
-            tuning=None,
-        )
+        jitted_forward.lower(*engine.runner.padding_args(layout), **engine.runner._static(layout))
         .compile()
         .as_text()
     )

@@ -51,6 +51,8 @@ class EngineConfig:
     ``async_scheduling``: schedule and dispatch step n+1 before step n's tokens reach the host
     (its decodes take them on the device), so the device does not wait for the host between
     steps; False: one step at a time (``serving.engine``). The tokens are the same.
+    ``command_buffers``: decode-only steps replay from XLA's command buffers (CUDA graphs on
+    GPUs; ``serving.step_io``); False: XLA launches their kernels one by one.
 
     ``compilation_cache_dir``: JAX's persistent compilation cache for the engine's programs
     (``serving.compilation_cache``: a user-set JAX cache directory wins), and in its
@@ -73,6 +75,7 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     async_scheduling: bool = True
+    command_buffers: bool = True
     compilation_cache_dir: str | None = DEFAULT_DIR
 
     def __post_init__(self) -> None:
@@ -129,6 +132,10 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(
                 f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
+            )
+        if not isinstance(self.command_buffers, bool):
+            raise ValueError(
+                f"EngineConfig.command_buffers must be a bool, got {self.command_buffers!r}"
             )
         if self.tuning is not None and not isinstance(self.tuning, TuneEntry):
             raise ValueError(

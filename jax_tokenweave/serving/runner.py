@@ -46,13 +46,16 @@ from jax_tokenweave.serving.executable_cache import ExecutableCache, WarmupRepor
 from jax_tokenweave.serving.paged_cache import init_paged_cache
 from jax_tokenweave.serving.scheduler import ScheduledStep
 from jax_tokenweave.serving.step import (
+    REPLAY_COMPILER_OPTIONS,
     SAMPLERS,
     STEP_COMPILER_OPTIONS,
     StepOutputs,
     jitted_forward,
+    jitted_forward_replayed,
     jitted_sampler,
     sampling_arrays,
 )
+from jax_tokenweave.serving.step_io import StepIO, new_io, pack_inputs
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,6 +101,25 @@ class ModelRunner:
         )
         self._executables: dict[batch_lib.StepLayout, Any] = {}  # warmed-up forwards
         self._samplers: dict[tuple[int, str, int], Any] = {}  # (rows, sampler, logprobs)
+        self._io: dict[batch_lib.StepLayout, StepIO] = {}  # each layout's fixed buffers
+
+    def replayed(self, layout: batch_lib.StepLayout) -> bool:
+        """Whether ``layout``'s forward replays from command buffers: a decode-only step, where
+        ``EngineConfig.command_buffers`` is on."""
+        return self.config.command_buffers and layout.rows == layout.decode_rows
+
+    def _jitted(self, layout: batch_lib.StepLayout) -> Any:
+        return jitted_forward_replayed if self.replayed(layout) else jitted_forward
+
+    def io(self, layout: batch_lib.StepLayout) -> StepIO:
+        """``layout``'s :class:`~jax_tokenweave.serving.step_io.StepIO` (made on first use)."""
+        io = self._io.get(layout)
+        if io is None:
+            cfg = self.config
+            io = self._io[layout] = new_io(
+                layout, cfg.table_width, cfg.max_num_seqs, self.model_config.vocab_size, self.mesh
+            )
+        return io
 
     def _static(self, layout: batch_lib.StepLayout) -> dict[str, Any]:
         cfg = self.config
@@ -128,12 +150,13 @@ class ModelRunner:
         previous step's ``StepOutputs.tokens`` (default zeros)."""
         prev = self.no_tokens if prev_tokens is None else prev_tokens
         program = self._executables.get(layout)
+        args = (self._leaves, self.cache, self.io(layout), pack_inputs(arrays), prev)
         if program is None:
-            logits, self.cache = jitted_forward(
-                self._leaves, self.cache, arrays, prev, **self._static(layout)
-            )
+            io, self.cache = self._jitted(layout)(*args, **self._static(layout))
         else:
-            logits, self.cache = program(self._leaves, self.cache, arrays, prev)
+            io, self.cache = program(*args)
+        self._io[layout] = io
+        logits = io.logits
         sampler = "sample" if np.any(np.asarray(arrays.temperature) > 0) else "greedy"
         logprobs = self.config.max_logprobs if bool(arrays.want_logprobs) else 0
         settings = sampling_arrays(arrays)
@@ -203,7 +226,7 @@ class ModelRunner:
             if cache.enabled
             else {}
         )
-        out_tree = jax.tree_util.tree_structure((0, self.cache))  # (logits, cache)
+        out_tree = jax.tree_util.tree_structure((StepIO(0, 0), self.cache))  # type: ignore[arg-type]
         bar = tqdm(total=len(layouts), desc="warm-up", unit="layout", disable=not progress)
         counts = {"loaded": 0, "compiled": 0}
         lock = threading.Lock()
@@ -250,20 +273,18 @@ class ModelRunner:
                 pool.submit(
                     compile_and_store,
                     layout,
-                    jitted_forward.lower(*args[layout], **self._static(layout)),
+                    self._jitted(layout).lower(*args[layout], **self._static(layout)),
                 )
                 for layout in missing
             ]
             for future in futures:
                 future.result()
-            self._warm_samplers(pool, args)
+            self._warm_samplers(pool)
         return WarmupReport(
             len(layouts), counts["loaded"], counts["compiled"], time.perf_counter() - start
         )
 
-    def _warm_samplers(
-        self, pool: concurrent.futures.Executor, args: dict[batch_lib.StepLayout, tuple[Any, ...]]
-    ) -> None:
+    def _warm_samplers(self, pool: concurrent.futures.Executor) -> None:
         """Make the sampler programs every warmed-up layout may pick: per sampled-row count,
         greedy or drawn, with log-probabilities or not, on the forward program's logits
         (shape, dtype, sharding from its ``out_info``); loaded from the executable cache, else
@@ -272,7 +293,8 @@ class ModelRunner:
         out_tree = jax.tree_util.tree_structure(StepOutputs(0, 0, 0, 0))
         wanted: dict[tuple[int, str, int], tuple[tuple[Any, ...], dict[str, Any]]] = {}
         for layout, program in self._executables.items():
-            inputs = (program.out_info[0], *sampling_arrays(args[layout][2]), self.no_tokens)
+            padding = batch_lib.pack_padding(layout, self.config)
+            inputs = (program.out_info[0].logits, *sampling_arrays(padding), self.no_tokens)
             for sampler in SAMPLERS:
                 for logprobs in sorted({0, self.config.max_logprobs}):
                     which = (layout.samples, sampler, logprobs)
@@ -309,13 +331,10 @@ class ModelRunner:
 
     def padding_args(self, layout: batch_lib.StepLayout) -> tuple[Any, ...]:
         """The forward program's arguments for ``layout`` with padding rows only (what warm-up
-        compiles with): the state's leaves, the cache, the arrays, the previous tokens."""
-        return (
-            self._leaves,
-            self.cache,
-            batch_lib.pack_padding(layout, self.config),
-            self.no_tokens,
-        )
+        compiles with): the state's leaves, the cache, the layout's ``StepIO``, the packed
+        arrays, the previous tokens."""
+        padding = batch_lib.pack_padding(layout, self.config)
+        return (self._leaves, self.cache, self.io(layout), pack_inputs(padding), self.no_tokens)
 
     def program_key(self, layout: batch_lib.StepLayout, args: tuple[Any, ...]) -> str:
         """The executable cache's key of ``layout``'s program on ``args`` (state, cache,
@@ -323,16 +342,21 @@ class ModelRunner:
         program (the static arguments, the model, the inputs' tree, shapes, dtypes and
         shardings, the compiler options) and the environment."""
         static = {k: repr(v) for k, v in self._static(layout).items() if k != "graphdef"}
+        options = REPLAY_COMPILER_OPTIONS if self.replayed(layout) else STEP_COMPILER_OPTIONS
         return exe_cache.program_key(
-            {**self._model_key, "static": static, "inputs": exe_cache.describe_args(args)},
+            {
+                **self._model_key,
+                "compiler_options": options,
+                "static": static,
+                "inputs": exe_cache.describe_args(args),
+            },
             self.mesh.devices.flat,
         )
 
     @functools.cached_property
     def _model_key(self) -> dict[str, Any]:
         return {
-            "function": f"{jitted_forward.__module__}.{jitted_forward.__name__}",
-            "compiler_options": STEP_COMPILER_OPTIONS,
+            "function": f"{jitted_forward.__module__}.forward",
             "model_type": self.model_type,
             "model_config": repr(self.model_config),
             "graphdef": [repr(self.graphdef), repr(getattr(self.graphdef, "attributes", None))],

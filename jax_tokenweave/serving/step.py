@@ -21,7 +21,6 @@ value (tokens, positions, slots, block tables, sampling settings) is traced.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -37,6 +36,7 @@ from jax_tokenweave.serving import sampling
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_implementation
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
+from jax_tokenweave.serving.step_io import ForwardInputs, StepIO, give_back, stage_inputs
 from jax_tokenweave.stack import run_stack
 from jax_tokenweave.tuning import TuneEntry
 
@@ -58,7 +58,7 @@ class StepOutputs:
 def decoder_forward(
     decoder: WeaveDecoder,
     hidden: jax.Array,
-    arrays: StepArrays,
+    arrays: StepArrays | ForwardInputs,
     cache: PagedKVCache,
     layout: StepLayout,
     *,
@@ -142,7 +142,7 @@ def decoder_forward(
 def model_forward(
     model: Any,
     cache: PagedKVCache,
-    arrays: StepArrays,
+    arrays: StepArrays | ForwardInputs,
     layout: StepLayout,
     *,
     schedule: str,
@@ -270,33 +270,33 @@ def sampling_arrays(arrays: StepArrays) -> tuple[Any, Any, Any, Any, Any]:
 
 
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
-"""XLA options of the step's forward program: no command buffers. The step's inputs (positions,
-slots, tables, sampling settings) are new buffers every step, so XLA re-records its CUDA graphs
-on every call; measured on one H200 (Llama-3-8B shapes, batch 1): 11.9 ms per step with command
-buffers, 8.2 ms without (``benchmarks/step_dispatch.py``, ``benchmarks/results/2026-11-24-h200x1``);
-with the inputs and outputs copied through an uncaptured call, 7.0 against 7.6 ms."""
+"""XLA options of the forward of a step with prompt chunks: no command buffers (those steps are
+long and GPU-bound, and their schedules overlap streams at TP >= 2)."""
 
+REPLAY_COMPILER_OPTIONS: dict[str, str] = {}
+"""XLA options of the forward of a decode-only step: XLA's defaults, which record the program
+as command buffers (CUDA graphs) and replay them. With the inputs and logits at fixed addresses
+(``serving.step_io``) a replay updates one kernel; the host then launches one graph instead of
+~400 kernels (one H200, Llama-3-8B shapes, batch 1: ``benchmarks/results/2026-11-24-h200x1``)."""
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "graphdef",
-        "layout",
-        "schedule",
-        "comm",
-        "key_chunk",
-        "tuning",
-        "attention",
-        "state_def",
-    ),
-    donate_argnames=("cache",),
-    compiler_options=STEP_COMPILER_OPTIONS,
+_FORWARD_STATICS = (
+    "graphdef",
+    "layout",
+    "schedule",
+    "comm",
+    "key_chunk",
+    "tuning",
+    "attention",
+    "state_def",
 )
-def jitted_forward(
+
+
+def forward(
     state: Any,
     cache: PagedKVCache,
-    arrays: StepArrays,
-    prev_tokens: jax.Array | None = None,
+    io: StepIO,
+    packed: jax.Array,
+    prev_tokens: jax.Array,
     *,
     graphdef: Any,
     layout: StepLayout,
@@ -306,32 +306,52 @@ def jitted_forward(
     tuning: TuneEntry | None,
     attention: str = "auto",
     state_def: Any = None,
-) -> tuple[jax.Array, PagedKVCache]:
-    """:func:`model_forward` on ``nnx.merge(graphdef, state)``, jitted, the cache donated
-    (shared by every engine of the same model structure: equal shapes compile once).
-    ``state_def``: ``state`` is the list of the state's leaves, of this tree (a flat list
-    passes through dispatch faster than the ``nnx.State``: measured 0.05 against 0.21 ms per
-    call for 195 leaves on a CPU).
+) -> tuple[StepIO, PagedKVCache]:
+    """:func:`model_forward` on ``nnx.merge(graphdef, state)``, its inputs ``packed`` (int32
+    [N], ``step_io.pack_inputs``) and ``prev_tokens`` [P] staged into ``io`` and its logits
+    written there (``step_io``). Returns ``(io, cache)``; jitted with both donated as
+    :data:`jitted_forward` and :data:`jitted_forward_replayed` (shared by every engine of the
+    same model structure: equal shapes compile once). ``state_def``: ``state`` is the list of
+    the state's leaves, of this tree (a flat list passes through dispatch faster than the
+    ``nnx.State``: measured 0.05 against 0.21 ms per call for 195 leaves on a CPU).
 
     It holds no ``lax.cond``: XLA's GPU runtime waits on the host for a conditional's
-    predicate, which made each step's dispatch return only when the GPU had finished it (so
-    the host could not prepare the next step meanwhile). The choices that need a branch
-    (greedy or drawn tokens, log-probabilities or not) are made on the host, by picking the
-    sampler program (:data:`jitted_sampler`)."""
+    predicate, which made each step's dispatch return only when the GPU had finished it. The
+    choices that need a branch (greedy or drawn tokens, log-probabilities or not) are made on
+    the host, by picking the sampler program (:data:`jitted_sampler`)."""
     if state_def is not None:
         state = jax.tree_util.tree_unflatten(state_def, state)
-    return model_forward(
+    flat, inputs, prev = stage_inputs(io, packed, prev_tokens, layout)
+    logits, cache = model_forward(
         nnx.merge(graphdef, state),
         cache,
-        arrays,
+        inputs,
         layout,
         schedule=schedule,
         comm=comm,
         key_chunk=key_chunk,
         tuning=tuning,
         attention=attention,
-        prev_tokens=prev_tokens,
+        prev_tokens=prev,
     )
+    return give_back(io, flat, logits), cache
+
+
+jitted_forward = jax.jit(
+    forward,
+    static_argnames=_FORWARD_STATICS,
+    donate_argnames=("cache", "io"),
+    compiler_options=STEP_COMPILER_OPTIONS,
+)
+""":func:`forward` without command buffers (steps with prompt chunks)."""
+
+jitted_forward_replayed = jax.jit(
+    forward,
+    static_argnames=_FORWARD_STATICS,
+    donate_argnames=("cache", "io"),
+    compiler_options=REPLAY_COMPILER_OPTIONS,
+)
+""":func:`forward` replayed from command buffers (decode-only steps)."""
 
 
 jitted_sampler = jax.jit(sample_step, static_argnames=("sampler", "num_logprobs", "mesh"))
