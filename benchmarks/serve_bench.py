@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the weave engine's reductions (auto: the fused kernel where it runs)",
     )
     bm.add_engine_options(p, ENGINE_OPTIONS)
+    p.add_argument(
+        "--no-command-buffers",
+        action="store_true",
+        help="decode steps without XLA command buffers (EngineConfig.command_buffers=False)",
+    )
     p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="workload and weights seed")
     p.add_argument(
         "--no-plot",
@@ -223,6 +228,7 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
         comm=args.comm,
         max_logprobs=0,
         seed=args.seed,
+        command_buffers=not args.no_command_buffers,
     )
     runs: dict[str, dict[str, Any]] = {w: {} for w in args.workloads}
     warmups: dict[str, dict[str, Any]] = {}
