@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jax_tokenweave.attention import reference_attention
+from jax_tokenweave.serving import attention_kernel
 from jax_tokenweave.serving.paged_attention import PagedAttention, paged_attention
 from jax_tokenweave.split import plan_batch
 
@@ -163,3 +164,32 @@ def test_padding_rows_with_a_negative_position_get_zeros(rng):
     alone, _, _ = paged_attention(q[::2], k, v, tables[::2], positions[::2], tile=1, key_chunk=4)
     assert not np.any(np.asarray(out[1]))
     np.testing.assert_allclose(np.asarray(out[::2]), np.asarray(alone), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("rows", "kvh", "splits"),
+    [
+        (1, 8, 16),  # fewer (row, kv head) pairs than blocks wanted: the most pieces
+        (64, 8, 16),  # an engine's decode segment of one tile: maybe one live request
+        (64, 2, 16),
+        (66, 8, 1),  # 528 pairs fill the GPU
+        (256, 8, 1),
+        (300, 1, 16),  # 300 pairs: still too few
+        (400, 2, 1),
+    ],
+)
+def test_decode_splits_fill_the_gpu(rows, kvh, splits):
+    assert attention_kernel.decode_splits(rows, kvh) == splits
+
+
+@pytest.mark.parametrize(
+    ("rows", "kvh", "splits"),
+    [
+        (8, 8, 9),  # a decode-only step of 1-8 requests: enough pieces to fill the GPU
+        (64, 8, 2),  # 64 live rows: two pieces each, not 16 (14 of which would exit at once)
+        (1, 8, 16),  # capped
+        (256, 8, 1),
+    ],
+)
+def test_tight_decode_splits_launch_few_idle_blocks(rows, kvh, splits):
+    assert attention_kernel.decode_splits(rows, kvh, tight=True) == splits

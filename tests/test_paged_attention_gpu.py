@@ -74,10 +74,10 @@ def _as_f32(case):
     return (*(np.asarray(a.astype(jnp.float32)) for a in (q, k, v)), tables, positions)
 
 
-def _run(impl, q, k, v, tables, positions, tile):
+def _run(impl, q, k, v, tables, positions, tile, tight=False):
     fn = jax.jit(
         lambda q, k, v, t, p: paged_attention(
-            q, k, v, t, p, tile=tile, key_chunk=64, implementation=impl
+            q, k, v, t, p, tile=tile, key_chunk=64, implementation=impl, tight=tight
         )
     )
     out, k_back, v_back = fn(q, k, v, jnp.asarray(tables), jnp.asarray(positions))
@@ -88,7 +88,8 @@ def _run(impl, q, k, v, tables, positions, tile):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize(("hq", "kvh", "d"), [(32, 8, 128), (8, 8, 64), (16, 2, 128)])
-def test_decode_rows_match_reference(rng, dtype, hq, kvh, d):
+@pytest.mark.parametrize("tight", [False, True])
+def test_decode_rows_match_reference(rng, dtype, hq, kvh, d, tight):
     contexts = [1, 7, 64, 65, 513, 3000, 1024, 200]  # one split up to several
     case = _case(
         rng,
@@ -102,7 +103,7 @@ def test_decode_rows_match_reference(rng, dtype, hq, kvh, d):
         dtype=dtype,
     )
     want = _reference(*_as_f32(case), tile=1)
-    got, k_back, _ = _run("cuda", *case, tile=1)
+    got, k_back, _ = _run("cuda", *case, tile=1, tight=tight)
     xla, _, _ = _run("xla", *case, tile=1)
     assert np.isfinite(got).all()
     assert _rel(got, want) < 1e-2, _rel(got, want)
@@ -262,19 +263,3 @@ def test_unavailable_reasons(platform, dtype, d, g, why):
         assert why in reason
     else:
         assert "not built" in reason
-
-
-@pytest.mark.parametrize(
-    ("rows", "kvh", "splits"),
-    [
-        (1, 8, 16),  # fewer (row, kv head) pairs than blocks wanted: the most pieces
-        (64, 8, 16),  # an engine's decode segment of one tile: maybe one live request
-        (64, 2, 16),
-        (66, 8, 1),  # 528 pairs fill the GPU
-        (256, 8, 1),
-        (300, 1, 16),  # 300 pairs: still too few
-        (400, 2, 1),
-    ],
-)
-def test_decode_splits_fill_the_gpu(rows, kvh, splits):
-    assert attention_kernel.decode_splits(rows, kvh) == splits

@@ -68,16 +68,19 @@ def _register() -> None:
     jax.ffi.register_ffi_target(ROPE_TARGET, handlers["rope_cache_write"], platform="CUDA")
 
 
-def decode_splits(rows: int, kv_heads: int) -> int:
+def decode_splits(rows: int, kv_heads: int, tight: bool = False) -> int:
     """Blocks per (decode row, kv head): at most how many pieces a row's context is cut into.
     On the device, each row cuts its context into pieces of at least 128 keys, as many as the
-    live rows need for :data:`TARGET_BLOCKS` blocks (the rest of the grid exits at once). With
-    fewer than :data:`TARGET_BLOCKS` (row, kv head) pairs, :data:`MAX_SPLITS`: the rows may be
-    mostly padding (the engine pads a decode segment to a whole prompt tile, 64 rows, also for
-    one request), and a lone request must still spread over the GPU; from there on, enough
-    for :data:`TARGET_BLOCKS` blocks."""
+    live rows need for :data:`TARGET_BLOCKS` blocks (the rest of the grid exits at once).
+    ``tight`` (rows at most half padding, as in a decode-only step): as many as ``rows`` need
+    for :data:`TARGET_BLOCKS` blocks, at most :data:`MAX_SPLITS`, so few blocks exit unused.
+    Else, with fewer than :data:`TARGET_BLOCKS` (row, kv head) pairs, :data:`MAX_SPLITS`:
+    the rows may be mostly padding (a step with prompt chunks pads its decode segment to a
+    whole prompt tile, 64 rows, also for one request), and a lone request must still spread
+    over the GPU; from there on, enough for :data:`TARGET_BLOCKS` blocks."""
     pairs = rows * kv_heads
-    return MAX_SPLITS if pairs < TARGET_BLOCKS else math.ceil(TARGET_BLOCKS / pairs)
+    need = math.ceil(TARGET_BLOCKS / pairs)
+    return min(MAX_SPLITS, need) if tight or pairs >= TARGET_BLOCKS else MAX_SPLITS
 
 
 def paged_attention(
@@ -89,6 +92,7 @@ def paged_attention(
     *,
     tile: int,
     scale: float,
+    tight: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``serving.paged_attention.paged_attention`` on the CUDA kernels (module docstring).
 
@@ -116,7 +120,7 @@ def paged_attention(
         )
     _register()
     group = hq // kvh
-    splits = decode_splits(groups, kvh) if tile == 1 else 0
+    splits = decode_splits(groups, kvh, tight) if tile == 1 else 0
     # Decode partials: per (row, kv head, split, head of the group) D sums and (max, total).
     work = (groups * kvh * splits * group * (d + 2),) if tile == 1 else (1,)
     outs = (

@@ -77,6 +77,7 @@ def paged_attention(
     key_chunk: int,
     scale: float | None = None,
     implementation: str = "xla",
+    tight: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal attention of query groups over their requests' paged K/V (module docstring).
 
@@ -90,6 +91,9 @@ def paged_attention(
         loop's, the CUDA kernels choose their own).
       implementation: ``"xla"`` (the pure-JAX loop) or ``"cuda"`` (module docstring; resolve
         ``"auto"`` first with :func:`resolve_implementation`).
+      tight: decode rows (``tile == 1``) that are at most half padding (a decode-only step):
+        the CUDA kernel's grid then has no more pieces per row than the live rows need
+        (``attention_kernel.decode_splits``).
     Returns:
       ``(out [G * tile, Hq, D] in q's dtype, k_cache, v_cache)``: the caches come back
       unchanged, threaded through the key loop; write the next K/V into *these* (module
@@ -106,7 +110,7 @@ def paged_attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if implementation == "cuda":
         return attention_kernel.paged_attention(
-            q, k_cache, v_cache, tables, positions, tile=tile, scale=scale
+            q, k_cache, v_cache, tables, positions, tile=tile, scale=scale, tight=tight
         )
     if implementation != "xla":
         raise ValueError(
@@ -185,6 +189,8 @@ class PagedAttention:
         self.slots, self.positions, self.tables = slots, positions, tables
         self.decode_rows, self.tile, self.key_chunk = decode_rows, tile, key_chunk
         self.implementation = implementation
+        # A decode-only step (no prompt rows) pads its decode rows to a power of two, not a tile.
+        self.decode_only = positions.shape[0] == decode_rows
         # Padding decode rows (their slot is past the cache) attend to nothing: position -1.
         num_slots = self.k[0].shape[0] * self.k[0].shape[1]
         self.decode_positions = jnp.where(
@@ -243,6 +249,7 @@ class PagedAttention:
                 tile=size,
                 key_chunk=self.key_chunk,
                 implementation=self.implementation,
+                tight=self.decode_only,
             )
             parts.append(out)
         return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
