@@ -5,10 +5,7 @@
 // (row = query * G + head), so each key tile in shared memory serves all of them. K/V tiles of
 // 64 positions stream through shared memory (cp.async, two stages, 16-byte chunks XOR-swizzled
 // by row so ldmatrix is conflict-free); S = Q K^T and O += P V run on mma.sync m16n8k16 with
-// float32 accumulators; the block stops at its last row's position (causal), and only key
-// sub-tiles past the first position of a warp's rows pay for the causal mask.
-#include <climits>
-
+// float32 accumulators; the block stops at its last row's position (causal).
 #include "attention_common.cuh"
 #include "attention_mma.cuh"
 
@@ -83,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
     return block_rows + warp * 16 * kMTiles + mt * 16 + gid + 8 * i;
   };
   int pos[kMTiles][2];
-  int mx = -1, mn = INT_MAX;
+  int mx = -1;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -91,16 +88,10 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
       const int t = row_of(mt, i) / G;
       pos[mt][i] = t < p.tile ? Context(p, group * p.tile + t) - 1 : -1;
       mx = max(mx, pos[mt][i]);
-      mn = min(mn, pos[mt][i]);
     }
   }
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) {
-    mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, o));
-  }
-  // Keys up to `mn` are visible to every row of this warp: sub-tiles below it skip the mask.
-  const int warp_visible = mn;
+  for (int o = 16; o > 0; o /= 2) mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if (lane == 0) s_kend[warp] = mx + 1;
   __syncthreads();
   int kend = 0;
@@ -163,9 +154,6 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
         }
       }
       // Scale, causal mask, online softmax (a row's scores sit in the 4 lanes of a quad).
-      // Sub-tiles every row of the warp sees whole (below the diagonal) skip the mask.
-      const int sub_first = kt * kTileKeys + sub * kSubKeys;
-      const bool masked = sub_first + kSubKeys - 1 > warp_visible;  // warp-uniform
       uint32_t pa[kMTiles][kSubKeys / 16][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
@@ -174,8 +162,8 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
         for (int n = 0; n < kSubKeys / 8; ++n) {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            float v = s[mt][n][j];  // scaled in the exponent below (sscale > 0)
-            if (masked && sub_first + n * 8 + tig * 2 + j % 2 > pos[mt][j / 2]) v = -INFINITY;
+            const int key = kt * kTileKeys + sub * kSubKeys + n * 8 + tig * 2 + j % 2;
+            const float v = key <= pos[mt][j / 2] ? s[mt][n][j] * sscale : -INFINITY;
             s[mt][n][j] = v;
             rmax[j / 2] = fmaxf(rmax[j / 2], v);
           }
@@ -185,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
         for (int i = 0; i < 2; ++i) {
           rmax[i] = fmaxf(rmax[i], __shfl_xor_sync(0xffffffffu, rmax[i], 1));
           rmax[i] = fmaxf(rmax[i], __shfl_xor_sync(0xffffffffu, rmax[i], 2));
-          const float mn = fmaxf(m[mt][i], rmax[i] * sscale);
+          const float mn = fmaxf(m[mt][i], rmax[i]);
           msafe[i] = mn == -INFINITY ? 0.f : mn;
           corr[i] = exp2f(m[mt][i] - msafe[i]);  // 0 while m is -inf
           m[mt][i] = mn;
@@ -201,10 +189,8 @@ __global__ void __launch_bounds__(kThreads) PrefillTileKernel(AttentionParams p)
         }
 #pragma unroll
         for (int n = 0; n < kSubKeys / 8; ++n) {
-          const float p0 = exp2f(fmaf(s[mt][n][0], sscale, -msafe[0]));
-          const float p1 = exp2f(fmaf(s[mt][n][1], sscale, -msafe[0]));
-          const float p2 = exp2f(fmaf(s[mt][n][2], sscale, -msafe[1]));
-          const float p3 = exp2f(fmaf(s[mt][n][3], sscale, -msafe[1]));
+          const float p0 = exp2f(s[mt][n][0] - msafe[0]), p1 = exp2f(s[mt][n][1] - msafe[0]);
+          const float p2 = exp2f(s[mt][n][2] - msafe[1]), p3 = exp2f(s[mt][n][3] - msafe[1]);
           l[mt][0] += p0 + p1;
           l[mt][1] += p2 + p3;
           pa[mt][n / 2][(n % 2) * 2] = Vec<T>::FromFloat2(p0, p1);
