@@ -43,7 +43,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel._util import ceil_div
 
 IMPLS = ("xla", "cuda", "pallas")
 # (GPU default, GPU --quick, CPU default, CPU --quick) per sweep option.

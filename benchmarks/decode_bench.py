@@ -35,7 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel._util import ceil_div
 
 ENGINE_OPTIONS = ("block_size", "prefill_tile", "key_chunk", "max_num_batched_tokens")
 DEFAULTS = {

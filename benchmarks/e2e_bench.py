@@ -43,8 +43,8 @@ from typing import Any
 import jax
 
 from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.modes import Mode, measure
-from jax_tokenweave.util import ceil_div
 
 MODES: dict[str, Mode] = {
     m.name: m

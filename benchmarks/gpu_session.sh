@@ -61,7 +61,7 @@ if has build; then
     (cd "$repo" && python3 -m pip install -v --no-build-isolation --no-deps .) \
       >> "$W/build.log" 2>&1 || { tail -40 "$W/build.log"; log "BUILD FAILED"; status=1; }
   fi
-  $PY -c 'from jax_tokenweave import _ffi; print("extension:", _ffi.import_error() or "loaded")'
+  $PY -c 'from jax_tokenweave.kernel import _ffi; print("extension:", _ffi.import_error() or "loaded")'
 fi
 if has tests && [[ $status == 0 ]]; then
   # TEST_RUNS consecutive runs of the same files (flaky waits show up as a failed run).

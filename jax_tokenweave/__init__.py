@@ -3,7 +3,7 @@
 The public names below load lazily, so ``import jax_tokenweave`` imports neither JAX nor Flax;
 importing any module of the package changes no global state (environment, JAX config).
 
-- ``allreduce_rmsnorm`` (``jax_tokenweave.ops``): fused all-reduce + residual add + RMSNorm.
+- ``allreduce_rmsnorm`` (``jax_tokenweave.kernel.ops``): fused all-reduce + residual add + RMSNorm.
 - ``plan_batch``, ``BatchPlan`` (``jax_tokenweave.split``): wave-aware token split planning.
 - ``WeaveDecoder`` (``jax_tokenweave.layers``): the tensor-parallel decoder stack and schedules.
 - ``DecoderConfig``, ``RopeScaling`` (``jax_tokenweave.config``), ``get_config``
@@ -17,12 +17,17 @@ importing any module of the package changes no global state (environment, JAX co
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.2.0"
 
+# Old module paths (``jax_tokenweave.ops``, ``.layers``, ...) find their shims in ``_legacy/``
+# for one release: each warns and resolves to the new module. No import hook is registered.
+__path__.append(os.path.join(os.path.dirname(__file__), "_legacy"))
+
 _EXPORTS: dict[str, str] = {
-    "allreduce_rmsnorm": "jax_tokenweave.ops",
+    "allreduce_rmsnorm": "jax_tokenweave.kernel.ops",
     "plan_batch": "jax_tokenweave.split",
     "BatchPlan": "jax_tokenweave.split",
     "WeaveDecoder": "jax_tokenweave.layers",

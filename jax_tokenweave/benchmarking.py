@@ -186,7 +186,7 @@ def ffi_unavailable(
     mesh: Mesh, dtype: Any, shape: tuple[int, int], axis_name: str = "tp"
 ) -> str | None:
     """Why ``comm="ffi"`` cannot run for this mesh, dtype and ``[T, H]`` (None where it can)."""
-    from jax_tokenweave import _ffi
+    from jax_tokenweave.kernel import _ffi
 
     return _ffi.unavailable_reason(mesh, axis_name, jnp.dtype(dtype), tuple(shape))
 

@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel._util import ceil_div
 
 
 @dataclasses.dataclass(frozen=True)

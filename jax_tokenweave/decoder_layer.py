@@ -42,8 +42,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave import attention as attn_lib
-from jax_tokenweave import ops
 from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.kernel import ops
 from jax_tokenweave.moe import MoE
 from jax_tokenweave.params import ParamSpec, make_params
 

@@ -12,7 +12,7 @@ a custom call whose target names cuBLAS / cuBLASLt / cuDNN GEMM or attention
 says ``__triton_gemm`` / ``__cudnn$fusion`` / ``__cublas`` (its body is also expanded; a GEMM is
 counted once per instruction line).
 
-The custom-call target names come from ``jax_tokenweave._ffi.TARGETS``.
+The custom-call target names come from ``jax_tokenweave.kernel._ffi.TARGETS``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jax_tokenweave._ffi import TARGETS
+from jax_tokenweave.kernel._ffi import TARGETS
 
 START_TARGET = TARGETS["allreduce_rmsnorm_start"]
 DONE_TARGET = TARGETS["allreduce_rmsnorm_done"]

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jax_tokenweave import ops
+from jax_tokenweave.kernel import ops
 from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
 
 
@@ -172,7 +172,7 @@ class LocalSharded(Reducer):
 class Overlap(Reducer):
     """The fused kernel as start/done pairs overlapped with the other half (two halves).
 
-    ``start``/``done`` default to ``jax_tokenweave._ffi.allreduce_rmsnorm_start/done`` (same
+    ``start``/``done`` default to ``jax_tokenweave.kernel._ffi.allreduce_rmsnorm_start/done`` (same
     signatures: ``start(partial, residual, weight, *, axis_name, mesh, eps, num_ctas, slot)``
     -> pending; ``done(pending, *, axis_name, mesh, slot)`` -> ``(normed, residual_out)``).
     Ordering by data (``jax.lax.optimization_barrier``), for half ``j`` at each stage:
@@ -207,7 +207,7 @@ class Overlap(Reducer):
 
     def _kernel(self) -> tuple[Callable[..., Any], Callable[..., Any]]:
         if self._start is None or self._done is None:
-            from jax_tokenweave import _ffi
+            from jax_tokenweave.kernel import _ffi
 
             return (
                 self._start or _ffi.allreduce_rmsnorm_start,

@@ -90,7 +90,7 @@ def ffi_unavailable(
     """Why the fused kernel cannot run this batch's weave schedule (None where it can): the
     first half whose ``[T_half, H]`` call (its slot = half index, the tuned CTA counts) is
     refused by ``_ffi.unavailable_reason``."""
-    from jax_tokenweave import _ffi
+    from jax_tokenweave.kernel import _ffi
 
     entry = DEFAULT_ENTRY if tuning is None else tuning
     for j, half in enumerate(batch.halves):

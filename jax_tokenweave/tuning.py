@@ -7,7 +7,7 @@ A :class:`TuneEntry` says how to run one batch size: ``offset`` (a tuned correct
 added to the split point the planner's rule picks, see :mod:`jax_tokenweave.split`; None or 0:
 the rule's point), ``num_ctas`` (thread
 blocks of each fused AllReduce + RMSNorm call; None = the kernel policy's count,
-``jax_tokenweave.kernel_policy``) and ``first_num_ctas`` (the same for the stack's very first
+``jax_tokenweave.kernel.policy``) and ``first_num_ctas`` (the same for the stack's very first
 fused call; None = ``num_ctas``). It applies to whatever the threshold decides for that size:
 split or not.
 
@@ -122,7 +122,7 @@ DEFAULT_ENTRY = TuneEntry(offset=None, num_ctas=16, first_num_ctas=8)
 8 for the stack's first fused call, the planner's offset."""
 
 POLICY_ENTRY = TuneEntry(offset=None, num_ctas=None)
-"""No CTA counts of its own: every fused call takes the kernel policy's (``kernel_policy``)."""
+"""No CTA counts of its own: every fused call takes the kernel policy's (``kernel.policy``)."""
 
 Key = tuple[str, int, int]
 

@@ -22,6 +22,8 @@ def modules() -> dict[str, Path]:
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[1] == "_legacy" and len(parts) > 2:  # old module paths' shims (one release)
+            continue
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 

@@ -13,9 +13,9 @@ import pytest
 from conftest import gpu_devices
 from flax import nnx
 
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving import attention_kernel
 from jax_tokenweave.serving.paged_attention import paged_attention, resolve_implementation
-from jax_tokenweave.util import ceil_div
 
 needs_kernel = pytest.mark.skipif(
     not gpu_devices()

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.serving.batch import make_layout, pack
 from jax_tokenweave.serving.blocks import BlockAllocator, OutOfBlocksError
@@ -15,7 +16,6 @@ from jax_tokenweave.serving.buckets import decode_rows, next_pow2, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import Chunk, ScheduledStep, Scheduler, Sequence
-from jax_tokenweave.util import ceil_div
 
 CFG = EngineConfig(
     max_num_batched_tokens=32,

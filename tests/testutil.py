@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_tokenweave import _ffi, ops, reducers
+from jax_tokenweave import reducers
+from jax_tokenweave.kernel import _ffi, ops
 from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.params import named_params
 

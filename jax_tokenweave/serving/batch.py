@@ -35,11 +35,11 @@ import numpy as np
 
 from jax_tokenweave import tuning
 from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.buckets import decode_rows, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.scheduler import ScheduledStep
 from jax_tokenweave.split import BatchPlan, WaveModel, midpoint, plan_batch
-from jax_tokenweave.util import ceil_div
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.schedules import COMMS
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.compilation_cache import DEFAULT_DIR
 from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
 from jax_tokenweave.tuning import TuneEntry
-from jax_tokenweave.util import ceil_div
 
 SERVING_SCHEDULES = ("weave", "baseline")
 

@@ -36,11 +36,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.blocks import BlockAllocator
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.sampling_params import SamplingParams
-from jax_tokenweave.util import ceil_div
 
 
 @dataclasses.dataclass(eq=False)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving.scheduler import ScheduledStep
-from jax_tokenweave.util import ceil_div
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
-"""The CUDA extension ``jax_tokenweave._tokenweave_ffi``, if it was built (``ffi/``, when nvcc is
-present at install time). Importing it calls no CUDA function, so it loads on CPU-only machines.
+"""The CUDA extension ``jax_tokenweave.kernel._tokenweave_ffi``, if it was built (``ffi/``, when
+nvcc is present at install time). Importing it calls no CUDA function, so it loads on CPU-only
+machines.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from types import ModuleType
 from typing import Any
 
 try:
-    from jax_tokenweave import _tokenweave_ffi as _module
+    from jax_tokenweave.kernel import _tokenweave_ffi as _module
 
     _IMPORT_ERROR: str | None = None
 except ImportError as e:  # not built (no nvcc at install time) or broken

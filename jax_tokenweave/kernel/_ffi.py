@@ -1,10 +1,11 @@
 """The fused AllReduce + residual + RMSNorm kernel as JAX operations (XLA FFI custom calls).
 
-The handlers live in the CUDA extension (:mod:`jax_tokenweave._extension`); this module
-registers them with ``jax.ffi`` for the CUDA platform and calls them inside ``shard_map``, with
-the :class:`~jax_tokenweave.comm.Communicator` of the mesh axis (``comm=``, or the shared one of
-``mesh``/``axis_name``). The synchronous call is command-buffer compatible; the start/done pair
-is not (it forks onto a side stream in one custom call and joins in another).
+The handlers live in the CUDA extension (:mod:`jax_tokenweave.kernel._extension`); this
+module registers them with ``jax.ffi`` for the CUDA platform and calls them inside
+``shard_map``, with the :class:`~jax_tokenweave.kernel.comm.Communicator` of the mesh axis
+(``comm=``, or the shared one of ``mesh``/``axis_name``). The synchronous call is
+command-buffer compatible; the start/done pair is not (it forks onto a side stream in one
+custom call and joins in another).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_tokenweave import _extension
-from jax_tokenweave.comm import Communicator, get_communicator
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel import _extension
+from jax_tokenweave.kernel._util import ceil_div
+from jax_tokenweave.kernel.comm import Communicator, get_communicator
 
 TARGETS = {
     "allreduce_rmsnorm": "tokenweave_allreduce_rmsnorm",

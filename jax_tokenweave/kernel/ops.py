@@ -8,7 +8,7 @@ impl       residual layout    what it does
 ========== ================== ============================================================
 ``xla``    replicated [T, H]  ``psum`` (all-reduce), add, RMSNorm on all T rows (vLLM-style)
 ``xla_rsag`` sharded [q, H]   ``psum_scatter`` -> add + RMSNorm on q rows -> ``all_gather``
-``ffi``    sharded [q, H]     the fused CUDA kernel (``jax_tokenweave._ffi``), same contract
+``ffi``    sharded [q, H]     the fused CUDA kernel (``jax_tokenweave.kernel._ffi``), same contract
 ``auto``   sharded [q, H]     ``ffi`` where it is usable and N > 1, else ``xla_rsag``
 ========== ================== ============================================================
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel._util import ceil_div
 
 Impl = Literal["auto", "xla", "xla_rsag", "ffi"]
 IMPLS: tuple[str, ...] = get_args(Impl)
@@ -105,7 +105,7 @@ def allreduce_rmsnorm(
     reason = _ffi_unavailable_reason(partial, axis_name, mesh)
     if reason is not None:
         raise RuntimeError(f"allreduce_rmsnorm(impl='ffi') is unavailable: {reason}")
-    from jax_tokenweave import _ffi
+    from jax_tokenweave.kernel import _ffi
 
     return _ffi.allreduce_rmsnorm(
         partial,
@@ -138,7 +138,7 @@ def _xla_rsag(
 
 
 def _ffi_unavailable_reason(partial: jax.Array, axis_name: str, mesh: Mesh | None) -> str | None:
-    from jax_tokenweave import _ffi
+    from jax_tokenweave.kernel import _ffi
 
     return _ffi.unavailable_reason(mesh, axis_name, partial.dtype, partial.shape)
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jax_tokenweave import _extension
-from jax_tokenweave.comm import CommSettings
+from jax_tokenweave.kernel import _extension
+from jax_tokenweave.kernel.comm import CommSettings
 
 _NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 

@@ -3,7 +3,7 @@
 A :class:`Communicator` holds the settings (:class:`CommSettings`), says in one sentence why
 the fused kernel cannot run for a given call (:meth:`Communicator.unavailable_reason`), picks
 the kernel variant and CTA count (:meth:`Communicator.choose`, from the shipped
-:mod:`jax_tokenweave.kernel_policy` table), and registers the workspace with the extension on
+:mod:`jax_tokenweave.kernel.policy` table), and registers the workspace with the extension on
 first use. Its sync state lives on the GPUs and is advanced by the kernels, so XLA can capture
 the calls in command buffers. A cross-GPU wait that exceeds ``timeout_s`` makes the
 communicator fail for good: later calls raise (or, replayed from a command buffer, produce NaN)
@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_tokenweave import _extension, comm_ipc, kernel_policy
-from jax_tokenweave.kernel_policy import KernelPolicy
+from jax_tokenweave.kernel import _extension, comm_ipc
+from jax_tokenweave.kernel import policy as kernel_policy
+from jax_tokenweave.kernel.policy import KernelPolicy
 
 ALGOS = ("auto", *kernel_policy.ALGOS)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))

@@ -1,7 +1,7 @@
 """The size policy of the fused kernel: which variant ("algo") and how many CTAs ``auto`` runs
 for a group of N ranks and a message of B bytes per rank (``T * H * itemsize``).
 
-The table ships with the package (``kernel_policy.json``, regenerated from measurements by
+The table ships with the package (``policy.json``, regenerated from measurements by
 ``benchmarks/kernel_bench.py --write-policy``); its ``meta.source`` says where its numbers come
 from. Rows are tried in order; the first whose ``max_bytes`` is at least the message (or None)
 wins. A group size missing from the table uses the next larger one present (else the largest).
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 ALGOS = ("two_shot", "one_shot", "direct")
-DEFAULT_PATH = Path(__file__).with_name("kernel_policy.json")
+DEFAULT_PATH = Path(__file__).with_name("policy.json")
 
 
 @dataclasses.dataclass(frozen=True)
