@@ -11,8 +11,8 @@ whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requ
 - ``nocomm``: every collective dropped (not the model's output; the floor).
 
 The weave modes split where the shipped tuning table says (at TP=2 from 4096 tokens; see
-``jax_tokenweave.tuning``) and use its CTA counts: what the library does by default. To see the
-split's own costs at every size, ``benchmarks/breakdown.py`` forces the split.
+``jax_tokenweave.weave.tuning``) and use its CTA counts: what the library does by default. To see
+the split's own costs at every size, ``benchmarks/breakdown.py`` forces the split.
 
 Decode batches (``DECODE_MODES``: ``baseline``, ``weave-ffi``, ``weave-xla``, ``nocomm``) are
 ``n`` requests of one token each (below the split threshold, so never split): the layer stack

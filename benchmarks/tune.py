@@ -9,11 +9,11 @@ output checked against the baseline. The entry of a token count is the fastest c
 threshold is the smallest measured token count from which the split wins at every larger one
 (:func:`decide`). For each offset it also prints the compiled HLO's overlap check
 (``jax_tokenweave.hlo_check``). Rows are written for ``--model`` and ``--tp`` (with the model's
-shapes, so configs of the same shapes find them) into a ``jax_tokenweave.tuning`` JSON table;
+shapes, so configs of the same shapes find them) into a ``jax_tokenweave.weave.tuning`` JSON table;
 ``--merge`` adds them to the table already at ``--out``, e.g. the shipped one::
 
     python benchmarks/tune.py --model llama3-70b --tp 2 --tokens 1024 2048 4096 8192 16384 \\
-        --layers 8 --out jax_tokenweave/tuning.json --merge
+        --layers 8 --out jax_tokenweave/weave/tuning.json --merge
 
 Without GPUs (or where the fused kernel cannot run) it prints why and exits 0, writing nothing.
 ``--time-budget`` bounds the run: no new measurement starts after it.
@@ -32,9 +32,10 @@ from typing import Any
 import jax.numpy as jnp
 
 from jax_tokenweave import benchmarking as bm
-from jax_tokenweave import hlo_check, timing, tuning
-from jax_tokenweave.schedules import ffi_unavailable
-from jax_tokenweave.tuning import TuneEntry, TuneTable
+from jax_tokenweave import hlo_check, timing
+from jax_tokenweave.weave import tuning
+from jax_tokenweave.weave.schedules import ffi_unavailable
+from jax_tokenweave.weave.tuning import TuneEntry, TuneTable
 
 CTAS = (8, 16, 32)
 OFFSETS = (-256, -128, 0, 128, 256)

@@ -4,7 +4,7 @@ The public names below load lazily, so ``import jax_tokenweave`` imports neither
 importing any module of the package changes no global state (environment, JAX config).
 
 - ``allreduce_rmsnorm`` (``jax_tokenweave.kernel.ops``): fused all-reduce + residual add + RMSNorm.
-- ``plan_batch``, ``BatchPlan`` (``jax_tokenweave.split``): wave-aware token split planning.
+- ``plan_batch``, ``BatchPlan`` (``jax_tokenweave.weave.plan``): wave-aware token split planning.
 - ``WeaveDecoder`` (``jax_tokenweave.layers``): the tensor-parallel decoder stack and schedules.
 - ``DecoderConfig``, ``RopeScaling`` (``jax_tokenweave.config``), ``get_config``
   (``jax_tokenweave.models.configs``): model shapes.
@@ -28,8 +28,8 @@ __path__.append(os.path.join(os.path.dirname(__file__), "_legacy"))
 
 _EXPORTS: dict[str, str] = {
     "allreduce_rmsnorm": "jax_tokenweave.kernel.ops",
-    "plan_batch": "jax_tokenweave.split",
-    "BatchPlan": "jax_tokenweave.split",
+    "plan_batch": "jax_tokenweave.weave.plan",
+    "BatchPlan": "jax_tokenweave.weave.plan",
     "WeaveDecoder": "jax_tokenweave.layers",
     "DecoderConfig": "jax_tokenweave.config",
     "RopeScaling": "jax_tokenweave.config",

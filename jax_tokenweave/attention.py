@@ -3,7 +3,7 @@
 Arrays are ``[tokens, heads, head_dim]`` with the heads local to the rank (``num_heads / tp``
 query heads, ``num_kv_heads / tp`` key/value heads; grouped-query attention when they differ).
 The tokens of several requests are packed back to back; static Python metadata (the
-``split.Piece`` tuples of a ``BatchPlan`` half) says where each request's piece lies:
+``weave.plan.Piece`` tuples of a ``BatchPlan`` half) says where each request's piece lies:
 
 * a query attends causally to keys of its own request only;
 * a piece with ``position > 0`` (the second part of a request cut by the split) also attends to
@@ -35,7 +35,8 @@ from jax_tokenweave.config import RopeScaling
 
 
 class PieceLike(Protocol):
-    """What attention needs of ``split.Piece``: global start, length, position in its request."""
+    """What attention needs of ``weave.plan.Piece``: global start, length, position in its
+    request."""
 
     @property
     def request(self) -> int: ...

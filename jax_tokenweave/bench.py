@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_tokenweave import timing, tuning
+from jax_tokenweave import timing
 from jax_tokenweave.benchmarking import (
     COMMS,
     CPU_DEVICES,
@@ -55,6 +55,7 @@ from jax_tokenweave.benchmarking import (
     resolve_seed,
     start_devices,
 )
+from jax_tokenweave.weave import tuning
 
 PROG = "python -m jax_tokenweave.bench"
 

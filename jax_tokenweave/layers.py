@@ -2,8 +2,8 @@
 final norm) run inside one ``jax.shard_map``, under one of the schedules.
 
 The stack is written once (:func:`jax_tokenweave.stack.run_stack`: layers x stages x halves);
-a schedule chooses its halves and its reducer (:mod:`jax_tokenweave.schedules`,
-:mod:`jax_tokenweave.reducers`). One layer's parameters and per-rank pieces are
+a schedule chooses its halves and its reducer (:mod:`jax_tokenweave.weave.schedules`,
+:mod:`jax_tokenweave.weave.reducers`). One layer's parameters and per-rank pieces are
 :class:`~jax_tokenweave.decoder_layer.DecoderLayer`'s (its docstring has the parameter table);
 the stack names them ``layers.{i}.<name>`` (``layers.{i}.moe.router`` etc.) plus ``final_norm``
 [H]. ``params.named_params`` lists them, ``load_weights`` sets them from full arrays with the
@@ -20,7 +20,7 @@ With ``comm="ffi"`` and two halves, program order (ordered by data through
 so every kernel but the last runs while a GEMM block of the other half computes
 (``jax_tokenweave.hlo_check`` verifies that in compiled HLO). Half ``j`` uses workspace slot
 ``j``. The fused kernel's CTA counts come from the plan's tuning entry (``BatchPlan.tuning``,
-from the shipped table, see ``jax_tokenweave.tuning``) unless ``tuning=`` overrides them.
+from the shipped table, see ``jax_tokenweave.weave.tuning``) unless ``tuning=`` overrides them.
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ from jax_tokenweave import attention as attn_lib
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.decoder_layer import DecoderLayer
 from jax_tokenweave.params import load_weights, make_param, partition_specs
-from jax_tokenweave.reducers import ReduceContext, own_rows
-from jax_tokenweave.schedules import (
+from jax_tokenweave.stack import PrefillAttention, concat, run_stack
+from jax_tokenweave.weave.plan import BatchPlan, plan_batch
+from jax_tokenweave.weave.reducers import ReduceContext, own_rows
+from jax_tokenweave.weave.schedules import (
     ALL_COMMS,
     COMMS,
     SCHEDULES,
@@ -51,9 +53,7 @@ from jax_tokenweave.schedules import (
     resolve_comm,
     stack_setup,
 )
-from jax_tokenweave.split import BatchPlan, plan_batch
-from jax_tokenweave.stack import PrefillAttention, concat, run_stack
-from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
+from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 __all__ = [
     "ALL_COMMS",
@@ -114,7 +114,7 @@ class WeaveDecoder(nnx.Module):
         load_weights(self, self.mesh, weights, strict=strict)
 
     def plan(self, request_lengths: Sequence[int], **kwargs: Any) -> BatchPlan:
-        """``split.plan_batch`` for this decoder: its TP degree and config (so the shipped
+        """``weave.plan.plan_batch`` for this decoder: its TP degree and config (so the shipped
         tuning table's rows for its shapes, and the work-balance split rule); ``kwargs`` as
         ``plan_batch`` takes them (``split=``, ``threshold=``, ``offset=``, ``table=`` ...)."""
         return plan_batch(request_lengths, tp=self.tp, config=self.config, **kwargs)

@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 
 from jax_tokenweave import timing
-from jax_tokenweave.tuning import TuneEntry
+from jax_tokenweave.weave.tuning import TuneEntry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +73,10 @@ def make_plan(
     split: bool | None = None,
     table: Any = None,
 ) -> Any:
-    """``split.plan_batch`` as the library plans a batch of ``model`` (the tuning table's rows
+    """``weave.plan.plan_batch`` as the library plans a batch of ``model`` (the tuning table's rows
     for its name, else the wildcard rows; ``table`` default: the shipped one), with ``config``'s
     work-balance rule and wave model; ``threshold``/``split`` override the table's decision."""
-    from jax_tokenweave.split import plan_batch
+    from jax_tokenweave.weave.plan import plan_batch
 
     return plan_batch(
         tuple(lengths),

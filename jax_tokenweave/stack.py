@@ -44,8 +44,8 @@ import numpy as np
 
 from jax_tokenweave import attention as attn_lib
 from jax_tokenweave.decoder_layer import inv_frequencies
-from jax_tokenweave.reducers import Reducer
-from jax_tokenweave.split import Half
+from jax_tokenweave.weave.plan import Half
+from jax_tokenweave.weave.reducers import Reducer
 
 
 class AttentionFn(Protocol):

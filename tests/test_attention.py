@@ -12,7 +12,7 @@ from testutil import rel_err
 
 from jax_tokenweave import attention as A
 from jax_tokenweave.config import RopeScaling
-from jax_tokenweave.split import Piece, plan_batch
+from jax_tokenweave.weave.plan import Piece, plan_batch
 
 
 def qkv(rng, t, nq, nkv, d, dtype=jnp.float32):

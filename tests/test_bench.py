@@ -374,7 +374,7 @@ def test_modes_use_one_vocabulary():
             schedule, *rest = name.split("-")
             assert schedule in bm.SCHEDULES and (not rest or rest[0] in bm.COMMS)
     assert set(e2e.MODES) == {"baseline", "weave-ffi-nosplit", "weave-xla", "weave-ffi", "nocomm"}
-    from jax_tokenweave.schedules import ALL_COMMS
+    from jax_tokenweave.weave.schedules import ALL_COMMS
 
     breakdown = _load_script("breakdown")
     for name, mode in breakdown.MODES.items():
@@ -463,7 +463,7 @@ def test_use_cpu_devices_keeps_the_users_choice(monkeypatch):
 def test_tune_decides_entries_and_threshold():
     """The tuner's rule: each token count's fastest candidate, the best split's offset, and the
     threshold from which the split wins at every larger count."""
-    from jax_tokenweave.tuning import TuneEntry
+    from jax_tokenweave.weave.tuning import TuneEntry
 
     tune = _load_script("tune")
     times = {

@@ -26,7 +26,7 @@ from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
 from jax_tokenweave.serving import executable_cache as ec
-from jax_tokenweave.tuning import TuneEntry
+from jax_tokenweave.weave.tuning import TuneEntry
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = EngineConfig(

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave import tuning
 from jax_tokenweave.kernel import _extension, _ffi, comm, ops
 from jax_tokenweave.kernel import policy as kernel_policy
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.kernel.comm import CommSettings, Communicator
 from jax_tokenweave.kernel.policy import KernelPolicy, PolicyRow
+from jax_tokenweave.weave import tuning
 
 needs_ext = pytest.mark.skipif(
     _extension.import_error() is not None,

@@ -16,7 +16,7 @@ from hf_testutil import KINDS, import_or_skip, make_hf_model, save_checkpoint
 
 from jax_tokenweave import from_pretrained
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
-from jax_tokenweave.split import plan_batch
+from jax_tokenweave.weave.plan import plan_batch
 
 torch = import_or_skip("torch")  # under CI (env CI set): fail, never skip
 import_or_skip("transformers")

@@ -17,8 +17,8 @@ from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.params import logical_weights, named_params
-from jax_tokenweave.split import plan_batch
 from jax_tokenweave.testing.reference import reference_decoder
+from jax_tokenweave.weave.plan import plan_batch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 

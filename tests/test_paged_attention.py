@@ -11,7 +11,7 @@ import pytest
 
 from jax_tokenweave.attention import reference_attention
 from jax_tokenweave.serving.paged_attention import PagedAttention, paged_attention
-from jax_tokenweave.split import plan_batch
+from jax_tokenweave.weave.plan import plan_batch
 
 NB, BS, KVH, HQ, D = 12, 4, 2, 4, 8
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jax_tokenweave import reducers
-from jax_tokenweave import tuning as tuning_lib
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.schedules import stack_setup
-from jax_tokenweave.split import plan_batch
-from jax_tokenweave.tuning import TuneEntry
+from jax_tokenweave.weave import reducers
+from jax_tokenweave.weave import tuning as tuning_lib
+from jax_tokenweave.weave.plan import plan_batch
+from jax_tokenweave.weave.schedules import stack_setup
+from jax_tokenweave.weave.tuning import TuneEntry
 
 CONFIG = get_config("tiny")
 

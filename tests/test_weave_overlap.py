@@ -16,13 +16,14 @@ import pytest
 from flax import nnx
 from testutil import FakeKernel, build_decoder, rel_err
 
-from jax_tokenweave import hlo_check, reducers, tuning
+from jax_tokenweave import hlo_check
 from jax_tokenweave.kernel import _ffi
 from jax_tokenweave.kernel.comm import Communicator
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.schedules import configure, resolve_comm
-from jax_tokenweave.split import plan_batch
-from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
+from jax_tokenweave.weave import reducers, tuning
+from jax_tokenweave.weave.plan import plan_batch
+from jax_tokenweave.weave.schedules import configure, resolve_comm
+from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 # ------------------------------------------------------------------------- HLO checker ---
 

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_tokenweave import reducers
 from jax_tokenweave.kernel import _ffi, ops
 from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.params import named_params
+from jax_tokenweave.weave import reducers
 
 
 def build_decoder(config, mesh, dtype, rng: np.random.Generator) -> WeaveDecoder:

@@ -26,9 +26,14 @@ MOVED: dict[str, str] = {
     "jax_tokenweave._ffi": "jax_tokenweave.kernel._ffi",
     "jax_tokenweave.comm": "jax_tokenweave.kernel.comm",
     "jax_tokenweave.comm_ipc": "jax_tokenweave.kernel.comm_ipc",
+    "jax_tokenweave.cost": "jax_tokenweave.weave.cost",
     "jax_tokenweave.kernel_policy": "jax_tokenweave.kernel.policy",
     "jax_tokenweave.loopback": "jax_tokenweave.kernel.loopback",
     "jax_tokenweave.ops": "jax_tokenweave.kernel.ops",
+    "jax_tokenweave.reducers": "jax_tokenweave.weave.reducers",
+    "jax_tokenweave.schedules": "jax_tokenweave.weave.schedules",
+    "jax_tokenweave.split": "jax_tokenweave.weave.plan",
+    "jax_tokenweave.tuning": "jax_tokenweave.weave.tuning",
     "jax_tokenweave.util": "jax_tokenweave.kernel._util",
 }
 """Old module path -> new module path."""

@@ -36,7 +36,7 @@ from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.hf.loading import load_pretrained
 from jax_tokenweave.layers import Comm, Schedule, WeaveDecoder
 from jax_tokenweave.params import load_weights, make_param, numpy_weights
-from jax_tokenweave.split import BatchPlan
+from jax_tokenweave.weave.plan import BatchPlan
 
 
 class LlamaModel(nnx.Module):
@@ -133,7 +133,7 @@ class LlamaModel(nnx.Module):
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integers, got {tokens.dtype}")
         if not isinstance(batch, BatchPlan):
-            raise ValueError(f"batch must be a split.BatchPlan, got {type(batch)}")
+            raise ValueError(f"batch must be a weave.plan.BatchPlan, got {type(batch)}")
         if shape[0] != batch.num_tokens:
             raise ValueError(
                 f"got {shape[0]} tokens but the batch's request lengths sum to {batch.num_tokens}"

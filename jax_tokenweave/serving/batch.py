@@ -16,7 +16,7 @@ chunk segment is one group (a tile never holds two requests). ``tables [D + (R -
 table_width]``. Padding rows have position 0, a zero block table and the out-of-range cache
 slot ``num_blocks * block_size`` (their K/V writes are dropped); their outputs are ignored.
 
-The layout is static (a ``jit`` argument); its split comes from ``split.plan_batch([R])``: the
+The layout is static (a ``jit`` argument); its split comes from ``weave.plan.plan_batch([R])``: the
 split threshold (``EngineConfig.split_threshold``, default the tuning table's for the model and
 TP degree), the wave rule of the model's shapes plus the table's offset, moved to a tile
 boundary where needed so the two halves cut no tile. The requests inside a step change from
@@ -33,13 +33,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_tokenweave import tuning
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.buckets import decode_rows, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.scheduler import ScheduledStep
-from jax_tokenweave.split import BatchPlan, WaveModel, midpoint, plan_batch
+from jax_tokenweave.weave import tuning
+from jax_tokenweave.weave.plan import BatchPlan, WaveModel, midpoint, plan_batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,12 +6,12 @@ import dataclasses
 import os
 
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.schedules import COMMS
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.compilation_cache import DEFAULT_DIR
 from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
-from jax_tokenweave.tuning import TuneEntry
+from jax_tokenweave.weave.schedules import COMMS
+from jax_tokenweave.weave.tuning import TuneEntry
 
 SERVING_SCHEDULES = ("weave", "baseline")
 
@@ -37,7 +37,7 @@ class EngineConfig:
     are split in two wave-aware halves and overlapped; smaller steps run unsplit with the
     token-sharded residual and the fused kernel where it runs) or ``"baseline"`` (plain TP,
     psum); ``split_threshold`` None: the tuning table's for the model and TP degree
-    (``jax_tokenweave.tuning``); ``comm``: weave's reductions (``auto``, ``xla``, ``ffi``);
+    (``jax_tokenweave.weave.tuning``); ``comm``: weave's reductions (``auto``, ``xla``, ``ffi``);
     ``tuning``: the fused kernel's CTA counts and the split offset for every step (None: the
     tuning table's entry for the step's size).
 

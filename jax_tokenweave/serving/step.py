@@ -32,13 +32,13 @@ from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.params import partition_specs
-from jax_tokenweave.schedules import stack_setup
 from jax_tokenweave.serving import sampling
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_implementation
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
 from jax_tokenweave.stack import run_stack
-from jax_tokenweave.tuning import TuneEntry
+from jax_tokenweave.weave.schedules import stack_setup
+from jax_tokenweave.weave.tuning import TuneEntry
 
 
 @jax.tree_util.register_dataclass

@@ -15,7 +15,7 @@ from jax_tokenweave import attention as attn_lib
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.decoder_layer import inv_frequencies
 from jax_tokenweave.moe import reference_moe
-from jax_tokenweave.split import plan_batch
+from jax_tokenweave.weave.plan import plan_batch
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

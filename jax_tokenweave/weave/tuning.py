@@ -1,10 +1,10 @@
 """The tuning table: per (model, TP) the split threshold, per (model, TP, tokens) the split offset
 and the fused kernel's CTA counts. One table, shipped with the package and read by
-``split.plan_batch`` (so by ``WeaveDecoder.plan``, the serving engine and the main job);
+``weave.plan.plan_batch`` (so by ``WeaveDecoder.plan``, the serving engine and the main job);
 ``benchmarks/tune.py`` regenerates it.
 
 A :class:`TuneEntry` says how to run one batch size: ``offset`` (a tuned correction, in tokens,
-added to the split point the planner's rule picks, see :mod:`jax_tokenweave.split`; None or 0:
+added to the split point the planner's rule picks, see :mod:`jax_tokenweave.weave.plan`; None or 0:
 the rule's point), ``num_ctas`` (thread
 blocks of each fused AllReduce + RMSNorm call; None = the kernel policy's count,
 ``jax_tokenweave.kernel.policy``) and ``first_num_ctas`` (the same for the stack's very first

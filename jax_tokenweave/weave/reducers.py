@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jax_tokenweave.kernel import ops
-from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
+from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 
 @dataclasses.dataclass(frozen=True)

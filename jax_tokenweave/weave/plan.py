@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jax_tokenweave import tuning as tuning_lib
-from jax_tokenweave.cost import CostModel
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.tuning import DEFAULT_THRESHOLD, TuneEntry, TuneTable
+from jax_tokenweave.weave import tuning as tuning_lib
+from jax_tokenweave.weave.cost import CostModel
+from jax_tokenweave.weave.tuning import DEFAULT_THRESHOLD, TuneEntry, TuneTable
 
 if TYPE_CHECKING:
     from jax_tokenweave.config import DecoderConfig

@@ -1,4 +1,4 @@
-"""Tests of ``jax_tokenweave.split``: wave-aware split planning and the ragged batch layout."""
+"""Tests of ``jax_tokenweave.weave.plan``: wave-aware split planning and the ragged batch layout."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.split import (
+from jax_tokenweave.weave.plan import (
     BatchPlan,
     WaveModel,
     midpoint,
@@ -16,7 +16,7 @@ from jax_tokenweave.split import (
     round_up,
     wave_offset,
 )
-from jax_tokenweave.tuning import TuneEntry, TuneTable
+from jax_tokenweave.weave.tuning import TuneEntry, TuneTable
 
 FAST = settings(max_examples=60, deadline=None)
 PAD_HALF = 256 // 2  # |midpoint - T/2| < 128

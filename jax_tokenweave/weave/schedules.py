@@ -25,11 +25,11 @@ from typing import Any, Literal, get_args
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jax_tokenweave import reducers
-from jax_tokenweave import tuning as tuning_lib
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.split import BatchPlan, Half
-from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
+from jax_tokenweave.weave import reducers
+from jax_tokenweave.weave import tuning as tuning_lib
+from jax_tokenweave.weave.plan import BatchPlan, Half
+from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 Schedule = Literal["baseline", "weave", "nocomm"]
 Comm = Literal["auto", "xla", "ffi", "ffi-sync", "local"]
@@ -58,7 +58,7 @@ def check_call(
     if comm not in ALL_COMMS:
         raise ValueError(f"comm must be one of {ALL_COMMS}, got {comm!r}")
     if not isinstance(batch, BatchPlan):
-        raise ValueError(f"batch must be a split.BatchPlan (see plan_batch), got {type(batch)}")
+        raise ValueError(f"batch must be a BatchPlan (see plan_batch), got {type(batch)}")
     shape = tuple(getattr(hidden, "shape", ()))
     if len(shape) != 2:
         raise ValueError(f"hidden must be [tokens, hidden_size], got shape {shape}")
@@ -161,7 +161,7 @@ def configure(
 
 
 def _unsplit(batch: BatchPlan) -> BatchPlan:
-    from jax_tokenweave.split import plan_batch
+    from jax_tokenweave.weave.plan import plan_batch
 
     return plan_batch(batch.request_lengths, split=False)
 

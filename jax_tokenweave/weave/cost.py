@@ -81,7 +81,7 @@ class CostModel:
     def balanced_split(self, request_lengths: Sequence[int], *, waves: Any | None = None) -> int:
         """The first half's size: the multiple of ``tile_m`` next to the work-balance point
         (the lower or the upper one, whichever leaves the larger half's work smaller; on a tie,
-        fewer GEMM waves by ``waves`` (a ``split.WaveModel``), then the one nearer the token
+        fewer GEMM waves by ``waves`` (a ``weave.plan.WaveModel``), then the one nearer the token
         midpoint). Where no multiple of ``tile_m`` lies in ``[1, T-1]``, the balance point
         itself. Needs ``T >= 2``."""
         total = sum(request_lengths)
