@@ -5,7 +5,7 @@ importing any module of the package changes no global state (environment, JAX co
 
 - ``allreduce_rmsnorm`` (``jax_tokenweave.kernel.ops``): fused all-reduce + residual add + RMSNorm.
 - ``plan_batch``, ``BatchPlan`` (``jax_tokenweave.weave.plan``): wave-aware token split planning.
-- ``WeaveDecoder`` (``jax_tokenweave.layers``): the tensor-parallel decoder stack and schedules.
+- ``WeaveDecoder`` (``jax_tokenweave.nn.decoder``): the tensor-parallel decoder stack and schedules.
 - ``DecoderConfig``, ``RopeScaling`` (``jax_tokenweave.config``), ``get_config``
   (``jax_tokenweave.models.configs``): model shapes.
 - ``from_pretrained`` (``jax_tokenweave.models.auto``): a Hugging Face checkpoint directory ->
@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "allreduce_rmsnorm": "jax_tokenweave.kernel.ops",
     "plan_batch": "jax_tokenweave.weave.plan",
     "BatchPlan": "jax_tokenweave.weave.plan",
-    "WeaveDecoder": "jax_tokenweave.layers",
+    "WeaveDecoder": "jax_tokenweave.nn.decoder",
     "DecoderConfig": "jax_tokenweave.config",
     "RopeScaling": "jax_tokenweave.config",
     "get_config": "jax_tokenweave.models.configs",

@@ -31,12 +31,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_tokenweave.layers import COMMS as COMMS  # re-exported: the vocabulary of modes
-from jax_tokenweave.layers import SCHEDULES as SCHEDULES
-from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.modes import Mode as Mode  # re-exported: the benchmarks' mode vocabulary
 from jax_tokenweave.modes import compile_forward as compile_forward
 from jax_tokenweave.modes import make_plan as make_plan
+from jax_tokenweave.nn.decoder import COMMS as COMMS  # re-exported: the vocabulary of modes
+from jax_tokenweave.nn.decoder import SCHEDULES as SCHEDULES
+from jax_tokenweave.nn.decoder import WeaveDecoder
 
 CPU_DEVICES = 8
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}

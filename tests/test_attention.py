@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from testutil import rel_err
 
-from jax_tokenweave import attention as A
 from jax_tokenweave.config import RopeScaling
+from jax_tokenweave.nn import attention as A
 from jax_tokenweave.weave.plan import Piece, plan_batch
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tokenweave.attention import reference_attention
+from jax_tokenweave.nn.attention import reference_attention
 from jax_tokenweave.serving.paged_attention import PagedAttention, paged_attention
 from jax_tokenweave.weave.plan import plan_batch
 

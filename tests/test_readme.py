@@ -153,7 +153,7 @@ def python_block(marker: str) -> str:
 
 def test_readme_api_example_runs():
     """The API example works on the CPU devices of the test session."""
-    pytest.importorskip("jax_tokenweave.layers")
+    pytest.importorskip("jax_tokenweave.nn.decoder")
     pytest.importorskip("jax_tokenweave.models.configs")
     example = python_block("WeaveDecoder")
     namespace: dict = {}

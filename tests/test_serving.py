@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.params import logical_weights
+from jax_tokenweave.nn.params import logical_weights
 from jax_tokenweave.serving import (
     EngineConfig,
     LLMEngine,

@@ -12,8 +12,8 @@ import numpy as np
 from flax import nnx
 
 from jax_tokenweave.kernel import _ffi, ops
-from jax_tokenweave.layers import WeaveDecoder
-from jax_tokenweave.params import named_params
+from jax_tokenweave.nn.decoder import WeaveDecoder
+from jax_tokenweave.nn.params import named_params
 from jax_tokenweave.weave import reducers
 
 

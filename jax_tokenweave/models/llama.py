@@ -8,7 +8,7 @@ Parameters (global shapes; names as ``load_weights`` / ``params.named_params`` s
 name                 shape      sharding              Hugging Face tensor
 ==================== ========== ===================== ========================================
 ``embed``            [V, H]     ``P("tp", None)``     ``model.embed_tokens.weight``
-``decoder.<...>``    see ``jax_tokenweave.layers`` (``decoder.layers.{i}.q_proj``, ...,
+``decoder.<...>``    see ``jax_tokenweave.nn.decoder`` (``decoder.layers.{i}.q_proj``, ...,
                      ``decoder.final_norm`` = ``model.norm.weight``)
 ``lm_head``          [H, V]     ``P(None, "tp")``     ``lm_head.weight``.T (absent when tied)
 ==================== ========== ===================== ========================================
@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.hf.loading import load_pretrained
-from jax_tokenweave.layers import Comm, Schedule, WeaveDecoder
-from jax_tokenweave.params import load_weights, make_param, numpy_weights
+from jax_tokenweave.nn.decoder import Comm, Schedule, WeaveDecoder
+from jax_tokenweave.nn.params import load_weights, make_param, numpy_weights
 from jax_tokenweave.weave.plan import BatchPlan
 
 

@@ -30,13 +30,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave.layers import WeaveDecoder
-from jax_tokenweave.params import partition_specs
+from jax_tokenweave.nn.decoder import WeaveDecoder
+from jax_tokenweave.nn.params import partition_specs
+from jax_tokenweave.nn.stack import run_stack
 from jax_tokenweave.serving import sampling
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_implementation
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
-from jax_tokenweave.stack import run_stack
 from jax_tokenweave.weave.schedules import stack_setup
 from jax_tokenweave.weave.tuning import TuneEntry
 

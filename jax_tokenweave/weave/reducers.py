@@ -1,6 +1,6 @@
 """Reducers: what the decoder stack does after each row-parallel GEMM, per rank.
 
-The one layer loop (:mod:`jax_tokenweave.stack`) turns a block's partial sum ``[T_j, H]`` of
+The one layer loop (:mod:`jax_tokenweave.nn.stack`) turns a block's partial sum ``[T_j, H]`` of
 half ``j`` into that half's next normed input and residual by calling its reducer. A reducer is
 made fresh for each trace (it holds per-half state), from a :class:`ReduceContext`; a class
 below is such a factory, and so is any ``Callable[[ReduceContext], Reducer]`` (tests inject

@@ -1,5 +1,5 @@
 """The schedules of ``WeaveDecoder``: names, argument checks, and their configuration of the one
-layer loop (:mod:`jax_tokenweave.stack`): which halves, which reducer.
+layer loop (:mod:`jax_tokenweave.nn.stack`): which halves, which reducer.
 
 ``schedule`` is ``baseline`` (plain TP: psum, replicated residual, no split), ``weave``
 (TokenWeave: the plan's halves, token-sharded residual) or ``nocomm`` (``baseline`` with every

@@ -12,7 +12,7 @@ name             shape          sharding                 Mixtral (Hugging Face) 
 ================ ============== ======================== ========================================
 
 ``gate_up_proj`` is the experts' gate (w1) and up (w3) projections fused rank-blocked on the last
-axis, as the dense MLP's (``jax_tokenweave.fused``): one batched GEMM per rank; its logical parts
+axis, as the dense MLP's (``nn.fused_layout``): one batched GEMM per rank; its logical parts
 are ``gate_proj`` / ``up_proj`` [E, H, F].
 
 Routing (as Mixtral): the top ``k`` router logits per token, softmax over those ``k`` (equal to
@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.params import make_params
+from jax_tokenweave.nn.params import make_params
 
 
 def router_weights(x: jax.Array, router: jax.Array, top_k: int) -> jax.Array:

@@ -1,8 +1,8 @@
 """One Llama-style decoder layer: its sharded parameters and its per-rank compute pieces.
 
 Parameters (global shapes, ``[in, out]`` layout = transpose of a torch ``Linear``; the fused
-ones are rank-blocked, see :mod:`jax_tokenweave.fused`: sharded ``P(None, "tp")`` each rank holds
-exactly its own heads / columns of every part):
+ones are rank-blocked, see :mod:`jax_tokenweave.nn.fused_layout`: sharded ``P(None, "tp")``
+each rank holds exactly its own heads / columns of every part):
 
 =========================== ================= ================== =================================
 name                        shape             sharding           Hugging Face Llama tensors
@@ -16,7 +16,7 @@ name                        shape             sharding           Hugging Face Ll
 ``gate_up_proj``            [H, 2F]           ``P(None, "tp")``  ``mlp.{gate,up}_proj.weight``.T
                                                                  fused per rank
 ``down_proj``               [F, H]            ``P("tp", None)``  ``mlp.down_proj.weight``.T
-``moe.*`` (num_experts > 0) see ``jax_tokenweave.moe`` (experts unfused)
+``moe.*`` (num_experts > 0) see ``jax_tokenweave.nn.moe`` (experts unfused)
 =========================== ================= ================== =================================
 
 One GEMM computes a rank's q, k and v (vLLM's and MaxText's ``qkv_proj``), one its gate and up:
@@ -41,11 +41,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave import attention as attn_lib
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.kernel import ops
-from jax_tokenweave.moe import MoE
-from jax_tokenweave.params import ParamSpec, make_params
+from jax_tokenweave.nn import attention as attn_lib
+from jax_tokenweave.nn.moe import MoE
+from jax_tokenweave.nn.params import ParamSpec, make_params
 
 
 @functools.lru_cache(maxsize=64)

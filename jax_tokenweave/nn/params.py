@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave.fused import FUSED_PARAMS, PART_OF, fuse_weights, unfuse_weights
+from jax_tokenweave.nn.fused_layout import FUSED_PARAMS, PART_OF, fuse_weights, unfuse_weights
 
 ParamSpec = tuple[tuple[int, ...], P, float | None]
 """``(global shape, PartitionSpec, std)`` of a parameter; ``std=None`` means ones (norms)."""
@@ -105,7 +105,7 @@ def load_weights(
 
     ``weights``: ``{dotted name: array}`` (NumPy or ``jax.Array``), names as :func:`named_params`;
     the logical parts of a fused parameter (``layers.0.q_proj``, ``k_proj``, ``v_proj``; see
-    ``jax_tokenweave.fused``) may stand in for it, all of a group together, and are fused for
+    ``nn.fused_layout``) may stand in for it, all of a group together, and are fused for
     the module's TP degree. Each array must have the Param's global shape; it is cast to the
     Param's dtype. Unknown names raise ``ValueError``; with ``strict``, so do missing ones.
     """

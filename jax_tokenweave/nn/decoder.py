@@ -1,10 +1,10 @@
 """``WeaveDecoder``: the tensor-parallel decoder stack (``config.num_layers`` layers and the
 final norm) run inside one ``jax.shard_map``, under one of the schedules.
 
-The stack is written once (:func:`jax_tokenweave.stack.run_stack`: layers x stages x halves);
+The stack is written once (:func:`jax_tokenweave.nn.stack.run_stack`: layers x stages x halves);
 a schedule chooses its halves and its reducer (:mod:`jax_tokenweave.weave.schedules`,
 :mod:`jax_tokenweave.weave.reducers`). One layer's parameters and per-rank pieces are
-:class:`~jax_tokenweave.decoder_layer.DecoderLayer`'s (its docstring has the parameter table);
+:class:`~jax_tokenweave.nn.decoder_layer.DecoderLayer`'s (its docstring has the parameter table);
 the stack names them ``layers.{i}.<name>`` (``layers.{i}.moe.router`` etc.) plus ``final_norm``
 [H]. ``params.named_params`` lists them, ``load_weights`` sets them from full arrays with the
 right ``NamedSharding``, and each Param carries its ``PartitionSpec`` as Flax sharding metadata
@@ -34,11 +34,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave import attention as attn_lib
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.decoder_layer import DecoderLayer
-from jax_tokenweave.params import load_weights, make_param, partition_specs
-from jax_tokenweave.stack import PrefillAttention, concat, run_stack
+from jax_tokenweave.nn import attention as attn_lib
+from jax_tokenweave.nn.decoder_layer import DecoderLayer
+from jax_tokenweave.nn.params import load_weights, make_param, partition_specs
+from jax_tokenweave.nn.stack import PrefillAttention, concat, run_stack
 from jax_tokenweave.weave.plan import BatchPlan, plan_batch
 from jax_tokenweave.weave.reducers import ReduceContext, own_rows
 from jax_tokenweave.weave.schedules import (

@@ -12,11 +12,11 @@ from flax import nnx
 from testutil import FakeKernel, rel_err
 from testutil import build_decoder as build
 
-from jax_tokenweave import attention as A
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.params import logical_weights, named_params
+from jax_tokenweave.nn import attention as A
+from jax_tokenweave.nn.decoder import WeaveDecoder
+from jax_tokenweave.nn.params import logical_weights, named_params
 from jax_tokenweave.testing.reference import reference_decoder
 from jax_tokenweave.weave.plan import plan_batch
 

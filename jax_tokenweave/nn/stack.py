@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tokenweave import attention as attn_lib
-from jax_tokenweave.decoder_layer import inv_frequencies
+from jax_tokenweave.nn import attention as attn_lib
+from jax_tokenweave.nn.decoder_layer import inv_frequencies
 from jax_tokenweave.weave.plan import Half
 from jax_tokenweave.weave.reducers import Reducer
 
