@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 
 ENGINE_OPTIONS = ("block_size", "prefill_tile", "key_chunk", "max_num_batched_tokens")
@@ -313,7 +313,7 @@ def add_roofline(record: dict[str, Any], model: Any, weights: int, gb_s: float) 
 
 def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
     """The bandwidth, the model, every (batch, context) point."""
-    from jax_tokenweave.modes import one_line
+    from jax_tokenweave.bench.modes import one_line
 
     rf = roofline()
     bandwidth = rf.copy_bandwidth(devices[0], int(a.copy_gb * rf.GB))

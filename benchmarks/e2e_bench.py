@@ -1,6 +1,6 @@
 """End-to-end benchmark: prefill and decode-batch latency of the decoder stack, per mode.
 
-Modes are named as everywhere in this project (``jax_tokenweave.benchmarking``): the schedule,
+Modes are named as everywhere in this project (``jax_tokenweave.bench.benchmarking``): the schedule,
 and for ``weave`` the comm that does its reductions, plus ``-nosplit`` where the batch is kept
 whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requests:
 
@@ -42,9 +42,9 @@ from typing import Any
 
 import jax
 
-from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.bench.modes import Mode, measure
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.modes import Mode, measure
 
 MODES: dict[str, Mode] = {
     m.name: m

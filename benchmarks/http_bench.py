@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 
 WORKLOADS = ("all-at-once", "poisson")

@@ -157,7 +157,7 @@ print(json.dumps({"changed": changed, "cpus": [cpus, jax.config.jax_num_cpu_devi
                   "backends": xla_bridge.backends_are_initialized()}))
 """
     names = sorted(modules())
-    assert "jax_tokenweave.bench" in names and "jax_tokenweave.benchmarking" in names
+    assert "jax_tokenweave.bench.job" in names and "jax_tokenweave.bench.benchmarking" in names
     proc = subprocess.run(
         [sys.executable, "-c", script, json.dumps(names)],
         cwd=ROOT,

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from testutil import FakeKernel, build_decoder, rel_err
 
-from jax_tokenweave import hlo_check
+from jax_tokenweave.bench import hlo_check
 from jax_tokenweave.kernel import _ffi
 from jax_tokenweave.kernel.comm import Communicator
 from jax_tokenweave.models.configs import get_config

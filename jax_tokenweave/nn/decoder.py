@@ -18,7 +18,7 @@ With ``comm="ffi"`` and two halves, program order (ordered by data through
   ... mlp_last(B) -> start(B) ; done(A) ; done(B)
 
 so every kernel but the last runs while a GEMM block of the other half computes
-(``jax_tokenweave.hlo_check`` verifies that in compiled HLO). Half ``j`` uses workspace slot
+(``jax_tokenweave.bench.hlo_check`` verifies that in compiled HLO). Half ``j`` uses workspace slot
 ``j``. The fused kernel's CTA counts come from the plan's tuning entry (``BatchPlan.tuning``,
 from the shipped table, see ``jax_tokenweave.weave.tuning``) unless ``tuning=`` overrides them.
 """

@@ -1,8 +1,9 @@
-"""Helpers shared by the main job (``jax_tokenweave.bench``) and ``benchmarks/*.py``.
+"""Helpers shared by the main job (``jax_tokenweave.bench.job``) and ``benchmarks/*.py``.
 
 Importing this module sets nothing (no environment variable, no JAX config). The virtual CPU
 devices of a CPU run are asked for by :func:`use_cpu_devices`, which the entry points call first
-thing in ``main``, before JAX's backends start.
+thing in ``main``, before JAX's backends start. The argument types, the help format, the engine
+options and ``use_cpu_devices`` are the command lines' (``serving.cli``), re-exported here.
 
 Mode names, the same everywhere: a schedule (``baseline``, ``weave``, ``nocomm``) and, for
 ``weave``, the comm that does its reductions (``auto``, ``xla``, ``ffi``); a benchmark mode is
@@ -12,7 +13,6 @@ named ``baseline``, ``nocomm`` or ``weave-<comm>``, plus ``-nosplit`` where the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import importlib.util
@@ -31,15 +31,26 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_tokenweave.modes import Mode as Mode  # re-exported: the benchmarks' mode vocabulary
-from jax_tokenweave.modes import compile_forward as compile_forward
-from jax_tokenweave.modes import make_plan as make_plan
-from jax_tokenweave.nn.decoder import COMMS as COMMS  # re-exported: the vocabulary of modes
-from jax_tokenweave.nn.decoder import SCHEDULES as SCHEDULES
+from jax_tokenweave.bench.modes import Mode as Mode  # re-exported: the benchmarks' mode vocabulary
+from jax_tokenweave.bench.modes import compile_forward as compile_forward
+from jax_tokenweave.bench.modes import make_plan as make_plan
 from jax_tokenweave.nn.decoder import WeaveDecoder
+from jax_tokenweave.serving.cli import DTYPES as DTYPES  # re-exported: the command lines' helpers
+from jax_tokenweave.serving.cli import ENGINE_OPTIONS as ENGINE_OPTIONS
+from jax_tokenweave.serving.cli import HelpFormatter as HelpFormatter
+from jax_tokenweave.serving.cli import add_engine_options as add_engine_options
+from jax_tokenweave.serving.cli import config_names_help as config_names_help
+from jax_tokenweave.serving.cli import engine_options as engine_options
+from jax_tokenweave.serving.cli import load_config as load_config
+from jax_tokenweave.serving.cli import nonnegative_int as nonnegative_int
+from jax_tokenweave.serving.cli import positive_float as positive_float
+from jax_tokenweave.serving.cli import positive_int as positive_int
+from jax_tokenweave.serving.cli import positive_ints as positive_ints
+from jax_tokenweave.serving.cli import use_cpu_devices as use_cpu_devices
+from jax_tokenweave.weave.schedules import COMMS as COMMS  # re-exported: the vocabulary of modes
+from jax_tokenweave.weave.schedules import SCHEDULES as SCHEDULES
 
 CPU_DEVICES = 8
-DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 # Relative (Frobenius) error allowed between weave and baseline outputs, by dtype.
 TOLERANCE = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 1e-4}
 PLOT_HINT = "needs matplotlib: pip install 'jax-tokenweave[plot]'"
@@ -48,32 +59,9 @@ CPU_NOTE = (
     "so they say nothing about overlapping GPU communication with compute; run on GPUs "
     "to measure TokenWeave."
 )
-_XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 # ------------------------------------------------------------------------------- set-up ---
-
-
-def use_cpu_devices(count: int = CPU_DEVICES) -> str | None:
-    """Ask JAX for ``count`` virtual CPU devices (``jax.config`` ``jax_num_cpu_devices``).
-
-    Leaves a number the user chose (``JAX_NUM_CPU_DEVICES`` or the XLA flag) alone. Call it before
-    JAX's backends start; where they already have, with another number of CPU devices, returns
-    a message saying so (the run then uses the devices there are), else None.
-    """
-    if jax.config.jax_num_cpu_devices >= 0 or _XLA_DEVICE_FLAG in os.environ.get("XLA_FLAGS", ""):
-        return None
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        have = len(jax.devices("cpu"))
-        if have != count:
-            return (
-                f"JAX's backends started before {count} virtual CPU devices could be asked "
-                f"for; using the {have} CPU device(s) there are (run in a fresh process, or "
-                f"set JAX_NUM_CPU_DEVICES={count})"
-            )
-    return None
 
 
 def start_devices(count: int = CPU_DEVICES) -> tuple[str, list[jax.Device]]:
@@ -127,16 +115,6 @@ def make_mesh(devices: Sequence[jax.Device], tp: int, axis_name: str = "tp") -> 
             f"tp={tp} needs 1..{len(devices)} devices; this machine has {len(devices)}"
         )
     return Mesh(np.array(list(devices)[:tp]), (axis_name,))
-
-
-def load_config(model: str, layers: int | None) -> Any:
-    """The named ``DecoderConfig``, with ``num_layers`` replaced when ``layers`` is given."""
-    from jax_tokenweave.models.configs import get_config
-
-    config = get_config(model)
-    if layers is not None:
-        config = dataclasses.replace(config, num_layers=layers)
-    return config
 
 
 def request_lengths(tokens: int, request_len: int) -> tuple[int, ...]:
@@ -252,44 +230,6 @@ def environment(devices: Sequence[jax.Device], command: Sequence[str]) -> dict[s
 # ------------------------------------------------------------------------------ arguments ---
 
 
-def _number(text: str, kind: type, minimum: float, strict: bool = False) -> Any:
-    """``kind(text)``, which must be ``>= minimum`` (``> minimum`` if ``strict``) and finite."""
-    try:
-        value = kind(text)
-    except ValueError:
-        noun = "an integer" if kind is int else "a number"
-        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-    if not (value > minimum if strict else value >= minimum) or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} must be {'>' if strict else '>='} {minimum}")
-    return value
-
-
-def positive_ints(text: str) -> list[int]:
-    """``"2048,8192"`` or ``"2048"`` -> ints >= 1 (an ``argparse`` type)."""
-    values = [_number(part, int, 1) for part in text.replace(",", " ").split()]
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return values
-
-
-def positive_int(text: str) -> int:
-    """One int >= 1 (an ``argparse`` type)."""
-    values = positive_ints(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
-    return values[0]
-
-
-def nonnegative_int(text: str) -> int:
-    """One int >= 0 (an ``argparse`` type)."""
-    return _number(text, int, 0)
-
-
-def positive_float(text: str) -> float:
-    """One finite float > 0 (an ``argparse`` type; NaN is refused)."""
-    return _number(text, float, 0, strict=True)
-
-
 def add_run_options(parser: argparse.ArgumentParser, *, warmup: int, iters: int, unit: str) -> None:
     """``--warmup``, ``--iters`` and ``--dtype``, as the benchmark scripts share them."""
     parser.add_argument(
@@ -323,41 +263,6 @@ def add_sweep_options(parser: argparse.ArgumentParser, *, plot: str) -> None:
     )
 
 
-ENGINE_OPTIONS: dict[str, str] = {
-    "max_num_batched_tokens": "token budget of a serving step (rows, padding included)",
-    "max_num_seqs": "requests running at once",
-    "max_model_len": "positions per request (prompt + new tokens)",
-    "num_blocks": "KV cache blocks",
-    "block_size": "positions per KV cache block",
-    "prefill_tile": "rows per prompt-chunk attention tile (a power of two)",
-    "key_chunk": "keys per step of the attention loop",
-    "split_threshold": "steps of at least this many rows are woven (split in two halves)",
-}
-"""The ``serving.EngineConfig`` sizes the command lines take (``--max-num-seqs`` ...), with help."""
-
-
-def add_engine_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
-    """``--<name>`` options for these ``ENGINE_OPTIONS``, defaulting to ``EngineConfig``'s
-    (``--split-threshold``: the tuning table's)."""
-    from jax_tokenweave.serving.config import EngineConfig
-
-    defaults = EngineConfig()
-    for name in names:
-        default = getattr(defaults, name)
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            type=positive_int,
-            default=default,
-            help=ENGINE_OPTIONS[name]
-            + ("" if default is not None else " (default: the tuning table's)"),
-        )
-
-
-def engine_options(args: argparse.Namespace, names: Sequence[str]) -> dict[str, int]:
-    """The values of :func:`add_engine_options`' options, by ``EngineConfig`` field."""
-    return {name: getattr(args, name) for name in names}
-
-
 class Flatten(argparse.Action):
     """For ``nargs="+"`` options whose type returns lists (:func:`positive_ints`):
     ``--tp 2 4`` or ``--tp 2,4`` -> ``[2, 4]``, repeats dropped, order kept."""
@@ -371,25 +276,6 @@ class Flatten(argparse.Action):
     ) -> None:
         flat = [v for group in values for v in (group if isinstance(group, list) else [group])]
         setattr(namespace, self.dest, list(dict.fromkeys(flat)))
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Help that shows each option's default as it is typed (``2 4``, not ``[2, 4]``), and no
-    default for required options, flags, or options whose default is None (their help says)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            action.required
-            or action.nargs == 0
-            or default is None
-            or default is argparse.SUPPRESS
-            or "default" in text
-        ):
-            return text
-        shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else default
-        return f"{text} (default: {str(shown).replace('%', '%%')})"
 
 
 def result_parser(prog: str, doc: str, stem: str) -> argparse.ArgumentParser:
@@ -408,13 +294,6 @@ def result_parser(prog: str, doc: str, stem: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--layers", type=positive_int, default=8, help="decoder layers to stack")
     return p
-
-
-def config_names_help() -> str:
-    """``"one of: tiny, tiny-moe, ..."`` for ``--model`` helps."""
-    from jax_tokenweave.models.configs import config_names
-
-    return "one of: " + ", ".join(config_names())
 
 
 @functools.cache

@@ -6,7 +6,7 @@ in the project: ``baseline``, ``nocomm``, ``weave-<comm>`` (``xla``, ``ffi``, ``
 breakdown's ``ffi-sync`` and ``local``), plus ``-nosplit`` where the batch is kept whole and
 ``@<n>`` where the fused kernel's CTA count is forced. :func:`measure` compiles every mode on
 one batch, checks the modes that compute the model against ``baseline`` and times them all the
-same way in one run (``jax_tokenweave.timing.benchmark``: warm-up calls, then interleaved timed
+same way in one run (``bench.timing.benchmark``: warm-up calls, then interleaved timed
 calls; medians reported).
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jax_tokenweave import timing
+from jax_tokenweave.bench import timing
 from jax_tokenweave.weave.tuning import TuneEntry
 
 
