@@ -12,7 +12,7 @@ Modes (``jax_tokenweave.bench.modes``), each the decoder stack on the same packe
 - ``weave-xla``: the weave schedule with XLA reduce-scatter, norm, all-gather;
 - ``weave-ffi``: TokenWeave: the fused kernel as start/done pairs overlapped with the other
   half's compute;
-- ``weave-auto``: the library's default (``schedule="weave"``, ``comm="auto"``, split or not
+- ``weave-auto``: the library's default (``schedule="weave"``, ``collective="auto"``, split or not
   by the shipped tuning table).
 
 The ``weave-*`` modes except ``weave-auto`` always split (what the split costs is the question);
@@ -43,6 +43,7 @@ from typing import Any
 
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.bench.modes import Mode, measure
+from jax_tokenweave.kernel import unavailable_reason
 
 MODES: dict[str, Mode] = {
     m.name: m
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tol=tol,
             warmup=args.warmup,
             iters=args.iters,
-            ffi_reason=bm.ffi_unavailable(mesh, dtype, (tokens, config.hidden_size)),
+            ffi_reason=unavailable_reason(mesh, "tp", dtype, (tokens, config.hidden_size)),
         )
         rows.append(
             {

@@ -77,7 +77,7 @@ def add_model_options(
         default="auto",
         help="the engine's schedule (auto: baseline at TP 1, weave above)",
     )
-    p.add_argument("--comm", choices=bm.COMMS, default="auto", help="weave's reductions")
+    p.add_argument("--comm", choices=bm.COLLECTIVES, default="auto", help="weave's reductions")
     p.add_argument(
         "--attention",
         choices=("auto", "cuda", "xla"),
@@ -206,7 +206,7 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
         prefill_tile=tile,
         key_chunk=a.key_chunk,
         schedule=a.schedule,
-        comm=a.comm,
+        collective=a.comm,
         attention=a.attention,
         max_logprobs=0,
         seed=a.seed,
@@ -288,7 +288,7 @@ def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
         mc.head_dim,
         mc.num_heads // mc.num_kv_heads,
     )
-    return {"rows": rows, "split": layout.plan.split, "attention": impl}
+    return {"rows": rows, "split": layout.plan.is_split, "attention": impl}
 
 
 def add_roofline(record: dict[str, Any], model: Any, weights: int, gb_s: float) -> None:

@@ -44,6 +44,7 @@ import jax
 
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.bench.modes import Mode, measure
+from jax_tokenweave.kernel import unavailable_reason
 from jax_tokenweave.kernel._util import ceil_div
 
 MODES: dict[str, Mode] = {
@@ -242,7 +243,7 @@ class Runner:
             tol=self.tol,
             warmup=self.args.warmup,
             iters=self.args.iters,
-            ffi_reason=bm.ffi_unavailable(mesh, self.dtype, (tokens, config.hidden_size)),
+            ffi_reason=unavailable_reason(mesh, "tp", self.dtype, (tokens, config.hidden_size)),
         )
         for name in modes:
             self.records.append({**base, "mode": name, **info[name]})

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--comm",
-        choices=bm.COMMS,
+        choices=bm.COLLECTIVES,
         default="auto",
         help="the weave engine's reductions (auto: the fused kernel where it runs)",
     )
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
         **bm.engine_options(args, ENGINE_OPTIONS),
         max_model_len=longest,
         num_blocks=per_request * min(args.num_requests, args.max_num_seqs),
-        comm=args.comm,
+        collective=args.comm,
         max_logprobs=0,
         seed=args.seed,
     )

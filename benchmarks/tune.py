@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.bench import hlo_check, timing
 from jax_tokenweave.weave import tuning
-from jax_tokenweave.weave.schedules import ffi_unavailable
+from jax_tokenweave.weave.schedules import unavailable_reason
 from jax_tokenweave.weave.tuning import TuneEntry, TuneTable
 
 CTAS = (8, 16, 32)
@@ -176,7 +176,7 @@ def tune_tokens(
         for offset in args.offsets if split else [0]:
             table = TuneTable({key: TuneEntry(offset, None)})
             plan = bm.make_plan(config, args.model, lengths, args.tp, split=split, table=table)
-            if (why := ffi_unavailable(mesh, "tp", dtype, plan, config.hidden_size)) is not None:
+            if (why := unavailable_reason(mesh, "tp", dtype, plan, config.hidden_size)) is not None:
                 print(f"   split={split} offset {offset}: skipped: {why}", flush=True)
                 continue
             shown = False
@@ -188,7 +188,7 @@ def tune_tokens(
                     plan,
                     hidden,
                     schedule="weave",
-                    comm="ffi",
+                    collective="ffi",
                     tuning=TuneEntry(None, ctas),
                 )
                 if split and not shown:

@@ -15,6 +15,7 @@ import pytest
 
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.bench import job, report, timing
+from jax_tokenweave.kernel import unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny settings: 1 layer, a batch of 96 tokens in requests of 40 (one request is cut by the
@@ -186,8 +187,8 @@ def test_main_job_subprocess_uses_eight_cpu_devices(tmp_path):
 def test_argument_errors_are_clear(argv, message, capsys):
     if (
         "ffi" in argv
-        and bm.ffi_unavailable(
-            bm.make_mesh(bm.platform_devices()[1], 8), bm.DTYPES["bfloat16"], (64, 64)
+        and unavailable_reason(
+            bm.make_mesh(bm.platform_devices()[1], 8), "tp", bm.DTYPES["bfloat16"], (64, 64)
         )
         is None
     ):
@@ -207,7 +208,7 @@ def test_format_table_and_ratios():
 
 
 class _FakePlan:
-    split = True
+    is_split = True
     offset = -2
     halves = (type("H", (), {"length": 30})(), type("H", (), {"length": 34})())
 
@@ -257,8 +258,8 @@ def test_e2e_bench_runs_and_skips_unavailable_modes(tmp_path):
     recs = {(r["kind"], r["tp"], r["tokens"], r["mode"]): r for r in report["records"]}
     assert len(recs) == len(e2e.MODES) * 2 + len(e2e.DECODE_MODES) * 2
     ffi_ok = (
-        bm.ffi_unavailable(
-            bm.make_mesh(bm.platform_devices()[1], 2), bm.DTYPES["bfloat16"], (64, 64)
+        unavailable_reason(
+            bm.make_mesh(bm.platform_devices()[1], 2), "tp", bm.DTYPES["bfloat16"], (64, 64)
         )
         is None
     )
@@ -366,18 +367,26 @@ def test_every_option_has_help_and_required_ones_no_default():
 def test_modes_use_one_vocabulary():
     """The benchmarks name modes with the main job's words: schedule, then weave's comm."""
     e2e = _load_script("e2e_bench")
-    assert {a.dest: a.choices for a in job.build_parser()._actions}["comm"] == bm.COMMS
+    assert {a.dest: a.choices for a in job.build_parser()._actions}["comm"] == bm.COLLECTIVES
     for table in (e2e.MODES, e2e.DECODE_MODES):
         for name, mode in table.items():
-            assert name == mode.name and mode.schedule in bm.SCHEDULES and mode.comm in bm.COMMS
+            assert (
+                name == mode.name
+                and mode.schedule in bm.SCHEDULES
+                and mode.collective in bm.COLLECTIVES
+            )
             schedule, *rest = name.split("-")
-            assert schedule in bm.SCHEDULES and (not rest or rest[0] in bm.COMMS)
+            assert schedule in bm.SCHEDULES and (not rest or rest[0] in bm.COLLECTIVES)
     assert set(e2e.MODES) == {"baseline", "weave-ffi-nosplit", "weave-xla", "weave-ffi", "nocomm"}
-    from jax_tokenweave.weave.schedules import ALL_COMMS
+    from jax_tokenweave.weave.schedules import ALL_COLLECTIVES
 
     breakdown = _load_script("breakdown")
     for name, mode in breakdown.MODES.items():
-        assert name == mode.name and mode.schedule in bm.SCHEDULES and mode.comm in ALL_COMMS
+        assert (
+            name == mode.name
+            and mode.schedule in bm.SCHEDULES
+            and mode.collective in ALL_COLLECTIVES
+        )
     assert set(breakdown.MODES) == {
         "baseline",
         "nocomm",
@@ -525,8 +534,8 @@ def test_breakdown_runs_on_cpu(tmp_path, capsys):
     cells = row["modes"]
     assert set(cells) == set(breakdown.MODES) | {"weave-ffi@8"}
     ffi_ok = (
-        bm.ffi_unavailable(
-            bm.make_mesh(bm.platform_devices()[1], 2), bm.DTYPES["bfloat16"], (96, 64)
+        unavailable_reason(
+            bm.make_mesh(bm.platform_devices()[1], 2), "tp", bm.DTYPES["bfloat16"], (96, 64)
         )
         is None
     )

@@ -32,7 +32,10 @@ def forward(dec, batch, schedules=(("weave", "xla"), ("baseline", "xla")), retur
 
     def run(state, hidden):
         model = nnx.merge(graphdef, state)
-        return [model(hidden, batch, schedule=s, comm=c, return_kv=return_kv) for s, c in schedules]
+        return [
+            model(hidden, batch, schedule=s, collective=c, return_kv=return_kv)
+            for s, c in schedules
+        ]
 
     cache = {}
 
@@ -106,9 +109,9 @@ def test_split_cases_do_split():
     assert plan_batch((5, 9, 3), tp=4, threshold=4).cut_request == 1
     assert plan_batch((3, 11, 7, 2), tp=8, threshold=8).cut_request is not None
     assert plan_batch((8, 8), tp=4, threshold=4).cut_request is None
-    assert not plan_batch((7, 6), tp=4, threshold=1024).split
+    assert not plan_batch((7, 6), tp=4, threshold=1024).is_split
     big = plan_batch((100, 130, 70), tp=8, threshold=256)
-    assert big.split and big.cut_request is not None
+    assert big.is_split and big.cut_request is not None
 
 
 DEFAULT_THRESHOLD_LENGTHS = (1, 300, 517, 282)  # T = 1100 >= 1024, 1 token first
@@ -119,9 +122,9 @@ def test_default_threshold_split(cpu_mesh, rng):
     at 640, inside request 2; weave == baseline == reference."""
     config, tp, lengths = get_config("tiny"), 4, DEFAULT_THRESHOLD_LENGTHS
     batch = plan_batch(lengths, tp=tp)
-    assert batch.split and batch.num_tokens == 1100
+    assert batch.is_split and batch.num_tokens == 1100
     assert batch.cut_request == 2 and batch.half_lengths == (640, 460)
-    assert not plan_batch((*lengths[:-1], lengths[-1] - 77), tp=tp).split  # T = 1023
+    assert not plan_batch((*lengths[:-1], lengths[-1] - 77), tp=tp).is_split  # T = 1023
     dec = build(config, cpu_mesh(tp), jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
     want = reference_decoder(logical_weights(dec), config, np.asarray(hidden, np.float64), lengths)
@@ -190,7 +193,7 @@ def test_every_loop_configuration_against_reference(cpu_mesh, rng, tp):
     def run(state, hidden):
         model = nnx.merge(graphdef, state)
         return [
-            model(hidden, batch, schedule=s, comm=c, reducer=getattr(fake, f) if f else None)
+            model(hidden, batch, schedule=s, collective=c, reducer=getattr(fake, f) if f else None)
             for s, c, f in LOOP_CONFIGS
         ]
 
@@ -261,7 +264,7 @@ def test_bad_call_inputs(cpu_mesh, rng):
         (jnp.zeros((0, h), jnp.float32), batch, {}, "empty"),
         (good, (3, 4), {}, "BatchPlan"),
         (good, batch, {"schedule": "fast"}, "schedule"),
-        (good, batch, {"comm": "nccl"}, "comm"),
+        (good, batch, {"collective": "nccl"}, "collective"),
     ]
     for hidden, plan, kwargs, match in cases:
         with pytest.raises(ValueError, match=match):

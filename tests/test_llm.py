@@ -27,7 +27,7 @@ ENGINE = EngineConfig(
     max_model_len=64,
     key_chunk=16,
     split_threshold=16,
-    comm="xla",
+    collective="xla",
 )
 CLI_ENGINE = [
     "--max-num-batched-tokens",

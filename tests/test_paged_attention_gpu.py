@@ -228,7 +228,7 @@ def test_engine_serves_the_same_tokens_with_either_kernel(rng):
             attention=impl,
         )
         engine = LLMEngine(model, cfg)
-        res = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+        res = engine.run_to_completion(prompts, SamplingParams(temperature=0.0, max_tokens=12))
         outs[impl] = [r.token_ids for r in res]
     for a, b in zip(outs["cuda"], outs["xla"], strict=True):
         assert a[:4] == b[:4]

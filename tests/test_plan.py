@@ -39,7 +39,7 @@ def check_layout(plan: BatchPlan) -> None:
     total = sum(lengths)
     assert plan.num_tokens == total
     assert len(plan.halves) in (1, 2)
-    assert plan.split == (len(plan.halves) == 2)
+    assert plan.is_split == (len(plan.halves) == 2)
     # Halves contiguous and covering [0, T), none empty.
     cursor = 0
     for half in plan.halves:
@@ -72,7 +72,7 @@ def check_layout(plan: BatchPlan) -> None:
     cut = [r for r, pieces in per_request.items() if len(pieces) == 2]
     assert len(cut) <= 1
     assert plan.cut_request == (cut[0] if cut else None)
-    if not plan.split:
+    if not plan.is_split:
         assert plan.cut_request is None and plan.offset == 0
     else:
         first = plan.halves[0].length
@@ -90,7 +90,7 @@ def check_layout(plan: BatchPlan) -> None:
     for half in plan.halves:
         np.testing.assert_array_equal(half.positions(), positions[half.start : half.end])
         np.testing.assert_array_equal(half.segment_ids(), segments[half.start : half.end])
-    if plan.split:
+    if plan.is_split:
         # prefix_lengths of the second half: tokens of the same request in the first half.
         second = plan.halves[1]
         in_first = np.bincount(plan.halves[0].segment_ids(), minlength=len(lengths))
@@ -104,7 +104,7 @@ def test_layout_invariants_default(lengths, threshold, tp):
     plan = plan_batch(lengths, tp=tp, threshold=threshold)
     check_layout(plan)
     total = sum(lengths)
-    assert plan.split == (total >= threshold)
+    assert plan.is_split == (total >= threshold)
 
 
 @FAST
@@ -117,7 +117,7 @@ def test_layout_invariants_any_wave_model(lengths, wave, split):
         return
     plan = plan_batch(lengths, wave=wave, split=split, threshold=64)
     check_layout(plan)
-    assert plan.split == (total >= 64 if split is None else split)
+    assert plan.is_split == (total >= 64 if split is None else split)
 
 
 @FAST
@@ -136,10 +136,10 @@ def test_halves_near_equal(lengths, wave):
 def test_below_threshold_no_split(lengths):
     total = sum(lengths)
     plan = plan_batch(lengths, threshold=total + 1)
-    assert not plan.split and plan.offset == 0 and plan.cut_request is None
+    assert not plan.is_split and plan.offset == 0 and plan.cut_request is None
     assert plan.halves[0].length == total
-    assert plan_batch(lengths, threshold=max(2, total)).split == (total >= 2)
-    assert not plan_batch(lengths, split=False, threshold=2).split
+    assert plan_batch(lengths, threshold=max(2, total)).is_split == (total >= 2)
+    assert not plan_batch(lengths, split=False, threshold=2).is_split
 
 
 @FAST
@@ -212,7 +212,7 @@ def test_plan_hashable_and_deterministic(lengths, tp, threshold):
     assert all(type(n) is int for n in b.request_lengths)
     assert len({a, b}) == 1
     if sum(lengths) >= 2:
-        other = plan_batch(lengths, split=not a.split, threshold=threshold)
+        other = plan_batch(lengths, split=not a.is_split, threshold=threshold)
         assert other != a
 
 
@@ -220,7 +220,7 @@ def test_hand_example_2048_even():
     # T=2048: mid=1024 (8 tile rows -> 8*28=224 tiles, 2 waves per half); no candidate does
     # better than 4 waves in all, so the midpoint stays and the boundary cuts nothing.
     plan = plan_batch([1024, 1024])
-    assert plan.split and plan.offset == 0 and plan.half_lengths == (1024, 1024)
+    assert plan.is_split and plan.offset == 0 and plan.half_lengths == (1024, 1024)
     assert plan.cut_request is None
     assert plan.halves[0].pieces == (plan.halves[0].pieces[0],)
     assert plan.halves[1].pieces[0].request == 1 and plan.halves[1].pieces[0].position == 0
@@ -248,8 +248,8 @@ def test_hand_example_1536_and_threshold():
     assert wave_offset(1536) == -256
     assert plan_batch([1536]).half_lengths == (512, 1024)
     assert plan_batch([1536]).cut_request == 0
-    assert not plan_batch([1023]).split
-    assert plan_batch([1024]).split
+    assert not plan_batch([1023]).is_split
+    assert plan_batch([1024]).is_split
     assert plan_batch([10, 20], split=True).half_lengths == (15, 15)  # no candidate in range
 
 
@@ -288,9 +288,9 @@ def test_tuning_table_offset_threshold_and_ctas():
     assert plan.offset == 128 and plan.half_lengths == (1152, 896)  # wave rule's 0, + 128
     assert plan.tuning == TuneEntry(128, 32, 4)
     assert plan_batch([2047], tp=8, model="llama3-70b", table=table).tuning == TuneEntry(None, 12)
-    assert not plan_batch([2047], tp=8, model="llama3-70b", table=table).split
-    assert plan_batch([1500], tp=8, model="other", table=table).split  # wildcard threshold
-    assert not plan_batch([1499], tp=8, table=table).split
+    assert not plan_batch([2047], tp=8, model="llama3-70b", table=table).is_split
+    assert plan_batch([1500], tp=8, model="other", table=table).is_split  # wildcard threshold
+    assert not plan_batch([1499], tp=8, table=table).is_split
     # No rows for TP 4: the paper's defaults (split from 1024 tokens, 16/8 CTAs, wave rule).
     plan = plan_batch([2048], tp=4, model="llama3-70b", table=table)
     assert plan.offset == 0 and plan.tuning == TuneEntry(None, 16, 8)
@@ -312,13 +312,13 @@ def test_shipped_table_rule():
     llama, qwen = get_config("llama3-70b", num_layers=8), get_config("qwen2.5-72b")
     for config in (llama, qwen):
         small = plan_batch([1024, 1024], tp=2, config=config)
-        assert not small.split and small.tuning.num_ctas == 32
-        assert plan_batch([1024] * 4, tp=2, config=config).split
+        assert not small.is_split and small.tuning.num_ctas == 32
+        assert plan_batch([1024] * 4, tp=2, config=config).is_split
         assert plan_batch([100], tp=2, config=config).tuning == TuneEntry(None, 16, 8)
     big = plan_batch([1024] * 8, tp=2, config=llama)
     assert big.half_lengths == (4096, 4096) and big.tuning == TuneEntry(0, 16)
     assert plan_batch([1024] * 8, tp=2, config=qwen).tuning == TuneEntry(None, 16)
-    assert plan_batch([1024] * 2, tp=4, config=llama).split  # TP 4: not measured, paper's 1024
+    assert plan_batch([1024] * 2, tp=4, config=llama).is_split  # TP 4: not measured, paper's 1024
 
 
 @pytest.mark.parametrize(

@@ -159,7 +159,7 @@ def test_readme_api_example_runs():
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     out, plan, config = namespace["out"], namespace["plan"], namespace["config"]
-    assert plan.split
+    assert plan.is_split
     assert out.shape == (plan.num_tokens, config.hidden_size)
 
 

@@ -6,8 +6,9 @@ thing in ``main``, before JAX's backends start. The argument types, the help for
 options and ``use_cpu_devices`` are the command lines' (``serving.cli``), re-exported here.
 
 Mode names, the same everywhere: a schedule (``baseline``, ``weave``, ``nocomm``) and, for
-``weave``, the comm that does its reductions (``auto``, ``xla``, ``ffi``); a benchmark mode is
-named ``baseline``, ``nocomm`` or ``weave-<comm>``, plus ``-nosplit`` where the batch is kept whole.
+``weave``, the collective that does its reductions (``auto``, ``xla``, ``ffi``); a benchmark
+mode is named ``baseline``, ``nocomm`` or ``weave-<collective>``, plus ``-nosplit`` where the
+batch is kept whole.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_tokenweave._legacy import deprecated, renamed_attribute
 from jax_tokenweave.bench.modes import Mode as Mode  # re-exported: the benchmarks' mode vocabulary
 from jax_tokenweave.bench.modes import compile_forward as compile_forward
 from jax_tokenweave.bench.modes import make_plan as make_plan
@@ -47,7 +49,7 @@ from jax_tokenweave.serving.cli import positive_float as positive_float
 from jax_tokenweave.serving.cli import positive_int as positive_int
 from jax_tokenweave.serving.cli import positive_ints as positive_ints
 from jax_tokenweave.serving.cli import use_cpu_devices as use_cpu_devices
-from jax_tokenweave.weave.schedules import COMMS as COMMS  # re-exported: the vocabulary of modes
+from jax_tokenweave.weave.schedules import COLLECTIVES as COLLECTIVES  # re-exported: modes' names
 from jax_tokenweave.weave.schedules import SCHEDULES as SCHEDULES
 
 CPU_DEVICES = 8
@@ -59,6 +61,13 @@ CPU_NOTE = (
     "so they say nothing about overlapping GPU communication with compute; run on GPUs "
     "to measure TokenWeave."
 )
+
+
+_RENAMED = {"COMMS": "jax_tokenweave.weave.schedules:COLLECTIVES"}  # old names, one release
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_attribute(__name__, name, _RENAMED)
 
 
 # ------------------------------------------------------------------------------- set-up ---
@@ -163,9 +172,14 @@ def resolve_seed() -> int:
 def ffi_unavailable(
     mesh: Mesh, dtype: Any, shape: tuple[int, int], axis_name: str = "tp"
 ) -> str | None:
-    """Why ``comm="ffi"`` cannot run for this mesh, dtype and ``[T, H]`` (None where it can)."""
+    """Deprecated: ``jax_tokenweave.kernel.unavailable_reason(mesh, axis_name, dtype, shape)``,
+    the one answer to why the fused kernel cannot run a call."""
     from jax_tokenweave.kernel import _ffi
 
+    deprecated(
+        "jax_tokenweave.bench.benchmarking.ffi_unavailable is deprecated: use "
+        "jax_tokenweave.kernel.unavailable_reason(mesh, axis_name, dtype, shape)"
+    )
     return _ffi.unavailable_reason(mesh, axis_name, jnp.dtype(dtype), tuple(shape))
 
 

@@ -27,7 +27,7 @@ import jax
 
 from jax_tokenweave.bench import timing
 from jax_tokenweave.bench.benchmarking import (
-    COMMS,
+    COLLECTIVES,
     CPU_DEVICES,
     CPU_NOTE,
     DTYPES,
@@ -39,7 +39,6 @@ from jax_tokenweave.bench.benchmarking import (
     compile_forward,
     config_names_help,
     environment,
-    ffi_unavailable,
     is_lead,
     load_config,
     make_mesh,
@@ -55,6 +54,7 @@ from jax_tokenweave.bench.benchmarking import (
     start_devices,
 )
 from jax_tokenweave.bench.report import config_dict, describe, format_table, result, write_plot
+from jax_tokenweave.kernel import unavailable_reason
 from jax_tokenweave.weave import tuning
 
 PROG = "python -m jax_tokenweave.bench"
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--comm",
-        choices=COMMS,
+        choices=COLLECTIVES,
         default="auto",
         help="how the weave schedule's reductions are done: xla (reduce-scatter, "
         "norm, all-gather), ffi (the fused CUDA kernel) or auto (ffi where it "
@@ -227,7 +227,7 @@ def run(
     mesh = make_mesh(devices, args.tp)
     comm_used = {}
     for tokens in args.tokens:
-        reason = ffi_unavailable(mesh, dtype, (tokens, config.hidden_size))
+        reason = unavailable_reason(mesh, "tp", dtype, (tokens, config.hidden_size))
         if args.comm == "ffi" and "weave" in args.schedules and reason is not None:
             parser.error(f"--comm ffi is unavailable for {tokens} tokens here: {reason}")
         comm_used[tokens] = (
@@ -258,9 +258,9 @@ def run(
                 names.append("baseline")
             for name in names:
                 bar.set_description(f"T={tokens} compile {name}")
-                comm = args.comm if name == "weave" else "auto"
+                collective = args.comm if name == "weave" else "auto"
                 fns[name], compile_s[name], _ = compile_forward(
-                    decoder, plan, hidden, schedule=name, comm=comm
+                    decoder, plan, hidden, schedule=name, collective=collective
                 )
             rel_err = None
             if verify:

@@ -1,8 +1,9 @@
 """Benchmark modes and their measurement on one batch, shared by ``benchmarks/e2e_bench.py``
 and ``benchmarks/breakdown.py``.
 
-A mode is a schedule and, for ``weave``, the comm that does its reductions, named as everywhere
-in the project: ``baseline``, ``nocomm``, ``weave-<comm>`` (``xla``, ``ffi``, ``auto``, and the
+A mode is a schedule and, for ``weave``, the collective that does its reductions, named as
+everywhere in the project: ``baseline``, ``nocomm``, ``weave-<collective>`` (``xla``, ``ffi``,
+``auto``, and the
 breakdown's ``ffi-sync`` and ``local``), plus ``-nosplit`` where the batch is kept whole and
 ``@<n>`` where the fused kernel's CTA count is forced. :func:`measure` compiles every mode on
 one batch, checks the modes that compute the model against ``baseline`` and times them all the
@@ -21,27 +22,28 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jax_tokenweave._legacy import deprecated
 from jax_tokenweave.bench import timing
 from jax_tokenweave.weave.tuning import TuneEntry
 
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """One way of running the stack: schedule, comm, whether the batch may split (None: the
-    tuning table decides), and a forced CTA count of the fused kernel (None: the plan's)."""
+    """One way of running the stack: schedule, collective, whether the batch may split (None:
+    the tuning table decides), and a forced CTA count of the fused kernel (None: the plan's)."""
 
     schedule: str
-    comm: str = "auto"
+    collective: str = "auto"
     split: bool | None = None
     ctas: int | None = None
 
     @property
     def name(self) -> str:
-        """``baseline`` / ``nocomm`` / ``weave-<comm>`` (+ ``-nosplit``, ``@<ctas>``)."""
+        """``baseline`` / ``nocomm`` / ``weave-<collective>`` (+ ``-nosplit``, ``@<ctas>``)."""
         if self.schedule != "weave":
             return self.schedule
         return (
-            f"weave-{self.comm}"
+            f"weave-{self.collective}"
             + ("-nosplit" if self.split is False else "")
             + (f"@{self.ctas}" if self.ctas is not None else "")
         )
@@ -49,13 +51,19 @@ class Mode:
     @property
     def needs_ffi(self) -> bool:
         """Whether the mode runs the fused kernel whatever happens (``auto`` may fall back)."""
-        return self.schedule == "weave" and self.comm in ("ffi", "ffi-sync")
+        return self.schedule == "weave" and self.collective in ("ffi", "ffi-sync")
 
     @property
     def reference(self) -> bool:
         """Compared against baseline (``nocomm``'s and ``weave-local``'s outputs are not the
         model's)."""
-        return self.schedule == "weave" and self.comm != "local"
+        return self.schedule == "weave" and self.collective != "local"
+
+    @property
+    def comm(self) -> str:
+        """Deprecated: :attr:`collective`."""
+        deprecated("jax_tokenweave: Mode.comm is deprecated: use Mode.collective")
+        return self.collective
 
     @property
     def tuning(self) -> TuneEntry | None:
@@ -92,7 +100,7 @@ def make_plan(
 def compile_forward(
     decoder: Any, plan: Any, hidden: jax.Array, **kwargs: Any
 ) -> tuple[Callable[[], jax.Array], float, str]:
-    """Compile ``decoder(hidden, plan, **kwargs)`` (``schedule=``, ``comm=``, ``tuning=``).
+    """Compile ``decoder(hidden, plan, **kwargs)`` (``schedule=``, ``collective=``, ``tuning=``).
 
     Returns ``(run, compile seconds, compiled HLO text)``; ``run()`` calls the executable on
     ``hidden`` (asynchronously, like any JAX call).
@@ -142,13 +150,18 @@ def measure(
         try:
             plan = make_plan(config, model, lengths, tp, split=mode.split)
             fns[name], seconds, _ = compile_forward(
-                decoder, plan, hidden, schedule=mode.schedule, comm=mode.comm, tuning=mode.tuning
+                decoder,
+                plan,
+                hidden,
+                schedule=mode.schedule,
+                collective=mode.collective,
+                tuning=mode.tuning,
             )
             entry = mode.tuning or plan.tuning
             info[name] = {
                 "status": "ok",
                 "compile_s": seconds,
-                "split": plan.split,
+                "split": plan.is_split,
                 "half_lengths": [h.length for h in plan.halves],
                 "tuning": dataclasses.asdict(entry) if entry else None,
             }

@@ -95,14 +95,14 @@ def allreduce_rmsnorm(
     axis_size = jax.lax.axis_size(axis_name)
     _check_inputs(partial, residual, weight, axis_size, impl)
     if impl == "auto":  # one device has nothing to reduce: XLA's own add + norm fusion
-        usable = axis_size > 1 and _ffi_unavailable_reason(partial, axis_name, mesh) is None
+        usable = axis_size > 1 and _unavailable_reason(partial, axis_name, mesh) is None
         impl = "ffi" if usable else "xla_rsag"
     if impl == "xla":
         summed = jax.lax.psum(partial, axis_name)
         return add_rmsnorm(summed, residual, weight, eps)
     if impl == "xla_rsag":
         return _xla_rsag(partial, residual, weight, axis_name, axis_size, eps)
-    reason = _ffi_unavailable_reason(partial, axis_name, mesh)
+    reason = _unavailable_reason(partial, axis_name, mesh)
     if reason is not None:
         raise RuntimeError(f"allreduce_rmsnorm(impl='ffi') is unavailable: {reason}")
     from jax_tokenweave.kernel import _ffi
@@ -137,7 +137,7 @@ def _xla_rsag(
     return normed[:num_tokens], residual_out
 
 
-def _ffi_unavailable_reason(partial: jax.Array, axis_name: str, mesh: Mesh | None) -> str | None:
+def _unavailable_reason(partial: jax.Array, axis_name: str, mesh: Mesh | None) -> str | None:
     from jax_tokenweave.kernel import _ffi
 
     return _ffi.unavailable_reason(mesh, axis_name, partial.dtype, partial.shape)

@@ -10,7 +10,7 @@ the stack names them ``layers.{i}.<name>`` (``layers.{i}.moe.router`` etc.) plus
 right ``NamedSharding``, and each Param carries its ``PartitionSpec`` as Flax sharding metadata
 (``nnx.get_partition_spec(nnx.state(decoder))``).
 
-With ``comm="ffi"`` and two halves, program order (ordered by data through
+With ``collective="ffi"`` and two halves, program order (ordered by data through
 ``jax.lax.optimization_barrier``, see ``reducers.Overlap``)::
 
   attn0(A) -> start(A) ; attn0(B) -> start(B) ; done(A) -> mlp0(A) -> start(A) ;
@@ -34,40 +34,43 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jax_tokenweave._legacy import renamed_attribute, renamed_keyword
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.nn import attention as attn_lib
 from jax_tokenweave.nn.decoder_layer import DecoderLayer
 from jax_tokenweave.nn.params import load_weights, make_param, partition_specs
 from jax_tokenweave.nn.stack import PrefillAttention, concat, run_stack
 from jax_tokenweave.weave.plan import BatchPlan, plan_batch
-from jax_tokenweave.weave.reducers import ReduceContext, own_rows
+from jax_tokenweave.weave.reducers import ReduceContext
 from jax_tokenweave.weave.schedules import (
-    ALL_COMMS,
-    COMMS,
-    SCHEDULES,
-    Comm,
+    Collective,
     ReducerFactory,
     Schedule,
     check_call,
-    ffi_unavailable,
-    resolve_comm,
     stack_setup,
 )
 from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
-__all__ = [
-    "ALL_COMMS",
-    "COMMS",
-    "SCHEDULES",
-    "Comm",
-    "DecoderLayer",
-    "Schedule",
-    "WeaveDecoder",
-    "check_call",
-    "ffi_unavailable",
-    "own_rows",
-    "resolve_comm",
-]
+__all__ = ["WeaveDecoder"]
+
+# Until 0.2.0 (as jax_tokenweave.layers) this module re-exported the schedules' names: for one
+# release, with a warning naming their home.
+_RENAMED = {
+    **{
+        name: f"jax_tokenweave.weave.schedules:{name}"
+        for name in ("SCHEDULES", "Schedule", "check_call")
+    },
+    "ALL_COMMS": "jax_tokenweave.weave.schedules:ALL_COLLECTIVES",
+    "COMMS": "jax_tokenweave.weave.schedules:COLLECTIVES",
+    "Comm": "jax_tokenweave.weave.schedules:Collective",
+    "ffi_unavailable": "jax_tokenweave.weave.schedules:unavailable_reason",
+    "resolve_comm": "jax_tokenweave.weave.schedules:resolve_collective",
+    "own_rows": "jax_tokenweave.weave.reducers:own_rows",
+}
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_attribute(__name__, name, _RENAMED)
 
 
 class WeaveDecoder(nnx.Module):
@@ -129,22 +132,27 @@ class WeaveDecoder(nnx.Module):
         batch: BatchPlan,
         *,
         schedule: Schedule = "weave",
-        comm: Comm = "auto",
+        collective: Collective = "auto",
         return_kv: bool = False,
         tuning: TuneEntry | None = None,
         reducer: ReducerFactory | None = None,
+        comm: Collective | None = None,
     ) -> Any:
         """Run the stack on ``hidden`` [T, H] (replicated) laid out as ``batch``.
 
         Returns the final-normed hidden states [T, H], replicated; with ``return_kv``, also a
         list over layers of ``(k, v)``, each [T, Nkv, D] sharded over heads (``P(None, tp)``),
-        RoPE applied to k. ``schedule="nocomm"`` and ``comm="local"`` do NOT compute the model
-        (``schedules``). ``tuning``: the fused kernel's CTA counts (default: the plan's).
-        ``reducer``: a reducer factory replacing the schedule's (the halves stay the
-        schedule's); for tests and experiments. ``comm="ffi"`` where the kernel cannot run
-        raises ``RuntimeError`` saying why.
+        RoPE applied to k. ``collective``: how ``weave`` reduces (``weave.schedules``);
+        ``schedule="nocomm"`` and ``collective="local"`` do NOT compute the model. ``tuning``:
+        the fused kernel's CTA counts (default: the plan's). ``reducer``: a reducer factory
+        replacing the schedule's (the halves stay the schedule's); for tests and experiments.
+        ``collective="ffi"`` where the kernel cannot run raises ``RuntimeError`` saying why.
+        ``comm``: deprecated name of ``collective``.
         """
-        check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, comm)
+        collective = renamed_keyword(
+            "WeaveDecoder.__call__", "comm", comm, "collective", collective
+        )
+        check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, collective)
         if tuning is not None and not isinstance(tuning, TuneEntry):
             raise ValueError(f"tuning must be a tuning.TuneEntry or None, got {type(tuning)}")
         setup = stack_setup(
@@ -154,7 +162,7 @@ class WeaveDecoder(nnx.Module):
             self.dtype,
             batch,
             schedule=schedule,
-            comm=comm,
+            collective=collective,
             tuning=tuning,
             reducer=reducer,
         )

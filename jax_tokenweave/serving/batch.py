@@ -94,7 +94,7 @@ def make_layout(
     offset = cfg.tuning.offset if cfg.tuning is not None else None
     kwargs: dict[str, Any] = dict(tp=tp, model=name, wave=WaveModel.from_config(model, tp))
     plan = plan_batch([rows], threshold=cfg.split_threshold, split=split, offset=offset, **kwargs)
-    if plan.split and plan.halves[1].start % tile:
+    if plan.is_split and plan.halves[1].start % tile:
         first = min(max(round(plan.halves[1].start / tile) * tile, tile), rows - tile)
         plan = plan_batch([rows], split=True, offset=first - midpoint(rows), **kwargs)
     samples = min(cfg.max_num_seqs, decode + (rows - decode) // tile)

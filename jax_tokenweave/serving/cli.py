@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_tokenweave.weave.schedules import COMMS
+from jax_tokenweave.weave.schedules import COLLECTIVES
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -186,8 +186,8 @@ def start_devices(tp: int, cpu_devices: int | None) -> None:
 
 
 def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...]) -> None:
-    """``--tp``, ``--dtype``, ``--schedule``, ``--comm``, the engine sizes, ``--seed``,
-    ``--gpu-memory-utilization`` and ``--cpu-devices``."""
+    """``--tp``, ``--dtype``, ``--schedule``, ``--comm`` (the ``collective``), the engine sizes,
+    ``--seed``, ``--gpu-memory-utilization`` and ``--cpu-devices``."""
     from jax_tokenweave.serving.config import SERVING_SCHEDULES, EngineConfig
 
     defaults = EngineConfig()
@@ -213,8 +213,8 @@ def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...])
     )
     p.add_argument(
         "--comm",
-        choices=COMMS,
-        default=defaults.comm,
+        choices=COLLECTIVES,
+        default=defaults.collective,
         help="weave's reductions: the fused kernel (ffi), XLA, or auto",
     )
     add_engine_options(p, engine_options)
@@ -254,7 +254,7 @@ def llm_kwargs(args: argparse.Namespace, engine_options: tuple[str, ...]) -> dic
         tensor_parallel_size=args.tp,
         dtype=args.dtype if args.dtype == "auto" else TORCH_DTYPES[args.dtype],
         schedule=args.schedule,
-        comm=args.comm,
+        collective=args.comm,
         seed=args.engine_seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )

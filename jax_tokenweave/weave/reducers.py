@@ -26,9 +26,9 @@ class               residual  reduction
                               fused kernel, synchronous) or ``auto``
 :class:`LocalSharded` sharded add + RMSNorm of this rank's own rows of its partial, tiled
                               back to T rows: the weave schedule's layout and op count with
-                              no communication (``weave`` with ``comm="local"``)
+                              no communication (``weave`` with ``collective="local"``)
 :class:`Overlap`    sharded   the fused kernel as ``start``/``done`` pairs, each overlapped
-                              with the other half's next compute (``weave``, ``comm="ffi"``)
+                              with the other half's next compute (``weave``, ``collective="ffi"``)
 =================== ========= =============================================================
 
 ``Local`` and ``LocalSharded`` do NOT compute the model: they time the communication away.

@@ -3,13 +3,15 @@ layer loop (:mod:`jax_tokenweave.nn.stack`): which halves, which reducer.
 
 ``schedule`` is ``baseline`` (plain TP: psum, replicated residual, no split), ``weave``
 (TokenWeave: the plan's halves, token-sharded residual) or ``nocomm`` (``baseline`` with every
-collective removed: a timing floor, NOT the model's output). ``comm`` says how ``weave`` reduces:
+collective removed: a timing floor, NOT the model's output). ``collective`` says how ``weave``
+reduces:
 
 * ``xla``: ``ops`` impl ``xla_rsag`` (reduce-scatter, add + norm on own rows, all-gather);
 * ``ffi``: the fused kernel; with two halves as start/done pairs overlapped with the other
   half's compute (``reducers.Overlap``), with one half synchronous;
-* ``auto``: ``ffi`` where ``_ffi.unavailable_reason`` is None for every half's ``[T_half, H]``
-  (its slot, the tuned CTA counts), else ``xla``; decided once per call at trace time;
+* ``auto``: ``ffi`` where :func:`unavailable_reason` is None (the kernel's
+  ``unavailable_reason`` for every half's ``[T_half, H]``, its slot, the tuned CTA counts), else
+  ``xla``; decided once per call at trace time;
 * ``ffi-sync`` (breakdown only): the fused kernel, synchronous, in the weave order: weave
   without the overlap;
 * ``local`` (breakdown only, NOT the model's output): each collective replaced by a comm-free
@@ -25,6 +27,7 @@ from typing import Any, Literal, get_args
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jax_tokenweave._legacy import renamed_attribute, renamed_keyword
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.weave import reducers
 from jax_tokenweave.weave import tuning as tuning_lib
@@ -32,12 +35,27 @@ from jax_tokenweave.weave.plan import BatchPlan, Half
 from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 Schedule = Literal["baseline", "weave", "nocomm"]
-Comm = Literal["auto", "xla", "ffi", "ffi-sync", "local"]
+Collective = Literal["auto", "xla", "ffi", "ffi-sync", "local"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
-COMMS: tuple[str, ...] = ("auto", "xla", "ffi")
-"""The comms that compute the model with the overlap where it can (serving, the main job)."""
-ALL_COMMS: tuple[str, ...] = get_args(Comm)
-"""``COMMS`` plus the breakdown's ablations ``ffi-sync`` and ``local``."""
+COLLECTIVES: tuple[str, ...] = ("auto", "xla", "ffi")
+"""The collectives that compute the model with the overlap where it can (serving, the main
+job)."""
+ALL_COLLECTIVES: tuple[str, ...] = get_args(Collective)
+"""``COLLECTIVES`` plus the breakdown's ablations ``ffi-sync`` and ``local``."""
+
+# Old names, for one release (``comm`` is also the kernel's Communicator, ``comm=`` in _ffi).
+_RENAMED = {
+    "Comm": "Collective",
+    "COMMS": "COLLECTIVES",
+    "ALL_COMMS": "ALL_COLLECTIVES",
+    "resolve_comm": "resolve_collective",
+    "ffi_unavailable": "unavailable_reason",
+}
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_attribute(__name__, name, _RENAMED)
+
 
 ReducerFactory = Callable[[reducers.ReduceContext], reducers.Reducer]
 
@@ -49,14 +67,14 @@ def check_call(
     hidden: Any,
     batch: Any,
     schedule: str,
-    comm: str,
+    collective: str,
 ) -> None:
     """Validate ``WeaveDecoder.__call__``'s arguments; raise ``ValueError`` saying what is wrong."""
     config.check_tensor_parallel(tp)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if comm not in ALL_COMMS:
-        raise ValueError(f"comm must be one of {ALL_COMMS}, got {comm!r}")
+    if collective not in ALL_COLLECTIVES:
+        raise ValueError(f"collective must be one of {ALL_COLLECTIVES}, got {collective!r}")
     if not isinstance(batch, BatchPlan):
         raise ValueError(f"batch must be a BatchPlan (see plan_batch), got {type(batch)}")
     shape = tuple(getattr(hidden, "shape", ()))
@@ -79,7 +97,7 @@ def check_call(
         raise ValueError(f"hidden dtype {hidden.dtype} differs from the model dtype {dtype}")
 
 
-def ffi_unavailable(
+def unavailable_reason(
     mesh: Mesh,
     axis_name: str,
     dtype: Any,
@@ -88,8 +106,8 @@ def ffi_unavailable(
     tuning: TuneEntry | None = None,
 ) -> str | None:
     """Why the fused kernel cannot run this batch's weave schedule (None where it can): the
-    first half whose ``[T_half, H]`` call (its slot = half index, the tuned CTA counts) is
-    refused by ``_ffi.unavailable_reason``."""
+    kernel's ``unavailable_reason`` for the first half whose ``[T_half, H]`` call (its slot =
+    half index, the tuned CTA counts) it refuses."""
     from jax_tokenweave.kernel import _ffi
 
     entry = DEFAULT_ENTRY if tuning is None else tuning
@@ -103,20 +121,21 @@ def ffi_unavailable(
     return None
 
 
-def resolve_schedule(schedule: str, comm: str, mesh: Mesh, axis_name: str) -> str:
-    """The schedule a call runs: ``weave`` with ``comm="auto"`` on a one-device axis runs as
+def resolve_schedule(schedule: str, collective: str, mesh: Mesh, axis_name: str) -> str:
+    """The schedule a call runs: ``weave`` with ``collective="auto"`` on a one-device axis runs
+    as
     ``baseline`` (no split, XLA's add + RMSNorm): there is nothing to communicate, so nothing to
     hide, and the split's half-size GEMMs only cost. Measured on one H200 (Llama-3-8B shapes,
     decode batch 64): 7.8 ms per engine step against 8.8 ms for ``weave`` with the one-rank
-    fused call, whose per-call dispatch XLA's fusions undercut. An explicit ``comm`` keeps
-    ``weave`` (benchmarks force ``ffi`` at TP 1 to time the kernel)."""
-    if schedule == "weave" and comm == "auto" and mesh.shape.get(axis_name, 0) == 1:
+    fused call, whose per-call dispatch XLA's fusions undercut. An explicit ``collective``
+    keeps ``weave`` (benchmarks force ``ffi`` at TP 1 to time the kernel)."""
+    if schedule == "weave" and collective == "auto" and mesh.shape.get(axis_name, 0) == 1:
         return "baseline"
     return schedule
 
 
-def resolve_comm(
-    comm: str,
+def resolve_collective(
+    collective: str,
     mesh: Mesh,
     axis_name: str,
     dtype: Any,
@@ -124,40 +143,45 @@ def resolve_comm(
     hidden_size: int,
     tuning: TuneEntry | None = None,
 ) -> str:
-    """The weave schedule's communication for this call: ``xla``, ``ffi``, ``ffi-sync`` or
-    ``local``. ``auto`` is ``ffi`` where :func:`ffi_unavailable` gives no reason, else ``xla``;
-    ``ffi`` and ``ffi-sync`` raise ``RuntimeError`` saying why where the kernel cannot run."""
-    if comm not in ALL_COMMS:
-        raise ValueError(f"comm must be one of {ALL_COMMS}, got {comm!r}")
-    if comm in ("xla", "local"):
-        return comm
-    why = ffi_unavailable(mesh, axis_name, dtype, batch, hidden_size, tuning)
+    """The weave schedule's collective for this call: ``xla``, ``ffi``, ``ffi-sync`` or
+    ``local``. ``auto`` is ``ffi`` where :func:`unavailable_reason` gives no reason, else
+    ``xla``; ``ffi`` and ``ffi-sync`` raise ``RuntimeError`` saying why where the kernel cannot
+    run."""
+    if collective not in ALL_COLLECTIVES:
+        raise ValueError(f"collective must be one of {ALL_COLLECTIVES}, got {collective!r}")
+    if collective in ("xla", "local"):
+        return collective
+    why = unavailable_reason(mesh, axis_name, dtype, batch, hidden_size, tuning)
     if why is None:
-        return "ffi" if comm == "auto" else comm
-    if comm == "auto":
+        return "ffi" if collective == "auto" else collective
+    if collective == "auto":
         return "xla"
-    raise RuntimeError(f"comm={comm!r} is unavailable: {why} (use comm='auto' or 'xla')")
+    raise RuntimeError(
+        f"collective={collective!r} is unavailable: {why} (use collective='auto' or 'xla')"
+    )
 
 
 def configure(
-    schedule: str, comm: str, batch: BatchPlan
+    schedule: str, collective: str, batch: BatchPlan
 ) -> tuple[tuple[Half, ...], ReducerFactory]:
-    """The halves and the reducer factory of ``schedule`` with a *resolved* ``comm``
-    (:func:`resolve_comm`; ignored by ``baseline`` and ``nocomm``)."""
+    """The halves and the reducer factory of ``schedule`` with a *resolved* ``collective``
+    (:func:`resolve_collective`; ignored by ``baseline`` and ``nocomm``)."""
     if schedule in ("baseline", "nocomm"):
-        whole = batch if not batch.split else _unsplit(batch)
+        whole = batch if not batch.is_split else _unsplit(batch)
         return whole.halves, reducers.Psum if schedule == "baseline" else reducers.Local
     if schedule != "weave":
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     factories: dict[str, ReducerFactory] = {
         "xla": reducers.sharded("xla_rsag"),
-        "ffi": reducers.Overlap if batch.split else reducers.sharded("ffi"),
+        "ffi": reducers.Overlap if batch.is_split else reducers.sharded("ffi"),
         "ffi-sync": reducers.sharded("ffi"),
         "local": reducers.LocalSharded,
     }
-    if comm not in factories:
-        raise ValueError(f"comm must be resolved to one of {tuple(factories)}, got {comm!r}")
-    return batch.halves, factories[comm]
+    if collective not in factories:
+        raise ValueError(
+            f"collective must be resolved to one of {tuple(factories)}, got {collective!r}"
+        )
+    return batch.halves, factories[collective]
 
 
 def _unsplit(batch: BatchPlan) -> BatchPlan:
@@ -184,15 +208,17 @@ def stack_setup(
     batch: BatchPlan,
     *,
     schedule: str,
-    comm: str,
+    collective: str = "auto",
     tuning: TuneEntry | None = None,
     reducer: ReducerFactory | None = None,
+    comm: str | None = None,
 ) -> StackSetup:
     """The one setup of ``WeaveDecoder`` and the serving step for ``batch`` on ``mesh``'s
     ``axis_name``: the CTA counts (``tuning``, else the plan's, else the tuning table's entry
     for the model, TP degree and token count), the schedule (:func:`resolve_schedule`), the
-    comm (:func:`resolve_comm`; ``xla`` where ``reducer`` replaces the schedule's) and
-    :func:`configure`'s halves and reducer."""
+    collective (:func:`resolve_collective`; ``xla`` where ``reducer`` replaces the schedule's)
+    and :func:`configure`'s halves and reducer. ``comm``: deprecated name of ``collective``."""
+    collective = renamed_keyword("stack_setup", "comm", comm, "collective", collective)
     tp = mesh.shape[axis_name]
     entry = (
         tuning
@@ -200,9 +226,9 @@ def stack_setup(
         or tuning_lib.lookup(tuning_lib.model_name(config), tp, batch.num_tokens)
     )
     if reducer is None:
-        schedule = resolve_schedule(schedule, comm, mesh, axis_name)
+        schedule = resolve_schedule(schedule, collective, mesh, axis_name)
     resolved = (
-        resolve_comm(comm, mesh, axis_name, dtype, batch, config.hidden_size, entry)
+        resolve_collective(collective, mesh, axis_name, dtype, batch, config.hidden_size, entry)
         if schedule == "weave" and reducer is None
         else "xla"
     )
