@@ -1,7 +1,7 @@
 """End-to-end benchmark: prefill and decode-batch latency of the decoder stack, per mode.
 
 Modes are named as everywhere in this project (``jax_tokenweave.bench.benchmarking``): the schedule,
-and for ``weave`` the comm that does its reductions, plus ``-nosplit`` where the batch is kept
+and for ``weave`` the collective that does its reductions, plus ``-nosplit`` where the batch is kept
 whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requests:
 
 - ``baseline``: XLA ``psum`` all-reduce, replicated residual (what a plain JAX TP model does);

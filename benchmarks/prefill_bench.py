@@ -12,7 +12,7 @@ counted and must be zero).
 The bare stack: the same model's ``WeaveDecoder`` on the packed ``N x LEN`` tokens in one call,
 measured exactly as ``benchmarks/e2e_bench.py`` measures a prefill (``jax_tokenweave.bench.modes.
 measure``: compile, check against ``baseline``, warm-up, timed calls, median) with the engine's
-schedule (``baseline``, or ``weave-<comm>``). It has no embedding, LM head, sampling, cache
+schedule (``baseline``, or ``weave-<collective>``). It has no embedding, LM head, sampling, cache
 writes or paging: ratio = engine / bare is what serving costs on top of the stack. Writes
 ``prefill.json`` and ``prefill.md`` into ``--out``. With no GPU it runs the tiny config on small
 workloads (under a minute).

@@ -12,6 +12,10 @@ importing any module of the package changes no global state (environment, JAX co
   the model class its ``model_type`` is registered to, each device reading only its shards.
 - ``LLM``, ``SamplingParams`` (``jax_tokenweave.serving``): serve a checkpoint, text in and out
   (continuous batching, paged KV cache, streaming); ``python -m jax_tokenweave.generate``.
+
+The parts, bottom up (each imports only those before it): ``config``, ``kernel`` (the fused
+kernel), ``weave`` (plan, tuning, reducers, schedules), ``nn`` (the decoder), ``hf``, ``models``,
+``serving``; then the commands ``launch``, ``generate``, ``serve`` and ``bench`` (the main job).
 """
 
 from __future__ import annotations

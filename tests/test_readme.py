@@ -179,3 +179,36 @@ def test_readme_serving_example_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert namespace["out"].finish_reason in ("stop", "length")
     assert namespace["out"].text in printed and namespace["delta"].finished
+
+
+def markdown_section(text: str, heading: str) -> str:
+    """The body of the markdown section ``heading`` (up to the next heading of its level)."""
+    match = re.search(rf"^{re.escape(heading)}\n(.*?)(?=^#{{1,2}} |\Z)", text, re.M | re.S)
+    assert match, f"no section {heading!r}"
+    return match.group(1)
+
+
+def test_layout_sections_name_every_part():
+    """The README's layout section names every part of the package (each subpackage and each
+    module at its top); ARCHITECTURE.md's tree also every module of those parts."""
+    package = ROOT / "jax_tokenweave"
+    parts = sorted(
+        p.name
+        for p in package.iterdir()
+        if p.is_dir() and (p / "__init__.py").exists() and p.name != "_legacy"
+    )
+    top = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
+    readme = markdown_section(README.read_text(), "## Layout")
+    missing = [f"{p}/" for p in parts if f"`{p}/`" not in readme]
+    missing += [m for m in top if f"`{m}`" not in readme]
+    assert not missing, f"the README's layout section misses {missing}"
+    tree = markdown_section((ROOT / "docs" / "ARCHITECTURE.md").read_text(), "## Layout")
+    names = set(re.findall(r"[\w.]+", tree))
+    for part in parts:
+        files = sorted(p.name for p in (package / part).iterdir() if p.suffix in (".py", ".json"))
+        listed = f"{part}/" in tree and (
+            part in ("hf", "models", "serving", "serve", "testing")  # described in prose
+            or all(f in names for f in files if f != "__init__.py")
+        )
+        assert listed, f"docs/ARCHITECTURE.md's tree misses {part}/ or one of {files}"
+    assert all(m in names for m in top), top
