@@ -77,7 +77,7 @@ def add_model_options(
         default="auto",
         help="the engine's schedule (auto: baseline at TP 1, weave above)",
     )
-    p.add_argument("--comm", choices=bm.COLLECTIVES, default="auto", help="weave's reductions")
+    bm.add_collective_option(p, "auto", "weave's reductions")
     p.add_argument(
         "--attention",
         choices=("auto", "cuda", "xla"),
@@ -206,7 +206,7 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
         prefill_tile=tile,
         key_chunk=a.key_chunk,
         schedule=a.schedule,
-        collective=a.comm,
+        collective=a.collective,
         attention=a.attention,
         max_logprobs=0,
         seed=a.seed,

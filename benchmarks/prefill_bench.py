@@ -141,7 +141,7 @@ def run_workload(
         "engine_runs_ms": totals,
         "compilations": compiles.count,
     }
-    mode = Mode("baseline") if a.schedule == "baseline" else Mode("weave", a.comm)
+    mode = Mode("baseline") if a.schedule == "baseline" else Mode("weave", a.collective)
     config, mesh = model.config, model.mesh
     hidden = bm.random_hidden(
         length * count, config.hidden_size, bm.DTYPES[a.dtype], mesh, a.seed + length * count

@@ -103,11 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(SCHEDULES),
         help="engines to compare",
     )
-    p.add_argument(
-        "--comm",
-        choices=bm.COLLECTIVES,
-        default="auto",
-        help="the weave engine's reductions (auto: the fused kernel where it runs)",
+    bm.add_collective_option(
+        p, "auto", "the weave engine's reductions (auto: the fused kernel where it runs)"
     )
     bm.add_engine_options(p, ENGINE_OPTIONS)
     p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="workload and weights seed")
@@ -220,7 +217,7 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
         **bm.engine_options(args, ENGINE_OPTIONS),
         max_model_len=longest,
         num_blocks=per_request * min(args.num_requests, args.max_num_seqs),
-        collective=args.comm,
+        collective=args.collective,
         max_logprobs=0,
         seed=args.seed,
     )

@@ -174,14 +174,14 @@ def test_main_job_subprocess_uses_eight_cpu_devices(tmp_path):
         (["--iters", "0"], "must be >= 1"),
         (["--warmup", "-1"], "must be >= 0"),
         (["--schedules", "fast"], "unknown schedule"),
-        (["--comm", "nccl"], "invalid choice"),
+        (["--collective", "nccl"], "invalid choice"),
         (["--dtype", "int8"], "invalid choice"),
         (["--tp", "64"], "needs 64 devices"),
         (["--tp", "3"], "not divisible"),
         (["--model", "no-such-model"], "no-such-model"),
         (["--tol", "0"], "must be > 0"),
         (["--tol", "nan"], "must be > 0"),
-        (["--comm", "ffi", "--tokens", "64"], "--comm ffi is unavailable"),
+        (["--collective", "ffi", "--tokens", "64"], "--collective ffi is unavailable"),
     ],
 )
 def test_argument_errors_are_clear(argv, message, capsys):
@@ -367,7 +367,7 @@ def test_every_option_has_help_and_required_ones_no_default():
 def test_modes_use_one_vocabulary():
     """The benchmarks name modes with the main job's words: schedule, then weave's comm."""
     e2e = _load_script("e2e_bench")
-    assert {a.dest: a.choices for a in job.build_parser()._actions}["comm"] == bm.COLLECTIVES
+    assert {a.dest: a.choices for a in job.build_parser()._actions}["collective"] == bm.COLLECTIVES
     for table in (e2e.MODES, e2e.DECODE_MODES):
         for name, mode in table.items():
             assert (

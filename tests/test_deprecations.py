@@ -233,3 +233,13 @@ def test_nothing_imports_an_old_path_or_name():
                 or name.rpartition(".")[2] in deprecated.get(name.rpartition(".")[0], ())
             ]
     assert not found, "old paths or names:\n" + "\n".join(found)
+
+
+def test_comm_option_is_collective(capsys):
+    """The command lines' ``--comm`` is ``--collective``, with a note on stderr."""
+    from jax_tokenweave.bench import job
+
+    assert job.build_parser().parse_args(["--collective", "xla"]).collective == "xla"
+    assert capsys.readouterr().err == ""
+    assert job.build_parser().parse_args(["--comm", "xla"]).collective == "xla"
+    assert "--comm is deprecated: use --collective" in capsys.readouterr().err

@@ -46,7 +46,7 @@ CLI_ENGINE = [
     "16",
     "--split-threshold",
     "16",
-    "--comm",
+    "--collective",
     "xla",
     "--tp",
     "2",

@@ -40,6 +40,7 @@ from jax_tokenweave.nn.decoder import WeaveDecoder
 from jax_tokenweave.serving.cli import DTYPES as DTYPES  # re-exported: the command lines' helpers
 from jax_tokenweave.serving.cli import ENGINE_OPTIONS as ENGINE_OPTIONS
 from jax_tokenweave.serving.cli import HelpFormatter as HelpFormatter
+from jax_tokenweave.serving.cli import add_collective_option as add_collective_option
 from jax_tokenweave.serving.cli import add_engine_options as add_engine_options
 from jax_tokenweave.serving.cli import config_names_help as config_names_help
 from jax_tokenweave.serving.cli import engine_options as engine_options

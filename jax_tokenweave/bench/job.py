@@ -3,8 +3,8 @@
 ``python -m jax_tokenweave.bench`` builds a tensor-parallel ``WeaveDecoder`` with random weights,
 checks that the ``weave`` schedule computes what ``baseline`` does, then times ``baseline``
 (XLA ``psum``), ``weave`` (TokenWeave: split + fused RS-norm-AG, its reductions done by
-``--comm``) and ``nocomm`` (no collectives: the floor) the same way in one run and prints their
-median latencies and ratios.
+``--collective``) and ``nocomm`` (no collectives: the floor) the same way in one run and prints
+their median latencies and ratios.
 
 On GPUs it defaults to Llama-3-70B shapes, 4 layers, TP = number of GPUs, 2048 and 8192 tokens
 in requests of 1024; with no GPU it runs the ``tiny`` config on 8 virtual CPU devices (asked for
@@ -27,7 +27,6 @@ import jax
 
 from jax_tokenweave.bench import timing
 from jax_tokenweave.bench.benchmarking import (
-    COLLECTIVES,
     CPU_DEVICES,
     CPU_NOTE,
     DTYPES,
@@ -35,6 +34,7 @@ from jax_tokenweave.bench.benchmarking import (
     TOLERANCE,
     Flatten,
     HelpFormatter,
+    add_collective_option,
     build_decoder,
     compile_forward,
     config_names_help,
@@ -129,13 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="tokens per request packed into the batch " + _per_platform("request_len"),
     )
-    p.add_argument(
-        "--comm",
-        choices=COLLECTIVES,
-        default="auto",
-        help="how the weave schedule's reductions are done: xla (reduce-scatter, "
-        "norm, all-gather), ffi (the fused CUDA kernel) or auto (ffi where it "
-        "can run, else xla)",
+    add_collective_option(
+        p,
+        "auto",
+        "how the weave schedule's reductions are done: xla (reduce-scatter, norm, all-gather), "
+        "ffi (the fused CUDA kernel) or auto (ffi where it can run, else xla)",
     )
     p.add_argument(
         "--schedules",
@@ -228,12 +226,12 @@ def run(
     comm_used = {}
     for tokens in args.tokens:
         reason = unavailable_reason(mesh, "tp", dtype, (tokens, config.hidden_size))
-        if args.comm == "ffi" and "weave" in args.schedules and reason is not None:
-            parser.error(f"--comm ffi is unavailable for {tokens} tokens here: {reason}")
+        if args.collective == "ffi" and "weave" in args.schedules and reason is not None:
+            parser.error(f"--collective ffi is unavailable for {tokens} tokens here: {reason}")
         comm_used[tokens] = (
             ("ffi" if reason is None else f"xla (ffi unavailable: {reason})")
-            if args.comm == "auto"
-            else args.comm
+            if args.collective == "auto"
+            else args.collective
         )
     decoder = build_decoder(config, mesh, dtype, args.seed)
     verify = "weave" in args.schedules
@@ -258,7 +256,7 @@ def run(
                 names.append("baseline")
             for name in names:
                 bar.set_description(f"T={tokens} compile {name}")
-                collective = args.comm if name == "weave" else "auto"
+                collective = args.collective if name == "weave" else "auto"
                 fns[name], compile_s[name], _ = compile_forward(
                     decoder, plan, hidden, schedule=name, collective=collective
                 )

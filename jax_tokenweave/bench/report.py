@@ -53,7 +53,7 @@ def config_dict(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "tokens": args.tokens,
         "request_len": args.request_len,
-        "comm": args.comm,
+        "comm": args.collective,  # the key of recorded results
         "schedules": args.schedules,
         "warmup": args.warmup,
         "iters": args.iters,

@@ -19,6 +19,8 @@
 - ``generate_ids(model, prompts, max_new_tokens)`` (``serving.oneshot``): token ids in, token
   ids out, in one call (``LLM.generate`` is the text API; ``LLMEngine.run_to_completion`` serves
   token-id prompts on an engine you keep).
+- ``serving.cli``: what the command lines share (argument types, help format, the engine
+  options, the devices ``--tp`` needs, known errors in one line).
 """
 
 from typing import Any

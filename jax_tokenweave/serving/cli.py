@@ -118,6 +118,34 @@ def positive_float(text: str) -> float:
     return _number(text, float, 0, strict=True)
 
 
+class _Collective(argparse.Action):
+    """``--collective``; its old spelling ``--comm`` still works for one release, with a note."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if option_string == "--comm":
+            print("note: --comm is deprecated: use --collective", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_collective_option(parser: argparse.ArgumentParser, default: str, help: str) -> None:
+    """``--collective`` (weave's reductions, one of ``COLLECTIVES``; ``--comm``: its old name)."""
+    parser.add_argument(
+        "--collective",
+        "--comm",
+        dest="collective",
+        action=_Collective,
+        choices=COLLECTIVES,
+        default=default,
+        help=help,
+    )
+
+
 def add_engine_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
     """``--<name>`` options for these ``ENGINE_OPTIONS``, defaulting to ``EngineConfig``'s
     (``--split-threshold``: the tuning table's)."""
@@ -186,8 +214,8 @@ def start_devices(tp: int, cpu_devices: int | None) -> None:
 
 
 def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...]) -> None:
-    """``--tp``, ``--dtype``, ``--schedule``, ``--comm`` (the ``collective``), the engine sizes,
-    ``--seed``, ``--gpu-memory-utilization`` and ``--cpu-devices``."""
+    """``--tp``, ``--dtype``, ``--schedule``, ``--collective``, the engine sizes, ``--seed``,
+    ``--gpu-memory-utilization`` and ``--cpu-devices``."""
     from jax_tokenweave.serving.config import SERVING_SCHEDULES, EngineConfig
 
     defaults = EngineConfig()
@@ -211,11 +239,8 @@ def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...])
         default=defaults.schedule,
         help="weave (TokenWeave) or baseline (plain TP)",
     )
-    p.add_argument(
-        "--comm",
-        choices=COLLECTIVES,
-        default=defaults.collective,
-        help="weave's reductions: the fused kernel (ffi), XLA, or auto",
+    add_collective_option(
+        p, defaults.collective, "weave's reductions: the fused kernel (ffi), XLA, or auto"
     )
     add_engine_options(p, engine_options)
     p.set_defaults(max_model_len=None, num_blocks=None)
@@ -254,7 +279,7 @@ def llm_kwargs(args: argparse.Namespace, engine_options: tuple[str, ...]) -> dic
         tensor_parallel_size=args.tp,
         dtype=args.dtype if args.dtype == "auto" else TORCH_DTYPES[args.dtype],
         schedule=args.schedule,
-        collective=args.comm,
+        collective=args.collective,
         seed=args.engine_seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
