@@ -14,7 +14,7 @@ cached prefix of ``--prefixes`` positions (the chunk's own K/V are in the cache 
 serving step). Block tables are a random permutation of the cache's blocks; queries and the
 cache are fresh random normals (``--seed``). Each function runs ``--inner`` chained calls per
 dispatch (each call's output is the next one's queries; the caches are donated and handed on),
-timed by ``jax_tokenweave.timing.benchmark`` (warm-up, interleaved timed dispatches, median);
+timed by ``jax_tokenweave.bench.timing.benchmark`` (warm-up, interleaved timed dispatches, median);
 reported per call. Every implementation's first output is compared with ``xla``'s (relative
 Frobenius error; above ``--tolerance`` it is flagged).
 
@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.kernel._util import ceil_div
 
 IMPLS = ("xla", "cuda", "pallas")
 # (GPU default, GPU --quick, CPU default, CPU --quick) per sweep option.
@@ -346,8 +346,8 @@ def run_case(
     """Compile, check against ``xla`` and time every implementation on one case."""
     import jax.numpy as jnp
 
-    from jax_tokenweave import timing
-    from jax_tokenweave.modes import one_line
+    from jax_tokenweave.bench import timing
+    from jax_tokenweave.bench.modes import one_line
 
     rf = _roofline()
     inp = make_inputs(case, a, seed)

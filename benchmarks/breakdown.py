@@ -1,6 +1,6 @@
 """Where prefill time goes: the weave schedule's ablations side by side, in one run.
 
-Modes (``jax_tokenweave.modes``), each the decoder stack on the same packed batch:
+Modes (``jax_tokenweave.bench.modes``), each the decoder stack on the same packed batch:
 
 - ``baseline``: plain TP, XLA ``psum``, replicated residual, no split;
 - ``nocomm``: ``baseline`` with every collective dropped: the floor (not the model's output);
@@ -12,7 +12,7 @@ Modes (``jax_tokenweave.modes``), each the decoder stack on the same packed batc
 - ``weave-xla``: the weave schedule with XLA reduce-scatter, norm, all-gather;
 - ``weave-ffi``: TokenWeave: the fused kernel as start/done pairs overlapped with the other
   half's compute;
-- ``weave-auto``: the library's default (``schedule="weave"``, ``comm="auto"``, split or not
+- ``weave-auto``: the library's default (``schedule="weave"``, ``collective="auto"``, split or not
   by the shipped tuning table).
 
 The ``weave-*`` modes except ``weave-auto`` always split (what the split costs is the question);
@@ -20,7 +20,7 @@ their CTA counts are the tuning table's unless ``--ctas`` adds ``weave-ffi@<n>``
 columns: split cost = weave-local - nocomm; exposed communication = weave-ffi - weave-local;
 overlap gain = weave-ffi-sync - weave-ffi; gap recovered = (baseline - weave-ffi) / (baseline -
 nocomm); weave-ffi / nocomm and weave-auto / baseline. Every mode is timed the same way
-(``jax_tokenweave.timing.benchmark``: warm-up calls, then interleaved timed calls, medians);
+(``jax_tokenweave.bench.timing.benchmark``: warm-up calls, then interleaved timed calls, medians);
 the modes that compute the model are checked against ``baseline`` first. Modes that cannot run
 (no fused kernel here) are reported as skipped. On CPUs (8 virtual devices, ``tiny``) it checks
 the tool, not the overlap.
@@ -41,8 +41,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.modes import Mode, measure
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.bench.modes import Mode, measure
+from jax_tokenweave.kernel import unavailable_reason
 
 MODES: dict[str, Mode] = {
     m.name: m
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tol=tol,
             warmup=args.warmup,
             iters=args.iters,
-            ffi_reason=bm.ffi_unavailable(mesh, dtype, (tokens, config.hidden_size)),
+            ffi_reason=unavailable_reason(mesh, "tp", dtype, (tokens, config.hidden_size)),
         )
         rows.append(
             {

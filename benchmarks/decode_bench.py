@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.kernel._util import ceil_div
 
 ENGINE_OPTIONS = ("block_size", "prefill_tile", "key_chunk", "max_num_batched_tokens")
 DEFAULTS = {
@@ -77,7 +77,7 @@ def add_model_options(
         default="auto",
         help="the engine's schedule (auto: baseline at TP 1, weave above)",
     )
-    p.add_argument("--comm", choices=bm.COMMS, default="auto", help="weave's reductions")
+    bm.add_collective_option(p, "auto", "weave's reductions")
     p.add_argument(
         "--attention",
         choices=("auto", "cuda", "xla"),
@@ -211,7 +211,7 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
         prefill_tile=tile,
         key_chunk=a.key_chunk,
         schedule=a.schedule,
-        comm=a.comm,
+        collective=a.collective,
         attention=a.attention,
         max_logprobs=0,
         seed=a.seed,
@@ -294,7 +294,7 @@ def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
         mc.head_dim,
         mc.num_heads // mc.num_kv_heads,
     )
-    return {"rows": rows, "split": layout.plan.split, "attention": impl}
+    return {"rows": rows, "split": layout.plan.is_split, "attention": impl}
 
 
 def add_roofline(record: dict[str, Any], model: Any, weights: int, gb_s: float) -> None:
@@ -319,7 +319,7 @@ def add_roofline(record: dict[str, Any], model: Any, weights: int, gb_s: float) 
 
 def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
     """The bandwidth, the model, every (batch, context) point."""
-    from jax_tokenweave.modes import one_line
+    from jax_tokenweave.bench.modes import one_line
 
     rf = roofline()
     bandwidth = rf.copy_bandwidth(devices[0], int(a.copy_gb * rf.GB))

@@ -1,7 +1,7 @@
 """End-to-end benchmark: prefill and decode-batch latency of the decoder stack, per mode.
 
-Modes are named as everywhere in this project (``jax_tokenweave.benchmarking``): the schedule,
-and for ``weave`` the comm that does its reductions, plus ``-nosplit`` where the batch is kept
+Modes are named as everywhere in this project (``jax_tokenweave.bench.benchmarking``): the schedule,
+and for ``weave`` the collective that does its reductions, plus ``-nosplit`` where the batch is kept
 whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requests:
 
 - ``baseline``: XLA ``psum`` all-reduce, replicated residual (what a plain JAX TP model does);
@@ -11,8 +11,8 @@ whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requ
 - ``nocomm``: every collective dropped (not the model's output; the floor).
 
 The weave modes split where the shipped tuning table says (at TP=2 from 4096 tokens; see
-``jax_tokenweave.tuning``) and use its CTA counts: what the library does by default. To see the
-split's own costs at every size, ``benchmarks/breakdown.py`` forces the split.
+``jax_tokenweave.weave.tuning``) and use its CTA counts: what the library does by default. To see
+the split's own costs at every size, ``benchmarks/breakdown.py`` forces the split.
 
 Decode batches (``DECODE_MODES``: ``baseline``, ``weave-ffi``, ``weave-xla``, ``nocomm``) are
 ``n`` requests of one token each (below the split threshold, so never split): the layer stack
@@ -42,9 +42,10 @@ from typing import Any
 
 import jax
 
-from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.modes import Mode, measure
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.bench.modes import Mode, measure
+from jax_tokenweave.kernel import unavailable_reason
+from jax_tokenweave.kernel._util import ceil_div
 
 MODES: dict[str, Mode] = {
     m.name: m
@@ -242,7 +243,7 @@ class Runner:
             tol=self.tol,
             warmup=self.args.warmup,
             iters=self.args.iters,
-            ffi_reason=bm.ffi_unavailable(mesh, self.dtype, (tokens, config.hidden_size)),
+            ffi_reason=unavailable_reason(mesh, "tp", self.dtype, (tokens, config.hidden_size)),
         )
         for name in modes:
             self.records.append({**base, "mode": name, **info[name]})

@@ -31,7 +31,7 @@ PROFILE_ARGS=${PROFILE_ARGS:---tokens 1 16 64 256}
 KERNEL_ARGS=${KERNEL_ARGS:---tp 2 4 --hidden 8192 --tokens 1 16 64 256 1024 4096 16384 --ctas 8 16 32 --algos one_shot direct two_shot --reps 10 --device-time}
 SMTAX_ARGS=${SMTAX_ARGS:---tokens 4096 8192 16384 --ctas 8 16 32}
 BREAKDOWN_ARGS=${BREAKDOWN_ARGS:---model llama3-70b --layers 8 --tokens 1024 2048 4096 8192 16384 --ctas 8 16 32}
-MAIN_ARGS=${MAIN_ARGS:---model llama3-70b --layers 4 --tokens 2048 8192 --comm xla --iters 10}
+MAIN_ARGS=${MAIN_ARGS:---model llama3-70b --layers 4 --tokens 2048 8192 --collective xla --iters 10}
 E2E_ARGS=${E2E_ARGS:---models llama3-70b --tp 4 --tokens 2048 8192 --layers 8 --iters 5}
 ATTENTION_ARGS=${ATTENTION_ARGS:---time-budget 300}
 DECODE_ARGS=${DECODE_ARGS:-}
@@ -61,7 +61,7 @@ if has build; then
     (cd "$repo" && python3 -m pip install -v --no-build-isolation --no-deps .) \
       >> "$W/build.log" 2>&1 || { tail -40 "$W/build.log"; log "BUILD FAILED"; status=1; }
   fi
-  $PY -c 'from jax_tokenweave import _ffi; print("extension:", _ffi.import_error() or "loaded")'
+  $PY -c 'from jax_tokenweave.kernel import _ffi; print("extension:", _ffi.import_error() or "loaded")'
 fi
 if has tests && [[ $status == 0 ]]; then
   # TEST_RUNS consecutive runs of the same files (flaky waits show up as a failed run).

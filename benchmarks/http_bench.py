@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.kernel._util import ceil_div
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_OPTIONS = ("max_num_batched_tokens", "prefill_tile", "block_size", "key_chunk")

@@ -11,7 +11,7 @@ The ffi result is checked against
 also profiled (torch.profiler: every kernel of the chain, per GPU, median over GPUs; see
 ``profile_kernels.py``), and bandwidth uses that time. Bandwidth: ``busbw = 2 (N-1)/N *
 T*H*bytes / time`` (the all-reduce convention), and ``algbw = T*H*bytes / time``.
-``--write-policy PATH`` writes the size table ``auto`` reads (``jax_tokenweave/kernel_policy.json``
+``--write-policy PATH`` writes the size table ``auto`` reads (``jax_tokenweave/kernel/policy.json``
 format) from the fastest ffi variant and CTA count at each measured size.
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernel --tokens 1 128 4096
@@ -37,9 +37,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jax_tokenweave import _ffi, ops
-from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.kernel_policy import KernelPolicy, PolicyRow
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.kernel import _ffi, ops
+from jax_tokenweave.kernel.policy import KernelPolicy, PolicyRow
 
 
 def _fn(mesh, impl, iters, num_ctas, algo):

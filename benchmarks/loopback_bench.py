@@ -1,5 +1,5 @@
 """Fixed cost of each fused-kernel variant on ONE GPU, every rank of an N-rank group on it
-(jax_tokenweave.loopback): device time of one call, from timed replays of a CUDA graph of
+(jax_tokenweave.kernel.loopback): device time of one call, from timed replays of a CUDA graph of
 calls. Peer traffic is local memory here, so this says nothing about NVLink; it compares the
 variants' protocol and launch costs (one-shot: no barrier; two-shot/direct: two barriers).
 
@@ -19,9 +19,9 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from jax_tokenweave.comm import CommSettings
-from jax_tokenweave.loopback import LoopbackComm, reference
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel._util import ceil_div
+from jax_tokenweave.kernel.comm import CommSettings
+from jax_tokenweave.kernel.loopback import LoopbackComm, reference
 
 
 def main(argv: list[str] | None = None) -> int:

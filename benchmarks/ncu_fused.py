@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel._util import ceil_div
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_kernels import _chain

@@ -10,9 +10,9 @@ the layouts first, then ``--iters`` timed runs (median reported; compilations wh
 counted and must be zero).
 
 The bare stack: the same model's ``WeaveDecoder`` on the packed ``N x LEN`` tokens in one call,
-measured exactly as ``benchmarks/e2e_bench.py`` measures a prefill (``jax_tokenweave.modes.
+measured exactly as ``benchmarks/e2e_bench.py`` measures a prefill (``jax_tokenweave.bench.modes.
 measure``: compile, check against ``baseline``, warm-up, timed calls, median) with the engine's
-schedule (``baseline``, or ``weave-<comm>``). It has no embedding, LM head, sampling, cache
+schedule (``baseline``, or ``weave-<collective>``). It has no embedding, LM head, sampling, cache
 writes or paging: ratio = engine / bare is what serving costs on top of the stack. Writes
 ``prefill.json`` and ``prefill.md`` into ``--out``. With no GPU it runs the tiny config on small
 workloads (under a minute).
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.bench import benchmarking as bm
 
 WORKLOADS = {"gpu": ["8192x1", "2048x4", "32768x1"], "cpu": ["128x1", "32x4", "512x1"]}
 CPU_BUDGET = 128
@@ -118,7 +118,7 @@ def run_workload(
     model: Any, a: argparse.Namespace, length: int, count: int, rng: np.random.Generator
 ) -> dict[str, Any]:
     """The engine's prefill steps and the bare stack's prefill of the same tokens."""
-    from jax_tokenweave.modes import Mode, measure
+    from jax_tokenweave.bench.modes import Mode, measure
     from jax_tokenweave.serving import LLMEngine, count_compilations
 
     prompts = [rng.integers(0, model.config.vocab_size, length).tolist() for _ in range(count)]
@@ -141,7 +141,7 @@ def run_workload(
         "engine_runs_ms": totals,
         "compilations": compiles.count,
     }
-    mode = Mode("baseline") if a.schedule == "baseline" else Mode("weave", a.comm)
+    mode = Mode("baseline") if a.schedule == "baseline" else Mode("weave", a.collective)
     config, mesh = model.config, model.mesh
     hidden = bm.random_hidden(
         length * count, config.hidden_size, bm.DTYPES[a.dtype], mesh, a.seed + length * count
@@ -166,7 +166,7 @@ def run_workload(
 
 def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
     """Every workload on one model."""
-    from jax_tokenweave.modes import one_line
+    from jax_tokenweave.bench.modes import one_line
 
     model = decode_bench().build_model(a, devices)
     rng = np.random.default_rng(a.seed)

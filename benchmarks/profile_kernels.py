@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave import ops
+from jax_tokenweave.kernel import ops
 
 
 def _chain(mesh: Mesh, impl: str, calls: int, algo: str, num_ctas: int | None):
@@ -32,7 +32,7 @@ def _chain(mesh: Mesh, impl: str, calls: int, algo: str, num_ctas: int | None):
         x, res = p, r
         for _ in range(calls):  # each call's normed output is the next call's partial
             if impl == "ffi":
-                from jax_tokenweave import _ffi
+                from jax_tokenweave.kernel import _ffi
 
                 x, res = _ffi.allreduce_rmsnorm(
                     x, res, w, axis_name="tp", mesh=mesh, algo=algo, num_ctas=num_ctas

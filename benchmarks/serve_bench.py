@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_tokenweave import benchmarking as bm
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.kernel._util import ceil_div
 
 WORKLOADS = ("all-at-once", "poisson")
 SCHEDULES = ("weave", "baseline")
@@ -103,11 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(SCHEDULES),
         help="engines to compare",
     )
-    p.add_argument(
-        "--comm",
-        choices=bm.COMMS,
-        default="auto",
-        help="the weave engine's reductions (auto: the fused kernel where it runs)",
+    bm.add_collective_option(
+        p, "auto", "the weave engine's reductions (auto: the fused kernel where it runs)"
     )
     bm.add_engine_options(p, ENGINE_OPTIONS)
     p.add_argument(
@@ -225,7 +222,7 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
         **bm.engine_options(args, ENGINE_OPTIONS),
         max_model_len=longest,
         num_blocks=per_request * min(args.num_requests, args.max_num_seqs),
-        comm=args.comm,
+        collective=args.collective,
         max_logprobs=0,
         seed=args.seed,
         command_buffers=not args.no_command_buffers,

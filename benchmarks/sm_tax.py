@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from profile_kernels import profile
 
-from jax_tokenweave import _ffi, ops
+from jax_tokenweave.kernel import _ffi, ops
 
 
 def _step(mesh: Mesh, mode: str, algo: str, ctas: int):

@@ -1,19 +1,19 @@
 """Regenerate the tuning table: per token count the fused kernel's CTA counts and the split
 offset correction, and per (model, TP) the split threshold; write the table the library reads.
 
-For each token count it times, the same way in one process (``jax_tokenweave.timing``: warm-up
+For each token count it times, the same way in one process (``jax_tokenweave.bench.timing``: warm-up
 calls, then the median of ``--iters`` interleaved timed calls), the baseline schedule, the weave
 schedule unsplit with the fused kernel (``--ctas``, and the kernel policy's count) and the weave
 schedule split (``--offsets`` corrections to the planner's split point x ``--ctas``), each
 output checked against the baseline. The entry of a token count is the fastest candidate; the
 threshold is the smallest measured token count from which the split wins at every larger one
 (:func:`decide`). For each offset it also prints the compiled HLO's overlap check
-(``jax_tokenweave.hlo_check``). Rows are written for ``--model`` and ``--tp`` (with the model's
-shapes, so configs of the same shapes find them) into a ``jax_tokenweave.tuning`` JSON table;
+(``bench.hlo_check``). Rows are written for ``--model`` and ``--tp`` (with the model's
+shapes, so configs of the same shapes find them) into a ``jax_tokenweave.weave.tuning`` JSON table;
 ``--merge`` adds them to the table already at ``--out``, e.g. the shipped one::
 
     python benchmarks/tune.py --model llama3-70b --tp 2 --tokens 1024 2048 4096 8192 16384 \\
-        --layers 8 --out jax_tokenweave/tuning.json --merge
+        --layers 8 --out jax_tokenweave/weave/tuning.json --merge
 
 Without GPUs (or where the fused kernel cannot run) it prints why and exits 0, writing nothing.
 ``--time-budget`` bounds the run: no new measurement starts after it.
@@ -31,10 +31,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jax_tokenweave import benchmarking as bm
-from jax_tokenweave import hlo_check, timing, tuning
-from jax_tokenweave.schedules import ffi_unavailable
-from jax_tokenweave.tuning import TuneEntry, TuneTable
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.bench import hlo_check, timing
+from jax_tokenweave.weave import tuning
+from jax_tokenweave.weave.schedules import unavailable_reason
+from jax_tokenweave.weave.tuning import TuneEntry, TuneTable
 
 CTAS = (8, 16, 32)
 OFFSETS = (-256, -128, 0, 128, 256)
@@ -175,7 +176,7 @@ def tune_tokens(
         for offset in args.offsets if split else [0]:
             table = TuneTable({key: TuneEntry(offset, None)})
             plan = bm.make_plan(config, args.model, lengths, args.tp, split=split, table=table)
-            if (why := ffi_unavailable(mesh, "tp", dtype, plan, config.hidden_size)) is not None:
+            if (why := unavailable_reason(mesh, "tp", dtype, plan, config.hidden_size)) is not None:
                 print(f"   split={split} offset {offset}: skipped: {why}", flush=True)
                 continue
             shown = False
@@ -187,7 +188,7 @@ def tune_tokens(
                     plan,
                     hidden,
                     schedule="weave",
-                    comm="ffi",
+                    collective="ffi",
                     tuning=TuneEntry(None, ctas),
                 )
                 if split and not shown:

@@ -1,4 +1,4 @@
-// nanobind module jax_tokenweave._tokenweave_ffi: FFI handler capsules, communicator
+// nanobind module jax_tokenweave.kernel._tokenweave_ffi: FFI handler capsules, communicator
 // registration and state, the limits and byte formulas the Python side sizes calls with, and
 // the loopback test harness. Importing it calls no CUDA function.
 #include <nanobind/nanobind.h>

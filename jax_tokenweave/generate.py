@@ -19,16 +19,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jax_tokenweave import benchmarking as bm
 from jax_tokenweave.serving import cli
 
 PROG = "python -m jax_tokenweave.generate"
-_ENGINE_OPTIONS = tuple(bm.ENGINE_OPTIONS)
+_ENGINE_OPTIONS = tuple(cli.ENGINE_OPTIONS)
 
 
 def token_ids(text: str) -> list[int]:
     """``"1,2,3"`` -> ``[1, 2, 3]`` (an ``argparse`` type: integers >= 0)."""
-    values = [bm.nonnegative_int(part) for part in text.replace(",", " ").split()]
+    values = [cli.nonnegative_int(part) for part in text.replace(",", " ").split()]
     if not values:
         raise argparse.ArgumentTypeError("expected comma-separated token ids")
     return values
@@ -37,7 +36,7 @@ def token_ids(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=bm.HelpFormatter
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=cli.HelpFormatter
     )
     p.add_argument(
         "checkpoint",
@@ -52,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a prompt of comma-separated token ids (repeat)",
     )
     p.add_argument(
-        "--max-tokens", type=bm.positive_int, default=64, help="new tokens per prompt at most"
+        "--max-tokens", type=cli.positive_int, default=64, help="new tokens per prompt at most"
     )
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (vLLM's default: 1)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")

@@ -59,7 +59,7 @@ def ffi_mesh2(gpu_mesh):
     it cannot (too few GPUs, extension not built, devices not peers, ...)."""
     import jax.numpy as jnp
 
-    from jax_tokenweave import _ffi
+    from jax_tokenweave.kernel import _ffi
 
     mesh = gpu_mesh(2)
     if _ffi.import_error() is not None:

@@ -24,11 +24,11 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave import _ffi
-from jax_tokenweave.benchmarking import global_array, local_data
-from jax_tokenweave.comm import CommFailed, get_communicator
-from jax_tokenweave.loopback import reference
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.bench.benchmarking import global_array, local_data
+from jax_tokenweave.kernel import _ffi
+from jax_tokenweave.kernel._util import ceil_div
+from jax_tokenweave.kernel.comm import CommFailed, get_communicator
+from jax_tokenweave.kernel.loopback import reference
 
 
 def _run(mesh, partial, residual, weight, algo):

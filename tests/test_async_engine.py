@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
-from jax_tokenweave.serving.scheduler import Scheduler, Sequence
+from jax_tokenweave.serving.scheduler import Request, Scheduler
 
 CFG = EngineConfig(
     max_num_batched_tokens=32,
@@ -29,7 +29,7 @@ CFG = EngineConfig(
     max_model_len=64,
     key_chunk=8,
     split_threshold=16,
-    comm="xla",
+    collective="xla",
     max_logprobs=3,
 )
 
@@ -203,8 +203,8 @@ def test_scheduler_steps_in_flight():
         key_chunk=8,
     )
     s = Scheduler(cfg)
-    a = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), 0, frozenset({99}))
-    b = Sequence(
+    a = Request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), 0, frozenset({99}))
+    b = Request(
         "b", [4, 5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=9), 0, frozenset({99})
     )
     s.add(a)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from testutil import rel_err
 
-from jax_tokenweave import attention as A
 from jax_tokenweave.config import RopeScaling
-from jax_tokenweave.split import Piece, plan_batch
+from jax_tokenweave.nn import attention as A
+from jax_tokenweave.weave.plan import Piece, plan_batch
 
 
 def qkv(rng, t, nq, nkv, d, dtype=jnp.float32):

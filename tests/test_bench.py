@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_tokenweave import bench, timing
-from jax_tokenweave import benchmarking as bm
+from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.bench import job, report, timing
+from jax_tokenweave.kernel import unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny settings: 1 layer, a batch of 96 tokens in requests of 40 (one request is cut by the
@@ -94,7 +95,7 @@ def test_request_lengths():
 @pytest.mark.slow
 def test_main_job_in_process(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main([*TINY, "--tokens", "96,64", "--json", str(out), "--seed", "7"]) == 0
+    assert job.main([*TINY, "--tokens", "96,64", "--json", str(out), "--seed", "7"]) == 0
     text = capsys.readouterr().out
     assert "speedup weave" in text and "relative error" in text
     assert bm.CPU_NOTE in text  # CPU timings say nothing about GPU overlap
@@ -121,10 +122,10 @@ def test_main_job_in_process(tmp_path, capsys):
 
 
 def test_main_job_refuses_to_report_when_weave_disagrees(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(bench.timing, "rel_error", lambda a, b: 0.5)
+    monkeypatch.setattr(job.timing, "rel_error", lambda a, b: 0.5)
     out = tmp_path / "bench.json"
     assert (
-        bench.main([*TINY, "--tokens", "96", "--schedules", "baseline,weave", "--json", str(out)])
+        job.main([*TINY, "--tokens", "96", "--schedules", "baseline,weave", "--json", str(out)])
         == 1
     )
     assert "refusing to report" in capsys.readouterr().err
@@ -173,42 +174,41 @@ def test_main_job_subprocess_uses_eight_cpu_devices(tmp_path):
         (["--iters", "0"], "must be >= 1"),
         (["--warmup", "-1"], "must be >= 0"),
         (["--schedules", "fast"], "unknown schedule"),
-        (["--comm", "nccl"], "invalid choice"),
+        (["--collective", "nccl"], "invalid choice"),
         (["--dtype", "int8"], "invalid choice"),
         (["--tp", "64"], "needs 64 devices"),
         (["--tp", "3"], "not divisible"),
         (["--model", "no-such-model"], "no-such-model"),
         (["--tol", "0"], "must be > 0"),
         (["--tol", "nan"], "must be > 0"),
-        (["--comm", "ffi", "--tokens", "64"], "--comm ffi is unavailable"),
+        (["--collective", "ffi", "--tokens", "64"], "--collective ffi is unavailable"),
     ],
 )
 def test_argument_errors_are_clear(argv, message, capsys):
     if (
         "ffi" in argv
-        and bm.ffi_unavailable(
-            bm.make_mesh(bm.platform_devices()[1], 8), bm.DTYPES["bfloat16"], (64, 64)
+        and unavailable_reason(
+            bm.make_mesh(bm.platform_devices()[1], 8), "tp", bm.DTYPES["bfloat16"], (64, 64)
         )
         is None
     ):
         pytest.skip("the fused kernel is available here")
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--model", "tiny", *argv] if "--model" not in argv else argv)
+        job.main(["--model", "tiny", *argv] if "--model" not in argv else argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_format_table_and_ratios():
     stats = {n: timing.Stats((t,)) for n, t in (("baseline", 2.0), ("weave", 1.6), ("nocomm", 1.5))}
-    result = bench._result(64, (64,), _FakePlan(), 1e-3, "xla", stats, {})
+    result = report.result(64, (64,), _FakePlan(), 1e-3, "xla", stats, {})
     assert result["ratios"]["baseline_over_weave"] == pytest.approx(1.25)
-    report = {"config": {"schedules": list(stats)}, "results": [result]}
-    table = bench.format_table(report)
+    table = report.format_table({"config": {"schedules": list(stats)}, "results": [result]})
     assert "1.250" in table and "weave/nocomm" in table and "30x34" in table
 
 
 class _FakePlan:
-    split = True
+    is_split = True
     offset = -2
     halves = (type("H", (), {"length": 30})(), type("H", (), {"length": 34})())
 
@@ -258,8 +258,8 @@ def test_e2e_bench_runs_and_skips_unavailable_modes(tmp_path):
     recs = {(r["kind"], r["tp"], r["tokens"], r["mode"]): r for r in report["records"]}
     assert len(recs) == len(e2e.MODES) * 2 + len(e2e.DECODE_MODES) * 2
     ffi_ok = (
-        bm.ffi_unavailable(
-            bm.make_mesh(bm.platform_devices()[1], 2), bm.DTYPES["bfloat16"], (64, 64)
+        unavailable_reason(
+            bm.make_mesh(bm.platform_devices()[1], 2), "tp", bm.DTYPES["bfloat16"], (64, 64)
         )
         is None
     )
@@ -323,7 +323,7 @@ SCRIPTS = {
 
 def _parsers():
     return {
-        "bench": bench.build_parser(),
+        "bench": job.build_parser(),
         "e2e_bench": _load_script("e2e_bench").build_parser(),
         "tune": _load_script("tune").build_parser(),
         "breakdown": _load_script("breakdown").build_parser(),
@@ -367,18 +367,26 @@ def test_every_option_has_help_and_required_ones_no_default():
 def test_modes_use_one_vocabulary():
     """The benchmarks name modes with the main job's words: schedule, then weave's comm."""
     e2e = _load_script("e2e_bench")
-    assert {a.dest: a.choices for a in bench.build_parser()._actions}["comm"] == bm.COMMS
+    assert {a.dest: a.choices for a in job.build_parser()._actions}["collective"] == bm.COLLECTIVES
     for table in (e2e.MODES, e2e.DECODE_MODES):
         for name, mode in table.items():
-            assert name == mode.name and mode.schedule in bm.SCHEDULES and mode.comm in bm.COMMS
+            assert (
+                name == mode.name
+                and mode.schedule in bm.SCHEDULES
+                and mode.collective in bm.COLLECTIVES
+            )
             schedule, *rest = name.split("-")
-            assert schedule in bm.SCHEDULES and (not rest or rest[0] in bm.COMMS)
+            assert schedule in bm.SCHEDULES and (not rest or rest[0] in bm.COLLECTIVES)
     assert set(e2e.MODES) == {"baseline", "weave-ffi-nosplit", "weave-xla", "weave-ffi", "nocomm"}
-    from jax_tokenweave.schedules import ALL_COMMS
+    from jax_tokenweave.weave.schedules import ALL_COLLECTIVES
 
     breakdown = _load_script("breakdown")
     for name, mode in breakdown.MODES.items():
-        assert name == mode.name and mode.schedule in bm.SCHEDULES and mode.comm in ALL_COMMS
+        assert (
+            name == mode.name
+            and mode.schedule in bm.SCHEDULES
+            and mode.collective in ALL_COLLECTIVES
+        )
     assert set(breakdown.MODES) == {
         "baseline",
         "nocomm",
@@ -393,9 +401,9 @@ def test_modes_use_one_vocabulary():
 
 def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
-    monkeypatch.setattr(bench, "run", lambda *a: pytest.fail("ran without matplotlib"))
+    monkeypatch.setattr(job, "run", lambda *a: pytest.fail("ran without matplotlib"))
     with pytest.raises(SystemExit) as exit_info:
-        bench.main([*TINY, "--plot", str(tmp_path / "p.png")])
+        job.main([*TINY, "--plot", str(tmp_path / "p.png")])
     assert exit_info.value.code == 2
     assert "pip install 'jax-tokenweave[plot]'" in capsys.readouterr().err
 
@@ -430,7 +438,7 @@ def test_cpu_devices_when_jax_started_first(tmp_path):
     out = tmp_path / "bench.json"
     script = (
         "import sys, jax; jax.devices()\n"
-        "from jax_tokenweave import bench; sys.exit(bench.main(sys.argv[1:]))"
+        "from jax_tokenweave.bench import job; sys.exit(job.main(sys.argv[1:]))"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"
@@ -454,7 +462,7 @@ def test_use_cpu_devices_keeps_the_users_choice(monkeypatch):
 
     assert "--xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     monkeypatch.setattr(jax.config, "update", lambda *a: pytest.fail("changed JAX's config"))
-    assert bm.use_cpu_devices() is None
+    assert bm.use_cpu_devices(bm.CPU_DEVICES) is None
 
 
 # ------------------------------------------------------------------------------- tune.py ---
@@ -463,7 +471,7 @@ def test_use_cpu_devices_keeps_the_users_choice(monkeypatch):
 def test_tune_decides_entries_and_threshold():
     """The tuner's rule: each token count's fastest candidate, the best split's offset, and the
     threshold from which the split wins at every larger count."""
-    from jax_tokenweave.tuning import TuneEntry
+    from jax_tokenweave.weave.tuning import TuneEntry
 
     tune = _load_script("tune")
     times = {
@@ -526,8 +534,8 @@ def test_breakdown_runs_on_cpu(tmp_path, capsys):
     cells = row["modes"]
     assert set(cells) == set(breakdown.MODES) | {"weave-ffi@8"}
     ffi_ok = (
-        bm.ffi_unavailable(
-            bm.make_mesh(bm.platform_devices()[1], 2), bm.DTYPES["bfloat16"], (96, 64)
+        unavailable_reason(
+            bm.make_mesh(bm.platform_devices()[1], 2), "tp", bm.DTYPES["bfloat16"], (96, 64)
         )
         is None
     )

@@ -19,9 +19,9 @@ _STEP = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
-    from jax_tokenweave import _ffi
-    from jax_tokenweave.comm import Communicator, CommSettings
-    from jax_tokenweave.util import ceil_div
+    from jax_tokenweave.kernel import _ffi
+    from jax_tokenweave.kernel.comm import Communicator, CommSettings
+    from jax_tokenweave.kernel._util import ceil_div
 
     n, seed, algo, path, kind = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                  sys.argv[5])
@@ -96,7 +96,7 @@ def test_fused_call_replays_from_command_buffers(tmp_path, n, algo, kind):
     check is made on the elementwise step."""
     from conftest import gpu_devices
 
-    from jax_tokenweave import _extension
+    from jax_tokenweave.kernel import _extension
 
     if len(gpu_devices()) < n:
         pytest.skip(f"needs {n} GPUs")

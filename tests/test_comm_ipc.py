@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from jax_tokenweave import comm_ipc
+from jax_tokenweave.kernel import comm_ipc
 
 
 def _devs(processes: list[int], first_id: int = 0) -> list[SimpleNamespace]:

@@ -29,7 +29,7 @@ CFG = EngineConfig(
     max_model_len=32,
     key_chunk=8,
     split_threshold=16,
-    comm="xla",
+    collective="xla",
 )
 
 
@@ -55,13 +55,15 @@ def test_second_engine_compiles_from_the_cache(model, tmp_path, jax_cache):
         layouts = first.warmup().compiled
     assert cold.count >= layouts and cold.cache_hits == 0
     assert any(p.name != exe_cache.SUBDIR for p in (tmp_path / "xla").iterdir())
-    want = first.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
+    want = first.run_to_completion([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))[
+        0
+    ].token_ids
     shutil.rmtree(tmp_path / "xla" / exe_cache.SUBDIR)  # JAX's cache alone here
     jax.clear_caches()  # as a new process: nothing compiled in memory
     second = LLMEngine(model, cfg)
     with count_compilations() as warm:
         assert second.warmup().compiled == layouts
-        got = second.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))[
+        got = second.run_to_completion([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))[
             0
         ].token_ids
     assert warm.cache_hits == warm.count >= layouts and got == want  # all from the cache

@@ -130,7 +130,7 @@ def test_roofline_bytes_by_hand(bench, cpu_mesh):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jax_tokenweave import benchmarking as bm
+    from jax_tokenweave.bench import benchmarking as bm
     from jax_tokenweave.models.llama import LlamaModel
 
     rf = bench.roofline()

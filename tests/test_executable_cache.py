@@ -26,7 +26,7 @@ from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
 from jax_tokenweave.serving import executable_cache as ec
-from jax_tokenweave.tuning import TuneEntry
+from jax_tokenweave.weave.tuning import TuneEntry
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = EngineConfig(
@@ -38,7 +38,7 @@ CFG = EngineConfig(
     max_model_len=64,
     key_chunk=8,
     split_threshold=16,
-    comm="xla",
+    collective="xla",
     max_logprobs=2,
 )
 PROMPTS = [[1, 2, 3], list(range(5, 30))]
@@ -68,7 +68,7 @@ def cached(tmp_path: Path, **changes) -> EngineConfig:
 
 
 def tokens(engine: LLMEngine) -> list[list[int]]:
-    return [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
+    return [out.token_ids for out in engine.run_to_completion(PROMPTS, PARAMS)]
 
 
 def files(tmp_path: Path) -> list[Path]:
@@ -117,7 +117,7 @@ def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monk
         {"schedule": "baseline"},
         {"key_chunk": 16},
         {"attention": "xla"},
-        {"comm": "auto"},
+        {"collective": "auto"},
         {"tuning": TuneEntry(offset=None, num_ctas=8)},
     ):
         other = LLMEngine(model, cached(tmp_path, **change)).runner
@@ -318,7 +318,7 @@ engine = LLMEngine(model, EngineConfig(
     max_model_len=64, key_chunk=8, compilation_cache_dir=sys.argv[1]))
 with count_compilations() as compiles:
     report = engine.warmup()
-    outs = engine.generate([[1, 2, 3], [4, 5, 6, 7]], [
+    outs = engine.run_to_completion([[1, 2, 3], [4, 5, 6, 7]], [
         SamplingParams(max_tokens=4, temperature=0.0),
         SamplingParams(max_tokens=4, temperature=1.0, seed=5)])
 print(json.dumps({"loaded": report.loaded, "compiled": report.compiled,

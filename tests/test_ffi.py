@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave import _extension, _ffi, comm, kernel_policy, ops, tuning
-from jax_tokenweave.comm import CommSettings, Communicator
-from jax_tokenweave.kernel_policy import KernelPolicy, PolicyRow
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel import _extension, _ffi, comm, ops
+from jax_tokenweave.kernel import policy as kernel_policy
+from jax_tokenweave.kernel._util import ceil_div
+from jax_tokenweave.kernel.comm import CommSettings, Communicator
+from jax_tokenweave.kernel.policy import KernelPolicy, PolicyRow
+from jax_tokenweave.weave import tuning
 
 needs_ext = pytest.mark.skipif(
     _extension.import_error() is not None,
@@ -55,7 +57,7 @@ def test_extension_exports_only_its_init_function():
     ).stdout
     assert [line.split()[-1] for line in out.splitlines()] == ["PyInit__tokenweave_ffi"]
     code = (
-        "import jax_tokenweave._tokenweave_ffi, ml_dtypes, numpy as np; "
+        "import jax_tokenweave.kernel._tokenweave_ffi, ml_dtypes, numpy as np; "
         "print(ml_dtypes.bfloat16(1.5), np.float64(2.5))"
     )  # the extension loaded first
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

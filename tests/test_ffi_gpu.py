@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from testutil import rel_err
 
-from jax_tokenweave import _ffi, ops
+from jax_tokenweave.kernel import _ffi, ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -259,7 +259,7 @@ def test_forced_timeout_raises_and_leaves_the_gpus_usable(ffi_mesh2, rng):
     error, and both GPUs keep working."""
     from jax.sharding import Mesh
 
-    from jax_tokenweave.comm import CommFailed, CommSettings, Communicator
+    from jax_tokenweave.kernel.comm import CommFailed, CommSettings, Communicator
 
     comm = Communicator(
         ffi_mesh2, "tp", CommSettings(workspace_mib=64, oneshot_mib=4, num_slots=2, timeout_s=1.0)

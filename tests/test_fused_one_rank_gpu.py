@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from testutil import rel_err
 
-from jax_tokenweave import _ffi, ops
+from jax_tokenweave.kernel import _ffi, ops
 
 pytestmark = pytest.mark.gpu
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}

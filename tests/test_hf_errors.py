@@ -19,7 +19,7 @@ from jax_tokenweave import from_pretrained, hf
 from jax_tokenweave.models import MODEL_CLASSES, register_model
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.params import logical_weights, named_params
+from jax_tokenweave.nn.params import logical_weights, named_params
 
 CONFIG = get_config("tiny", num_layers=1)
 HF_CONFIG = {  # config.json of CONFIG (tiny: llama3 rope scaling, untied)

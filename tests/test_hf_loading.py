@@ -278,7 +278,7 @@ def _rewrite_without(path: str, victim: str) -> None:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])
 def test_from_pretrained_weights(ckpts, cpu_mesh, kind):
     from jax_tokenweave.models import MODEL_CLASSES
-    from jax_tokenweave.params import logical_weights, named_params, param_spec
+    from jax_tokenweave.nn.params import logical_weights, named_params, param_spec
 
     model = from_pretrained(ckpts[kind], cpu_mesh(4), np.float32)
     assert type(model) is MODEL_CLASSES[kind]

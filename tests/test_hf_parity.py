@@ -16,7 +16,7 @@ from hf_testutil import KINDS, import_or_skip, make_hf_model, save_checkpoint
 
 from jax_tokenweave import from_pretrained
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
-from jax_tokenweave.split import plan_batch
+from jax_tokenweave.weave.plan import plan_batch
 
 torch = import_or_skip("torch")  # under CI (env CI set): fail, never skip
 import_or_skip("transformers")
@@ -35,7 +35,7 @@ ENGINE = EngineConfig(
     max_model_len=64,
     key_chunk=16,
     split_threshold=16,
-    comm="xla",
+    collective="xla",
 )
 
 
@@ -90,11 +90,11 @@ def test_parity(reference, cpu_mesh, kind, tp):
 
     @jax.jit(static_argnames=("plan", "schedule"))
     def forward(state, tokens, *, plan, schedule):
-        return nnx.merge(graphdef, state)(tokens, plan, schedule=schedule, comm="xla")
+        return nnx.merge(graphdef, state)(tokens, plan, schedule=schedule, collective="xla")
 
     for schedule, split in (("baseline", False), ("weave", True)):
         plan = plan_batch(LOGIT_LENGTHS, tp=tp, split=split)
-        assert plan.split == split and (not split or plan.cut_request is not None)
+        assert plan.is_split == split and (not split or plan.cut_request is not None)
         got = np.asarray(forward(state, tokens, plan=plan, schedule=schedule))
         rel = np.abs(got - want).max() / np.abs(want).max()
         assert rel < 1e-4, (schedule, rel)

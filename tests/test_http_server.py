@@ -45,7 +45,7 @@ SIZES = dict(
     block_size=16,
     key_chunk=64,
     split_threshold=32,
-    comm="xla",
+    collective="xla",
     max_model_len=128,
     num_blocks=160,
 )

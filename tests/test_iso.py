@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 from testutil import FakeKernel, build_decoder, rel_err
 
-from jax_tokenweave.cost import CostModel
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.params import logical_weights
-from jax_tokenweave.split import WaveModel, plan_batch
+from jax_tokenweave.nn.params import logical_weights
 from jax_tokenweave.testing.reference import reference_decoder
+from jax_tokenweave.weave.cost import CostModel
+from jax_tokenweave.weave.plan import WaveModel, plan_batch
 
 
 def test_half_costs_by_hand():
@@ -62,7 +62,7 @@ def test_one_16384_token_request_balances_work_not_tokens():
     for other in (first - 128, first + 128):
         assert max(model.half_costs([16384], other)) >= max(a, b)
     plan = plan_batch([16384], tp=2, config=config)
-    assert plan.split and plan.half_lengths == (first, 16384 - first) and plan.cut_request == 0
+    assert plan.is_split and plan.half_lengths == (first, 16384 - first) and plan.cut_request == 0
     # many short requests: the work balances at the midpoint, as before
     assert plan_batch([1024] * 16, tp=2, config=config).half_lengths == (8192, 8192)
 
@@ -89,8 +89,8 @@ def test_long_request_split_matches_unsplit(cpu_mesh, rng, tp, dtype):
     def run(state, hidden):
         model = nnx.merge(graphdef, state)
         return (
-            model(hidden, plan, schedule="weave", comm="xla"),
-            model(hidden, plan, schedule="weave", comm="ffi", reducer=fake.overlap),
+            model(hidden, plan, schedule="weave", collective="xla"),
+            model(hidden, plan, schedule="weave", collective="ffi", reducer=fake.overlap),
             model(hidden, plan, schedule="baseline"),
         )
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_tokenweave.kernel_policy import KernelPolicy
+from jax_tokenweave.kernel.policy import KernelPolicy
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 

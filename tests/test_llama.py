@@ -11,9 +11,9 @@ from testutil import rel_err
 
 from jax_tokenweave.models.configs import CONFIGS, config_names, get_config
 from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.params import logical_weights, named_params
-from jax_tokenweave.split import plan_batch
+from jax_tokenweave.nn.params import logical_weights, named_params
 from jax_tokenweave.testing.reference import reference_logits
+from jax_tokenweave.weave.plan import plan_batch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -23,7 +23,7 @@ def compiled(model, batch, schedules, tokens):
 
     def run(state, tokens):
         m = nnx.merge(graphdef, state)
-        return [m(tokens, batch, schedule=s, comm="xla") for s in schedules]
+        return [m(tokens, batch, schedule=s, collective="xla") for s in schedules]
 
     fn = (
         jax.jit(run)
@@ -45,7 +45,7 @@ def test_logits_match_reference(cpu_mesh, rng, name, tp, lengths, dtype):
     model = LlamaModel(config, mesh, dtype=dtype, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     assert hasattr(model, "lm_head") != config.tie_word_embeddings
     batch = plan_batch(lengths, tp=tp, threshold=4)
-    assert batch.split
+    assert batch.is_split
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, batch.num_tokens), jnp.int32)
     want = reference_logits(logical_weights(model), config, np.asarray(tokens), lengths)
     weave, baseline = compiled(model, batch, ("weave", "baseline"), tokens)

@@ -27,7 +27,7 @@ ENGINE = EngineConfig(
     max_model_len=64,
     key_chunk=16,
     split_threshold=16,
-    comm="xla",
+    collective="xla",
 )
 CLI_ENGINE = [
     "--max-num-batched-tokens",
@@ -46,7 +46,7 @@ CLI_ENGINE = [
     "16",
     "--split-threshold",
     "16",
-    "--comm",
+    "--collective",
     "xla",
     "--tp",
     "2",

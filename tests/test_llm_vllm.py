@@ -34,7 +34,7 @@ SIZES = dict(
     block_size=4,
     key_chunk=16,
     split_threshold=16,
-    comm="xla",
+    collective="xla",
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -1,5 +1,5 @@
 """The fused kernels' protocol on one GPU: every rank of an N-rank group on the same device
-(jax_tokenweave.loopback), for N in {1, 2, 4, 8}. Real kernels and device-resident state:
+(jax_tokenweave.kernel.loopback), for N in {1, 2, 4, 8}. Real kernels and device-resident state:
 correctness against float64, bitwise agreement between ranks, calls, slots and graph replays,
 and a forced timeout that leaves the CUDA context usable."""
 
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from testutil import rel_err
 
-from jax_tokenweave.comm import CommSettings
-from jax_tokenweave.loopback import reference
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel._util import ceil_div
+from jax_tokenweave.kernel.comm import CommSettings
+from jax_tokenweave.kernel.loopback import reference
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +32,8 @@ def loopback():
     """The loopback module, where a GPU and the extension are present (else skip)."""
     from conftest import gpu_devices
 
-    from jax_tokenweave import _extension
-    from jax_tokenweave import loopback as lb
+    from jax_tokenweave.kernel import _extension
+    from jax_tokenweave.kernel import loopback as lb
 
     if not gpu_devices():
         pytest.skip("needs a CUDA GPU")
@@ -175,9 +175,9 @@ def test_forced_timeout_is_reported_and_leaves_the_context_usable(loopback, rng,
 
 _PROBE = textwrap.dedent("""
     import json, sys
-    from jax_tokenweave import _extension
-    from jax_tokenweave.comm import CommSettings
-    from jax_tokenweave.loopback import LoopbackComm
+    from jax_tokenweave.kernel import _extension
+    from jax_tokenweave.kernel.comm import CommSettings
+    from jax_tokenweave.kernel.loopback import LoopbackComm
     comm = LoopbackComm(2, CommSettings(workspace_mib=16, oneshot_mib=1, num_slots=1,
                                         timeout_s=3.0))
     print(json.dumps(_extension.get().lazy_load_probe(comm.comm_id, sys.argv[1] == "1")),

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from testutil import rel_err
 
-from jax_tokenweave import ops
+from jax_tokenweave.kernel import ops
 
 EPS = 1e-5
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -1,6 +1,7 @@
-"""Package hygiene: no import cycles between the package's modules (imports inside functions
-included), every third-party import declared in ``pyproject.toml``, and importing any module
-changes no global state."""
+"""Package hygiene: the layout (which parts sit at the top), imports that run one way between
+the parts and have no cycles between modules (imports inside functions included), every
+third-party import declared in ``pyproject.toml``, and importing any module changes no global
+state."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def modules() -> dict[str, Path]:
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[1] == "_legacy" and parts[2:] != ("__init__",):  # old paths' shims (one release)
+            continue
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -79,7 +82,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert "jax_tokenweave.moe" not in graph["jax_tokenweave.params"]
+    assert "jax_tokenweave.nn.moe" not in graph["jax_tokenweave.nn.params"]
     assert graph["jax_tokenweave.models.auto"] >= {"jax_tokenweave.models.llama"}
     assert not any(
         m.startswith("jax_tokenweave.models")
@@ -87,6 +90,70 @@ def test_no_import_cycles():
     )
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+# The parts of the package, bottom to top: a part imports only parts of a lower rank (docs/
+# ARCHITECTURE.md, "Imports run one way"). Equal ranks do not import each other.
+LAYERS: dict[str, int] = {
+    "config": 0,  # model shapes
+    "_legacy": 0,  # old names' shims and helpers (one release); imports nothing of the package
+    "kernel": 1,  # the fused kernel and what runs it
+    "weave": 2,  # plan, cost, tuning, reducers, schedules
+    "nn": 3,  # the decoder: layers, attention, params, the layer loop
+    "hf": 4,  # Hugging Face checkpoints
+    "models": 5,  # Llama / Qwen2 / Mixtral, the registry
+    "testing": 6,  # float64 references (tests only)
+    "serving": 6,  # the engine, LLM, the command lines' shared options
+    "launch": 7,  # the commands: one process per GPU,
+    "bench": 8,  # the main job and the benchmarks' helpers,
+    "generate": 8,  # text from a checkpoint,
+    "serve": 8,  # the OpenAI server
+}
+TOP_MODULES = {"__init__", "config", "generate", "launch"}
+"""The only modules at the top of the package: the rest lives in the parts' subpackages."""
+
+
+def part_of(module: str) -> str:
+    """``jax_tokenweave.weave.plan`` -> ``weave``."""
+    return module.split(".")[1]
+
+
+def test_only_the_commands_and_config_sit_at_the_top():
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top == TOP_MODULES, f"modules at the top of the package: {sorted(top - TOP_MODULES)}"
+    parts = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert parts | {"config", "launch", "generate"} == set(LAYERS), parts ^ set(LAYERS)
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The edges of ``graph`` from a part to a part of the same or a higher rank."""
+    return sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        if a != "jax_tokenweave"
+        and part_of(a) != part_of(b)
+        and LAYERS[part_of(a)] <= LAYERS[part_of(b)]
+    )
+
+
+def test_imports_run_one_way():
+    """config <- kernel <- weave <- nn <- hf <- models <- serving <- the commands (``LAYERS``)."""
+    graph = import_graph()
+    wrong = layer_violations(graph)
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+    assert graph["jax_tokenweave"] == set(), "the package's __init__ loads its names lazily"
+    assert graph["jax_tokenweave.weave.schedules"] >= {"jax_tokenweave.kernel._ffi"}
+    assert layer_violations(
+        {
+            "jax_tokenweave.weave.plan": {"jax_tokenweave.nn.attention"},  # up
+            "jax_tokenweave.serving.cli": {"jax_tokenweave.testing.reference"},  # sideways
+            "jax_tokenweave.nn.stack": {"jax_tokenweave.weave.plan", "jax_tokenweave.nn.x"},
+        }
+    ) == [
+        "jax_tokenweave.serving.cli -> jax_tokenweave.testing.reference",
+        "jax_tokenweave.weave.plan -> jax_tokenweave.nn.attention",
+    ]
 
 
 def test_cycle_finder_finds_cycles():
@@ -155,7 +222,7 @@ print(json.dumps({"changed": changed, "cpus": [cpus, jax.config.jax_num_cpu_devi
                   "backends": xla_bridge.backends_are_initialized()}))
 """
     names = sorted(modules())
-    assert "jax_tokenweave.bench" in names and "jax_tokenweave.benchmarking" in names
+    assert "jax_tokenweave.bench.job" in names and "jax_tokenweave.bench.benchmarking" in names
     proc = subprocess.run(
         [sys.executable, "-c", script, json.dumps(names)],
         cwd=ROOT,

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tokenweave.attention import reference_attention
+from jax_tokenweave.nn.attention import reference_attention
 from jax_tokenweave.serving import attention_kernel
 from jax_tokenweave.serving.paged_attention import PagedAttention, paged_attention
-from jax_tokenweave.split import plan_batch
+from jax_tokenweave.weave.plan import plan_batch
 
 NB, BS, KVH, HQ, D = 12, 4, 2, 4, 8
 

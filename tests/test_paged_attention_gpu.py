@@ -13,9 +13,9 @@ import pytest
 from conftest import gpu_devices
 from flax import nnx
 
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving import attention_kernel
 from jax_tokenweave.serving.paged_attention import paged_attention, resolve_implementation
-from jax_tokenweave.util import ceil_div
 
 needs_kernel = pytest.mark.skipif(
     not gpu_devices()
@@ -229,7 +229,7 @@ def test_engine_serves_the_same_tokens_with_either_kernel(rng):
             attention=impl,
         )
         engine = LLMEngine(model, cfg)
-        res = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+        res = engine.run_to_completion(prompts, SamplingParams(temperature=0.0, max_tokens=12))
         outs[impl] = [r.token_ids for r in res]
     for a, b in zip(outs["cuda"], outs["xla"], strict=True):
         assert a[:4] == b[:4]

@@ -13,12 +13,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from testutil import build_decoder
 
-from jax_tokenweave.layers import WeaveDecoder
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.params import named_params, param_spec, partition_specs
+from jax_tokenweave.nn.decoder import WeaveDecoder
+from jax_tokenweave.nn.params import named_params, param_spec, partition_specs
 
 COL, ROW, REP = P(None, "tp"), P("tp", None), P()
-EXPECTED = {  # the parameter tables of jax_tokenweave.decoder_layer and jax_tokenweave.moe
+EXPECTED = {  # the parameter tables of jax_tokenweave.nn.decoder_layer and jax_tokenweave.nn.moe
     "input_layernorm": REP,
     "post_attention_layernorm": REP,
     "qkv_proj": COL,

@@ -115,10 +115,10 @@ def test_hf_tests_fail_instead_of_skip_under_ci(monkeypatch, ci):
 
 
 def test_docs_name_the_same_main_job():
-    from jax_tokenweave import bench
+    from jax_tokenweave.bench import job
 
-    assert "python -m jax_tokenweave.bench" in (bench.__doc__ or "")
-    assert bench.build_parser().prog == "python -m jax_tokenweave.bench"
+    assert "python -m jax_tokenweave.bench" in (job.__doc__ or "")
+    assert job.build_parser().prog == "python -m jax_tokenweave.bench"
     gpu_script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
     assert "-m jax_tokenweave.bench" in gpu_script
 
@@ -133,9 +133,9 @@ def test_version_matches_the_package_metadata():
 
 def test_readme_options_exist():
     """Every ``--option`` the README mentions is one the main job accepts."""
-    from jax_tokenweave import bench
+    from jax_tokenweave.bench import job
 
-    known = {o for a in bench.build_parser()._actions for o in a.option_strings}
+    known = {o for a in job.build_parser()._actions for o in a.option_strings}
     mentioned = set(re.findall(r"`(--[a-z][a-z-]*)`", README.read_text()))
     assert mentioned, "README should name the main job's options"
     assert mentioned <= known, f"README names unknown options: {mentioned - known}"
@@ -153,13 +153,13 @@ def python_block(marker: str) -> str:
 
 def test_readme_api_example_runs():
     """The API example works on the CPU devices of the test session."""
-    pytest.importorskip("jax_tokenweave.layers")
+    pytest.importorskip("jax_tokenweave.nn.decoder")
     pytest.importorskip("jax_tokenweave.models.configs")
     example = python_block("WeaveDecoder")
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     out, plan, config = namespace["out"], namespace["plan"], namespace["config"]
-    assert plan.split
+    assert plan.is_split
     assert out.shape == (plan.num_tokens, config.hidden_size)
 
 
@@ -179,3 +179,36 @@ def test_readme_serving_example_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert namespace["out"].finish_reason in ("stop", "length")
     assert namespace["out"].text in printed and namespace["delta"].finished
+
+
+def markdown_section(text: str, heading: str) -> str:
+    """The body of the markdown section ``heading`` (up to the next heading of its level)."""
+    match = re.search(rf"^{re.escape(heading)}\n(.*?)(?=^#{{1,2}} |\Z)", text, re.M | re.S)
+    assert match, f"no section {heading!r}"
+    return match.group(1)
+
+
+def test_layout_sections_name_every_part():
+    """The README's layout section names every part of the package (each subpackage and each
+    module at its top); ARCHITECTURE.md's tree also every module of those parts."""
+    package = ROOT / "jax_tokenweave"
+    parts = sorted(
+        p.name
+        for p in package.iterdir()
+        if p.is_dir() and (p / "__init__.py").exists() and p.name != "_legacy"
+    )
+    top = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
+    readme = markdown_section(README.read_text(), "## Layout")
+    missing = [f"{p}/" for p in parts if f"`{p}/`" not in readme]
+    missing += [m for m in top if f"`{m}`" not in readme]
+    assert not missing, f"the README's layout section misses {missing}"
+    tree = markdown_section((ROOT / "docs" / "ARCHITECTURE.md").read_text(), "## Layout")
+    names = set(re.findall(r"[\w.]+", tree))
+    for part in parts:
+        files = sorted(p.name for p in (package / part).iterdir() if p.suffix in (".py", ".json"))
+        listed = f"{part}/" in tree and (
+            part in ("hf", "models", "serving", "serve", "testing")  # described in prose
+            or all(f in names for f in files if f != "__init__.py")
+        )
+        assert listed, f"docs/ARCHITECTURE.md's tree misses {part}/ or one of {files}"
+    assert all(m in names for m in top), top

@@ -12,8 +12,8 @@ import pytest
 from conftest import gpu_devices
 from testutil import rel_err
 
-from jax_tokenweave import attention as attn_lib
 from jax_tokenweave.config import RopeScaling
+from jax_tokenweave.nn import attention as attn_lib
 from jax_tokenweave.serving import attention_kernel, paged_cache
 
 pytestmark = [

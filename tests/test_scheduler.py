@@ -8,14 +8,14 @@ import dataclasses
 import numpy as np
 import pytest
 
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.serving.batch import make_layout, pack
 from jax_tokenweave.serving.blocks import BlockAllocator, OutOfBlocksError
 from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_pow2, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.sampling_params import SamplingParams
-from jax_tokenweave.serving.scheduler import Chunk, ScheduledStep, Scheduler, Sequence
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.serving.scheduler import Chunk, Request, ScheduledStep, Scheduler
 
 CFG = EngineConfig(
     max_num_batched_tokens=32,
@@ -30,8 +30,8 @@ CFG = EngineConfig(
 MODEL = get_config("tiny")
 
 
-def seq(name: str, prompt_len: int, max_tokens: int = 4, **params) -> Sequence:
-    return Sequence(
+def seq(name: str, prompt_len: int, max_tokens: int = 4, **params) -> Request:
+    return Request(
         name,
         list(range(1, prompt_len + 1)),
         SamplingParams(temperature=0.0, max_tokens=max_tokens, **params),
@@ -151,7 +151,7 @@ def test_pack_layout_and_arrays():
     step = s.schedule()  # a decodes; b's first 24 tokens
     layout, arrays = pack(step, CFG, MODEL, tp=2)
     assert (layout.decode_rows, layout.rows, layout.groups) == (8, 32, 8 + 3)
-    assert layout.plan.split and layout.plan.halves[1].start % CFG.prefill_tile == 0
+    assert layout.plan.is_split and layout.plan.halves[1].start % CFG.prefill_tile == 0
     a, b = step.decodes[0], step.chunks[0].seq
     assert arrays.tokens[0] == 42 and arrays.positions[0] == 5
     assert arrays.slots[0] == a.blocks[5 // 4] * 4 + 5 % 4
@@ -167,10 +167,10 @@ def test_pack_layout_and_arrays():
 def test_layout_split_moves_to_a_tile_boundary():
     cfg = dataclasses.replace(CFG, prefill_tile=16, max_num_batched_tokens=96, split_threshold=64)
     layout = make_layout(16, 96, cfg, MODEL, 2)
-    assert layout.plan.split and layout.plan.halves[1].start % 16 == 0
-    assert not make_layout(0, 32, cfg, MODEL, 2).plan.split  # below threshold
+    assert layout.plan.is_split and layout.plan.halves[1].start % 16 == 0
+    assert not make_layout(0, 32, cfg, MODEL, 2).plan.is_split  # below threshold
     base = dataclasses.replace(cfg, schedule="baseline")
-    assert not make_layout(16, 96, base, MODEL, 2).plan.split
+    assert not make_layout(16, 96, base, MODEL, 2).plan.is_split
 
 
 @pytest.mark.parametrize(
@@ -181,7 +181,7 @@ def test_layout_split_moves_to_a_tile_boundary():
         ({"max_num_seqs": 32}, "no room"),
         ({"key_chunk": 6}, "multiple of block_size"),
         ({"schedule": "nocomm"}, "schedule"),
-        ({"comm": "nccl"}, "comm"),
+        ({"collective": "nccl"}, "collective"),
         ({"num_blocks": 0}, "num_blocks must be >= 1"),
         ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
         ({"tuning": 3}, "tuning"),
@@ -264,7 +264,7 @@ def random_step(rng, cfg):
 
     def make(prompt_len, computed, made):
         max_tokens = made + int(rng.integers(1, 4))
-        q = Sequence(
+        q = Request(
             f"r{len(decodes) + len(chunks)}",
             rng.integers(0, 1000, prompt_len).tolist(),
             SamplingParams(

@@ -40,7 +40,7 @@ TINY = [
     "8",
     "--split-threshold",
     "16",
-    "--comm",
+    "--collective",
     "xla",
     "--dtype",
     "float32",

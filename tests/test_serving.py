@@ -17,13 +17,13 @@ from jax.sharding import Mesh
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.params import logical_weights
+from jax_tokenweave.nn.params import logical_weights
 from jax_tokenweave.serving import (
     EngineConfig,
     LLMEngine,
     SamplingParams,
     count_compilations,
-    generate,
+    generate_ids,
 )
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving.sampling import sample
@@ -40,7 +40,7 @@ CFG = EngineConfig(
     max_model_len=64,
     key_chunk=8,
     split_threshold=16,
-    comm="xla",
+    collective="xla",
     max_logprobs=3,
 )
 
@@ -106,7 +106,7 @@ def test_step_updates_the_cache_in_place(model, schedule):
     also where the split makes half B write the buffer half A's attention read."""
     engine = LLMEngine(model, dataclasses.replace(CFG, schedule=schedule))
     layout = batch_lib.make_layout(8, 32, engine.config, engine.model_config, engine.tp)
-    assert layout.plan.split == (schedule == "weave")
+    assert layout.plan.is_split == (schedule == "weave")
     cfg = engine.config
     text = (
         jitted_forward.lower(*engine.runner.padding_args(layout), **engine.runner._static(layout))
@@ -144,8 +144,8 @@ def test_sampling_is_per_request_and_seeded(model, rng):
     engine = LLMEngine(model, CFG)
     ps = prompts(rng, (7, 12, 20))
     hot = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_tokens=8)
-    alone = engine.generate([ps[0]], hot)[0].token_ids
-    mixed = engine.generate(
+    alone = engine.run_to_completion([ps[0]], hot)[0].token_ids
+    mixed = engine.run_to_completion(
         ps,
         [
             hot,
@@ -154,12 +154,14 @@ def test_sampling_is_per_request_and_seeded(model, rng):
         ],
     )
     assert mixed[0].token_ids == alone  # batching does not matter
-    other = engine.generate([ps[0]], dataclasses.replace(hot, seed=12))[0].token_ids
+    other = engine.run_to_completion([ps[0]], dataclasses.replace(hot, seed=12))[0].token_ids
     assert other != alone
-    greedy = engine.generate([ps[2]], SamplingParams(temperature=0.0, max_tokens=8))[0].token_ids
-    top1 = engine.generate([ps[2]], SamplingParams(temperature=5.0, top_k=1, seed=1, max_tokens=8))[
+    greedy = engine.run_to_completion([ps[2]], SamplingParams(temperature=0.0, max_tokens=8))[
         0
     ].token_ids
+    top1 = engine.run_to_completion(
+        [ps[2]], SamplingParams(temperature=5.0, top_k=1, seed=1, max_tokens=8)
+    )[0].token_ids
     assert top1 == greedy
 
 
@@ -189,20 +191,26 @@ def test_sample_distribution():
 
 def test_stop_tokens_and_ignore_eos(model, rng):
     ps = prompts(rng, (5, 8))
-    full = LLMEngine(model, CFG).generate(ps, SamplingParams(temperature=0.0, max_tokens=10))
+    full = LLMEngine(model, CFG).run_to_completion(
+        ps, SamplingParams(temperature=0.0, max_tokens=10)
+    )
     stop = full[0].token_ids[3]
     first = full[0].token_ids.index(stop)
-    out = LLMEngine(model, CFG).generate(
+    out = LLMEngine(model, CFG).run_to_completion(
         ps, SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=(stop,))
     )
     assert out[0].token_ids == full[0].token_ids[: first + 1]
     assert out[0].finish_reason == "stop"
     eos = LLMEngine(model, CFG, eos_token_ids=stop)
     assert (
-        eos.generate([ps[0]], SamplingParams(temperature=0.0, max_tokens=10))[0].finish_reason
+        eos.run_to_completion([ps[0]], SamplingParams(temperature=0.0, max_tokens=10))[
+            0
+        ].finish_reason
         == "stop"
     )
-    kept = eos.generate([ps[0]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    kept = eos.run_to_completion(
+        [ps[0]], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    )[0]
     assert kept.token_ids == full[0].token_ids and kept.finish_reason == "length"
 
 
@@ -239,7 +247,7 @@ def test_full_cache_makes_requests_wait_not_fail(model, rng):
     ps = prompts(rng, (40, 35, 44, 30, 38, 41))
     params = SamplingParams(temperature=0.0, max_tokens=12)
     engine = LLMEngine(model, CFG)
-    alone = [engine.generate([p], params)[0].token_ids for p in ps]
+    alone = [engine.run_to_completion([p], params)[0].token_ids for p in ps]
     ids = [engine.add_request(p, params) for p in ps]
     most, queued = 0, 0
     while engine.has_unfinished():
@@ -254,7 +262,7 @@ def test_full_cache_makes_requests_wait_not_fail(model, rng):
 def test_failed_request_does_not_disturb_the_others(model, rng):
     ps = prompts(rng, (13, 6))
     params = SamplingParams(temperature=0.0, max_tokens=8)
-    want = [o.token_ids for o in LLMEngine(model, CFG).generate(ps, params)]
+    want = [o.token_ids for o in LLMEngine(model, CFG).run_to_completion(ps, params)]
     engine = LLMEngine(model, CFG)
     ids = [engine.add_request(p, params) for p in ps]
     engine.step()
@@ -274,20 +282,28 @@ def test_failed_request_does_not_disturb_the_others(model, rng):
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda e: e.generate([]), "no prompts"),
-        (lambda e: e.generate([[1, 2], []]), "prompt 1 is empty"),
-        (lambda e: e.generate([[1, 256]]), "outside"),
-        (lambda e: e.generate([[1.7, 2.2]]), "prompt 0's token id must be an integer"),
-        (lambda e: e.generate([[True, 2]]), "token id must be an integer"),
-        (lambda e: e.generate([1, 2, 3]), "prompt 0 must be a sequence of token ids"),
+        (lambda e: e.run_to_completion([]), "no prompts"),
+        (lambda e: e.run_to_completion([[1, 2], []]), "prompt 1 is empty"),
+        (lambda e: e.run_to_completion([[1, 256]]), "outside"),
+        (lambda e: e.run_to_completion([[1.7, 2.2]]), "prompt 0's token id must be an integer"),
+        (lambda e: e.run_to_completion([[True, 2]]), "token id must be an integer"),
+        (lambda e: e.run_to_completion([1, 2, 3]), "prompt 0 must be a sequence of token ids"),
         (
-            lambda e: e.generate([[1] * 60], SamplingParams(temperature=0.0, max_tokens=8)),
+            lambda e: e.run_to_completion(
+                [[1] * 60], SamplingParams(temperature=0.0, max_tokens=8)
+            ),
             "max_model_len",
         ),
-        (lambda e: e.generate([[1]], SamplingParams(temperature=0.0, stop=("x",))), "tokenizer"),
-        (lambda e: e.generate([[1]], SamplingParams(temperature=0.0, logprobs=5)), "max_logprobs"),
-        (lambda e: e.generate([[1]], {"max_tokens": 3}), "SamplingParams"),
-        (lambda e: e.generate([[1], [2]], [SamplingParams(temperature=0.0)]), "2 prompts"),
+        (
+            lambda e: e.run_to_completion([[1]], SamplingParams(temperature=0.0, stop=("x",))),
+            "tokenizer",
+        ),
+        (
+            lambda e: e.run_to_completion([[1]], SamplingParams(temperature=0.0, logprobs=5)),
+            "max_logprobs",
+        ),
+        (lambda e: e.run_to_completion([[1]], {"max_tokens": 3}), "SamplingParams"),
+        (lambda e: e.run_to_completion([[1], [2]], [SamplingParams(temperature=0.0)]), "2 prompts"),
         (lambda e: LLMEngine(e.model, {"max_num_seqs": 2}), "EngineConfig"),
     ],
 )
@@ -337,10 +353,12 @@ def test_sampling_params_normalised():
 
 def test_generate_one_call(model, rng):
     ps = prompts(rng, (4, 10))
-    got = generate(model, ps, 5)
+    got = generate_ids(model, ps, 5)
     want = [
         o.token_ids
-        for o in LLMEngine(model, CFG).generate(ps, SamplingParams(temperature=0.0, max_tokens=5))
+        for o in LLMEngine(model, CFG).run_to_completion(
+            ps, SamplingParams(temperature=0.0, max_tokens=5)
+        )
     ]
     assert got == want
 
@@ -350,8 +368,8 @@ def test_logprobs_only_where_asked(model, rng):
     request's log-probabilities do not depend on whether its neighbours asked for them."""
     ps = prompts(rng, (9, 14))
     engine = LLMEngine(model, CFG)
-    both = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=5, logprobs=2))
-    mixed = engine.generate(
+    both = engine.run_to_completion(ps, SamplingParams(temperature=0.0, max_tokens=5, logprobs=2))
+    mixed = engine.run_to_completion(
         ps,
         [
             SamplingParams(temperature=0.0, max_tokens=5, logprobs=2),

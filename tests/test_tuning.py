@@ -1,5 +1,5 @@
-"""The tuning table (``jax_tokenweave.tuning``): entries, thresholds, model names, JSON, and the
-table shipped with the package."""
+"""The tuning table (``jax_tokenweave.weave.tuning``): entries, thresholds, model names, JSON,
+and the table shipped with the package."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from jax_tokenweave import tuning
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry, TuneTable
+from jax_tokenweave.weave import tuning
+from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry, TuneTable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,7 +179,7 @@ def test_load_invalid_json(tmp_path):
 def test_shipped_table():
     """The package's table loads, cites its measurements, and encodes the TP=2 rule."""
     table = tuning.shipped()
-    assert tuning.DEFAULT_PATH.parent.name == "jax_tokenweave"
+    assert tuning.DEFAULT_PATH.parent.parts[-2:] == ("jax_tokenweave", "weave")
     assert "2026-11-23-h200x2" in table.meta["source"]
     assert table.threshold("llama3-70b", 2) == table.threshold("qwen2.5-72b", 2) == 4096
     assert table.threshold("llama3-70b", 4) == tuning.DEFAULT_THRESHOLD

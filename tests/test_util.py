@@ -1,11 +1,11 @@
-"""``jax_tokenweave.util``: the helpers every module may import."""
+"""``jax_tokenweave.kernel._util``: the helpers every module may import."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel._util import ceil_div
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 7, 256])

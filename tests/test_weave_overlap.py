@@ -1,7 +1,7 @@
-"""The weave schedule with the fused kernel's start/done pair (comm="ffi") and the compiled-HLO
-overlap checker.
+"""The weave schedule with the fused kernel's start/done pair (collective="ffi") and the
+compiled-HLO overlap checker.
 
-CPU: hlo_check on synthetic HLO; comm="ffi" refused / "auto" falling back; the
+CPU: hlo_check on synthetic HLO; collective="ffi" refused / "auto" falling back; the
 overlapped schedule with pure-JAX stand-ins for the kernel (values == baseline, slot protocol,
 CTA counts); the ordering by data, read from the jaxpr of the real start/done calls.
 GPU (>= 2 peer GPUs): weave-ffi == baseline in bf16, and the overlap present in compiled HLO.
@@ -16,12 +16,14 @@ import pytest
 from flax import nnx
 from testutil import FakeKernel, build_decoder, rel_err
 
-from jax_tokenweave import _ffi, hlo_check, reducers, tuning
-from jax_tokenweave.comm import Communicator
+from jax_tokenweave.bench import hlo_check
+from jax_tokenweave.kernel import _ffi
+from jax_tokenweave.kernel.comm import Communicator
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.schedules import configure, resolve_comm
-from jax_tokenweave.split import plan_batch
-from jax_tokenweave.tuning import DEFAULT_ENTRY, TuneEntry
+from jax_tokenweave.weave import reducers, tuning
+from jax_tokenweave.weave.plan import plan_batch
+from jax_tokenweave.weave.schedules import configure, resolve_collective
+from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 # ------------------------------------------------------------------------- HLO checker ---
 
@@ -138,14 +140,16 @@ def test_ffi_refused_on_cpu_and_auto_falls_back(cpu_mesh, rng):
     batch = plan_batch((5, 9, 3), tp=2, split=True)
     dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.zeros((batch.num_tokens, config.hidden_size), jnp.float32)
-    with pytest.raises(RuntimeError, match=r"comm='ffi' is unavailable: half 0 .*comm='auto'"):
-        dec(hidden, batch, schedule="weave", comm="ffi")
-    assert resolve_comm("auto", mesh, "tp", jnp.float32, batch, config.hidden_size) == "xla"
-    assert resolve_comm("xla", mesh, "tp", jnp.float32, batch, config.hidden_size) == "xla"
+    with pytest.raises(
+        RuntimeError, match=r"collective='ffi' is unavailable: half 0 .*collective='auto'"
+    ):
+        dec(hidden, batch, schedule="weave", collective="ffi")
+    assert resolve_collective("auto", mesh, "tp", jnp.float32, batch, config.hidden_size) == "xla"
+    assert resolve_collective("xla", mesh, "tp", jnp.float32, batch, config.hidden_size) == "xla"
     with pytest.raises(ValueError, match="tuning"):
         dec(hidden, batch, tuning=16)
     # baseline ignores comm: an unavailable kernel does not matter there
-    dec(hidden, batch, schedule="baseline", comm="ffi")
+    dec(hidden, batch, schedule="baseline", collective="ffi")
 
 
 @pytest.mark.parametrize(
@@ -159,7 +163,7 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, lengths, offset, tp
     fake = FakeKernel()
     config, mesh = get_config("tiny", num_layers=3), cpu_mesh(tp)
     batch = plan_batch(lengths, tp=tp, split=True, offset=offset)
-    assert batch.split and batch.cut_request is not None
+    assert batch.is_split and batch.cut_request is not None
     dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
     entry = TuneEntry(None, 12, 4)
@@ -168,8 +172,8 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, lengths, offset, tp
         batch,
         hidden,
         [
-            dict(schedule="weave", comm="ffi", tuning=entry, reducer=fake.overlap),
-            dict(schedule="weave", comm="xla"),
+            dict(schedule="weave", collective="ffi", tuning=entry, reducer=fake.overlap),
+            dict(schedule="weave", collective="xla"),
             dict(schedule="baseline"),
         ],
     )
@@ -188,7 +192,9 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, lengths, offset, tp
     assert ctas == [4] + [12] * (4 * n - 1)
     # without tuning=, the default entry's CTA counts
     fake.log.clear()
-    (again,) = _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.overlap)])
+    (again,) = _run(
+        dec, batch, hidden, [dict(schedule="weave", collective="ffi", reducer=fake.overlap)]
+    )
     np.testing.assert_allclose(np.asarray(again), np.asarray(ffi), rtol=1e-6, atol=1e-6)
     assert [c for op, _, c in fake.log if op == "start"] == [8] + [16] * (4 * n - 1)
 
@@ -215,13 +221,13 @@ def test_comm_resolution_and_configuration(cpu_mesh, monkeypatch):
     assert configure("weave", "xla", split)[1](ctx).impl == "xla_rsag"
     with pytest.raises(ValueError, match="resolved"):
         configure("weave", "auto", split)
-    assert resolve_comm("auto", mesh, "tp", jnp.float32, split, hidden) == "xla"  # CPU
-    with pytest.raises(RuntimeError, match="comm='ffi-sync' is unavailable"):
-        resolve_comm("ffi-sync", mesh, "tp", jnp.float32, split, hidden)
-    assert resolve_comm("local", mesh, "tp", jnp.float32, split, hidden) == "local"
+    assert resolve_collective("auto", mesh, "tp", jnp.float32, split, hidden) == "xla"  # CPU
+    with pytest.raises(RuntimeError, match="collective='ffi-sync' is unavailable"):
+        resolve_collective("ffi-sync", mesh, "tp", jnp.float32, split, hidden)
+    assert resolve_collective("local", mesh, "tp", jnp.float32, split, hidden) == "local"
     monkeypatch.setattr(_ffi, "unavailable_reason", lambda *a, **k: None)
-    assert resolve_comm("auto", mesh, "tp", jnp.float32, split, hidden) == "ffi"
-    assert resolve_comm("ffi-sync", mesh, "tp", jnp.float32, split, hidden) == "ffi-sync"
+    assert resolve_collective("auto", mesh, "tp", jnp.float32, split, hidden) == "ffi"
+    assert resolve_collective("ffi-sync", mesh, "tp", jnp.float32, split, hidden) == "ffi-sync"
 
 
 def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
@@ -235,7 +241,7 @@ def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
         batch,
         hidden,
         [
-            dict(schedule="weave", comm="ffi", reducer=fake.sync, tuning=DEFAULT_ENTRY),
+            dict(schedule="weave", collective="ffi", reducer=fake.sync, tuning=DEFAULT_ENTRY),
             dict(schedule="baseline"),
         ],
     )
@@ -248,7 +254,7 @@ def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
     batch = plan_batch((5, 4), tp=2, split=False, table=table)
     assert batch.tuning == tuning.POLICY_ENTRY
     fake.log.clear()
-    _run(dec, batch, hidden, [dict(schedule="weave", comm="ffi", reducer=fake.sync)])
+    _run(dec, batch, hidden, [dict(schedule="weave", collective="ffi", reducer=fake.sync)])
     assert fake.log == [("sync", 0, None)] * calls
 
 
@@ -338,7 +344,7 @@ def test_ordering_by_data_in_jaxpr(cpu_mesh, rng, monkeypatch):
     hidden = jnp.zeros((batch.num_tokens, config.hidden_size), jnp.bfloat16)
 
     def f(state, hidden):
-        return nnx.merge(graphdef, state)(hidden, batch, schedule="weave", comm="ffi")
+        return nnx.merge(graphdef, state)(hidden, batch, schedule="weave", collective="ffi")
 
     inner = _ffi_jaxpr(jax.make_jaxpr(f)(state, hidden).jaxpr)
     pairs = data_order_report(
@@ -380,8 +386,8 @@ def test_gpu_weave_ffi_matches_baseline(ffi_mesh2, rng):
         batch,
         hidden,
         [
-            dict(schedule="weave", comm="ffi", tuning=TuneEntry(None, 16, 8)),
-            dict(schedule="weave", comm="xla"),
+            dict(schedule="weave", collective="ffi", tuning=TuneEntry(None, 16, 8)),
+            dict(schedule="weave", collective="xla"),
             dict(schedule="baseline"),
         ],
         jit_opts=False,
@@ -391,7 +397,7 @@ def test_gpu_weave_ffi_matches_baseline(ffi_mesh2, rng):
     assert rel_err(ffi, xla) < 2e-2
     # unsplit: the synchronous kernel
     whole = plan_batch(batch.request_lengths, tp=2, split=False)
-    (sync,) = _run(dec, whole, hidden, [dict(schedule="weave", comm="ffi")], jit_opts=False)
+    (sync,) = _run(dec, whole, hidden, [dict(schedule="weave", collective="ffi")], jit_opts=False)
     assert rel_err(sync, base) < 2e-2
 
 
@@ -409,7 +415,7 @@ def test_gpu_compiled_hlo_overlaps(ffi_mesh2, rng):
     hidden = jnp.zeros((batch.num_tokens, config.hidden_size), jnp.bfloat16)
 
     def f(state, hidden):
-        return nnx.merge(graphdef, state)(hidden, batch, schedule="weave", comm="ffi")
+        return nnx.merge(graphdef, state)(hidden, batch, schedule="weave", collective="ffi")
 
     text = jax.jit(f).lower(state, hidden).compile().as_text()
     assert hlo_check.count_targets(text) == {"start": 8, "done": 8, "sync": 0}

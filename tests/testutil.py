@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_tokenweave import _ffi, ops, reducers
-from jax_tokenweave.layers import WeaveDecoder
-from jax_tokenweave.params import named_params
+from jax_tokenweave.kernel import _ffi, ops
+from jax_tokenweave.nn.decoder import WeaveDecoder
+from jax_tokenweave.nn.params import named_params
+from jax_tokenweave.weave import reducers
 
 
 def build_decoder(config, mesh, dtype, rng: np.random.Generator) -> WeaveDecoder:

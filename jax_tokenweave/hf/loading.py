@@ -17,11 +17,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.fused import fuse_names
 from jax_tokenweave.hf.config import load_hf_config
 from jax_tokenweave.hf.errors import CheckpointError
 from jax_tokenweave.hf.reader import Fused, SafetensorsCheckpoint, Source, few, load_sharded
-from jax_tokenweave.params import named_params, param_spec
+from jax_tokenweave.nn.fused_layout import fuse_names
+from jax_tokenweave.nn.params import named_params, param_spec
 
 
 def hf_sources(config: DecoderConfig) -> dict[str, Source]:

@@ -25,9 +25,9 @@ import numpy as np
 import safetensors
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_tokenweave.fused import segments
 from jax_tokenweave.hf.config import read_json
 from jax_tokenweave.hf.errors import CheckpointError
+from jax_tokenweave.nn.fused_layout import segments
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -156,7 +156,7 @@ class Source:
 @dataclasses.dataclass(frozen=True)
 class Fused:
     """A target whose last axis is the rank-blocked concatenation of ``parts``' last axes for
-    TP degree ``tp`` (``jax_tokenweave.fused``): a device's block of it reads only the matching
+    TP degree ``tp`` (``nn.fused_layout``): a device's block of it reads only the matching
     blocks of each part (for a ``P(None, "tp")`` shard, exactly its rank's rows of each stored
     tensor)."""
 

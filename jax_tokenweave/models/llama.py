@@ -8,7 +8,7 @@ Parameters (global shapes; names as ``load_weights`` / ``params.named_params`` s
 name                 shape      sharding              Hugging Face tensor
 ==================== ========== ===================== ========================================
 ``embed``            [V, H]     ``P("tp", None)``     ``model.embed_tokens.weight``
-``decoder.<...>``    see ``jax_tokenweave.layers`` (``decoder.layers.{i}.q_proj``, ...,
+``decoder.<...>``    see ``jax_tokenweave.nn.decoder`` (``decoder.layers.{i}.q_proj``, ...,
                      ``decoder.final_norm`` = ``model.norm.weight``)
 ``lm_head``          [H, V]     ``P(None, "tp")``     ``lm_head.weight``.T (absent when tied)
 ==================== ========== ===================== ========================================
@@ -32,11 +32,13 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jax_tokenweave._legacy import renamed_keyword
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.hf.loading import load_pretrained
-from jax_tokenweave.layers import Comm, Schedule, WeaveDecoder
-from jax_tokenweave.params import load_weights, make_param, numpy_weights
-from jax_tokenweave.split import BatchPlan
+from jax_tokenweave.nn.decoder import WeaveDecoder
+from jax_tokenweave.nn.params import load_weights, make_param, numpy_weights
+from jax_tokenweave.weave.plan import BatchPlan
+from jax_tokenweave.weave.schedules import Collective, Schedule
 
 
 class LlamaModel(nnx.Module):
@@ -119,27 +121,32 @@ class LlamaModel(nnx.Module):
         batch: BatchPlan,
         *,
         schedule: Schedule = "weave",
-        comm: Comm = "auto",
+        collective: Collective = "auto",
         return_kv: bool = False,
+        comm: Collective | None = None,
     ) -> Any:
         """``tokens`` int [T] packed as ``batch`` -> float32 logits [T, V] replicated.
 
         With ``return_kv`` also the decoder's per-layer ``(k, v)`` (see ``WeaveDecoder``).
         ``schedule="nocomm"`` removes the decoder's collectives: its logits are not the model's.
+        ``comm``: deprecated name of ``collective``.
         """
+        collective = renamed_keyword("LlamaModel.__call__", "comm", comm, "collective", collective)
         shape = tuple(getattr(tokens, "shape", ()))
         if len(shape) != 1:
             raise ValueError(f"tokens must be a 1-D array [T], got shape {shape}")
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be integers, got {tokens.dtype}")
         if not isinstance(batch, BatchPlan):
-            raise ValueError(f"batch must be a split.BatchPlan, got {type(batch)}")
+            raise ValueError(f"batch must be a BatchPlan (see plan_batch), got {type(batch)}")
         if shape[0] != batch.num_tokens:
             raise ValueError(
                 f"got {shape[0]} tokens but the batch's request lengths sum to {batch.num_tokens}"
             )
         hidden = self.embed_tokens(tokens.astype(jnp.int32))
-        out = self.decoder(hidden, batch, schedule=schedule, comm=comm, return_kv=return_kv)
+        out = self.decoder(
+            hidden, batch, schedule=schedule, collective=collective, return_kv=return_kv
+        )
         if return_kv:
             return self.logits(out[0]), out[1]
         return self.logits(out)

@@ -1,7 +1,7 @@
 """Mixtral: the Llama architecture with a sparse mixture of experts as the MLP.
 
 ``MixtralModel`` is ``LlamaModel`` with ``config.num_experts > 0`` checked; each layer's MoE
-(``jax_tokenweave.moe``) holds the router and the experts stacked ``[E, ...]``, each expert's
+(``jax_tokenweave.nn.moe``) holds the router and the experts stacked ``[E, ...]``, each expert's
 FFN dimension sharded over TP.
 """
 

@@ -2,7 +2,7 @@
 
 ``Qwen2Model`` is ``LlamaModel`` with that checked; the biases are
 ``decoder.layers.{i}.qkv_bias``, fused per rank (``params.logical_weights`` gives the logical
-``q_bias``, ``k_bias``, ``v_bias``; see ``jax_tokenweave.decoder_layer``). Qwen2's sliding
+``q_bias``, ``k_bias``, ``v_bias``; see ``jax_tokenweave.nn.decoder_layer``). Qwen2's sliding
 window is not implemented (full causal attention; the loader warns where a checkpoint enables
 it).
 """

@@ -19,12 +19,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jax_tokenweave import benchmarking as bm
 from jax_tokenweave.serve import INSTALL_HINT  # noqa: F401  (the dependency check first)
 from jax_tokenweave.serving import cli
 
 PROG = "python -m jax_tokenweave.serve"
-ENGINE_OPTIONS = tuple(bm.ENGINE_OPTIONS)
+ENGINE_OPTIONS = tuple(cli.ENGINE_OPTIONS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=bm.HelpFormatter,
+        formatter_class=cli.HelpFormatter,
     )
     p.add_argument(
         "model", nargs="?", help="checkpoint directory or Hugging Face model id in the local cache"
@@ -41,34 +40,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--random",
         metavar="NAME",
-        help=f"serve this named config with random weights instead ({bm.config_names_help()})",
+        help=f"serve this named config with random weights instead ({cli.config_names_help()})",
     )
     p.add_argument(
         "--layers",
-        type=bm.positive_int,
+        type=cli.positive_int,
         help="--random: decoder layers to stack (default: the config's)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=bm.nonnegative_int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=cli.nonnegative_int, default=8000, help="port to listen on")
     p.add_argument(
         "--served-model-name",
         help="the model's name in the API (default: MODEL, or the --random name)",
     )
     p.add_argument(
         "--max-waiting",
-        type=bm.positive_int,
+        type=cli.positive_int,
         default=1024,
         help="requests waiting for admission at most; beyond: 429",
     )
     p.add_argument(
         "--drain-timeout",
-        type=bm.positive_float,
+        type=cli.positive_float,
         default=30.0,
         help="seconds requests in flight may take to finish after SIGTERM",
     )
     p.add_argument(
         "--max-logprobs",
-        type=bm.nonnegative_int,
+        type=cli.nonnegative_int,
         default=20,
         help="top log-probabilities a request may ask for",
     )
@@ -101,7 +100,7 @@ def load(args: argparse.Namespace) -> Any:
     from jax_tokenweave.models.llama import LlamaModel
     from jax_tokenweave.serving.llm import make_mesh
 
-    config = bm.load_config(args.random, args.layers)
+    config = cli.load_config(args.random, args.layers)
     dtype = jnp.bfloat16 if kw["dtype"] == "auto" else kw["dtype"]
     model = LlamaModel(
         config, make_mesh(None, args.tp), dtype=dtype, rngs=nnx.Rngs(args.engine_seed)

@@ -16,16 +16,22 @@
 - ``count_compilations`` (``serving.compile_count``): count XLA compilations (and persistent
   cache hits); ``serving.compilation_cache``: the engine's persistent compilation cache;
   ``serving.executable_cache``: its compiled step programs on disk (``WarmupReport``).
-- ``generate(model, prompts, max_new_tokens)`` (``serving.oneshot``): token ids in, token ids
-  out, in one call.
+- ``generate_ids(model, prompts, max_new_tokens)`` (``serving.oneshot``): token ids in, token
+  ids out, in one call (``LLM.generate`` is the text API; ``LLMEngine.run_to_completion`` serves
+  token-id prompts on an engine you keep).
+- ``serving.cli``: what the command lines share (argument types, help format, the engine
+  options, the devices ``--tp`` needs, known errors in one line).
 """
 
+from typing import Any
+
+from jax_tokenweave._legacy import renamed_attribute
 from jax_tokenweave.serving.blocks import OutOfBlocksError
 from jax_tokenweave.serving.compile_count import count_compilations
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
 from jax_tokenweave.serving.llm import LLM, RequestFailed
-from jax_tokenweave.serving.oneshot import generate
+from jax_tokenweave.serving.oneshot import generate_ids
 from jax_tokenweave.serving.outputs import (
     CompletionOutput,
     Logprob,
@@ -48,5 +54,11 @@ __all__ = [
     "StreamDelta",
     "TokenLogprob",
     "count_compilations",
-    "generate",
+    "generate_ids",
 ]
+
+_RENAMED = {"generate": "jax_tokenweave.serving.oneshot:generate_ids"}  # for one release
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_attribute(__name__, name, _RENAMED)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tokenweave import _extension
+from jax_tokenweave.kernel import _extension
 
 TARGET = "tokenweave_paged_attention"
 ROPE_TARGET = "tokenweave_rope_cache_write"

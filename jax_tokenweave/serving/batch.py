@@ -17,7 +17,7 @@ chunk segment is one group (a tile never holds two requests). ``tables [D + (R -
 table_width]``. Padding rows have position 0, a zero block table and the out-of-range cache
 slot ``num_blocks * block_size`` (their K/V writes are dropped); their outputs are ignored.
 
-The layout is static (a ``jit`` argument); its split comes from ``split.plan_batch([R])``: the
+The layout is static (a ``jit`` argument); its split comes from ``weave.plan.plan_batch([R])``: the
 split threshold (``EngineConfig.split_threshold``, default the tuning table's for the model and
 TP degree), the wave rule of the model's shapes plus the table's offset, moved to a tile
 boundary where needed so the two halves cut no tile. The requests inside a step change from
@@ -34,13 +34,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_tokenweave import tuning
 from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.scheduler import ScheduledStep
-from jax_tokenweave.split import BatchPlan, WaveModel, midpoint, plan_batch
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.weave import tuning
+from jax_tokenweave.weave.plan import BatchPlan, WaveModel, midpoint, plan_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ def make_layout(
     offset = cfg.tuning.offset if cfg.tuning is not None else None
     kwargs: dict[str, Any] = dict(tp=tp, model=name, wave=WaveModel.from_config(model, tp))
     plan = plan_batch([rows], threshold=cfg.split_threshold, split=split, offset=offset, **kwargs)
-    if plan.split and plan.halves[1].start % tile:
+    if plan.is_split and plan.halves[1].start % tile:
         first = min(max(round(plan.halves[1].start / tile) * tile, tile), rows - tile)
         plan = plan_batch([rows], split=True, offset=first - midpoint(rows), **kwargs)
     samples = min(cfg.max_num_seqs, decode + (rows - decode) // tile)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving import checks
-from jax_tokenweave.util import ceil_div
 
 
 class OutOfBlocksError(RuntimeError):

@@ -1,21 +1,193 @@
-"""What the serving command lines share (``python -m jax_tokenweave.generate`` and
-``python -m jax_tokenweave.serve``): the devices ``--tp`` needs, the ``LLM`` options, and known
-errors as one line instead of a traceback.
+"""What the command lines share (``python -m jax_tokenweave.generate``, ``python -m
+jax_tokenweave.serve``, the main job ``python -m jax_tokenweave.bench`` and ``benchmarks/``):
+argument types, the help format, the engine options, the devices ``--tp`` needs, named configs,
+and known errors as one line instead of a traceback.
 
-Importing this module sets nothing; :func:`start_devices` asks JAX for the virtual CPU devices
-``--tp`` needs on a CPU-only host (as the main job does, ``benchmarking.use_cpu_devices``), so
-call it before anything starts JAX's backends.
+Importing this module sets nothing; :func:`use_cpu_devices` (and :func:`start_devices`) ask JAX
+for the virtual CPU devices a CPU-only host needs, so call them before anything starts JAX's
+backends.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from jax_tokenweave import benchmarking as bm
+import jax
+import jax.numpy as jnp
 
-DTYPE_CHOICES = ("auto", *bm.DTYPES)
+from jax_tokenweave.weave.schedules import COLLECTIVES
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+
+
+_XLA_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+ENGINE_OPTIONS: dict[str, str] = {
+    "max_num_batched_tokens": "token budget of a serving step (rows, padding included)",
+    "max_num_seqs": "requests running at once",
+    "max_model_len": "positions per request (prompt + new tokens)",
+    "num_blocks": "KV cache blocks",
+    "block_size": "positions per KV cache block",
+    "prefill_tile": "rows per prompt-chunk attention tile (a power of two)",
+    "key_chunk": "keys per step of the attention loop",
+    "split_threshold": "steps of at least this many rows are woven (split in two halves)",
+}
+"""The ``serving.EngineConfig`` sizes the command lines take (``--max-num-seqs`` ...), with help."""
+
+
+def use_cpu_devices(count: int) -> str | None:
+    """Ask JAX for ``count`` virtual CPU devices (``jax.config`` ``jax_num_cpu_devices``).
+
+    Leaves a number the user chose (``JAX_NUM_CPU_DEVICES`` or the XLA flag) alone. Call it before
+    JAX's backends start; where they already have, with another number of CPU devices, returns
+    a message saying so (the run then uses the devices there are), else None.
+    """
+    if jax.config.jax_num_cpu_devices >= 0 or _XLA_DEVICE_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return None
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        have = len(jax.devices("cpu"))
+        if have != count:
+            return (
+                f"JAX's backends started before {count} virtual CPU devices could be asked "
+                f"for; using the {have} CPU device(s) there are (run in a fresh process, or "
+                f"set JAX_NUM_CPU_DEVICES={count})"
+            )
+    return None
+
+
+def load_config(model: str, layers: int | None) -> Any:
+    """The named ``DecoderConfig``, with ``num_layers`` replaced when ``layers`` is given."""
+    from jax_tokenweave.models.configs import get_config
+
+    config = get_config(model)
+    if layers is not None:
+        config = dataclasses.replace(config, num_layers=layers)
+    return config
+
+
+def config_names_help() -> str:
+    """``"one of: tiny, tiny-moe, ..."`` for ``--model`` helps."""
+    from jax_tokenweave.models.configs import config_names
+
+    return "one of: " + ", ".join(config_names())
+
+
+def _number(text: str, kind: type, minimum: float, strict: bool = False) -> Any:
+    """``kind(text)``, which must be ``>= minimum`` (``> minimum`` if ``strict``) and finite."""
+    try:
+        value = kind(text)
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+    if not (value > minimum if strict else value >= minimum) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be {'>' if strict else '>='} {minimum}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """``"2048,8192"`` or ``"2048"`` -> ints >= 1 (an ``argparse`` type)."""
+    values = [_number(part, int, 1) for part in text.replace(",", " ").split()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """One int >= 1 (an ``argparse`` type)."""
+    values = positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
+    return values[0]
+
+
+def nonnegative_int(text: str) -> int:
+    """One int >= 0 (an ``argparse`` type)."""
+    return _number(text, int, 0)
+
+
+def positive_float(text: str) -> float:
+    """One finite float > 0 (an ``argparse`` type; NaN is refused)."""
+    return _number(text, float, 0, strict=True)
+
+
+class _Collective(argparse.Action):
+    """``--collective``; its old spelling ``--comm`` still works for one release, with a note."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if option_string == "--comm":
+            print("note: --comm is deprecated: use --collective", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_collective_option(parser: argparse.ArgumentParser, default: str, help: str) -> None:
+    """``--collective`` (weave's reductions, one of ``COLLECTIVES``; ``--comm``: its old name)."""
+    parser.add_argument(
+        "--collective",
+        "--comm",
+        dest="collective",
+        action=_Collective,
+        choices=COLLECTIVES,
+        default=default,
+        help=help,
+    )
+
+
+def add_engine_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """``--<name>`` options for these ``ENGINE_OPTIONS``, defaulting to ``EngineConfig``'s
+    (``--split-threshold``: the tuning table's)."""
+    from jax_tokenweave.serving.config import EngineConfig
+
+    defaults = EngineConfig()
+    for name in names:
+        default = getattr(defaults, name)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=positive_int,
+            default=default,
+            help=ENGINE_OPTIONS[name]
+            + ("" if default is not None else " (default: the tuning table's)"),
+        )
+
+
+def engine_options(args: argparse.Namespace, names: Sequence[str]) -> dict[str, int]:
+    """The values of :func:`add_engine_options`' options, by ``EngineConfig`` field."""
+    return {name: getattr(args, name) for name in names}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each option's default as it is typed (``2 4``, not ``[2, 4]``), and no
+    default for required options, flags, or options whose default is None (their help says)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.required
+            or action.nargs == 0
+            or default is None
+            or default is argparse.SUPPRESS
+            or "default" in text
+        ):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list | tuple) else default
+        return f"{text} (default: {str(shown).replace('%', '%%')})"
+
+
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 def known_errors() -> tuple[type[BaseException], ...]:
@@ -35,14 +207,14 @@ def fail(err: BaseException, prog: str) -> int:
 
 def start_devices(tp: int, cpu_devices: int | None) -> None:
     """Ask for ``cpu_devices`` (default ``tp``) virtual CPU devices where JAX has no others
-    (``benchmarking.use_cpu_devices``); its note, if any, to stderr."""
-    note = bm.use_cpu_devices(cpu_devices or tp)
+    (:func:`use_cpu_devices`); its note, if any, to stderr."""
+    note = use_cpu_devices(cpu_devices or tp)
     if note:
         print(f"note: {note}", file=sys.stderr)
 
 
 def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...]) -> None:
-    """``--tp``, ``--dtype``, ``--schedule``, ``--comm``, the engine sizes, ``--seed``,
+    """``--tp``, ``--dtype``, ``--schedule``, ``--collective``, the engine sizes, ``--seed``,
     ``--gpu-memory-utilization`` and ``--cpu-devices``."""
     from jax_tokenweave.serving.config import SERVING_SCHEDULES, EngineConfig
 
@@ -51,7 +223,7 @@ def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...])
         "--tp",
         "--tensor-parallel-size",
         dest="tp",
-        type=bm.positive_int,
+        type=positive_int,
         default=1,
         help="tensor-parallel degree (on a CPU-only host, as many virtual devices)",
     )
@@ -67,13 +239,10 @@ def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...])
         default=defaults.schedule,
         help="weave (TokenWeave) or baseline (plain TP)",
     )
-    p.add_argument(
-        "--comm",
-        choices=bm.COMMS,
-        default=defaults.comm,
-        help="weave's reductions: the fused kernel (ffi), XLA, or auto",
+    add_collective_option(
+        p, defaults.collective, "weave's reductions: the fused kernel (ffi), XLA, or auto"
     )
-    bm.add_engine_options(p, engine_options)
+    add_engine_options(p, engine_options)
     p.set_defaults(max_model_len=None, num_blocks=None)
     for action in p._actions:
         if action.dest == "max_model_len":
@@ -82,19 +251,19 @@ def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...])
             action.help = "KV cache blocks (default: sized by --gpu-memory-utilization)"
     p.add_argument(
         "--gpu-memory-utilization",
-        type=bm.positive_float,
+        type=positive_float,
         default=0.9,
         help="share of each device's memory for weights, activations and KV cache",
     )
     p.add_argument(
         "--engine-seed",
-        type=bm.nonnegative_int,
+        type=nonnegative_int,
         default=0,
         help="seeds the requests that bring none",
     )
     p.add_argument(
         "--cpu-devices",
-        type=bm.positive_int,
+        type=positive_int,
         help="virtual CPU devices to ask for on CPU-only hosts (default: --tp)",
     )
 
@@ -110,7 +279,7 @@ def llm_kwargs(args: argparse.Namespace, engine_options: tuple[str, ...]) -> dic
         tensor_parallel_size=args.tp,
         dtype=args.dtype if args.dtype == "auto" else TORCH_DTYPES[args.dtype],
         schedule=args.schedule,
-        comm=args.comm,
+        collective=args.collective,
         seed=args.engine_seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
-from jax_tokenweave.schedules import COMMS
+from jax_tokenweave._legacy import deprecated, renamed_keyword
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.compilation_cache import DEFAULT_DIR
 from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
-from jax_tokenweave.tuning import TuneEntry
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.weave.schedules import COLLECTIVES
+from jax_tokenweave.weave.tuning import TuneEntry
 
 SERVING_SCHEDULES = ("weave", "baseline")
 
@@ -37,7 +41,8 @@ class EngineConfig:
     are split in two wave-aware halves and overlapped; smaller steps run unsplit with the
     token-sharded residual and the fused kernel where it runs) or ``"baseline"`` (plain TP,
     psum); ``split_threshold`` None: the tuning table's for the model and TP degree
-    (``jax_tokenweave.tuning``); ``comm``: weave's reductions (``auto``, ``xla``, ``ffi``);
+    (``jax_tokenweave.weave.tuning``); ``collective``: weave's reductions (``auto``, ``xla``,
+    ``ffi``; ``comm=``, its old name, still works for one release);
     ``tuning``: the fused kernel's CTA counts and the split offset for every step (None: the
     tuning table's entry for the step's size).
 
@@ -68,7 +73,7 @@ class EngineConfig:
     prefill_tile: int = 64
     key_chunk: int = 512
     schedule: str = "weave"
-    comm: str = "auto"
+    collective: str = "auto"
     split_threshold: int | None = None
     tuning: TuneEntry | None = None
     attention: str = "auto"
@@ -116,8 +121,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.schedule must be one of {SERVING_SCHEDULES}, got {self.schedule!r}"
             )
-        if self.comm not in COMMS:
-            raise ValueError(f"EngineConfig.comm must be one of {COMMS}, got {self.comm!r}")
+        if self.collective not in COLLECTIVES:
+            raise ValueError(
+                f"EngineConfig.collective must be one of {COLLECTIVES}, got {self.collective!r}"
+            )
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(
                 f"EngineConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}"
@@ -155,3 +162,26 @@ class EngineConfig:
         per_chunk = self.key_chunk // self.block_size
         blocks = ceil_div(self.max_model_len, self.block_size)
         return ceil_div(blocks, per_chunk) * per_chunk
+
+    @property
+    def comm(self) -> str:
+        """Deprecated: :attr:`collective`."""
+        deprecated("jax_tokenweave: EngineConfig.comm is deprecated: use EngineConfig.collective")
+        return self.collective
+
+
+def _accept_comm(init: Callable[..., None]) -> Callable[..., None]:
+    """``EngineConfig(comm=...)``: the old name of ``collective=``, for one release."""
+
+    @functools.wraps(init)
+    def __init__(self: EngineConfig, *args: Any, comm: str | None = None, **kwargs: Any) -> None:
+        if comm is not None:
+            kwargs["collective"] = renamed_keyword(
+                "EngineConfig", "comm", comm, "collective", kwargs.get("collective", "auto")
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+EngineConfig.__init__ = _accept_comm(EngineConfig.__init__)  # type: ignore[method-assign]

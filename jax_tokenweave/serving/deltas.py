@@ -10,17 +10,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jax_tokenweave.serving.outputs import StreamDelta, TokenLogprob
-from jax_tokenweave.serving.requests import Request, Sample
-from jax_tokenweave.serving.scheduler import Sequence as Seq
+from jax_tokenweave.serving.requests import EngineRequest, Sample
+from jax_tokenweave.serving.scheduler import Request
 
 
 def sample_delta(
-    request: Request,
-    seq: Seq,
+    request: EngineRequest,
+    seq: Request,
     row: int,
     outputs: Any,
     now: float,
-    finish: Callable[[Seq, str], None],
+    finish: Callable[[Request, str], None],
 ) -> StreamDelta:
     """The delta of ``seq``'s newest token: row ``row`` of the step's host ``outputs``
     (``StepOutputs``), its log-probabilities where the sample keeps them, its text where it is
@@ -55,7 +55,7 @@ def sample_delta(
     )
 
 
-def end_delta(request: Request, sample: Sample) -> StreamDelta:
+def end_delta(request: EngineRequest, sample: Sample) -> StreamDelta:
     """The token-less delta that ends ``sample`` (failed or aborted), with its error."""
     if request.finished:
         request.metrics.finish_time = time.perf_counter()
@@ -72,7 +72,9 @@ def end_delta(request: Request, sample: Sample) -> StreamDelta:
     )
 
 
-def mark_last(deltas: list[StreamDelta], requests: Mapping[str, Request]) -> list[StreamDelta]:
+def mark_last(
+    deltas: list[StreamDelta], requests: Mapping[str, EngineRequest]
+) -> list[StreamDelta]:
     """``request_finished`` on the last delta of each finished request only (its samples may
     all finish in one step)."""
     seen: set[str] = set()

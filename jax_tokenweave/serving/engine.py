@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_tokenweave._legacy import deprecated
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.config import EngineConfig
@@ -53,11 +54,10 @@ from jax_tokenweave.serving.outputs import (
     StreamDelta,
     TextState,
 )
-from jax_tokenweave.serving.requests import Request, Sample
+from jax_tokenweave.serving.requests import EngineRequest, Sample
 from jax_tokenweave.serving.runner import InFlight, ModelRunner
 from jax_tokenweave.serving.sampling_params import SamplingParams
-from jax_tokenweave.serving.scheduler import ScheduledStep, Scheduler
-from jax_tokenweave.serving.scheduler import Sequence as Seq
+from jax_tokenweave.serving.scheduler import Request, ScheduledStep, Scheduler
 from jax_tokenweave.serving.stats import EngineStats
 
 
@@ -99,7 +99,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config)
         self.stats = EngineStats()
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, EngineRequest] = {}
         self._lock = threading.RLock()  # the scheduler and the request table
         self._step_lock = threading.Lock()  # one step at a time (the cache)
         self._ids = itertools.count()
@@ -157,7 +157,7 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else int(self._rng.integers(1 << 31))
             samples = [
                 Sample(
-                    Seq(rid, ids, params, params.sample_seed(seed, i), stop_ids, index=i),
+                    Request(rid, ids, params, params.sample_seed(seed, i), stop_ids, index=i),
                     TextState(self.tokenizer, params.stop) if self.tokenizer is not None else None,
                     [] if params.logprobs is not None else None,
                 )
@@ -165,7 +165,7 @@ class LLMEngine:
             ]
             for sample in samples:
                 self.scheduler.add(sample.seq)
-            self._requests[rid] = Request(
+            self._requests[rid] = EngineRequest(
                 rid,
                 prompt,
                 ids,
@@ -303,7 +303,7 @@ class LLMEngine:
                 self._fail(seq, err)
             self.scheduler.drop(scheduled)
 
-    def _fail(self, seq: Seq, err: BaseException) -> None:
+    def _fail(self, seq: Request, err: BaseException) -> None:
         """Finish ``seq``'s request with ``"error"`` (each sample) and queue its deltas."""
         request = self._requests.get(seq.request_id)
         if request is None:
@@ -351,14 +351,14 @@ class LLMEngine:
             return mark_last(deltas, self._requests)
 
     # -- conveniences --------------------------------------------------------------------
-    def generate(
+    def run_to_completion(
         self,
         prompts: Iterable[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Serve token-id prompts to the end, alongside anything already queued (whose deltas
         this drops: read those requests' :meth:`output`); results in prompt order. Every prompt
-        is checked before any is queued."""
+        is checked before any is queued. (``LLM.generate`` is the text API's.)"""
         prompts = list(prompts)
         if not prompts:
             raise ValueError("no prompts: give at least one prompt")
@@ -376,6 +376,17 @@ class LLMEngine:
         except BaseException:  # interrupted or failed: nothing of this call stays queued
             self.abort_all(ids)
             raise
+
+    def generate(
+        self,
+        prompts: Iterable[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Deprecated: :meth:`run_to_completion` (``generate`` is ``LLM``'s)."""
+        deprecated(
+            "jax_tokenweave: LLMEngine.generate is deprecated: use LLMEngine.run_to_completion"
+        )
+        return self.run_to_completion(prompts, params)
 
     def abort_all(self, request_ids: Iterable[str]) -> None:
         """Abort and forget these requests (unknown ids ignored); their blocks return to the

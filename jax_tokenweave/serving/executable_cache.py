@@ -162,7 +162,7 @@ def describe_args(args: Any) -> dict[str, Any]:
 def source_hash() -> str:
     """SHA-256 of this package's ``.py`` and ``.json`` files (paths and bytes) and of the built
     CUDA extension's file where it imported."""
-    from jax_tokenweave import _extension
+    from jax_tokenweave.kernel import _extension
 
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
@@ -385,7 +385,7 @@ def register_ffi_targets() -> None:
     """Register the CUDA extension's FFI targets (fused all-reduce, paged attention) where it
     is built: a loaded executable calls them by name, and XLA resolves the names when it loads
     the program, which tracing (skipped on a load) would otherwise have done first."""
-    from jax_tokenweave import _extension, _ffi
+    from jax_tokenweave.kernel import _extension, _ffi
     from jax_tokenweave.serving import attention_kernel
 
     if _extension.import_error() is None:
@@ -430,7 +430,7 @@ def process_local_reason(compiled: Any) -> str | None:
     """Why ``compiled`` must not be stored (None: it may): the fused all-reduce kernel's calls
     carry the id of this process's communicator workspace, which a later process does not
     have."""
-    from jax_tokenweave import _extension, _ffi
+    from jax_tokenweave.kernel import _extension, _ffi
 
     if _extension.import_error() is not None:
         return None

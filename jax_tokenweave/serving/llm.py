@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jax_tokenweave._legacy import renamed_keyword
 from jax_tokenweave.serving import checks, resolve
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
@@ -134,6 +135,10 @@ class LLM:
         config: EngineConfig | None = None,
         **engine: Any,
     ) -> None:
+        if "comm" in engine:  # the old name of collective=, for one release
+            engine["collective"] = renamed_keyword(
+                "LLM", "comm", engine.pop("comm"), "collective", engine.get("collective")
+            )
         unknown = sorted(set(engine) - _ENGINE_FIELDS)
         if unknown:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")

@@ -1,18 +1,26 @@
-"""``generate``: token ids in, new token ids out, in one call (an engine made for the call)."""
+"""``generate_ids``: token ids in, new token ids out, in one call (an engine made for the
+call)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+from jax_tokenweave._legacy import renamed_attribute
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import next_pow2
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
+_RENAMED = {"generate": "generate_ids"}  # LLM.generate keeps the name; for one release
 
-def generate(
+
+def __getattr__(name: str) -> Any:
+    return renamed_attribute(__name__, name, _RENAMED)
+
+
+def generate_ids(
     model: Any,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int = 32,
@@ -43,4 +51,4 @@ def generate(
         temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_new_tokens
     )
     engine = LLMEngine(model, config, eos_token_ids=eos_token_ids)
-    return [out.token_ids for out in engine.generate(prompts, params)]
+    return [out.token_ids for out in engine.run_to_completion(prompts, params)]

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tokenweave.serving import attention_kernel, paged_cache
-from jax_tokenweave.split import Half
+from jax_tokenweave.weave.plan import Half
 
 ATTENTION_IMPLS = ("auto", "cuda", "xla")
 

@@ -1,11 +1,14 @@
-"""The engine's request table entries: a request of ``n`` samples, each a scheduler sequence
-with its incremental text, log-probabilities and error (``serving.engine``)."""
+"""The engine's request table entries: a request of ``n`` samples, each a scheduler request
+(``scheduler.Request``) with its incremental text, log-probabilities and error
+(``serving.engine``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from jax_tokenweave._legacy import renamed_attribute
+from jax_tokenweave.serving import scheduler
 from jax_tokenweave.serving.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -13,14 +16,20 @@ from jax_tokenweave.serving.outputs import (
     TokenLogprob,
     vllm_logprobs,
 )
-from jax_tokenweave.serving.scheduler import Sequence as Seq
+
+# ``Request`` is now the scheduler's (one sample's state); for one release.
+_RENAMED = {"Request": "EngineRequest"}
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_attribute(__name__, name, _RENAMED)
 
 
 @dataclasses.dataclass(eq=False)
 class Sample:
-    """One sample (sequence) of a request: its text state, log-probabilities, error."""
+    """One sample of a request: its scheduler state, text state, log-probabilities, error."""
 
-    seq: Seq
+    seq: scheduler.Request
     text: TextState | None
     logprobs: list[TokenLogprob] | None
     error: str | None = None
@@ -41,7 +50,7 @@ class Sample:
 
 
 @dataclasses.dataclass(eq=False)
-class Request:
+class EngineRequest:
     """A request of ``n`` samples as the engine tracks it."""
 
     request_id: str

@@ -25,7 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jax_tokenweave.hf.errors import CheckpointError
-from jax_tokenweave.util import ceil_div
+from jax_tokenweave.kernel._util import ceil_div
 
 CPU_CACHE_BYTES = 1 << 30
 TORCH_DTYPES = {

@@ -127,7 +127,7 @@ class ModelRunner:
             graphdef=self.graphdef,
             layout=layout,
             schedule=cfg.schedule,
-            comm=cfg.comm,
+            collective=cfg.collective,
             key_chunk=cfg.key_chunk,
             tuning=cfg.tuning,
             attention=cfg.attention,

@@ -33,19 +33,28 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
+from jax_tokenweave._legacy import renamed_attribute
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.blocks import BlockAllocator
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.sampling_params import SamplingParams
-from jax_tokenweave.util import ceil_div
+
+_RENAMED = {"Sequence": "Request"}  # it shadowed collections.abc.Sequence; one release
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_attribute(__name__, name, _RENAMED)
 
 
 @dataclasses.dataclass(eq=False)
-class Sequence:
-    """One request's state. ``num_computed``: its positions whose K/V are in the cache or
+class Request:
+    """One request's state (one sample of it: ``n`` samples are ``n`` of these with one
+    ``request_id``). ``num_computed``: its positions whose K/V are in the cache or
     written by a scheduled step; ``num_pending``: its tokens sampled by scheduled steps whose
     tokens have not arrived; ``in_flight``: scheduled steps holding it, not yet updated."""
 
@@ -108,7 +117,7 @@ class Chunk:
     """``length`` prompt tokens of ``seq`` from position ``start``; ``last``: it completes the
     prompt (its last row is sampled)."""
 
-    seq: Sequence
+    seq: Request
     start: int
     length: int
 
@@ -126,7 +135,7 @@ class ScheduledStep:
     tokens, the input token still on the device). Per sampled request: ``counters`` (tokens it
     made before this one: the index into its random stream)."""
 
-    decodes: tuple[Sequence, ...]
+    decodes: tuple[Request, ...]
     chunks: tuple[Chunk, ...]
     positions: tuple[int, ...] = ()
     tokens: tuple[int, ...] = ()
@@ -138,12 +147,12 @@ class ScheduledStep:
         return not self.decodes and not self.chunks
 
     @property
-    def sampled(self) -> tuple[Sequence, ...]:
+    def sampled(self) -> tuple[Request, ...]:
         """The requests that get a new token from this step, in sample-row order."""
         return self.decodes + tuple(c.seq for c in self.chunks if c.last)
 
     @property
-    def seqs(self) -> tuple[Sequence, ...]:
+    def seqs(self) -> tuple[Request, ...]:
         """Every request with rows in the step (each once)."""
         return self.decodes + tuple(c.seq for c in self.chunks)
 
@@ -154,9 +163,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.running: list[Sequence] = []
-        self.deferred: set[Sequence] = set()  # finished, blocks held by unprocessed steps
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.deferred: set[Request] = set()  # finished, blocks held by unprocessed steps
         self._serial = 0  # non-empty steps scheduled
 
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
@@ -174,7 +183,7 @@ class Scheduler:
                 f"positions but the cache has only {cfg.num_blocks} (num_blocks)"
             )
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         """Queue ``seq`` (``ValueError`` where it could never fit, see :meth:`check_fits`)."""
         self.check_fits(len(seq.prompt), seq.params.max_tokens)
         self.waiting.append(seq)
@@ -191,7 +200,7 @@ class Scheduler:
         room = cfg.max_num_batched_tokens - decode_rows(len(decodes), tile)
         chunks: list[Chunk] = []
 
-        def take(seq: Sequence) -> None:
+        def take(seq: Request) -> None:
             nonlocal room
             length = min(len(seq.prompt) - seq.num_computed, room)
             chunks.append(Chunk(seq, seq.num_computed, length))
@@ -240,7 +249,7 @@ class Scheduler:
         self._serial += 1
         return step
 
-    def update(self, step: ScheduledStep, tokens: Iterable[int]) -> list[Sequence]:
+    def update(self, step: ScheduledStep, tokens: Iterable[int]) -> list[Request]:
         """Take a scheduled step's ``tokens`` (one per ``step.sampled``, in order): append each
         to its request, finish those that hit a stop token or ``max_tokens``; a request that
         finished before (stopped, aborted) drops its token. Frees the blocks of finished
@@ -280,7 +289,7 @@ class Scheduler:
             if seq.finished and not seq.in_flight:
                 self._free(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Request, reason: str) -> None:
         """Finish ``seq`` with ``reason`` (also a waiting one); its blocks are freed now, or
         once the unprocessed steps holding it are updated."""
         if seq.finished:
@@ -295,7 +304,7 @@ class Scheduler:
         else:
             self._free(seq)
 
-    def _free(self, seq: Sequence) -> None:
+    def _free(self, seq: Request) -> None:
         self.deferred.discard(seq)
         if seq.blocks:
             self.allocator.free(seq.blocks)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving.scheduler import ScheduledStep
-from jax_tokenweave.util import ceil_div
 
 
 @dataclasses.dataclass
@@ -23,7 +23,7 @@ class EngineStats:
         """Count one dispatched ``step`` packed as ``layout``."""
         self.steps += 1
         self.tokens += len(step.decodes) + sum(c.length for c in step.chunks)
-        if layout.plan.split:
+        if layout.plan.is_split:
             self.split_steps += 1
             cut, row = layout.plan.halves[1].start, layout.decode_rows
             for c in step.chunks:

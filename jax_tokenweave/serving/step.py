@@ -7,14 +7,14 @@ paged_attention.PagedAttention` is the attention, and the one layer loop
 (``stack.run_stack``) runs under ``jax.shard_map``:
 
 * ``weave``, a split layout (``>= split_threshold`` rows): two wave-aware halves, the residual
-  token-sharded, the fused kernel overlapped with the other half (``comm="ffi"``/``"auto"``
+  token-sharded, the fused kernel overlapped with the other half (``collective="ffi"``/``"auto"``
   where it runs), else reduce-scatter + norm + all-gather in XLA;
 * ``weave``, an unsplit layout: one half, token-sharded residual, the fused kernel (synchronous)
   where it runs;
 * ``baseline``: one half, psum, replicated residual.
 
 Static per compiled program: the ``StepLayout`` (rows, decode rows, split, sampled rows), the
-schedule, comm, key chunk and the number of top log-probabilities; every request-dependent
+schedule, collective, key chunk and the number of top log-probabilities; every request-dependent
 value (tokens, positions, slots, block tables, sampling settings) is traced.
 """
 
@@ -29,16 +29,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave.layers import WeaveDecoder
-from jax_tokenweave.params import partition_specs
-from jax_tokenweave.schedules import stack_setup
+from jax_tokenweave.nn.decoder import WeaveDecoder
+from jax_tokenweave.nn.params import partition_specs
+from jax_tokenweave.nn.stack import run_stack
 from jax_tokenweave.serving import sampling
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_implementation
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
 from jax_tokenweave.serving.step_io import ForwardInputs, StepIO, give_back, stage_inputs
-from jax_tokenweave.stack import run_stack
-from jax_tokenweave.tuning import TuneEntry
+from jax_tokenweave.weave.schedules import stack_setup
+from jax_tokenweave.weave.tuning import TuneEntry
 
 
 @jax.tree_util.register_dataclass
@@ -63,7 +63,7 @@ def decoder_forward(
     layout: StepLayout,
     *,
     schedule: str,
-    comm: str,
+    collective: str,
     key_chunk: int,
     tuning: TuneEntry | None = None,
     attention: str = "auto",
@@ -82,7 +82,7 @@ def decoder_forward(
         decoder.dtype,
         layout.plan,
         schedule=schedule,
-        comm=comm,
+        collective=collective,
         tuning=tuning,
     )
     halves, factory, ctx = setup.halves, setup.reducer, decoder.context(setup.tuning)
@@ -146,7 +146,7 @@ def model_forward(
     layout: StepLayout,
     *,
     schedule: str,
-    comm: str,
+    collective: str,
     key_chunk: int,
     tuning: TuneEntry | None = None,
     attention: str = "auto",
@@ -170,7 +170,7 @@ def model_forward(
         cache,
         layout,
         schedule=schedule,
-        comm=comm,
+        collective=collective,
         key_chunk=key_chunk,
         tuning=tuning,
         attention=attention,
@@ -232,7 +232,7 @@ def model_step(
     layout: StepLayout,
     *,
     schedule: str,
-    comm: str,
+    collective: str,
     key_chunk: int,
     num_logprobs: int,
     tuning: TuneEntry | None = None,
@@ -248,7 +248,7 @@ def model_step(
         arrays,
         layout,
         schedule=schedule,
-        comm=comm,
+        collective=collective,
         key_chunk=key_chunk,
         tuning=tuning,
         attention=attention,
@@ -283,7 +283,7 @@ _FORWARD_STATICS = (
     "graphdef",
     "layout",
     "schedule",
-    "comm",
+    "collective",
     "key_chunk",
     "tuning",
     "attention",
@@ -301,7 +301,7 @@ def forward(
     graphdef: Any,
     layout: StepLayout,
     schedule: str,
-    comm: str,
+    collective: str,
     key_chunk: int,
     tuning: TuneEntry | None,
     attention: str = "auto",
@@ -328,7 +328,7 @@ def forward(
         inputs,
         layout,
         schedule=schedule,
-        comm=comm,
+        collective=collective,
         key_chunk=key_chunk,
         tuning=tuning,
         attention=attention,

@@ -11,11 +11,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jax_tokenweave import attention as attn_lib
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.decoder_layer import inv_frequencies
-from jax_tokenweave.moe import reference_moe
-from jax_tokenweave.split import plan_batch
+from jax_tokenweave.nn import attention as attn_lib
+from jax_tokenweave.nn.decoder_layer import inv_frequencies
+from jax_tokenweave.nn.moe import reference_moe
+from jax_tokenweave.weave.plan import plan_batch
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -1,0 +1,193 @@
+"""Benchmark modes and their measurement on one batch, shared by ``benchmarks/e2e_bench.py``
+and ``benchmarks/breakdown.py``.
+
+A mode is a schedule and, for ``weave``, the collective that does its reductions, named as
+everywhere in the project: ``baseline``, ``nocomm``, ``weave-<collective>`` (``xla``, ``ffi``,
+``auto``, and the
+breakdown's ``ffi-sync`` and ``local``), plus ``-nosplit`` where the batch is kept whole and
+``@<n>`` where the fused kernel's CTA count is forced. :func:`measure` compiles every mode on
+one batch, checks the modes that compute the model against ``baseline`` and times them all the
+same way in one run (``bench.timing.benchmark``: warm-up calls, then interleaved timed
+calls; medians reported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jax_tokenweave._legacy import deprecated
+from jax_tokenweave.bench import timing
+from jax_tokenweave.weave.tuning import TuneEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One way of running the stack: schedule, collective, whether the batch may split (None:
+    the tuning table decides), and a forced CTA count of the fused kernel (None: the plan's)."""
+
+    schedule: str
+    collective: str = "auto"
+    split: bool | None = None
+    ctas: int | None = None
+
+    @property
+    def name(self) -> str:
+        """``baseline`` / ``nocomm`` / ``weave-<collective>`` (+ ``-nosplit``, ``@<ctas>``)."""
+        if self.schedule != "weave":
+            return self.schedule
+        return (
+            f"weave-{self.collective}"
+            + ("-nosplit" if self.split is False else "")
+            + (f"@{self.ctas}" if self.ctas is not None else "")
+        )
+
+    @property
+    def needs_ffi(self) -> bool:
+        """Whether the mode runs the fused kernel whatever happens (``auto`` may fall back)."""
+        return self.schedule == "weave" and self.collective in ("ffi", "ffi-sync")
+
+    @property
+    def reference(self) -> bool:
+        """Compared against baseline (``nocomm``'s and ``weave-local``'s outputs are not the
+        model's)."""
+        return self.schedule == "weave" and self.collective != "local"
+
+    @property
+    def comm(self) -> str:
+        """Deprecated: :attr:`collective`."""
+        deprecated("jax_tokenweave: Mode.comm is deprecated: use Mode.collective")
+        return self.collective
+
+    @property
+    def tuning(self) -> TuneEntry | None:
+        """The ``tuning=`` override of a forced CTA count."""
+        return None if self.ctas is None else TuneEntry(None, self.ctas)
+
+
+def make_plan(
+    config: Any,
+    model: str,
+    lengths: Sequence[int],
+    tp: int,
+    *,
+    threshold: int | None = None,
+    split: bool | None = None,
+    table: Any = None,
+) -> Any:
+    """``weave.plan.plan_batch`` as the library plans a batch of ``model`` (the tuning table's rows
+    for its name, else the wildcard rows; ``table`` default: the shipped one), with ``config``'s
+    work-balance rule and wave model; ``threshold``/``split`` override the table's decision."""
+    from jax_tokenweave.weave.plan import plan_batch
+
+    return plan_batch(
+        tuple(lengths),
+        tp=tp,
+        split=split,
+        model=model,
+        config=config,
+        threshold=threshold,
+        table=table,
+    )
+
+
+def compile_forward(
+    decoder: Any, plan: Any, hidden: jax.Array, **kwargs: Any
+) -> tuple[Callable[[], jax.Array], float, str]:
+    """Compile ``decoder(hidden, plan, **kwargs)`` (``schedule=``, ``collective=``, ``tuning=``).
+
+    Returns ``(run, compile seconds, compiled HLO text)``; ``run()`` calls the executable on
+    ``hidden`` (asynchronously, like any JAX call).
+    """
+    graphdef, state = nnx.split(decoder)
+
+    def forward(state: Any, x: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, state)(x, plan, **kwargs)
+
+    start = time.perf_counter()
+    compiled = jax.jit(forward).lower(state, hidden).compile()
+    seconds = time.perf_counter() - start
+    return (lambda: compiled(state, hidden)), seconds, compiled.as_text()
+
+
+def measure(
+    decoder: Any,
+    config: Any,
+    model: str,
+    lengths: Sequence[int],
+    hidden: jax.Array,
+    modes: Mapping[str, Mode],
+    *,
+    tol: float,
+    warmup: int,
+    iters: int,
+    ffi_reason: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Compile, check and time ``modes`` on one batch; ``{name: info}`` for each mode.
+
+    ``lengths``: the batch's request lengths; ``hidden``: its [T, H] input (replicated);
+    ``ffi_reason``: why the fused kernel cannot run here (modes that need it are skipped). A
+    ``baseline`` run is compiled whether asked for or not: the modes that compute the model are
+    compared with it (relative error above ``tol``: status ``mismatch``, not timed). ``info``
+    holds ``status`` (``ok``, ``skipped``, ``error``, ``mismatch``), ``reason``, ``compile_s``,
+    ``split``, ``half_lengths``, ``tuning``, ``rel_err`` and the timing summary
+    (``timing.Stats.summary``: ``median_ms`` ...).
+    """
+    tp = decoder.tp
+    fns: dict[str, Any] = {}
+    info: dict[str, dict[str, Any]] = {}
+    table = {"baseline": Mode("baseline"), **modes}
+    for name, mode in table.items():
+        if mode.needs_ffi and ffi_reason is not None:
+            info[name] = {"status": "skipped", "reason": f"ffi unavailable: {ffi_reason}"}
+            continue
+        try:
+            plan = make_plan(config, model, lengths, tp, split=mode.split)
+            fns[name], seconds, _ = compile_forward(
+                decoder,
+                plan,
+                hidden,
+                schedule=mode.schedule,
+                collective=mode.collective,
+                tuning=mode.tuning,
+            )
+            entry = mode.tuning or plan.tuning
+            info[name] = {
+                "status": "ok",
+                "compile_s": seconds,
+                "split": plan.is_split,
+                "half_lengths": [h.length for h in plan.halves],
+                "tuning": dataclasses.asdict(entry) if entry else None,
+            }
+        except Exception as err:  # a mode that fails must not end the sweep
+            info[name] = {"status": "error", "reason": one_line(err)}
+            traceback.print_exc(limit=3)
+    reference = fns["baseline"]() if "baseline" in fns else None
+    for name in list(fns):
+        if not table[name].reference or reference is None:
+            continue
+        rel = timing.rel_error(fns[name](), reference)
+        info[name]["rel_err"] = rel
+        if not rel <= tol:
+            info[name].update(
+                status="mismatch", reason=f"relative error {rel:.3g} vs baseline > {tol}"
+            )
+            del fns[name]
+    del reference
+    timed = {n: fns[n] for n in modes if n in fns}
+    if timed:
+        for name, stats in timing.benchmark(timed, warmup=warmup, iters=iters).items():
+            info[name].update(stats.summary())
+    return {name: info[name] for name in modes}
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one short line: ``Type: first line of the message``."""
+    text = f"{type(err).__name__}: {err}".strip().splitlines()
+    return text[0][:300] if text else type(err).__name__

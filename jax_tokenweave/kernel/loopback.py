@@ -1,0 +1,122 @@
+"""The loopback harness from Python: every rank of an N-rank group on ONE GPU (see
+``ffi/loopback.h``). It runs the real fused kernels and their device-resident protocol, so the
+protocol for N in {1, 2, 4, 8} is tested where a single GPU is at hand. Its timings compare
+variants' fixed costs only: "peer" memory is local memory here, not NVLink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jax_tokenweave.kernel import _extension
+from jax_tokenweave.kernel.comm import CommSettings
+
+_NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+
+
+@dataclasses.dataclass
+class LoopbackResult:
+    """Outputs after the last call: normed [N, T, H] and residual_out [N, q, H] (the dtype's
+    NumPy type), output vectors of later calls/replays that differed from call 0, per-replay
+    device time of one call (us), and the communicator's failure message (or None)."""
+
+    normed: np.ndarray
+    residual_out: np.ndarray
+    mismatches: int
+    call_us: list[float]
+    error: str | None
+
+
+class LoopbackComm:
+    """A communicator whose ``num_ranks`` ranks all live on CUDA device ``ordinal``."""
+
+    def __init__(self, num_ranks: int, settings: CommSettings | None = None, ordinal: int = 0):
+        s = settings or CommSettings(workspace_mib=256, oneshot_mib=8, num_slots=2)
+        self.num_ranks, self.settings = num_ranks, s
+        self.comm_id = _extension.get().register_comm(
+            [ordinal] * num_ranks,
+            num_ranks,
+            s.area_bytes,
+            s.oneshot_bytes,
+            s.num_slots,
+            s.timeout_s,
+            False,
+            True,
+        )
+
+    def run(
+        self,
+        partial: np.ndarray,
+        residual: np.ndarray,
+        weight: np.ndarray,
+        *,
+        algo: str = "one_shot",
+        num_ctas: int = 8,
+        eps: float = 1e-6,
+        calls: int = 1,
+        slots: int = 1,
+        skip_call: int = -1,
+        skip_rank: int = 0,
+        graph_calls: int = 0,
+        graph_replays: int = 0,
+    ) -> LoopbackResult:
+        """``calls`` back-to-back fused calls of every rank on ``partial`` [N, T, H] and the
+        token-sharded ``residual`` [N, q, H] (bf16/fp16/fp32 NumPy arrays) with float32
+        ``weight`` [H]; then, optionally, ``graph_replays`` timed replays of a CUDA graph of
+        ``graph_calls`` calls. ``skip_call``: the call at which rank ``skip_rank`` is absent."""
+        n, tokens, hidden = partial.shape
+        dtype = jnp.dtype(partial.dtype).name
+        if n != self.num_ranks or residual.dtype != partial.dtype:
+            raise ValueError("partial must be [N, T, H] for this comm's N, residual its dtype")
+        out = _extension.get().loopback_run(
+            self.comm_id,
+            dtype,
+            algo,
+            num_ctas,
+            tokens,
+            hidden,
+            eps,
+            np.ascontiguousarray(partial).tobytes(),
+            np.ascontiguousarray(residual).tobytes(),
+            np.ascontiguousarray(weight, np.float32).tobytes(),
+            calls,
+            slots,
+            skip_call,
+            skip_rank,
+            graph_calls,
+            graph_replays,
+        )
+        np_dtype = _NUMPY[dtype]
+        return LoopbackResult(
+            normed=np.frombuffer(out["normed"], np_dtype).reshape(n, tokens, hidden),
+            residual_out=np.frombuffer(out["residual_out"], np_dtype).reshape(n, -1, hidden),
+            mismatches=int(out["mismatches"]),
+            call_us=list(out["call_us"]),
+            error=out["error"],
+        )
+
+    def failure(self) -> str | None:
+        return _extension.get().failure_message(self.comm_id)
+
+    def close(self) -> None:
+        """Frees the workspace (waits for the device first)."""
+        _extension.get().release_comm(self.comm_id)
+
+
+def reference(
+    partial: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float = 1e-6
+) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 ``(normed [T, H], residual_out [N, q, H])`` of the fused op for loopback inputs
+    (padding rows past T carry the residual through)."""
+    n, tokens, hidden = partial.shape
+    q = residual.shape[1]
+    summed = np.zeros((n * q, hidden))
+    summed[:tokens] = partial.astype(np.float64).sum(0)
+    res_out = residual.astype(np.float64).reshape(n * q, hidden) + summed
+    x = res_out[:tokens]
+    normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight.astype(np.float64)
+    return normed, res_out.reshape(n, q, hidden)

@@ -1,0 +1,197 @@
+"""``WeaveDecoder``: the tensor-parallel decoder stack (``config.num_layers`` layers and the
+final norm) run inside one ``jax.shard_map``, under one of the schedules.
+
+The stack is written once (:func:`jax_tokenweave.nn.stack.run_stack`: layers x stages x halves);
+a schedule chooses its halves and its reducer (:mod:`jax_tokenweave.weave.schedules`,
+:mod:`jax_tokenweave.weave.reducers`). One layer's parameters and per-rank pieces are
+:class:`~jax_tokenweave.nn.decoder_layer.DecoderLayer`'s (its docstring has the parameter table);
+the stack names them ``layers.{i}.<name>`` (``layers.{i}.moe.router`` etc.) plus ``final_norm``
+[H]. ``params.named_params`` lists them, ``load_weights`` sets them from full arrays with the
+right ``NamedSharding``, and each Param carries its ``PartitionSpec`` as Flax sharding metadata
+(``nnx.get_partition_spec(nnx.state(decoder))``).
+
+With ``collective="ffi"`` and two halves, program order (ordered by data through
+``jax.lax.optimization_barrier``, see ``reducers.Overlap``)::
+
+  attn0(A) -> start(A) ; attn0(B) -> start(B) ; done(A) -> mlp0(A) -> start(A) ;
+  done(B) -> mlp0(B) -> start(B) ; done(A) -> attn1(A) -> start(A) ; done(B) -> attn1(B) ...
+  ... mlp_last(B) -> start(B) ; done(A) ; done(B)
+
+so every kernel but the last runs while a GEMM block of the other half computes
+(``jax_tokenweave.bench.hlo_check`` verifies that in compiled HLO). Half ``j`` uses workspace slot
+``j``. The fused kernel's CTA counts come from the plan's tuning entry (``BatchPlan.tuning``,
+from the shipped table, see ``jax_tokenweave.weave.tuning``) unless ``tuning=`` overrides them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jax_tokenweave._legacy import renamed_attribute, renamed_keyword
+from jax_tokenweave.config import DecoderConfig
+from jax_tokenweave.nn import attention as attn_lib
+from jax_tokenweave.nn.decoder_layer import DecoderLayer
+from jax_tokenweave.nn.params import load_weights, make_param, partition_specs
+from jax_tokenweave.nn.stack import PrefillAttention, concat, run_stack
+from jax_tokenweave.weave.plan import BatchPlan, plan_batch
+from jax_tokenweave.weave.reducers import ReduceContext
+from jax_tokenweave.weave.schedules import (
+    Collective,
+    ReducerFactory,
+    Schedule,
+    check_call,
+    stack_setup,
+)
+from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
+
+__all__ = ["WeaveDecoder"]
+
+# Until 0.2.0 (as jax_tokenweave.layers) this module re-exported the schedules' names: for one
+# release, with a warning naming their home.
+_RENAMED = {
+    **{
+        name: f"jax_tokenweave.weave.schedules:{name}"
+        for name in ("SCHEDULES", "Schedule", "check_call")
+    },
+    "ALL_COMMS": "jax_tokenweave.weave.schedules:ALL_COLLECTIVES",
+    "COMMS": "jax_tokenweave.weave.schedules:COLLECTIVES",
+    "Comm": "jax_tokenweave.weave.schedules:Collective",
+    "ffi_unavailable": "jax_tokenweave.weave.schedules:unavailable_reason",
+    "resolve_comm": "jax_tokenweave.weave.schedules:resolve_collective",
+    "own_rows": "jax_tokenweave.weave.reducers:own_rows",
+}
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_attribute(__name__, name, _RENAMED)
+
+
+class WeaveDecoder(nnx.Module):
+    """``config.num_layers`` ``DecoderLayer``s and the final norm, run inside one ``shard_map``.
+
+    Args:
+      config: model shapes; every sharded dimension must divide by the mesh axis size.
+      mesh: a mesh with the tensor-parallel axis ``axis_name``.
+      dtype: parameter and activation dtype.
+      rngs: ``nnx.Rngs`` for the random initial weights.
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        mesh: Mesh,
+        *,
+        axis_name: str = "tp",
+        dtype: jnp.dtype = jnp.bfloat16,
+        rngs: nnx.Rngs,
+    ) -> None:
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        config.check_tensor_parallel(mesh.shape[axis_name])
+        self.config = config
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.dtype = jnp.dtype(dtype)
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, mesh, axis_name=axis_name, dtype=dtype, rngs=rngs)
+                for _ in range(config.num_layers)
+            ]
+        )
+        self.final_norm = make_param(rngs, (config.hidden_size,), dtype, mesh, P(), None)
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (size of ``axis_name``)."""
+        return self.mesh.shape[self.axis_name]
+
+    def load_weights(self, weights: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Set weights from full arrays named as ``params.named_params`` (see ``load_weights``)."""
+        load_weights(self, self.mesh, weights, strict=strict)
+
+    def plan(self, request_lengths: Sequence[int], **kwargs: Any) -> BatchPlan:
+        """``weave.plan.plan_batch`` for this decoder: its TP degree and config (so the shipped
+        tuning table's rows for its shapes, and the work-balance split rule); ``kwargs`` as
+        ``plan_batch`` takes them (``split=``, ``threshold=``, ``offset=``, ``table=`` ...)."""
+        return plan_batch(request_lengths, tp=self.tp, config=self.config, **kwargs)
+
+    def context(self, tuning: TuneEntry = DEFAULT_ENTRY) -> ReduceContext:
+        """The reducers' context of this decoder (axis, mesh, eps) with ``tuning``'s CTAs."""
+        return ReduceContext(self.axis_name, self.mesh, self.config.rms_norm_eps, tuning)
+
+    def __call__(
+        self,
+        hidden: jax.Array,
+        batch: BatchPlan,
+        *,
+        schedule: Schedule = "weave",
+        collective: Collective = "auto",
+        return_kv: bool = False,
+        tuning: TuneEntry | None = None,
+        reducer: ReducerFactory | None = None,
+        comm: Collective | None = None,
+    ) -> Any:
+        """Run the stack on ``hidden`` [T, H] (replicated) laid out as ``batch``.
+
+        Returns the final-normed hidden states [T, H], replicated; with ``return_kv``, also a
+        list over layers of ``(k, v)``, each [T, Nkv, D] sharded over heads (``P(None, tp)``),
+        RoPE applied to k. ``collective``: how ``weave`` reduces (``weave.schedules``);
+        ``schedule="nocomm"`` and ``collective="local"`` do NOT compute the model. ``tuning``:
+        the fused kernel's CTA counts (default: the plan's). ``reducer``: a reducer factory
+        replacing the schedule's (the halves stay the schedule's); for tests and experiments.
+        ``collective="ffi"`` where the kernel cannot run raises ``RuntimeError`` saying why.
+        ``comm``: deprecated name of ``collective``.
+        """
+        collective = renamed_keyword(
+            "WeaveDecoder.__call__", "comm", comm, "collective", collective
+        )
+        check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, collective)
+        if tuning is not None and not isinstance(tuning, TuneEntry):
+            raise ValueError(f"tuning must be a tuning.TuneEntry or None, got {type(tuning)}")
+        setup = stack_setup(
+            self.config,
+            self.mesh,
+            self.axis_name,
+            self.dtype,
+            batch,
+            schedule=schedule,
+            collective=collective,
+            tuning=tuning,
+            reducer=reducer,
+        )
+        halves, factory, ctx = setup.halves, setup.reducer, self.context(setup.tuning)
+        impl = attn_lib.default_implementation(
+            str(self.mesh.devices.flat[0].platform), self.dtype, self.config.head_dim
+        )
+        graphdef, state = nnx.split(self)
+
+        def per_rank(state: Any, x: jax.Array) -> Any:
+            dec = nnx.merge(graphdef, state)
+            attention = PrefillAttention(halves, impl)
+            outs = run_stack(
+                dec,
+                [x[h.start : h.end] for h in halves],
+                [h.positions() for h in halves],
+                factory(ctx),
+                attention,
+            )
+            out = concat(outs)
+            return (out, attention.kv()) if return_kv else out
+
+        kv_spec = P(None, self.axis_name, None)
+        out_specs = (P(), [(kv_spec, kv_spec)] * self.config.num_layers) if return_kv else P()
+        fn = jax.shard_map(
+            per_rank,
+            mesh=self.mesh,
+            in_specs=(partition_specs(self), P()),
+            out_specs=out_specs,
+            check_vma=False,
+        )
+        return fn(state, hidden)
