@@ -52,16 +52,20 @@ def forward(dec, batch, schedules=(("weave", "xla"), ("baseline", "xla")), retur
     return call
 
 
+def _slow(*args):
+    return pytest.param(*args, marks=pytest.mark.slow)
+
+
 CASES = [
-    # (config, tp, request lengths, split threshold, dtype)
+    # (config, tp, request lengths, split threshold, dtype); the fast run keeps 8 of 12
     ("tiny", 2, (5,), 1024, jnp.float32),  # below the threshold: one half
-    ("tiny", 8, (1,), 1024, jnp.float32),  # one token, fewer than TP
+    _slow("tiny", 8, (1,), 1024, jnp.float32),  # one token, fewer than TP
     ("tiny", 4, (5, 9, 3), 4, jnp.float32),  # split, request 1 straddles it
     ("tiny", 8, (3, 11, 7, 2), 8, jnp.float32),  # T=23: not divisible by TP
-    ("tiny", 8, (100, 130, 70), 256, jnp.float32),  # T=300 > 256, midpoint rule
-    ("tiny", 2, (5, 9, 3), 4, jnp.bfloat16),
+    _slow("tiny", 8, (100, 130, 70), 256, jnp.float32),  # T=300 > 256, midpoint rule
+    _slow("tiny", 2, (5, 9, 3), 4, jnp.bfloat16),
     ("tiny", 4, (5, 9, 3), 4, jnp.bfloat16),
-    ("tiny", 4, (7, 6), 1024, jnp.bfloat16),  # bf16 below the threshold
+    _slow("tiny", 4, (7, 6), 1024, jnp.bfloat16),  # bf16 below the threshold
     ("tiny", 8, (2, 19), 8, jnp.bfloat16),
     ("tiny-moe", 8, (4, 9, 6), 8, jnp.float32),
     ("tiny-qwen", 2, (6, 7, 4), 8, jnp.float32),

@@ -72,7 +72,11 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+def _slow(*args):
+    return pytest.param(*args, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("tp", [_slow(1), 2, _slow(4)])  # the fast run keeps TP 2
 @pytest.mark.parametrize("kind", KINDS)
 def test_parity(reference, cpu_mesh, kind, tp):
     ref = reference[kind]
@@ -98,10 +102,6 @@ def test_parity(reference, cpu_mesh, kind, tp):
         got = np.asarray(forward(state, tokens, plan=plan, schedule=schedule))
         rel = np.abs(got - want).max() / np.abs(want).max()
         assert rel < 1e-4, (schedule, rel)
-
-
-def _slow(*args):
-    return pytest.param(*args, marks=pytest.mark.slow)
 
 
 # End to end, about 2 s each on a CPU: the fast run (-m "not slow") keeps one case.
