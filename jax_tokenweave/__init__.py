@@ -1,21 +1,10 @@
 """TokenWeave for JAX: overlap tensor-parallel communication with compute in LLM inference.
 
-The public names below load lazily, so ``import jax_tokenweave`` imports neither JAX nor Flax;
-importing any module of the package changes no global state (environment, JAX config).
-
-- ``allreduce_rmsnorm`` (``jax_tokenweave.kernel.ops``): fused all-reduce + residual add + RMSNorm.
-- ``plan_batch``, ``BatchPlan`` (``jax_tokenweave.weave.plan``): wave-aware token split planning.
-- ``WeaveDecoder`` (``jax_tokenweave.nn.decoder``): the tensor-parallel decoder stack and schedules.
-- ``DecoderConfig``, ``RopeScaling`` (``jax_tokenweave.config``), ``get_config``
-  (``jax_tokenweave.models.configs``): model shapes.
-- ``from_pretrained`` (``jax_tokenweave.models.auto``): a Hugging Face checkpoint directory ->
-  the model class its ``model_type`` is registered to, each device reading only its shards.
-- ``LLM``, ``SamplingParams`` (``jax_tokenweave.serving``): serve a checkpoint, text in and out
-  (continuous batching, paged KV cache, streaming); ``python -m jax_tokenweave.generate``.
-
-The parts, bottom up (each imports only those before it): ``config``, ``kernel`` (the fused
-kernel), ``weave`` (plan, tuning, reducers, schedules), ``nn`` (the decoder), ``hf``, ``models``,
-``serving``; then the commands ``launch``, ``generate``, ``serve`` and ``bench`` (the main job).
+Public names (loaded lazily: ``import jax_tokenweave`` imports neither JAX nor Flax):
+``allreduce_rmsnorm``, ``plan_batch``, ``BatchPlan``, ``WeaveDecoder``, ``DecoderConfig``,
+``RopeScaling``, ``get_config``, ``from_pretrained``, ``LLM``, ``SamplingParams``.
+Importing any module of the package changes no global state (environment, JAX config).
+Where each name lives and the parts' import order: docs/PACKAGE.md#jax_tokenweave.
 """
 
 from __future__ import annotations

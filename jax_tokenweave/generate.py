@@ -1,14 +1,10 @@
-"""Generate text from a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Mixtral).
+"""Generate text from a Hugging Face checkpoint: ``python -m jax_tokenweave.generate``.
 
     python -m jax_tokenweave.generate /path/to/checkpoint --tp 2 --prompt "The capital of France is"
 
-Loads the checkpoint tensor-parallel over ``--tp`` devices and serves the prompts with
-``jax_tokenweave.LLM`` (continuous batching, chunked prefill, paged KV cache; steps of at least
-``--split-threshold`` tokens are woven). Text needs the tokenizer files in the directory;
-``--ids 1,2,3`` passes token ids instead. ``--stream`` prints tokens as they are made. On a
-CPU-only host, ``--tp N`` makes N virtual devices (``--cpu-devices`` to ask for more). Known
-errors (a bad checkpoint, a bad argument) print one line, not a traceback. The checkpoint may be
-a Hugging Face model id in the local cache.
+Serves the prompts with ``jax_tokenweave.LLM`` over ``--tp`` devices (virtual ones on a CPU
+host). ``--ids`` takes token ids, ``--stream`` prints tokens as made; known errors print one
+line. The options in full: docs/PACKAGE.md#generate.
 """
 
 from __future__ import annotations

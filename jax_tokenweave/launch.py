@@ -1,14 +1,8 @@
 """Start one process per local GPU with ``jax.distributed``.
 
-``python -m jax_tokenweave.launch -n 2 [options] -- python my_script.py args...`` runs the
-command ``n`` times, rank ``i`` with ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
-``JAX_PROCESS_ID`` and ``JAX_LOCAL_DEVICE_IDS`` (its GPU ordinals) set. The script calls
-:func:`initialize` before anything else touches JAX. All GPUs stay visible to every process
-(``CUDA_VISIBLE_DEVICES`` is not narrowed: peer access between the processes' GPUs needs that);
-JAX's ``local_device_ids`` picks each process's devices. ``--cpu`` runs the ranks on JAX's CPU
-backend (for tests). Ranks read no stdin. The launcher exits 0 when every rank does, else with
-the first failing rank's code; once a rank fails the others get ``--timeout`` seconds before
-they are terminated. SIGINT and SIGTERM are forwarded to the ranks.
+``python -m jax_tokenweave.launch -n 2 [options] -- python my_script.py args...``; the script
+calls :func:`initialize` before touching JAX. Exits 0 when every rank does, else with the first
+failing rank's code. Environment, ``--cpu``, ``--timeout`` and signals: docs/PACKAGE.md#launch.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Old names, kept for one release (removed in 0.4.0): each use warns with a
-``DeprecationWarning`` that names the new one.
+"""Old names, kept for one release (removed in 0.4.0); each use warns (``DeprecationWarning``).
 
-- Old module paths (:data:`MOVED`): the package's ``__path__`` ends with this folder, so
-  ``import jax_tokenweave.layers`` finds ``layers.py`` here, which warns and puts the new module
-  in its place (:func:`moved_module`): the old path *is* the new module.
-- Renamed names inside a module: the module's ``__getattr__`` calls :func:`renamed_attribute`.
-- Renamed keywords: :func:`renamed_keyword`.
-
-Every message starts with ``jax_tokenweave`` (the tests turn such warnings into errors).
-Imports nothing from the package, so every part of it may use this; registers no import hook.
+Old module paths (:data:`MOVED`, :func:`moved_module`), renamed attributes
+(:func:`renamed_attribute`), renamed keywords (:func:`renamed_keyword`). Every message starts
+with ``jax_tokenweave``. Imports nothing from the package; registers no import hook.
+How the old paths resolve: docs/PACKAGE.md#_legacy.
 """
 
 from __future__ import annotations

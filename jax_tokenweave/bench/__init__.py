@@ -1,15 +1,8 @@
-"""The main job and the benchmarks' helpers.
+"""The main job and the benchmarks' helpers; importing any of them sets nothing.
 
-``python -m jax_tokenweave.bench`` runs the main job (``bench.job``: times the decoder stack's
-schedules side by side; ``bench.report``: its table, header line and plot).
-
-- ``benchmarking``: helpers shared by the main job and ``benchmarks/*.py`` (devices, meshes,
-  random models and inputs, the run's environment, the benchmarks' options);
-- ``modes``: benchmark modes (schedule, collective, split, CTAs) and their measurement;
-- ``timing``: blocking timers, interleaved medians, relative errors;
-- ``hlo_check``: checks a compiled program for the fused kernel's start/done overlap.
-
-Importing any of them sets nothing (no environment variable, no JAX config).
+``python -m jax_tokenweave.bench`` runs the main job (``bench.job``, ``bench.report``);
+``benchmarking``, ``modes``, ``timing`` and ``hlo_check`` serve it and ``benchmarks/*.py``.
+The modules' roles: docs/PACKAGE.md#bench.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Helpers shared by the main job (``jax_tokenweave.bench.job``) and ``benchmarks/*.py``.
+"""Helpers shared by the main job (``bench.job``) and ``benchmarks/*.py``.
 
-Importing this module sets nothing (no environment variable, no JAX config). The virtual CPU
-devices of a CPU run are asked for by :func:`use_cpu_devices`, which the entry points call first
-thing in ``main``, before JAX's backends start. The argument types, the help format, the engine
-options and ``use_cpu_devices`` are the command lines' (``serving.cli``), re-exported here.
-
-Mode names, the same everywhere: a schedule (``baseline``, ``weave``, ``nocomm``) and, for
-``weave``, the collective that does its reductions (``auto``, ``xla``, ``ffi``); a benchmark
-mode is named ``baseline``, ``nocomm`` or ``weave-<collective>``, plus ``-nosplit`` where the
-batch is kept whole.
+Importing it sets nothing; entry points call :func:`use_cpu_devices` first in ``main``.
+Re-exports the command lines' argument types, help format and engine options
+(``serving.cli``). Mode names (``baseline``, ``nocomm``, ``weave-<collective>``, ``-nosplit``):
+See docs/PACKAGE.md#benchbenchmarking.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""Check, in compiled HLO text, that the weave schedule really overlaps communication.
+"""Check, in compiled HLO text, that the weave schedule overlaps communication with GEMMs.
 
-``overlap_report(jax.jit(f).lower(...).compile().as_text())`` walks the entry computation in
-schedule order (a compiled module is scheduled: its text lists instructions in execution order),
-expanding every computation an instruction calls (fusions, command buffers, ``call``, ``while``
-bodies) in place, and pairs each ``allreduce_rmsnorm_start`` custom call with the next
-``allreduce_rmsnorm_done`` on the same workspace ``slot`` (read from the call's
-``backend_config``; without a slot, first-in first-out). For each pair it lists the GEMMs
-scheduled between them. A GEMM is any of: an HLO ``dot`` (CPU, or inside a Triton GEMM fusion),
-a custom call whose target names cuBLAS / cuBLASLt / cuDNN GEMM or attention
-(``__cublas$gemm``, ``__cublas$lt$matmul...``, ``__cudnn$...``), or a fusion whose backend config
-says ``__triton_gemm`` / ``__cudnn$fusion`` / ``__cublas`` (its body is also expanded; a GEMM is
-counted once per instruction line).
-
-The custom-call target names come from ``jax_tokenweave.kernel._ffi.TARGETS``.
+``overlap_report(compiled_text)`` pairs each ``allreduce_rmsnorm_start`` with its ``done`` (by
+workspace slot, in schedule order) and lists the GEMMs scheduled between them. Target names come
+from ``kernel._ffi.TARGETS``. How the text is walked and what counts as a GEMM:
+docs/PACKAGE.md#benchhlo_check.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The main job: time the decoder stack's schedules side by side.
 
-``python -m jax_tokenweave.bench`` builds a tensor-parallel ``WeaveDecoder`` with random weights,
-checks that the ``weave`` schedule computes what ``baseline`` does, then times ``baseline``
-(XLA ``psum``), ``weave`` (TokenWeave: split + fused RS-norm-AG, its reductions done by
-``--collective``) and ``nocomm`` (no collectives: the floor) the same way in one run and prints
-their median latencies and ratios.
-
-On GPUs it defaults to Llama-3-70B shapes, 4 layers, TP = number of GPUs, 2048 and 8192 tokens
-in requests of 1024; with no GPU it runs the ``tiny`` config on 8 virtual CPU devices (asked for
-in :func:`main` through ``jax.config``; importing this module sets nothing). CPU timings say
-nothing about GPU overlap: the run checks the schedules and the tooling, not the speed-up.
-``--help`` lists the options; ``--json``/``--plot`` save the results.
+``python -m jax_tokenweave.bench`` builds a random-weight ``WeaveDecoder``, checks ``weave``
+against ``baseline``, then times ``baseline``, ``weave`` and ``nocomm`` the same way and prints
+medians and ratios (``--json``/``--plot`` save them; ``--help`` lists the options).
+GPU defaults and the CPU run: docs/PACKAGE.md#benchjob.
 """
 
 from __future__ import annotations

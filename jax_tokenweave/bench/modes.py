@@ -1,14 +1,8 @@
-"""Benchmark modes and their measurement on one batch, shared by ``benchmarks/e2e_bench.py``
-and ``benchmarks/breakdown.py``.
+"""Benchmark modes and their measurement on one batch (``e2e_bench.py``, ``breakdown.py``).
 
-A mode is a schedule and, for ``weave``, the collective that does its reductions, named as
-everywhere in the project: ``baseline``, ``nocomm``, ``weave-<collective>`` (``xla``, ``ffi``,
-``auto``, and the
-breakdown's ``ffi-sync`` and ``local``), plus ``-nosplit`` where the batch is kept whole and
-``@<n>`` where the fused kernel's CTA count is forced. :func:`measure` compiles every mode on
-one batch, checks the modes that compute the model against ``baseline`` and times them all the
-same way in one run (``bench.timing.benchmark``: warm-up calls, then interleaved timed
-calls; medians reported).
+A mode: ``baseline``, ``nocomm`` or ``weave-<collective>``, plus ``-nosplit`` / ``@<n>`` (CTAs).
+:func:`measure` compiles every mode, checks those that compute the model against ``baseline``
+and times them all in one run. Mode names in full: docs/PACKAGE.md#benchmodes.
 """
 
 from __future__ import annotations

@@ -84,15 +84,10 @@ def benchmark(
 ) -> dict[str, Stats]:
     """Time each zero-argument function of ``fns``; returns ``{name: Stats}``.
 
-    Args:
-      fns: name -> function returning JAX arrays (already jitted; compile them beforehand or
-        count on the warm-up calls to do it).
-      warmup: untimed calls per function before timing (>= 0).
-      iters: timed calls per function (>= 1).
-      interleave: time the functions round-robin (``a b c a b c ...``) rather than one after
-        the other.
-      on_step: called after every call, warm-up or timed (e.g. a progress bar's update);
-        ``len(fns) * (warmup + iters)`` calls in all.
+    ``fns``: name -> function returning JAX arrays (jitted; the warm-up calls may compile).
+    ``warmup`` (>= 0) untimed, then ``iters`` (>= 1) timed calls per function; ``interleave``:
+    round-robin (``a b c a b c``) rather than one after the other. ``on_step``: called after
+    every call, warm-up or timed, ``len(fns) * (warmup + iters)`` in all (e.g. a progress bar).
     """
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")

@@ -1,14 +1,9 @@
 """Hugging Face checkpoints: ``config.json`` mapping, per-device safetensors reads, loading.
 
-- ``hf.config``: ``load_hf_config``, ``decoder_config_from_hf``, ``HFModelInfo``.
-- ``hf.reader``: ``SafetensorsCheckpoint``, ``Source``, ``load_sharded`` (each device reads only
-  its block of each tensor, through ``safetensors.safe_open``).
-- ``hf.loading``: ``hf_sources`` (tensor name mapping), ``fused_sources`` (q/k/v and gate/up
-  read into the rank-blocked fused parameters), ``load_pretrained(model_cls, path, ...)``.
-- ``hf.errors``: ``CheckpointError`` (names the file at fault), ``UnsupportedConfigError``.
-
-To load a checkpoint with the model class its ``model_type`` is registered to, use
-``jax_tokenweave.from_pretrained`` (``jax_tokenweave.models.auto``).
+``hf.config`` (``load_hf_config``, ``decoder_config_from_hf``), ``hf.reader``
+(``load_sharded``: each device reads its block), ``hf.loading`` (``load_pretrained``),
+``hf.errors`` (``CheckpointError``, ``UnsupportedConfigError``). To load by ``model_type``,
+use ``jax_tokenweave.from_pretrained``. See docs/PACKAGE.md#hf.
 """
 
 from jax_tokenweave.hf.config import (

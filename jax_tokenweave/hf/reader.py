@@ -1,15 +1,9 @@
-"""Per-device reads of safetensors checkpoints (the ``safetensors`` library's ``safe_open``).
+"""Per-device reads of safetensors checkpoints (``safetensors.safe_open``).
 
-A checkpoint directory holds ``model.safetensors``, or sharded ``model-0000i-of-0000n.safetensors``
-files with ``model.safetensors.index.json`` (tensor name -> file). :func:`load_sharded` builds a
-``jax.Array`` with ``jax.make_array_from_callback`` and a ``NamedSharding``: the callback runs once
-per addressable device with that device's block of the global shape and reads only that block
-(``safe_open(file, framework="numpy").get_slice(name)[a:b, ...]``), so no host ever materialises a
-full copy of a sharded tensor. bfloat16 and float8 slices come back as ``ml_dtypes`` arrays.
-
-Hugging Face linear weights are ``[out, in]``; a :class:`Source` with ``transpose=True`` yields
-the ``[in, out]`` layout, slicing the file in the transposed order, so a column-parallel weight's
-shard is a block of rows of the stored tensor.
+:func:`load_sharded` builds a ``jax.Array`` under a ``NamedSharding``; each addressable device
+reads only its block of the global shape, so no host holds a full sharded tensor. A
+:class:`Source` with ``transpose=True`` yields ``[in, out]`` from Hugging Face's ``[out, in]``.
+Checkpoint layout and slicing: docs/PACKAGE.md#hfreader.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The fused AllReduce + residual + RMSNorm kernel and everything that runs it.
 
-- ``ops``: ``allreduce_rmsnorm(partial, residual, weight, axis_name=, impl=)`` inside
-  ``shard_map``, with ``impl`` ``xla`` | ``xla_rsag`` | ``ffi`` | ``auto``;
-- ``_ffi``: the extension's XLA FFI targets, the synchronous call and the start/done pair, and
-  ``unavailable_reason`` (why the fused kernel cannot run a call);
-- ``_extension``: loads the CUDA extension (``_tokenweave_ffi``, built from ``ffi/``) if built;
-- ``comm``: ``Communicator`` (one per mesh axis: workspace, settings, failure), ``CommSettings``;
-- ``comm_ipc``: the cross-process workspace exchange (one process per GPU);
-- ``policy`` (+ ``policy.json``): the kernel variant and CTA count per message size;
-- ``loopback``: every rank of a group on one GPU (protocol tests);
-- ``_util``: ``ceil_div``, the one helper every part of the package may import.
-
-Imports nothing above it (``weave``, ``nn``, ...). The names below load lazily: importing this
-package imports neither JAX nor the extension.
+Modules: ``ops`` (``allreduce_rmsnorm``), ``_ffi`` (FFI targets, ``unavailable_reason``),
+``_extension``, ``comm`` (``Communicator``), ``comm_ipc``, ``policy``, ``loopback``, ``_util``.
+Imports nothing above it; names load lazily (no JAX, no extension on import). See
+docs/KERNEL.md#kernel.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """A communicator across processes: one process per GPU under ``jax.distributed``.
 
-Each process allocates its devices' workspaces as exportable CUDA memory; the processes find each
-other through ``jax.distributed``'s key-value store and hand each other the workspaces' file
-descriptors over Unix sockets (so they must share a host). A process that dies leaves its peers'
-mappings valid: their next fused call fails at its bounded wait with a clear error. Algorithms
-that read XLA's buffers by address (``direct``) cannot cross processes; ``auto`` avoids them.
-
-Rules (:func:`layout_reason`, :func:`host_reason`): every group along the axis holds at most one
-device of a process unless all of it is in one process; the group's devices are on one host and
-peers of each other. Every process must build its communicators in the same order (as SPMD code
-does): the n-th one of each process is connected to the n-th of the others.
+Workspaces are exported CUDA memory whose file descriptors travel over Unix sockets (one host).
+Rules: :func:`layout_reason`, :func:`host_reason`; every process builds its communicators in the
+same order. ``direct`` never crosses processes. Protocol and failures:
+docs/KERNEL.md#kernelcomm_ipc.
 """
 
 from __future__ import annotations

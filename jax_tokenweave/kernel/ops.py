@@ -1,21 +1,9 @@
-"""``allreduce_rmsnorm``: sum partial results over a mesh axis, add the residual, apply RMSNorm.
+"""``allreduce_rmsnorm``: sum partials over a mesh axis, add the residual, apply RMSNorm.
 
-All functions here run *inside* ``jax.shard_map`` over a 1-D tensor-parallel axis of size N.
-Shapes are per shard (per rank):
-
-========== ================== ============================================================
-impl       residual layout    what it does
-========== ================== ============================================================
-``xla``    replicated [T, H]  ``psum`` (all-reduce), add, RMSNorm on all T rows (vLLM-style)
-``xla_rsag`` sharded [q, H]   ``psum_scatter`` -> add + RMSNorm on q rows -> ``all_gather``
-``ffi``    sharded [q, H]     the fused CUDA kernel (``jax_tokenweave.kernel._ffi``), same contract
-``auto``   sharded [q, H]     ``ffi`` where it is usable and N > 1, else ``xla_rsag``
-========== ================== ============================================================
-
-``q = rows_per_rank(T, N) = ceil(T / N)``: rank r owns token rows ``[r*q, (r+1)*q)`` of the
-sequence padded to ``q*N`` rows. Padding rows of a sharded residual are carried through
-(``residual_out = residual + 0``) and never reach ``normed``, which always has the T real rows,
-replicated on every rank. RMSNorm math is float32; outputs have the input dtype.
+Runs inside ``jax.shard_map`` over a 1-D TP axis of size N; shapes are per rank. ``impl``: ``xla``
+(residual replicated [T, H]), ``xla_rsag``, ``ffi``, ``auto`` (residual token-sharded [q, H], ``q =
+rows_per_rank(T, N) = ceil(T / N)``). ``normed`` is always [T, H] replicated; RMSNorm math is
+float32, outputs in the input dtype. The impls and padding rows: docs/KERNEL.md#kernelops.
 """
 
 from __future__ import annotations
@@ -75,21 +63,12 @@ def allreduce_rmsnorm(
 ) -> tuple[jax.Array, jax.Array]:
     """RMSNorm(sum over ``axis_name`` of ``partial`` + ``residual``) and the new residual.
 
-    Args:
-      partial: [T, H], this rank's partial sum (e.g. a row-parallel GEMM's output).
-      residual: [T, H] for ``impl="xla"``, else [ceil(T/N), H] token-sharded (module docstring).
-      weight: [H], the RMSNorm scale (replicated).
-      axis_name: the tensor-parallel mesh axis this runs under (inside ``shard_map``).
-      eps: RMSNorm epsilon.
-      impl: see the module docstring.
-      mesh: the concrete mesh; needed by ``ffi`` (and by ``auto`` to consider it), since the
-        kernel must know which devices form the axis.
-      num_ctas: thread blocks the fused kernel uses (``ffi`` only; None = tuned default).
-      slot: workspace slot of the fused kernel (``ffi`` only); two calls that may be in flight
-        at once (the two token halves) must use different slots.
-
-    Returns:
-      ``(normed, residual_out)``: normed [T, H] replicated; residual_out with residual's shape.
+    ``partial`` [T, H]: this rank's partial sum; ``residual`` [T, H] for ``impl="xla"``, else
+    [ceil(T/N), H] token-sharded; ``weight`` [H] replicated; ``eps``: RMSNorm epsilon;
+    ``axis_name``: the TP axis (inside ``shard_map``); ``impl``: module docstring. ``mesh``: needed
+    by ``ffi`` (and by ``auto`` to consider it). ``num_ctas``: the fused kernel's thread blocks
+    (``ffi``; None: tuned). ``slot``: its workspace slot (``ffi``); calls that may be in flight at
+    once need different slots. Returns ``(normed [T, H] replicated, residual_out)``.
     """
     _check_impl(impl)
     axis_size = jax.lax.axis_size(axis_name)

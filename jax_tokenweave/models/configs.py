@@ -1,19 +1,8 @@
 """Named ``DecoderConfig``s: real model shapes for benchmarks and tiny ones for CPU tests.
 
-=============== ====== ====== ====== ======== ========= ======= ================================
-name            hidden FFN    layers q/kv hds head_dim  vocab   notes
-=============== ====== ====== ====== ======== ========= ======= ================================
-tiny            64     128    2      16 / 8   8         256     GQA, llama3 RoPE scaling
-tiny-moe        64     64     2      16 / 8   8         256     4 experts, top 2
-tiny-qwen       64     128    2      16 / 8   8         256     qkv bias, tied embeddings
-llama3-8b       4096   14336  32     32 / 8   128       128256  theta 5e5, llama3 scaling
-llama3-70b      8192   28672  80     64 / 8   128       128256  theta 5e5, llama3 scaling
-qwen2.5-72b     8192   29568  80     64 / 8   128       152064  qkv bias, theta 1e6, eps 1e-6
-mixtral-8x22b   6144   16384  56     48 / 8   128       32768   8 experts top 2, theta 1e6
-=============== ====== ====== ====== ======== ========= ======= ================================
-
-Every tiny config divides by TP 1, 2, 4 and 8. ``get_config(name, **overrides)`` returns a copy
-with fields replaced (e.g. ``num_layers=4`` for a short benchmark stack).
+``get_config(name, **overrides)`` returns a copy with fields replaced (e.g. ``num_layers=4``).
+Names: ``tiny``, ``tiny-moe``, ``tiny-qwen`` (each divides by TP 1, 2, 4, 8), ``llama3-8b``,
+``llama3-70b``, ``qwen2.5-72b``, ``mixtral-8x22b``; their shapes: docs/PACKAGE.md#modelsconfigs.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """``LlamaModel``: token embedding -> ``WeaveDecoder`` (incl. final norm) -> LM head.
 
-Covers Llama 3, Qwen2 (``qkv_bias``) and Mixtral (``num_experts``) shapes.
-
-Parameters (global shapes; names as ``load_weights`` / ``params.named_params`` spell them):
-
-==================== ========== ===================== ========================================
-name                 shape      sharding              Hugging Face tensor
-==================== ========== ===================== ========================================
-``embed``            [V, H]     ``P("tp", None)``     ``model.embed_tokens.weight``
-``decoder.<...>``    see ``jax_tokenweave.nn.decoder`` (``decoder.layers.{i}.q_proj``, ...,
-                     ``decoder.final_norm`` = ``model.norm.weight``)
-``lm_head``          [H, V]     ``P(None, "tp")``     ``lm_head.weight``.T (absent when tied)
-==================== ========== ===================== ========================================
-
-The embedding is **vocab-sharded** (each rank holds ``V/N`` rows; a lookup is a masked local
-gather plus one ``psum`` of the [T, H] result), which saves ``(N-1)/N`` of its memory; so
-``vocab_size`` must divide by TP. With ``tie_word_embeddings`` the LM head is ``embed.T``, which
-is sharded over the vocabulary just as a column-parallel head is. Logits are computed per rank
-in float32 and all-gathered: ``[T, V]`` replicated. Token ids outside ``[0, V)`` embed to zeros.
+Llama 3, Qwen2 (``qkv_bias``) and Mixtral (``num_experts``) shapes. ``embed`` [V, H]
+``P("tp", None)`` (vocab-sharded: ``vocab_size`` must divide by TP), ``lm_head`` [H, V]
+``P(None, "tp")`` (``embed.T`` when tied). Logits: float32 [T, V], replicated; token ids
+outside ``[0, V)`` embed to zeros. Parameter table: docs/PACKAGE.md#modelsllama.
 """
 
 from __future__ import annotations

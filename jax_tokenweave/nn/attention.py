@@ -1,23 +1,10 @@
 """RoPE and ragged causal attention over packed requests, per tensor-parallel rank.
 
-Arrays are ``[tokens, heads, head_dim]`` with the heads local to the rank (``num_heads / tp``
-query heads, ``num_kv_heads / tp`` key/value heads; grouped-query attention when they differ).
-The tokens of several requests are packed back to back; static Python metadata (the
-``weave.plan.Piece`` tuples of a ``BatchPlan`` half) says where each request's piece lies:
-
-* a query attends causally to keys of its own request only;
-* a piece with ``position > 0`` (the second part of a request cut by the split) also attends to
-  a *prefix*: the same request's K/V of its first ``position`` tokens (same layer), passed in.
-
-Pieces of equal length without a prefix are stacked into one batched call of
-``jax.nn.dot_product_attention(is_causal=True)`` (a plain reshape when they are adjacent, as for
-equal-length requests); prefix pieces use an explicit bottom-right aligned causal mask.
-``implementation="cudnn"`` asks for the cuDNN fused kernel (note that jax's
-``implementation=None`` means XLA in jax 0.10), falling back to XLA where cuDNN refuses the call
-at trace time; ``default_implementation`` picks it for GPU meshes with 16-bit dtypes (the
-environment variable ``JAX_TOKENWEAVE_ATTENTION=xla|cudnn|auto`` overrides the choice).
-
-``reference_attention`` is a float64 NumPy reference over the whole packed batch, for tests.
+Arrays are ``[tokens, heads, head_dim]``, heads local to the rank (GQA where Nq != Nkv). A
+query attends causally within its request; a piece with ``position > 0`` also attends to a
+passed-in prefix K/V. ``JAX_TOKENWEAVE_ATTENTION=xla|cudnn|auto`` overrides
+``default_implementation``; ``reference_attention`` is a float64 NumPy reference.
+Batching and the cuDNN fallback: docs/WEAVE.md#nnattention.
 """
 
 from __future__ import annotations
@@ -210,18 +197,12 @@ def ragged_attention(
 ) -> jax.Array:
     """Causal attention of packed request pieces, one rank's heads.
 
-    Args:
-      q: [T, Nq, D] queries (RoPE applied), T = sum of the pieces' lengths.
-      k, v: [T, Nkv, D] keys and values of the same tokens (Nq a multiple of Nkv).
-      pieces: the pieces in token order; ``piece.start - origin`` is its first row in q.
-      origin: global token index of row 0 (the half's ``start``).
-      prefix: for each piece with ``position > 0``, keyed by its ``request``: the request's
-        earlier K/V ``([position, Nkv, D], [position, Nkv, D])``.
-      scale: logit scale, default ``1/sqrt(D)``.
-      implementation: None (XLA) or ``"cudnn"`` (falls back to XLA when refused).
-
-    Returns:
-      [T, Nq, D] in q's dtype.
+    ``q`` [T, Nq, D] (RoPE applied, T the pieces' total length); ``k``, ``v`` [T, Nkv, D] (Nq a
+    multiple of Nkv). ``pieces``: in token order, ``piece.start - origin`` the first row;
+    ``origin``: global index of row 0 (the half's ``start``). ``prefix``: per piece with ``position
+    > 0``, by ``request``, its earlier K/V ``([position, Nkv, D], [position, Nkv, D])``. ``scale``:
+    default ``1/sqrt(D)``. ``implementation``: None (XLA) or ``"cudnn"`` (XLA where refused).
+    Returns [T, Nq, D] in q's dtype.
     """
     _check_attention_inputs(q, k, v, pieces, origin)
     prefix = dict(prefix or {})

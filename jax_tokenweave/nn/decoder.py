@@ -1,26 +1,9 @@
-"""``WeaveDecoder``: the tensor-parallel decoder stack (``config.num_layers`` layers and the
-final norm) run inside one ``jax.shard_map``, under one of the schedules.
+"""``WeaveDecoder``: the TP decoder stack (layers + final norm) in one ``jax.shard_map``.
 
-The stack is written once (:func:`jax_tokenweave.nn.stack.run_stack`: layers x stages x halves);
-a schedule chooses its halves and its reducer (:mod:`jax_tokenweave.weave.schedules`,
-:mod:`jax_tokenweave.weave.reducers`). One layer's parameters and per-rank pieces are
-:class:`~jax_tokenweave.nn.decoder_layer.DecoderLayer`'s (its docstring has the parameter table);
-the stack names them ``layers.{i}.<name>`` (``layers.{i}.moe.router`` etc.) plus ``final_norm``
-[H]. ``params.named_params`` lists them, ``load_weights`` sets them from full arrays with the
-right ``NamedSharding``, and each Param carries its ``PartitionSpec`` as Flax sharding metadata
-(``nnx.get_partition_spec(nnx.state(decoder))``).
-
-With ``collective="ffi"`` and two halves, program order (ordered by data through
-``jax.lax.optimization_barrier``, see ``reducers.Overlap``)::
-
-  attn0(A) -> start(A) ; attn0(B) -> start(B) ; done(A) -> mlp0(A) -> start(A) ;
-  done(B) -> mlp0(B) -> start(B) ; done(A) -> attn1(A) -> start(A) ; done(B) -> attn1(B) ...
-  ... mlp_last(B) -> start(B) ; done(A) ; done(B)
-
-so every kernel but the last runs while a GEMM block of the other half computes
-(``jax_tokenweave.bench.hlo_check`` verifies that in compiled HLO). Half ``j`` uses workspace slot
-``j``. The fused kernel's CTA counts come from the plan's tuning entry (``BatchPlan.tuning``,
-from the shipped table, see ``jax_tokenweave.weave.tuning``) unless ``tuning=`` overrides them.
+``__call__(hidden [T, H], batch: BatchPlan, *, schedule=, collective=, tuning=, reducer=)``
+returns the final-normed [T, H], replicated; ``plan(request_lengths)`` plans a batch. Params:
+``layers.{i}.<name>`` and ``final_norm`` [H], each with its ``PartitionSpec``. Half ``j`` uses
+workspace slot ``j``. Parameter names and the overlapped program order: docs/WEAVE.md#nndecoder.
 """
 
 from __future__ import annotations

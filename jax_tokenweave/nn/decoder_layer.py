@@ -1,33 +1,10 @@
 """One Llama-style decoder layer: its sharded parameters and its per-rank compute pieces.
 
-Parameters (global shapes, ``[in, out]`` layout = transpose of a torch ``Linear``; the fused
-ones are rank-blocked, see :mod:`jax_tokenweave.nn.fused_layout`: sharded ``P(None, "tp")``
-each rank holds exactly its own heads / columns of every part):
-
-=========================== ================= ================== =================================
-name                        shape             sharding           Hugging Face Llama tensors
-=========================== ================= ================== =================================
-``input_layernorm``         [H]               replicated         ``input_layernorm.weight``
-``qkv_proj``                [H, (Nq+2Nkv)*D]  ``P(None, "tp")``  ``self_attn.{q,k,v}_proj.weight``.T
-                                                                 fused per rank
-``qkv_bias`` (qkv_bias)     [(Nq+2Nkv)*D]     ``P("tp")``        ``self_attn.{q,k,v}_proj.bias``
-``o_proj``                  [Nq*D, H]         ``P("tp", None)``  ``self_attn.o_proj.weight``.T
-``post_attention_layernorm`` [H]              replicated         ``post_attention_layernorm...``
-``gate_up_proj``            [H, 2F]           ``P(None, "tp")``  ``mlp.{gate,up}_proj.weight``.T
-                                                                 fused per rank
-``down_proj``               [F, H]            ``P("tp", None)``  ``mlp.down_proj.weight``.T
-``moe.*`` (num_experts > 0) see ``jax_tokenweave.nn.moe`` (experts unfused)
-=========================== ================= ================== =================================
-
-One GEMM computes a rank's q, k and v (vLLM's and MaxText's ``qkv_proj``), one its gate and up:
-fewer, larger GEMMs for every schedule, which matters most for the split's half-size GEMMs.
-The logical parts (``q_proj`` [H, Nq*D], ``k_proj``/``v_proj`` [H, Nkv*D], ``gate_proj``/
-``up_proj`` [H, F], biases) are what ``params.logical_weights`` returns and what
-``params.load_weights`` accepts in place of the fused names.
-
-The methods are per-rank pieces: pure functions of per-rank arrays, called on a layer whose
-Params hold the *local* shards (``nnx.merge`` of the layer's graph with the local state inside
-``jax.shard_map``, as the decoder stack does).
+Params (global, ``[in, out]``): ``input_layernorm``, ``post_attention_layernorm`` [H];
+``qkv_proj`` [H, (Nq+2Nkv)*D], ``gate_up_proj`` [H, 2F] ``P(None, "tp")`` (rank-blocked,
+``nn.fused_layout``); ``o_proj`` [Nq*D, H], ``down_proj`` [F, H] ``P("tp", None)``; optional
+``qkv_bias``, ``moe.*``. Methods are pure functions of per-rank arrays on the local shards
+(inside ``shard_map``). Parameter table and Hugging Face names: docs/WEAVE.md#nndecoder_layer.
 """
 
 from __future__ import annotations

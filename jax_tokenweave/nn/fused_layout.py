@@ -1,17 +1,8 @@
 """Fused column-parallel projections: one GEMM for q/k/v and one for gate/up, exact under TP.
 
-A fused parameter concatenates its parts' output columns **rank-blocked**: for a TP degree N,
-rank r's block ``[r*W/N, (r+1)*W/N)`` of the fused width W is ``[part_0 columns of rank r |
-part_1 columns of rank r | ...]``, so sharding the fused matrix ``P(None, "tp")`` gives each rank
-exactly the columns its separate parts would have given it (its own q/k/v heads, its own gate/up
-columns) and one GEMM per rank computes them all::
-
-    qkv_proj [H, (Nq+2*Nkv)*D] = [q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ... ]   (N blocks)
-    gate_up_proj [H, 2*F]      = [gate_0 | up_0 | gate_1 | up_1 | ... ]
-
-The layout depends on N: convert with :func:`fuse_weights` / :func:`unfuse_weights` (or load
-through the logical names, which ``params.load_weights`` and the Hugging Face loader fuse for
-the module's own TP degree). ``params.logical_weights`` gives a module's weights unfused.
+Fused columns are rank-blocked for TP degree N (``[q_0|k_0|v_0|q_1|...]``), so ``P(None, "tp")``
+gives each rank its own heads and columns. The layout depends on N: convert with
+:func:`fuse_weights` / :func:`unfuse_weights`. The layout in full: docs/WEAVE.md#nnfused_layout.
 """
 
 from __future__ import annotations

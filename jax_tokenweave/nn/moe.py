@@ -1,29 +1,10 @@
-"""Mixtral-style sparse mixture of experts, tensor-parallel over each expert's FFN dimension.
+"""Mixtral-style sparse MoE MLP, tensor-parallel over each expert's FFN dimension.
 
-Parameters (global shapes, ``[in, out]`` layout, i.e. the transpose of a torch ``Linear``):
-
-================ ============== ======================== ========================================
-name             shape          sharding                 Mixtral (Hugging Face) tensor
-================ ============== ======================== ========================================
-``router``       [H, E]         replicated               ``block_sparse_moe.gate.weight``.T
-``gate_up_proj`` [E, H, 2F]     ``P(None, None, "tp")``  ``experts.{e}.w1`` / ``w3.weight``.T
-                                                         stacked over e, fused per rank
-``down_proj``    [E, F, H]      ``P(None, "tp", None)``  ``experts.{e}.w2.weight``.T stacked over e
-================ ============== ======================== ========================================
-
-``gate_up_proj`` is the experts' gate (w1) and up (w3) projections fused rank-blocked on the last
-axis, as the dense MLP's (``nn.fused_layout``): one batched GEMM per rank; its logical parts
-are ``gate_proj`` / ``up_proj`` [E, H, F].
-
-Routing (as Mixtral): the top ``k`` router logits per token, softmax over those ``k`` (equal to
-Mixtral's softmax over all experts followed by renormalising the top ``k``). The router logits are
-computed in float32 from the replicated normed input, so every rank picks the same experts.
-
-Dispatch is *dense*: every expert runs on every token and its output is weighted by the sparse
-router weights (zero for experts not chosen). That is exact, simple and free of data-dependent
-shapes, but costs ``E / k`` times the FLOPs of a sparse dispatch (4x for Mixtral's 8 experts,
-top 2) and holds an ``[T, E, F/tp]`` activation. Each rank holds ``F/tp`` of every expert's FFN
-dimension, so the output is a per-rank partial sum like a dense MLP's down projection.
+Params: ``router`` [H, E] replicated, ``gate_up_proj`` [E, H, 2F] ``P(None, None, "tp")``
+(rank-blocked fused), ``down_proj`` [E, F, H] ``P(None, "tp", None)``. Top-``k`` routing in
+float32; dense dispatch (every expert on every token: ``E / k`` the FLOPs of a sparse one, an
+``[T, E, F/tp]`` activation). Output: a per-rank partial sum, like the dense MLP's.
+Parameter table, routing and dispatch: docs/WEAVE.md#nnmoe.
 """
 
 from __future__ import annotations

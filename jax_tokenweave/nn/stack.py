@@ -1,36 +1,11 @@
 """The decoder stack's one layer loop, per rank (inside ``jax.shard_map``).
 
-:func:`run_stack` runs every layer on one or two token halves. For each layer and each stage
-(attention block, then MLP block), for each half ``j`` in order: take ``j``'s normed input from
-the reducer (``reducer.ready(j)``), compute the stage's partial sum, and hand it to the reducer
-(``reducer.reduce(j, partial, next_norm_weight)``). The next norm is the layer's
-``post_attention_layernorm`` after attention, the next layer's ``input_layernorm`` after the MLP
-and ``final_norm`` after the last layer: each reduction applies the *next* norm, so the only
-local norm is the first layer's input norm (``reducer.begin``).
-
-What varies between the schedules is only the arguments:
-
-=================== ============== ============================ ===============================
-configuration       halves         reducer (``reducers``)        attention
-=================== ============== ============================ ===============================
-baseline            one (all T)    ``Psum``                     :class:`PrefillAttention`
-nocomm              one            ``Local``                    :class:`PrefillAttention`
-weave, xla          plan's halves  ``Sharded("xla_rsag")``      :class:`PrefillAttention`
-weave, ffi          plan's halves  ``Overlap`` (two halves) or  :class:`PrefillAttention`
-                                   ``Sharded("ffi")`` (one)
-weave, ffi-sync     plan's halves  ``Sharded("ffi")``           :class:`PrefillAttention`
-weave, local        plan's halves  ``LocalSharded``             :class:`PrefillAttention`
-serving, weave      plan's halves  as weave, per step size      ``serving.paged_attention.
-                    (or one)                                    PagedAttention``
-serving, baseline   one            ``Psum``                     ``PagedAttention``
-=================== ============== ============================ ===============================
-
-An attention function is ``attention(layer, half, q, k, v) -> [T_j, Nq/N, D]`` with q/k/v of
-half ``j`` (RoPE applied; ``[T_j, heads/N, D]``); it may keep state (the earlier halves' K/V of
-the same layer, a paged KV cache it writes before reading). One that applies RoPE itself
-(fused with its cache write) has ``fuses_rope`` true and a method ``rope_and_attend(layer,
-half, qkv, nq, inv_freq)`` taking the projection's heads before RoPE (``DecoderLayer.
-qkv_heads``).
+:func:`run_stack` runs each layer's attention and MLP stages on one or two token halves:
+``x = reducer.ready(j)``, the stage's partial, ``reducer.reduce(j, partial, next_norm_weight)``.
+A schedule is only its arguments (halves, reducer, attention). An attention function is
+``attention(layer, half, q, k, v) -> [T_j, Nq/N, D]`` (q/k/v ``[T_j, heads/N, D]``, RoPE
+applied); one with ``fuses_rope`` has ``rope_and_attend``. The loop and its configurations:
+See docs/WEAVE.md#nnstack.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""``python -m jax_tokenweave.serve CHECKPOINT --tp N --host 127.0.0.1 --port 8000``: an
-OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/metrics``) over a Hugging Face checkpoint (a directory or a model id in the
-local cache), tensor-parallel over ``--tp`` devices (on a CPU-only host, as many virtual
-devices).
+"""``python -m jax_tokenweave.serve CHECKPOINT --tp N``: the OpenAI-compatible server.
 
-``--random NAME`` serves a named config (``llama3-8b``, ``tiny``, ...) with random weights and
-no tokenizer instead: token-id prompts only (benchmarks). Every step program is compiled before
-the server listens (``--no-warmup`` skips that). A startup line says where it listens and what
-it serves. SIGTERM or Ctrl-C stops taking requests (503), lets those in flight finish for up to
-``--drain-timeout`` seconds, aborts the rest and exits. Known errors (a bad checkpoint, too few
-devices) print one line.
+Serves a Hugging Face checkpoint (directory or cached id) over ``--tp`` devices; ``--random
+NAME`` a named config with random weights (token ids only). Compiles every step program before
+listening (``--no-warmup`` skips it); SIGTERM / Ctrl-C drain for ``--drain-timeout`` seconds.
+Endpoints and shutdown: docs/SERVING.md#serve__main__.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The engine's step loop in one background thread, fed from asyncio.
 
-:class:`AsyncEngine` owns an ``LLMEngine``: HTTP handlers (on the event loop) :meth:`add`
-requests, which the loop thread serves together with every other (continuous batching), and
-read each request's deltas from an ``asyncio.Queue`` (:meth:`deltas`). After each step the loop
-thread hands the step's deltas to the event loop in one call (``call_soon_threadsafe``) and
-forgets the requests that finished (``LLMEngine.release``). Leaving :meth:`deltas` early (the
-client went away, the handler was cancelled) aborts the request, so its KV blocks return to
-the pool. At most ``max_waiting`` requests wait for admission; beyond that :meth:`add` raises
-:class:`Overloaded` (429), and once :meth:`stop_accepting` was called, (503). A step that raises
-(an engine-wide failure: per-request failures end as ``"error"`` deltas) fails every request
-in the engine; the loop goes on with new ones.
+:class:`AsyncEngine` owns an ``LLMEngine``: :meth:`add` queues a request (raises
+:class:`Overloaded`: 429 beyond ``max_waiting``, 503 after :meth:`stop_accepting`); :meth:`deltas`
+yields its deltas, and leaving it early aborts the request. A step that raises fails every request
+in the engine; the loop goes on with new ones. Threading: docs/SERVING.md#serveasync_engine.
 """
 
 from __future__ import annotations

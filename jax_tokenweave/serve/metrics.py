@@ -1,14 +1,8 @@
 """The server's Prometheus metrics (``prometheus-client``), in a registry of its own.
 
-- ``tokenweave_requests_total{status}``: requests by how they ended: ``stop``, ``length``,
-  ``abort`` (client gone, shutdown), ``error`` (failed inside a step), ``rejected`` (waiting
-  queue full: 429/503), ``invalid`` (400);
-- ``tokenweave_time_to_first_token_seconds``, ``tokenweave_time_per_output_token_seconds``:
-  histograms (TPOT: after the first token, per request);
-- ``tokenweave_num_requests_running`` / ``_waiting``, ``tokenweave_kv_blocks_in_use`` /
-  ``_total``: read from the engine when scraped;
-- ``tokenweave_prompt_tokens_total``, ``tokenweave_generation_tokens_total`` and
-  ``tokenweave_generation_tokens_per_second`` (over the last :data:`RATE_WINDOW_S` seconds).
+Requests by outcome, time to first token and per output token, running / waiting requests, KV
+blocks in use / total, prompt and generation tokens and the generation rate over
+:data:`RATE_WINDOW_S` seconds. Metric names and labels: docs/SERVING.md#servemetrics.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """The CUDA paged-attention kernels (``ffi/paged_attention.h``) as a JAX operation.
 
-One XLA FFI custom call, ``tokenweave_paged_attention``, per attention segment of a step, per
-rank (inside ``shard_map``):
-
-* ``tile == 1`` (decode rows, ``ffi/paged_decode.cu``): a split-K flash-decoding kernel.
-  Grid (splits, kv heads, rows). Each row cuts its context into pieces of at least 128 keys,
-  as many as make the step's live rows (position >= 0) fill the GPU, at most ``splits``
-  (:func:`decode_splits`, from the static shapes); each block streams its piece's keys and
-  values through shared memory (cp.async, three stages) and serves every query head of its kv
-  head (grouped-query attention), keeping an online softmax in float32. A row cut in one piece
-  is written at once; a second small kernel merges the pieces of the others. Rows with a
-  negative position (padding) attend to nothing and get zeros.
-* ``tile > 1`` (prompt tiles, ``ffi/paged_prefill.cu``): a flash-attention kernel on tensor
-  cores (``mma.sync`` m16n8k16, bf16/fp16 in, float32 accumulation). Each block takes 128
-  (query, head) rows of one tile (the heads of one kv head side by side, so a key tile in
-  shared memory serves all of them), streams the request's keys and values through shared
-  memory in tiles of 64 positions (``cp.async``, double-buffered, swizzled for conflict-free
-  ``ldmatrix``), and stops at the tile's last position (causal).
-
-Both read the block table and the positions on the device; nothing is decided per call on the
-host, so XLA command buffers capture the call. The caches are returned aliased to their inputs
-(``input_output_aliases``): the next write of the cache must follow this read, as with the
-pure-JAX loop (``serving.paged_attention``).
+One FFI custom call, ``tokenweave_paged_attention``, per attention segment, per rank (inside
+``shard_map``): ``tile == 1`` a split-K decode kernel, ``tile > 1`` a tensor-core flash-attention
+kernel. Block tables and positions are read on the device (command buffers capture the call); the
+caches come back aliased to their inputs. Kernel design: docs/SERVING.md#servingattention_kernel.
 """
 
 from __future__ import annotations

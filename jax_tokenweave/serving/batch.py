@@ -1,28 +1,10 @@
 """A scheduled step -> its static layout and its packed input arrays (host side, NumPy).
 
-Rows of the packed batch (``R = layout.rows``):
-
-====================== ================================================================
-rows                   content
-====================== ================================================================
-``[0, D)``             decode segment, ``D = layout.decode_rows``: one token per decoding
-                       request (its latest token), then padding rows; a step with no
-                       prompt chunk has ``R = D`` (``buckets.decode_only_rows``)
-``[D, R)``             prompt chunks, each starting on a ``tile`` boundary (relative to
-                       ``D``), padded to whole tiles, then padding tiles
-====================== ================================================================
-
-Attention groups (one block table each): every decode row is its own group; every tile of the
-chunk segment is one group (a tile never holds two requests). ``tables [D + (R - D)/tile,
-table_width]``. Padding rows have position 0, a zero block table and the out-of-range cache
-slot ``num_blocks * block_size`` (their K/V writes are dropped); their outputs are ignored.
-
-The layout is static (a ``jit`` argument); its split comes from ``weave.plan.plan_batch([R])``: the
-split threshold (``EngineConfig.split_threshold``, default the tuning table's for the model and
-TP degree), the wave rule of the model's shapes plus the table's offset, moved to a tile
-boundary where needed so the two halves cut no tile. The requests inside a step change from
-step to step, so the work-balance rule (which needs the request lengths) is not used; the
-plan's ``tuning`` entry (the fused kernel's CTA counts) is the table's for ``R`` tokens.
+Rows ``R = layout.rows``: ``[0, D)`` the decode segment, ``[D, R)`` prompt chunks on ``tile``
+boundaries; a decode-only step has ``R = D``. ``tables`` [D + (R - D)/tile, table_width]: one
+block table per attention group. Padding rows: position 0, zero table, cache slot
+``num_blocks * block_size`` (writes dropped). The layout's split: ``plan_batch([R])``.
+Row layout and split rule: docs/SERVING.md#servingbatch.
 """
 
 from __future__ import annotations

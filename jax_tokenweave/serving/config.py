@@ -24,63 +24,51 @@ SERVING_SCHEDULES = ("weave", "baseline")
 class EngineConfig:
     """Sizes and schedule of an ``LLMEngine``; a bad field raises ``ValueError`` naming it.
 
-    Step composition (``serving.scheduler``):
-      ``max_num_batched_tokens``: the token budget of one step, in rows of the packed batch
-      (decode tokens, prompt chunks and their padding); a multiple of ``prefill_tile``.
-      ``max_num_seqs``: requests running at once (each decodes one token per step).
-      ``prefill_tile``: prompt chunks start on multiples of this many rows and attend to the
-      cache in tiles of this many queries (a power of two; 64 suits GPUs).
-
-    Paged KV cache (``serving.paged_cache``):
-      ``block_size`` positions per block; ``num_blocks`` blocks in all (each layer, each rank
-      its kv heads); ``max_model_len``: positions per request (prompt + new tokens); the block
-      tables are that long. ``key_chunk``: keys per step of the attention's online-softmax
-      loop (a multiple of ``block_size``).
-
-    Schedule: ``schedule`` ``"weave"`` (TokenWeave: steps of at least ``split_threshold`` rows
-    are split in two wave-aware halves and overlapped; smaller steps run unsplit with the
-    token-sharded residual and the fused kernel where it runs) or ``"baseline"`` (plain TP,
-    psum); ``split_threshold`` None: the tuning table's for the model and TP degree
-    (``jax_tokenweave.weave.tuning``); ``collective``: weave's reductions (``auto``, ``xla``,
-    ``ffi``; ``comm=``, its old name, still works for one release);
-    ``tuning``: the fused kernel's CTA counts and the split offset for every step (None: the
-    tuning table's entry for the step's size).
-
-    ``attention``: the paged-attention kernel (``serving.paged_attention.ATTENTION_IMPLS``):
-    ``"auto"`` (the CUDA kernel where the extension is built and the mesh is on GPUs, else the
-    pure-JAX loop), ``"cuda"`` or ``"xla"``.
-
-    ``max_logprobs``: the most top log-probabilities a request may ask for. ``seed``: seeds the
-    requests that bring none.
-
-    ``async_scheduling``: schedule and dispatch step n+1 before step n's tokens reach the host
-    (its decodes take them on the device), so the device does not wait for the host between
-    steps; False: one step at a time (``serving.engine``). The tokens are the same.
-    ``command_buffers``: decode-only steps replay from XLA's command buffers (CUDA graphs on
-    GPUs; ``serving.step_io``); False: XLA launches their kernels one by one.
-
-    ``compilation_cache_dir``: JAX's persistent compilation cache for the engine's programs
-    (``serving.compilation_cache``: a user-set JAX cache directory wins), and in its
-    ``executables/`` the step programs themselves (``serving.executable_cache``: a restart
-    skips tracing and compiling); None: no cache.
+    Each field's meaning is in its comment; how they shape a step:
+    docs/SERVING.md#servingconfigengineconfig.
     """
 
+    # Step composition (serving.scheduler).
+    # The token budget of one step, in rows of the packed batch (decode tokens, prompt chunks
+    # and their padding); a multiple of prefill_tile.
     max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_seqs: int = 256  # requests running at once (each decodes one token per step)
+    # Positions per request (prompt + new tokens); the block tables are that long.
     max_model_len: int = 8192
-    block_size: int = 16
-    num_blocks: int = 4096
+    # Paged KV cache (serving.paged_cache).
+    block_size: int = 16  # positions per block
+    num_blocks: int = 4096  # blocks in all (each layer, each rank its kv heads)
+    # Prompt chunks start on multiples of this many rows and attend to the cache in tiles of
+    # this many queries (a power of two; 64 suits GPUs).
     prefill_tile: int = 64
+    # Keys per step of the pure-JAX attention's online-softmax loop (a multiple of
+    # block_size); the CUDA kernels choose their own.
     key_chunk: int = 512
+    # "weave" (TokenWeave: steps of >= split_threshold rows split in two wave-aware halves,
+    # overlapped; smaller ones unsplit, token-sharded residual, the fused kernel where it runs)
+    # or "baseline" (plain TP, psum).
     schedule: str = "weave"
+    # Weave's reductions: "auto", "xla" or "ffi" (comm=, its old name, works for one release).
     collective: str = "auto"
-    split_threshold: int | None = None
+    split_threshold: int | None = None  # None: the tuning table's for the model and TP degree
+    # The fused kernel's CTA counts and the split offset for every step (None: the tuning
+    # table's entry for the step's size).
     tuning: TuneEntry | None = None
+    # The paged-attention kernel (serving.paged_attention.ATTENTION_IMPLS): "auto" (the CUDA
+    # kernel where the extension is built and the mesh is on GPUs, else the pure-JAX loop),
+    # "cuda" or "xla".
     attention: str = "auto"
-    max_logprobs: int = 20
-    seed: int = 0
+    max_logprobs: int = 20  # the most top log-probabilities a request may ask for
+    seed: int = 0  # seeds the requests that bring none
+    # Schedule and dispatch step n+1 before step n's tokens reach the host (its decodes take
+    # them on the device); False: one step at a time (serving.engine). Same tokens either way.
     async_scheduling: bool = True
+    # Decode-only steps replay from XLA's command buffers (CUDA graphs on GPUs;
+    # serving.step_io); False: XLA launches their kernels one by one.
     command_buffers: bool = True
+    # JAX's persistent compilation cache for the engine's programs (serving.compilation_cache:
+    # a user-set JAX cache directory wins) and, in its executables/, the step programs
+    # themselves (serving.executable_cache: a restart skips tracing and compiling); None: none.
     compilation_cache_dir: str | None = DEFAULT_DIR
 
     def __post_init__(self) -> None:

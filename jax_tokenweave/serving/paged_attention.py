@@ -1,33 +1,11 @@
-"""Attention over the paged KV cache for a packed step: prefill chunks and decode tokens in
-one batch, one code path, per tensor-parallel rank.
+"""Attention over the paged KV cache for a packed step, per tensor-parallel rank.
 
-:func:`paged_attention` takes queries in *groups* of ``tile`` consecutive rows that belong to
-one request (a decode token is a group of one, a prompt chunk is cut into tiles); each group
-has the block table of its request, each row its position ``p``. A row attends to its
-request's cached keys at positions ``0..p``: the earlier steps' tokens and, because a step
-writes its K/V into the cache *before* reading (:class:`PagedAttention`), the step's own
-earlier tokens of the same request (causal within a chunk). The keys are read ``key_chunk``
-positions at a time (gathered through the block table) under an online softmax, for as many
-chunks as the largest position needs (a dynamic trip count: compute follows the real context
-length, shapes stay static). Math in float32; grouped-query attention (query head ``h`` uses
-kv head ``h // (Hq / KVH)``).
-
-Two implementations compute the same function (``implementation=``): ``"xla"``, the pure-JAX
-key loop below (the CPU path and the reference the GPU tests compare with), and ``"cuda"``, the
-CUDA kernels of the extension (``serving.attention_kernel``: a split-K decode kernel for groups
-of one row, a tensor-core flash-attention kernel for prompt tiles), which read each key and
-value once per group straight from the paged cache. ``"auto"`` (:func:`resolve_implementation`)
-takes ``"cuda"`` where it can run.
-
-A request cut by the weave split: half A writes its rows' K/V, then half B's rows of the same
-request read them from the cache (same layer), so no prefix has to be passed around.
-
-In place: the cache buffers go write (A) -> read loop (A) -> write (B) -> read loop (B) as one
-chain of values: each read loop carries the caches through its state and hands them on (an
-``optimization_barrier`` in the body keeps XLA from seeing a mere pass-through and forwarding the
-loop's input to the next write, which would make the read and the write overlap and XLA copy
-the whole cache per layer and half; ``tests/test_serving.py`` checks the compiled step for such
-copies).
+:func:`paged_attention` takes queries in groups of ``tile`` rows of one request (a decode token: a
+group of one), each group with its block table; a row at position ``p`` attends to its request's
+keys ``0..p``, written before the read (:class:`PagedAttention`). Implementations: ``"xla"``
+(pure-JAX online softmax, the reference), ``"cuda"`` (``serving.attention_kernel``), ``"auto"``
+(:func:`resolve_implementation`). The caches are threaded through each read so XLA updates them in
+place. Design: docs/SERVING.md#servingpaged_attention.
 """
 
 from __future__ import annotations
@@ -79,25 +57,15 @@ def paged_attention(
     implementation: str = "xla",
     tight: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Causal attention of query groups over their requests' paged K/V (module docstring).
+    """Causal attention of query groups over their requests' paged K/V.
 
-    Args:
-      q: [G * tile, Hq, D] queries (RoPE applied), in groups of ``tile`` rows.
-      k_cache, v_cache: one layer's cache [NB, BS, KVH, D] (this rank's heads).
-      tables: int32 [G, W] block table per group; ``W`` a multiple of ``key_chunk / BS``.
-      positions: int32 [G * tile], each row's position in its request (< 0: padding, which
-        attends to nothing and gets zeros).
-      tile: rows per group; key_chunk: keys per loop step (a multiple of BS; the pure-JAX
-        loop's, the CUDA kernels choose their own).
-      implementation: ``"xla"`` (the pure-JAX loop) or ``"cuda"`` (module docstring; resolve
-        ``"auto"`` first with :func:`resolve_implementation`).
-      tight: decode rows (``tile == 1``) that are at most half padding (a decode-only step):
-        the CUDA kernel's grid then has no more pieces per row than the live rows need
-        (``attention_kernel.decode_splits``).
-    Returns:
-      ``(out [G * tile, Hq, D] in q's dtype, k_cache, v_cache)``: the caches come back
-      unchanged, threaded through the key loop; write the next K/V into *these* (module
-      docstring: so XLA updates the cache in place).
+    ``q`` [G * tile, Hq, D] (RoPE applied); ``k_cache``, ``v_cache`` [NB, BS, KVH, D] (one layer,
+    this rank's heads); ``tables`` int32 [G, W] (W a multiple of ``key_chunk / BS``); ``positions``
+    int32 [G * tile] (< 0: padding, attends to nothing, gets zeros). ``tile``: rows per group;
+    ``key_chunk``: keys per step of the ``"xla"`` loop. ``implementation``: ``"xla"`` or ``"cuda"``
+    (resolve ``"auto"`` first); ``tight``: decode rows at most half padding (sizes the CUDA grid).
+    Returns ``(out [G * tile, Hq, D] in q's dtype, k_cache, v_cache)``: write the next K/V into
+    these caches (the in-place chain). See docs/SERVING.md#servingpaged_attentionpaged_attention.
     """
     rows, hq, d = q.shape
     _, bs, kvh, _ = k_cache.shape

@@ -1,14 +1,9 @@
 """The paged KV cache: fixed-size blocks of token positions, sharded over KV heads.
 
-Layout: per layer, ``k`` and ``v`` are ``[num_blocks, block_size, KVH, D]``, sharded
-``NamedSharding(mesh, P(None, None, axis, None))``: each rank holds the K/V of its own
-``KVH / N`` heads, the heads its column-parallel q/k/v projection makes, so no step moves K/V
-between ranks. The layers are a list (one buffer each), so a step updates each in place.
-
-A request's token at position ``p`` lives in block ``table[p // block_size]`` at offset
-``p % block_size`` (``serving.blocks`` hands the blocks out); its *cache slot* is
-``block * block_size + offset``. Positions a request has not written hold stale data; attention
-never reads past a query's own position, so blocks are reused without clearing.
+Per layer ``k``, ``v``: [num_blocks, block_size, KVH, D], ``P(None, None, axis, None)`` (each
+rank its ``KVH / N`` heads); a list of buffers, updated in place. Position ``p`` lives in block
+``table[p // block_size]``, slot ``block * block_size + p % block_size``; unwritten positions
+are never read, so blocks are reused uncleared. See docs/SERVING.md#servingpaged_cache.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""What ``LLM(...)`` derives from its arguments and the checkpoint, vLLM's way: the checkpoint
-directory of a model id, ``dtype="auto"``, ``max_model_len`` and the KV cache's size.
+"""What ``LLM(...)`` derives from its arguments and the checkpoint, vLLM's way.
 
-- :func:`checkpoint_dir`: a directory as given; otherwise a Hugging Face model id, resolved
-  offline from the local Hugging Face cache (``huggingface_hub.snapshot_download(...,
-  local_files_only=True)``); an id that is not cached raises ``CheckpointError`` saying so.
-- :func:`param_dtype`: ``"auto"`` is the checkpoint's ``torch_dtype`` (bfloat16 where it names
-  none); names (``"bfloat16"``, ``"half"``, ...) and dtypes are taken as they are.
-- :func:`model_len`: the checkpoint's ``max_position_embeddings`` is the default and the upper
-  bound of ``max_model_len``.
-- :func:`cache_blocks`: ``gpu_memory_utilization`` of each device's memory (JAX's
-  ``memory_stats()["bytes_limit"]``: XLA preallocates 75% of a GPU by default, set
-  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` to change it), less what is in use (the weights) and a
-  reserve for a step's activations, divided by the bytes of one block. Where devices report no
-  memory (CPU), the cache gets blocks for ``max_num_seqs`` requests of ``max_model_len``,
-  capped at :data:`CPU_CACHE_BYTES`.
+:func:`checkpoint_dir` (a directory, or a model id from the local cache: ``CheckpointError`` if
+not cached), :func:`param_dtype` (``"auto"``: the checkpoint's ``torch_dtype``),
+:func:`model_len` (``max_position_embeddings`` bounds ``max_model_len``), :func:`cache_blocks`
+(the KV cache's size from free memory). The rules: docs/SERVING.md#servingresolve.
 """
 
 from __future__ import annotations

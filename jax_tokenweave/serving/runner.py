@@ -1,23 +1,10 @@
-"""``ModelRunner``: the device side of the engine: the model's state, the paged KV cache, the
-jitted step, packing and warm-up.
+"""``ModelRunner``: the device side of the engine: state, paged KV cache, step programs.
 
-:meth:`ModelRunner.dispatch` packs a scheduled step (``serving.batch``) and dispatches the
-jitted step (``serving.step``) without waiting for it; it returns an :class:`InFlight` whose
-device outputs :meth:`ModelRunner.fetch` brings to the host (the sampled tokens, and the
-log-probabilities only where the step asked for them). The step's sampled tokens (int32
-``[max_num_seqs]``, replicated) stay on the device as the next step's ``prev_tokens``, where
-decodes whose input token is still in flight take it (async scheduling); the first step, and
-every step of the synchronous engine, gets zeros of the same shape and sharding, so both
-modes run the same compiled programs.
-
-A step is two programs (``serving.step``): the forward (one per ``StepLayout``: decode rows x
-step rows, both bucketed, see ``serving.buckets``) and a small sampler the host picks per step
-(greedy or drawn, log-probabilities or not), so the forward holds no ``lax.cond``, on which
-XLA's GPU runtime would wait. :meth:`ModelRunner.warmup` makes them all, after which a stream of
-requests compiles nothing: it loads each from the executable cache
-(``serving.executable_cache``, under ``EngineConfig.compilation_cache_dir``) or traces, lowers
-and compiles it (and stores it there), and keeps the ``jax.stages.Compiled`` programs, which
-:meth:`ModelRunner.run` calls directly (``jitted_forward`` for a layout not warmed up).
+:meth:`ModelRunner.dispatch` packs a scheduled step (``serving.batch``) and dispatches it
+without waiting (-> :class:`InFlight`); :meth:`ModelRunner.fetch` brings its tokens (and
+asked-for log-probabilities) to the host. Sampled tokens (int32 ``[max_num_seqs]``, replicated)
+stay on the device as the next step's ``prev_tokens``. A step is two programs, the forward and
+a sampler; :meth:`ModelRunner.warmup` loads or compiles them all. See docs/SERVING.md#servingrunner.
 """
 
 from __future__ import annotations

@@ -30,30 +30,27 @@ FLOAT32_MAX = 3.4028234663852886e38
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping (vLLM's names, meanings and defaults where they
-    overlap).
-
-    ``n``: independent samples of the prompt (>= 1); sample ``i > 0`` draws from its own
-    random stream derived from the request's seed. ``temperature``: finite, >= 0 (default 1.0,
-    as vLLM); 0 is greedy (argmax). ``top_p``: nucleus mass in (0, 1].
-    ``top_k``: keep the ``top_k`` most likely tokens (0 or -1: all). ``seed``: the request's
-    own random stream (same seed, same tokens, whatever else is batched with it); None: drawn
-    from the engine's seed. ``max_tokens``: new tokens at most (>= 1); the request finishes with
-    ``"length"`` when it has made them. ``stop_token_ids``: tokens that finish it with
-    ``"stop"`` (kept in ``token_ids``), on top of the checkpoint's EOS ids unless
-    ``ignore_eos``. ``stop``: strings that finish it with ``"stop"``; the text is cut before
-    the string (needs a tokenizer). ``logprobs``: None, or how many of the most likely tokens'
-    log-probabilities to return per new token (0: only the chosen token's).
+    overlap); a bad field raises ``ValueError`` naming it. Each field's meaning is in its comment.
     """
 
+    # Independent samples of the prompt (>= 1); sample i > 0 draws from its own random stream
+    # derived from the request's seed.
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = 1.0  # finite, >= 0 (default 1.0, as vLLM); 0 is greedy (argmax)
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # keep the top_k most likely tokens (0 or -1: all)
+    # The request's own random stream (same seed, same tokens, whatever else is batched with
+    # it); None: drawn from the engine's seed.
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int = 16  # new tokens at most (>= 1); then the request finishes with "length"
+    # Tokens that finish it with "stop" (kept in token_ids), on top of the checkpoint's EOS ids
+    # unless ignore_eos.
     stop_token_ids: tuple[int, ...] = ()
+    # Strings that finish it with "stop"; the text is cut before the string (needs a tokenizer).
     stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # do not finish on the checkpoint's EOS ids
+    # None, or how many of the most likely tokens' log-probabilities to return per new token
+    # (0: only the chosen token's).
     logprobs: int | None = None
 
     def __post_init__(self) -> None:

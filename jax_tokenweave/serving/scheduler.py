@@ -1,31 +1,11 @@
-"""Continuous batching with chunked prefill (host side, pure Python).
+"""Continuous batching with chunked prefill (host side, pure Python), FCFS.
 
-Requests wait in arrival order (FCFS). Each step (:meth:`Scheduler.schedule`) is made of
-
-1. one token of every running request whose prompt is fully scheduled and that may make more
-   tokens (a *decode*); the decode segment takes ``buckets.decode_rows(D)`` rows;
-2. then, while rows of the budget remain: the next chunk of every running request whose prompt
-   is partly scheduled, then newly admitted waiting requests' first chunks. A chunk takes
-   ``min(prompt left, rows left)`` tokens and ``round_up(chunk, prefill_tile)`` rows (chunks
-   start on tile boundaries).
-
-Steps may be scheduled before the previous one's tokens are known (async scheduling): a
-request's scheduled positions (``num_computed``) advance when a step is scheduled, its sampled
-tokens in flight are counted (``num_pending``), and :meth:`Scheduler.update` takes a step's
-tokens later. A decode whose input token is still in flight takes it on the device from the
-previous step's sampled tokens (``ScheduledStep.sources``). A request whose last token is in
-flight (``max_tokens`` reached) is not decoded again; one that stops on a token, a stop string
-or an abort is known only when the tokens arrive, and the token a later step already made for
-it is dropped.
-
-Admission control: a waiting request is admitted when fewer than ``max_num_seqs`` run and the
-allocator can give it every block it may ever need (``prompt + max_tokens - 1`` positions), so
-a running request never runs out of cache and nothing is preempted. The head of the queue
-blocks the ones behind it (FCFS). A request that could never fit (longer than
-``max_model_len`` or than the whole cache) is refused by :meth:`Scheduler.add` with a
-``ValueError``. A finished request's blocks are freed once no scheduled step that writes them
-is still unprocessed (``in_flight``: at once in synchronous use; else by the :meth:`update`
-of its last step), so no block goes to a new request while a step writes it.
+:meth:`Scheduler.schedule` makes a step: one decode token per running request that may make more,
+then prompt chunks (partly prefilled requests first, then newly admitted ones) up to
+``max_num_batched_tokens`` rows. Admission reserves every block a request may need: nothing is
+preempted. :meth:`Scheduler.add` raises ``ValueError`` for a request that can never fit;
+:meth:`Scheduler.update` takes a step's tokens later (async scheduling). The rules:
+docs/SERVING.md#servingscheduler.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""The jitted serving step: a packed batch of decode tokens and prompt chunks through the model,
-its K/V into the paged cache, one token sampled per finishing row.
+"""The serving step's programs: the forward (a packed batch through the model, its K/V into
+the paged cache, the logits of the sampled rows) and the samplers the host picks from.
 
-One function for every step: the schedule decides the halves and the reducer
-(``schedules.configure`` on the layout's ``BatchPlan``), :class:`~jax_tokenweave.serving.
-paged_attention.PagedAttention` is the attention, and the one layer loop
-(``stack.run_stack``) runs under ``jax.shard_map``:
-
-* ``weave``, a split layout (``>= split_threshold`` rows): two wave-aware halves, the residual
-  token-sharded, the fused kernel overlapped with the other half (``collective="ffi"``/``"auto"``
-  where it runs), else reduce-scatter + norm + all-gather in XLA;
-* ``weave``, an unsplit layout: one half, token-sharded residual, the fused kernel (synchronous)
-  where it runs;
-* ``baseline``: one half, psum, replicated residual.
-
-Static per compiled program: the ``StepLayout`` (rows, decode rows, split, sampled rows), the
-schedule, collective, key chunk and the number of top log-probabilities; every request-dependent
-value (tokens, positions, slots, block tables, sampling settings) is traced.
+The forward runs ``stack.run_stack`` under ``jax.shard_map`` with ``schedules.configure``'s
+halves and reducer and ``PagedAttention``; its inputs and logits sit in ``step_io.StepIO`` so
+decode-only steps replay from command buffers. Static per program: the ``StepLayout``,
+schedule, collective, key chunk, top log-probabilities; every request-dependent value is
+traced. Schedules and replay: docs/SERVING.md#servingstep.
 """
 
 from __future__ import annotations
@@ -307,18 +297,15 @@ def forward(
     attention: str = "auto",
     state_def: Any = None,
 ) -> tuple[StepIO, PagedKVCache]:
-    """:func:`model_forward` on ``nnx.merge(graphdef, state)``, its inputs ``packed`` (int32
-    [N], ``step_io.pack_inputs``) and ``prev_tokens`` [P] staged into ``io`` and its logits
-    written there (``step_io``). Returns ``(io, cache)``; jitted with both donated as
-    :data:`jitted_forward` and :data:`jitted_forward_replayed` (shared by every engine of the
-    same model structure: equal shapes compile once). ``state_def``: ``state`` is the list of
-    the state's leaves, of this tree (a flat list passes through dispatch faster than the
-    ``nnx.State``: measured 0.05 against 0.21 ms per call for 195 leaves on a CPU).
+    """``model_forward`` on ``nnx.merge(graphdef, state)``; returns ``(io, cache)``.
 
-    It holds no ``lax.cond``: XLA's GPU runtime waits on the host for a conditional's
-    predicate, which made each step's dispatch return only when the GPU had finished it. The
-    choices that need a branch (greedy or drawn tokens, log-probabilities or not) are made on
-    the host, by picking the sampler program (:data:`jitted_sampler`)."""
+    ``packed`` (int32 [N], ``step_io.pack_inputs``) and ``prev_tokens`` [P] are staged into
+    ``io``, the logits written there. ``state`` is the flat list of leaves of the tree
+    ``state_def`` (faster dispatch than an ``nnx.State``). Jitted with ``io`` and ``cache`` donated
+    as :data:`jitted_forward` / :data:`jitted_forward_replayed`, shared by engines of one model
+    structure. Holds no ``lax.cond`` (XLA's GPU runtime would wait on the host for it): the host
+    picks the sampler program (:data:`jitted_sampler`). See docs/SERVING.md#servingstepforward.
+    """
     if state_def is not None:
         state = jax.tree_util.tree_unflatten(state_def, state)
     flat, inputs, prev = stage_inputs(io, packed, prev_tokens, layout)

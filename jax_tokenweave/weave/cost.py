@@ -1,23 +1,9 @@
-"""A work model of the two halves, to place the split where their work balances (ISO's case).
+"""A work model of the two halves, to place the split where their work balances.
 
-TokenWeave's halves run as a two-stage pipeline: while one half computes, the other's
-communication runs, so the slower half sets the pace. With many short requests both halves
-have the same work per token and the token midpoint balances them. When the split cuts one long
-request (ISO, arXiv 2409.11155), it does not: causal attention makes the second part attend to
-the first part's keys as well as its own, so at the midpoint the second half does far more
-attention work. :meth:`CostModel.balanced_split` moves the split point to where the halves'
-work is equal instead, keeping it on a multiple of the GEMM tile (wave alignment, as the paper
-keeps its split on whole tiles).
-
-Work per rank and layer, in FLOPs (``N`` the TP degree):
-
-* GEMMs, per token: ``2*H*(Nq+2*Nkv)*D/N`` (qkv) ``+ 2*Nq*D*H/N`` (o) ``+ 3*2*H*F/N``
-  (gate/up and down; ``x E`` experts for the dense-dispatch MoE, plus the router ``2*H*E``);
-* attention, per causal (query, key) pair: ``4*Nq*D/N`` (QK^T and PV).
-
-A piece of ``L`` tokens of a request whose first ``p`` tokens lie in an earlier half has
-``L*p + L*(L+1)/2`` causal pairs. Memory-bound work (norms, RoPE, the K/V prefix copy) is left
-out: it scales with tokens like the GEMMs and is small beside them.
+:meth:`CostModel.balanced_split` moves the split to where the halves' work (GEMM FLOPs per
+token + causal attention FLOPs per (query, key) pair, the second half attending to the first
+half's keys too) is equal, on a multiple of the GEMM tile. The formulas and why (ISO's case):
+See docs/WEAVE.md#weavecost.
 """
 
 from __future__ import annotations

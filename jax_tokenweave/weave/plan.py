@@ -237,17 +237,14 @@ def plan_batch(
     table: TuneTable | None = None,
     cost: CostModel | None = None,
 ) -> BatchPlan:
-    """Plan the packed layout of a ragged batch, its split and its tuning (module docstring).
+    """Plan the packed layout of a ragged batch, its split and its tuning (docs/SPLIT.md).
 
-    ``request_lengths``: tokens per request, each an int >= 1. ``tp``: TP degree.
-    ``threshold``: split iff ``T >= threshold`` when ``split`` is None (default: the table's).
-    ``wave``: the wave model (default: ``WaveModel.from_config(config, tp)`` with a config,
-    else :class:`WaveModel()`). ``offset``: explicit offset from the midpoint, wins over the
-    rule and the table. ``model``: the table's model name (default: the one ``config``'s
-    shapes match, else the wildcard rows). ``config``: the model's ``DecoderConfig``, for the
-    work-balance rule (``cost`` overrides its model). ``table``: the tuning table (default:
-    the shipped one). Raises ``ValueError`` on bad inputs and on an explicit offset that
-    leaves a half empty.
+    ``request_lengths``: tokens per request (ints >= 1); ``tp``: TP degree. ``threshold``: split
+    iff ``T >= threshold`` when ``split`` is None (default: the table's). ``wave``: default
+    ``WaveModel.from_config(config, tp)``, else ``WaveModel()``. ``offset``: wins over the rule
+    and the table. ``model``: the table's name (default: by ``config``'s shapes, else ``*``).
+    ``config``: for the work-balance rule (``cost`` overrides its model); ``table``: default the
+    shipped one. Raises ``ValueError`` on bad inputs or an offset that leaves a half empty.
     """
     lengths = _check_lengths(request_lengths)
     if not _is_int(tp) or tp < 1:

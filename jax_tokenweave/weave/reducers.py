@@ -1,37 +1,11 @@
 """Reducers: what the decoder stack does after each row-parallel GEMM, per rank.
 
-The one layer loop (:mod:`jax_tokenweave.nn.stack`) turns a block's partial sum ``[T_j, H]`` of
-half ``j`` into that half's next normed input and residual by calling its reducer. A reducer is
-made fresh for each trace (it holds per-half state), from a :class:`ReduceContext`; a class
-below is such a factory, and so is any ``Callable[[ReduceContext], Reducer]`` (tests inject
-pure-JAX stand-ins for the kernel that way).
-
-Per half ``j`` a reducer holds ``x[j]``, the normed input of the next stage ([T_j, H],
-replicated), and ``residual[j]``: replicated [T_j, H] (``sharded = False``) or token-sharded,
-this rank's ``ceil(T_j/N)`` rows (``sharded = True``, see :func:`own_rows`). Protocol, in the
-loop's program order:
-
-* ``begin(inputs, weight)``: the halves' hidden states; ``x`` = RMSNorm(input, weight), local;
-* ``ready(j)`` -> ``x[j]``, valid and ordered for the next compute of half ``j``;
-* ``reduce(j, partial, weight)``: ``x[j], residual[j] = norm(sum over ranks(partial) +
-  residual[j])`` with the next norm's ``weight`` (or start it, for :class:`Overlap`);
-* ``finish()`` -> every half's final ``x``.
-
-=================== ========= =============================================================
-class               residual  reduction
-=================== ========= =============================================================
-:class:`Psum`       replicated XLA ``psum`` then add + RMSNorm on all rows (``baseline``)
-:class:`Local`      replicated add + RMSNorm of this rank's partial only (``nocomm``)
-:class:`Sharded`    sharded   ``ops.allreduce_rmsnorm(impl=...)``: ``xla_rsag``, ``ffi`` (the
-                              fused kernel, synchronous) or ``auto``
-:class:`LocalSharded` sharded add + RMSNorm of this rank's own rows of its partial, tiled
-                              back to T rows: the weave schedule's layout and op count with
-                              no communication (``weave`` with ``collective="local"``)
-:class:`Overlap`    sharded   the fused kernel as ``start``/``done`` pairs, each overlapped
-                              with the other half's next compute (``weave``, ``collective="ffi"``)
-=================== ========= =============================================================
-
-``Local`` and ``LocalSharded`` do NOT compute the model: they time the communication away.
+A reducer, made per trace from a :class:`ReduceContext` (by a class below or any
+``Callable[[ReduceContext], Reducer]``), holds per half ``j`` the normed input ``x[j]`` [T_j, H]
+replicated and ``residual[j]``: replicated [T_j, H], or this rank's ``ceil(T_j/N)`` rows when
+``sharded``. Protocol: ``begin``, ``ready(j)``, ``reduce(j, partial, weight)``, ``finish()``.
+:class:`Psum`, :class:`Local`, :class:`Sharded`, :class:`LocalSharded`, :class:`Overlap`; ``Local``
+and ``LocalSharded`` do NOT compute the model. See docs/WEAVE.md#weavereducers.
 """
 
 from __future__ import annotations
@@ -172,19 +146,10 @@ class LocalSharded(Reducer):
 class Overlap(Reducer):
     """The fused kernel as start/done pairs overlapped with the other half (two halves).
 
-    ``start``/``done`` default to ``jax_tokenweave.kernel._ffi.allreduce_rmsnorm_start/done`` (same
-    signatures: ``start(partial, residual, weight, *, axis_name, mesh, eps, num_ctas, slot)``
-    -> pending; ``done(pending, *, axis_name, mesh, slot)`` -> ``(normed, residual_out)``).
-    Ordering by data (``jax.lax.optimization_barrier``), for half ``j`` at each stage:
-
-    1. :meth:`ready`: if ``j`` has a kernel in flight, ``done(j)``, ordered after the other
-       half's latest ``start`` (hence after the compute that fed it) by passing both pendings
-       through one barrier; if not (layer 0), pass ``x[j]`` through a barrier with the other
-       half's pending so ``j``'s compute is ordered after that ``start``;
-    2. the caller computes ``j``'s partial from ``x[j]``;
-    3. :meth:`reduce`: ``start(j)`` on slot ``j`` (reused only after its ``done`` in 1).
-
-    :meth:`finish` does ``done(A)`` (after ``start(B)``), then ``done(B)``.
+    ``start``/``done`` default to ``kernel._ffi.allreduce_rmsnorm_start/done``. Ordered by data
+    (``optimization_barrier``): :meth:`ready` does ``done(j)`` after the other half's latest
+    ``start``; :meth:`reduce` does ``start(j)`` on slot ``j``; :meth:`finish` does ``done(A)``
+    then ``done(B)``. Signatures and the ordering step by step: docs/WEAVE.md#weavereducersoverlap.
     """
 
     sharded = True

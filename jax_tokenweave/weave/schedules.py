@@ -1,21 +1,10 @@
-"""The schedules of ``WeaveDecoder``: names, argument checks, and their configuration of the one
-layer loop (:mod:`jax_tokenweave.nn.stack`): which halves, which reducer.
+"""The schedules of ``WeaveDecoder``: names, argument checks, and their configuration of the
+one layer loop (:mod:`jax_tokenweave.nn.stack`): which halves, which reducer.
 
-``schedule`` is ``baseline`` (plain TP: psum, replicated residual, no split), ``weave``
-(TokenWeave: the plan's halves, token-sharded residual) or ``nocomm`` (``baseline`` with every
-collective removed: a timing floor, NOT the model's output). ``collective`` says how ``weave``
-reduces:
-
-* ``xla``: ``ops`` impl ``xla_rsag`` (reduce-scatter, add + norm on own rows, all-gather);
-* ``ffi``: the fused kernel; with two halves as start/done pairs overlapped with the other
-  half's compute (``reducers.Overlap``), with one half synchronous;
-* ``auto``: ``ffi`` where :func:`unavailable_reason` is None (the kernel's
-  ``unavailable_reason`` for every half's ``[T_half, H]``, its slot, the tuned CTA counts), else
-  ``xla``; decided once per call at trace time;
-* ``ffi-sync`` (breakdown only): the fused kernel, synchronous, in the weave order: weave
-  without the overlap;
-* ``local`` (breakdown only, NOT the model's output): each collective replaced by a comm-free
-  stand-in (``reducers.LocalSharded``): the cost of splitting alone.
+``schedule``: ``baseline`` (psum, replicated residual), ``weave`` (the plan's halves, token-sharded
+residual) or ``nocomm`` (a timing floor, NOT the model's output). ``collective`` (for ``weave``):
+``xla``, ``ffi``, ``auto`` (``ffi`` where :func:`unavailable_reason` is None), ``ffi-sync`` and
+``local`` (breakdown only). See docs/WEAVE.md#weaveschedules.
 """
 
 from __future__ import annotations

@@ -1,38 +1,11 @@
-"""The tuning table: per (model, TP) the split threshold, per (model, TP, tokens) the split offset
-and the fused kernel's CTA counts. One table, shipped with the package and read by
-``weave.plan.plan_batch`` (so by ``WeaveDecoder.plan``, the serving engine and the main job);
-``benchmarks/tune.py`` regenerates it.
+"""The tuning table: per (model, TP) the split threshold, per (model, TP, tokens) a
+:class:`TuneEntry` (split offset, fused kernel CTA counts). Shipped (``tuning.json``) and read
+by ``weave.plan.plan_batch``; ``benchmarks/tune.py`` regenerates it.
 
-A :class:`TuneEntry` says how to run one batch size: ``offset`` (a tuned correction, in tokens,
-added to the split point the planner's rule picks, see :mod:`jax_tokenweave.weave.plan`; None or 0:
-the rule's point), ``num_ctas`` (thread
-blocks of each fused AllReduce + RMSNorm call; None = the kernel policy's count,
-``jax_tokenweave.kernel.policy``) and ``first_num_ctas`` (the same for the stack's very first
-fused call; None = ``num_ctas``). It applies to whatever the threshold decides for that size:
-split or not.
-
-Lookups (:meth:`TuneTable.entry`, :meth:`TuneTable.threshold`): the rows of the model's own
-name, else those of the wildcard model ``"*"``; for entries, the one with the largest token count
-at or below the batch's; :data:`DEFAULT_ENTRY` / :data:`DEFAULT_THRESHOLD` (the paper's choices)
-where there is none. A ``DecoderConfig`` finds its name by its layer shapes (the table records
-each model's, :func:`signature`), so a checkpoint loaded from Hugging Face matches the named
-config it has the shapes of.
-
-The shipped table (``tuning.json``; its ``meta`` cites the measurements) holds, for TP=2:
-``*`` threshold 4096 (split only from 4096 tokens up), 32 CTAs from 1024 tokens (unsplit), 16
-from 4096 (split), the default entry below 1024; ``llama3-70b`` from 8192 tokens offset 0 (the
-rule's point: the midpoint for its measured batches of 1024-token requests) and 16 CTAs. No
-other TP degree was measured.
-
-JSON format (:func:`to_json` / :func:`from_json`; format ``/1``, entries only, is read too)::
-
-    {"format": "jax-tokenweave-tuning/2", "meta": {...},
-     "models": {"llama3-70b": {"hidden_size": 8192, ...}},
-     "thresholds": [{"model": "*", "tp": 2, "split_threshold": 4096}],
-     "entries": [{"model": "llama3-70b", "tp": 2, "tokens": 8192, "num_ctas": 16,
-                  "first_num_ctas": null, "offset": 0, "latency_ms": 46.2}, ...]}
-
-Keys other than these (``latency_ms``, ``why`` ...) are informational and ignored.
+Lookups (:meth:`TuneTable.entry`, :meth:`TuneTable.threshold`): the model's rows, else the
+wildcard ``"*"``'s, else :data:`DEFAULT_ENTRY` / :data:`DEFAULT_THRESHOLD`. A
+``DecoderConfig`` finds its name by its layer shapes (:func:`signature`). The shipped rows and
+the JSON format: docs/WEAVE.md#weavetuning.
 """
 
 from __future__ import annotations
