@@ -157,7 +157,9 @@ def random_hidden(num_tokens: int, hidden: int, dtype: Any, mesh: Mesh, seed: in
 def resolve_seed() -> int:
     """A fresh random seed from the OS (recorded in the results so a run can be replayed);
     with several processes, the first one's (they must build the same model)."""
-    seed = int(np.random.SeedSequence().entropy % (2**31))
+    entropy = np.random.SeedSequence().entropy
+    assert isinstance(entropy, int)  # given no entropy, SeedSequence draws an int from the OS
+    seed = entropy % (2**31)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

@@ -93,10 +93,11 @@ def make_plan(
 
 def compile_forward(
     decoder: Any, plan: Any, hidden: jax.Array, **kwargs: Any
-) -> tuple[Callable[[], jax.Array], float, str]:
+) -> tuple[Callable[[], jax.Array], float, str | None]:
     """Compile ``decoder(hidden, plan, **kwargs)`` (``schedule=``, ``collective=``, ``tuning=``).
 
-    Returns ``(run, compile seconds, compiled HLO text)``; ``run()`` calls the executable on
+    Returns ``(run, compile seconds, compiled HLO text)`` (the text None where the backend
+    gives none: ``jax.stages.Compiled.as_text``); ``run()`` calls the executable on
     ``hidden`` (asynchronously, like any JAX call).
     """
     graphdef, state = nnx.split(decoder)

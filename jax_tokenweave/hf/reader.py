@@ -140,7 +140,7 @@ class Source:
 
     @property
     def all_names(self) -> tuple[str, ...]:
-        return self.names if self.stacked else (self.names,)
+        return self.names if isinstance(self.names, tuple) else (self.names,)
 
     def target_shape(self) -> tuple[int, ...]:
         shape = self.shape[:-2] + self.shape[-2:][::-1] if self.transpose else self.shape
@@ -201,7 +201,7 @@ def _read_target_slice(
                     )
                 )
         return np.concatenate(blocks, axis=-1)
-    if src.stacked:
+    if isinstance(src.names, tuple):
         picks = range(len(src.names))[index[0]]
         return np.stack(
             [
@@ -226,7 +226,9 @@ def load_sharded(
     check_source(ckpt, src)
     cache: dict[tuple, np.ndarray] = {}
 
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
+    def callback(index: tuple[slice, ...] | None) -> np.ndarray:
+        # jax passes every device's index (its type admits None, which jax asserts against)
+        assert index is not None
         key = tuple((s.start, s.stop, s.step) for s in index)
         if key not in cache:
             cache[key] = np.ascontiguousarray(

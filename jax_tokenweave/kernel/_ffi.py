@@ -195,4 +195,5 @@ def allreduce_rmsnorm_done(
     call = jax.ffi.ffi_call(
         TARGETS["allreduce_rmsnorm_done"], outs, input_output_aliases={0: 0, 1: 1}
     )
-    return call(*pending, comm_id=np.int64(comm.comm_id), slot=np.int32(slot))
+    normed, residual_out = call(*pending, comm_id=np.int64(comm.comm_id), slot=np.int32(slot))
+    return normed, residual_out

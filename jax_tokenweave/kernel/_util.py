@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
-T = TypeVar("T")
+T = TypeVar("T", bound="_FloorDivisible")
+
+
+class _FloorDivisible(Protocol):
+    """What :func:`ceil_div` needs of its ``a``: an int, or an integer NumPy / JAX array."""
+
+    def __floordiv__(self: T, other: int, /) -> T: ...
+    def __neg__(self: T) -> T: ...
 
 
 def ceil_div(a: T, b: int) -> T:

@@ -55,8 +55,8 @@ class KernelPolicy:
         for n, rows in self.by_ranks.items():
             if not rows or rows[-1].max_bytes is not None:
                 raise ValueError(f"policy for {n} ranks must end with a row of max_bytes=None")
-            bounds = [r.max_bytes for r in rows[:-1]]
-            if any(b is None for b in bounds) or bounds != sorted(bounds):
+            bounds = [r.max_bytes for r in rows[:-1] if r.max_bytes is not None]
+            if len(bounds) != len(rows) - 1 or bounds != sorted(bounds):
                 raise ValueError(f"policy rows for {n} ranks must have increasing max_bytes")
 
     def rows(self, num_ranks: int) -> Sequence[PolicyRow]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -91,11 +91,14 @@ def reference_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -
 
 # ----------------------------------------------------------------------------------- attention
 
+Implementation = Literal["xla", "cudnn"]
+"""``jax.nn.dot_product_attention``'s implementations this module asks for (None: XLA)."""
+
 IMPL_ENV = "JAX_TOKENWEAVE_ATTENTION"
 """Environment override of :func:`default_implementation`: ``xla``, ``cudnn`` or ``auto``."""
 
 
-def default_implementation(platform: str, dtype: jnp.dtype, head_dim: int) -> str | None:
+def default_implementation(platform: str, dtype: jnp.dtype, head_dim: int) -> Implementation | None:
     """``"cudnn"`` where cuDNN's fused attention is likely to take the call, else None (XLA).
 
     ``JAX_TOKENWEAVE_ATTENTION=xla`` (or ``cudnn``) in the environment forces the choice.
@@ -123,7 +126,7 @@ def _sdpa(
     scale: float,
     is_causal: bool,
     mask: jax.Array | None,
-    implementation: str | None,
+    implementation: Implementation | None,
 ) -> jax.Array:
     """``jax.nn.dot_product_attention`` on [B, T, N, D]; cuDNN refusals fall back to XLA."""
     if implementation == "cudnn":
@@ -193,7 +196,7 @@ def ragged_attention(
     origin: int = 0,
     prefix: Mapping[int, tuple[jax.Array, jax.Array]] | None = None,
     scale: float | None = None,
-    implementation: str | None = None,
+    implementation: Implementation | None = None,
 ) -> jax.Array:
     """Causal attention of packed request pieces, one rank's heads.
 
@@ -243,7 +246,7 @@ def _prefix_piece_attention(
     origin: int,
     prefix: Mapping[int, tuple[jax.Array, jax.Array]],
     scale: float,
-    implementation: str | None,
+    implementation: Implementation | None,
 ) -> jax.Array:
     """One piece attending to [prefix K/V, its own K/V], bottom-right aligned causal mask."""
     if piece.request not in prefix:

@@ -38,6 +38,18 @@ class DecoderLayer(nnx.Module):
     the TP axis is the block's output).
     """
 
+    # The parameters, set by name from ``make_params`` (module docstring); ``qkv_bias`` only
+    # where ``config.qkv_bias``, ``gate_up_proj`` and ``down_proj`` only without experts,
+    # ``moe`` only with them.
+    input_layernorm: nnx.Param
+    qkv_proj: nnx.Param
+    qkv_bias: nnx.Param
+    o_proj: nnx.Param
+    post_attention_layernorm: nnx.Param
+    gate_up_proj: nnx.Param
+    down_proj: nnx.Param
+    moe: MoE
+
     def __init__(
         self,
         config: DecoderConfig,

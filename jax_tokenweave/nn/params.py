@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.nn.fused_layout import FUSED_PARAMS, PART_OF, fuse_weights, unfuse_weights
 
 ParamSpec = tuple[tuple[int, ...], P, float | None]
@@ -137,10 +138,20 @@ def numpy_weights(module: nnx.Module) -> dict[str, np.ndarray]:
     return {name: np.asarray(jax.device_get(p[...])) for name, p in named_params(module).items()}
 
 
+@runtime_checkable
+class _Placed(Protocol):
+    """A model built for a config on a mesh (``WeaveDecoder``, ``models.llama.LlamaModel``)."""
+
+    config: DecoderConfig
+    mesh: Mesh
+
+
 def logical_weights(module: nnx.Module) -> dict[str, np.ndarray]:
     """:func:`numpy_weights` with every fused parameter split into its logical parts
     (``q_proj``, ``k_proj``, ...: the layout of Hugging Face checkpoints, independent of the TP
     degree). ``module`` must have a ``config`` (``DecoderConfig``) and a ``mesh``."""
+    if not isinstance(module, _Placed):
+        raise AttributeError(f"{type(module).__name__} has no config and mesh (logical_weights)")
     weights = numpy_weights(module)
     tp = _fused_tp(named_params(module), module.mesh)
     return weights if tp is None else unfuse_weights(weights, module.config, tp)

@@ -82,7 +82,9 @@ class PrefillAttention:
     ``implementation``: ``attention.ragged_attention``'s (None = XLA, ``"cudnn"``).
     """
 
-    def __init__(self, halves: Sequence[Half], implementation: str | None = None) -> None:
+    def __init__(
+        self, halves: Sequence[Half], implementation: attn_lib.Implementation | None = None
+    ) -> None:
         self.halves = tuple(halves)
         self.implementation = implementation
         self._k: dict[int, list[jax.Array]] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +36,10 @@ class SSEResponse(StreamingResponse):
     soon as the client disconnects, whatever the ASGI server's spec version."""
 
     media_type = "text/event-stream"
+    body_iterator: AsyncGenerator[str, None]  # the events given (``Renderer.stream``'s)
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def stream() -> None:

@@ -153,7 +153,9 @@ class AsyncEngine:
                 handle.done = True
                 self._handles.pop(rid, None)
                 reasons = [d.finish_reason for d in deltas if d.finish_reason]
-                self.metrics.finished("error" if "error" in reasons else last.finish_reason)
+                # str(): the label prometheus_client would make of it (a finished request's
+                # last delta has its reason; "None" where one has not)
+                self.metrics.finished("error" if "error" in reasons else str(last.finish_reason))
                 if handle.generated > 1 and handle.first_token is not None:
                     self.metrics.tpot.observe((now - handle.first_token) / (handle.generated - 1))
             handle.queue.put_nowait(deltas)

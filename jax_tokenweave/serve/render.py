@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, TypeGuard
 
 from jax_tokenweave.serve import protocol as P
 from jax_tokenweave.serving import SamplingParams, StreamDelta, TokenLogprob
@@ -61,6 +61,12 @@ class Collected:
         return out
 
 
+def _token_ids(prompt: list[str] | list[int] | list[list[int]]) -> TypeGuard[list[int]]:
+    """Whether a completion request's list ``prompt`` is one prompt's token ids (the request
+    model's lists hold one kind of item)."""
+    return bool(prompt) and isinstance(prompt[0], int)
+
+
 class Renderer:
     """Prompts and responses for one server (``state``: ``app.ServerState``)."""
 
@@ -79,12 +85,13 @@ class Renderer:
     def completion_prompts(self, req: P.CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """``(text, token ids)`` of each prompt of ``req``."""
         prompt = req.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not prompt:
+        prompts: Sequence[str | int | list[int]] = (  # a string or token ids: one prompt
+            [prompt] if isinstance(prompt, str) or _token_ids(prompt) else prompt
+        )
+        if not prompts:
             raise P.BadRequest("prompt is empty", "prompt")
-        out = []
-        for p in prompt:
+        out: list[tuple[str | None, list[int]]] = []
+        for p in prompts:
             if isinstance(p, str):
                 if not p:
                     raise P.BadRequest("prompt is an empty string", "prompt")
@@ -92,6 +99,7 @@ class Renderer:
                     raise P.BadRequest("this model has no tokenizer: send token ids", "prompt")
                 out.append((p, list(self.tokenizer.encode(p))))
             else:
+                assert not isinstance(p, int)  # one list of token ids was made a list of one
                 if not p:
                     raise P.BadRequest("prompt has an empty list of token ids", "prompt")
                 out.append((None, list(p)))
@@ -195,7 +203,7 @@ class Renderer:
         usage = self._usage(handles, made)
         want_lp = params.logprobs is not None
         if chat:
-            choices = [
+            chat_choices = [
                 P.ChatChoice(
                     index=i,
                     message=P.AssistantMessage(content="".join(s.text)),
@@ -205,7 +213,11 @@ class Renderer:
                 for i, s in enumerate(results[0].samples)
             ]
             return P.ChatCompletionResponse(
-                id=rid, created=P.now(), model=self.state.model_name, choices=choices, usage=usage
+                id=rid,
+                created=P.now(),
+                model=self.state.model_name,
+                choices=chat_choices,
+                usage=usage,
             )
         choices = [
             P.CompletionChoice(
@@ -223,12 +235,13 @@ class Renderer:
 
     async def stream(
         self, rid: str, handles: Sequence[Any], params: SamplingParams, req: Any, chat: bool
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """Server-sent events of the request (module docstring)."""
         created, model, n = P.now(), self.state.model_name, params.n
         want_lp = params.logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        made, offsets, started = 0, {}, set()
+        made, started = 0, set()
+        offsets: dict[int, int] = {}  # choice index -> characters of text sent
         try:
             async for p, d in merge(self.state.engine, handles):
                 if d.finish_reason == "error":

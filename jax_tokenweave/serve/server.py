@@ -63,7 +63,8 @@ def run(
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=drain_timeout,
+        # typed int in uvicorn, used as asyncio.wait_for's timeout: seconds, a float is fine
+        timeout_graceful_shutdown=drain_timeout,  # type: ignore[arg-type]
         access_log=False,
     )
     server = _Server(config, app.state.server, startup_line)

@@ -176,7 +176,7 @@ def rope_cache_write(
         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
     )
     call = jax.ffi.ffi_call(ROPE_TARGET, outs, input_output_aliases={4: 1, 5: 2})
-    return call(
+    q, k_cache, v_cache = call(
         qkv,
         positions.astype(jnp.int32),
         slots.astype(jnp.int32),
@@ -184,3 +184,4 @@ def rope_cache_write(
         k_cache,
         v_cache,
     )
+    return q, k_cache, v_cache

@@ -119,13 +119,13 @@ def pack(
         first = decode + tile * (np.cumsum(tiles) - tiles)  # [C] first row
         chunk = np.repeat(np.arange(len(chunks)), lengths)  # [T] chunk of each token
         offset = np.arange(chunk.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        rows, pos = first[chunk] + offset, starts[chunk] + offset
+        token_rows, pos = first[chunk] + offset, starts[chunk] + offset  # [T]
         chunk_tables = np.stack([c.seq.table_row(width) for c in chunks])  # [C, W]
-        tokens[rows] = np.concatenate(
+        tokens[token_rows] = np.concatenate(
             [c.seq.prompt_array()[c.start : c.start + c.length] for c in chunks]
         )
-        positions[rows] = pos
-        slots[rows] = chunk_tables[chunk, pos // bs] * bs + pos % bs
+        positions[token_rows] = pos
+        slots[token_rows] = chunk_tables[chunk, pos // bs] * bs + pos % bs
         tables[decode : decode + int(tiles.sum())] = chunk_tables[
             np.repeat(np.arange(len(chunks)), tiles)
         ]

@@ -48,7 +48,9 @@ def use_cpu_devices(count: int) -> str | None:
     JAX's backends start; where they already have, with another number of CPU devices, returns
     a message saying so (the run then uses the devices there are), else None.
     """
-    if jax.config.jax_num_cpu_devices >= 0 or _XLA_DEVICE_FLAG in os.environ.get("XLA_FLAGS", ""):
+    # jax.config's options are attributes it sets at run time: its stubs do not declare them
+    chosen: int = jax.config.jax_num_cpu_devices  # type: ignore[attr-defined]
+    if chosen >= 0 or _XLA_DEVICE_FLAG in os.environ.get("XLA_FLAGS", ""):
         return None
     try:
         jax.config.update("jax_num_cpu_devices", count)

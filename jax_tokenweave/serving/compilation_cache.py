@@ -26,7 +26,8 @@ def use_compilation_cache(path: str | os.PathLike | None) -> str | None:
     set a cache directory (module docstring); None leaves JAX as it is. Returns the directory
     JAX caches in (None: none)."""
     global _ours
-    current = jax.config.jax_compilation_cache_dir
+    # jax.config's options are attributes it sets at run time: its stubs do not declare them
+    current: str | None = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
     if path is None or (current and current != _ours):
         return current or None
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))

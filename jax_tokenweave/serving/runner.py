@@ -36,6 +36,8 @@ from jax_tokenweave.serving.step import (
     REPLAY_COMPILER_OPTIONS,
     SAMPLERS,
     STEP_COMPILER_OPTIONS,
+    DeviceOutputs,
+    HostOutputs,
     StepOutputs,
     jitted_forward,
     jitted_forward_replayed,
@@ -52,7 +54,7 @@ class InFlight:
 
     scheduled: ScheduledStep
     layout: batch_lib.StepLayout
-    outputs: StepOutputs
+    outputs: DeviceOutputs
     want_logprobs: bool
 
 
@@ -130,7 +132,7 @@ class ModelRunner:
         layout: batch_lib.StepLayout,
         arrays: batch_lib.StepArrays,
         prev_tokens: jax.Array | None = None,
-    ) -> StepOutputs:
+    ) -> DeviceOutputs:
         """Dispatch the step (no wait): the forward program, then the sampler program the host
         picks (greedy where no sampled row draws; log-probabilities only where one asked).
         The cache is replaced by the step's. Returns its device outputs. ``prev_tokens``: the
@@ -175,14 +177,14 @@ class ModelRunner:
         return InFlight(scheduled, layout, outputs, want)
 
     @staticmethod
-    def fetch(step: InFlight) -> StepOutputs:
+    def fetch(step: InFlight) -> HostOutputs:
         """The step's outputs on the host (NumPy; waits for the device): the sampled tokens
         ([:len(sampled)] are real), and the log-probabilities where the step computed them
         (else None)."""
         out = step.outputs
-        if not step.want_logprobs:
-            out = dataclasses.replace(out, logprob=None, top_logprobs=None, top_ids=None)
-        return jax.device_get(out)
+        if step.want_logprobs:
+            return jax.device_get(out)
+        return jax.device_get(StepOutputs(out.tokens, None, None, None))
 
     def layouts(self) -> list[batch_lib.StepLayout]:
         """Every step layout this configuration can produce."""

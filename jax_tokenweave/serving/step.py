@@ -11,10 +11,12 @@ traced. Schedules and replay: docs/SERVING.md#servingstep.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -30,19 +32,32 @@ from jax_tokenweave.serving.step_io import ForwardInputs, StepIO, give_back, sta
 from jax_tokenweave.weave.schedules import stack_setup
 from jax_tokenweave.weave.tuning import TuneEntry
 
+TokensT = TypeVar("TokensT")
+LogprobsT = TypeVar("LogprobsT")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class StepOutputs:
+class StepOutputs(Generic[TokensT, LogprobsT]):
     """Per sampled row [S]: ``tokens`` (int32 [P], zero-padded to the previous tokens'
     length ``P`` where the step took them, so they can feed the next step; else [S]), their
     ``logprob``; ``top_logprobs`` / ``top_ids`` [S, K] (K = the static number asked for;
-    [S, 0] when none). The last three are zeros where the step's ``want_logprobs`` is false."""
+    [S, 0] when none). The last three are zeros where the step's ``want_logprobs`` is false.
 
-    tokens: jax.Array
-    logprob: jax.Array
-    top_logprobs: jax.Array
-    top_ids: jax.Array
+    A step's outputs are device arrays (:data:`DeviceOutputs`); ``ModelRunner.fetch`` brings
+    them to the host (:data:`HostOutputs`)."""
+
+    tokens: TokensT
+    logprob: LogprobsT
+    top_logprobs: LogprobsT
+    top_ids: LogprobsT
+
+
+DeviceOutputs = StepOutputs[jax.Array, jax.Array]
+"""A step's outputs on the device, as the sampler returns them."""
+HostOutputs = StepOutputs[np.ndarray, np.ndarray | None]
+"""A step's outputs on the host (``ModelRunner.fetch``): NumPy arrays, the log-probability
+fields None where the step did not want them."""
 
 
 def decoder_forward(
@@ -118,7 +133,9 @@ def decoder_forward(
         return out, attention.k, attention.v
 
     layers = [cache_spec(decoder.axis_name)] * decoder.config.num_layers
-    fn = jax.shard_map(
+    # Takes global arrays, a StepArrays' host ones too (jax.shard_map's stubs give it
+    # per_rank's own signature, of the per-rank device arrays).
+    fn: Callable[..., tuple[jax.Array, list[jax.Array], list[jax.Array]]] = jax.shard_map(
         per_rank,
         mesh=decoder.mesh,
         in_specs=(partition_specs(decoder), P(), P(), P(), P(), layers, layers),
@@ -185,7 +202,7 @@ def sample_step(
     sampler: str,
     num_logprobs: int,
     mesh: Mesh | None = None,
-) -> StepOutputs:
+) -> DeviceOutputs:
     """One token per row of ``logits`` [S, V] (``sampler``, one of :data:`SAMPLERS`; the
     sampling settings are [S], as ``StepArrays``'), with ``num_logprobs`` top
     log-probabilities (0: none; the log-probability fields are then zeros [S] and [S, 0]).
@@ -229,7 +246,7 @@ def model_step(
     attention: str = "auto",
     prev_tokens: jax.Array | None = None,
     sampler: str = "sample",
-) -> tuple[StepOutputs, PagedKVCache]:
+) -> tuple[DeviceOutputs, PagedKVCache]:
     """:func:`model_forward` then :func:`sample_step` in one function (one program where it is
     jitted whole; the engine runs them as two, see ``jitted_forward``)."""
     logits, cache = model_forward(

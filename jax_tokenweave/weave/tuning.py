@@ -17,7 +17,7 @@ import numbers
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 __all__ = [
     "ANY_MODEL",
@@ -59,12 +59,12 @@ SIGNATURE_FIELDS = (
 """The ``DecoderConfig`` fields that identify a model's layer shapes (:func:`signature`)."""
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[numbers.Integral]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_ctas(name: str, value: object) -> None:
-    if not _is_int(value) or not MIN_CTAS <= value <= MAX_CTAS:
+    if not _is_int(value) or not MIN_CTAS <= int(value) <= MAX_CTAS:
         raise ValueError(f"{name} must be an int in [{MIN_CTAS}, {MAX_CTAS}], got {value!r}")
 
 
@@ -288,10 +288,10 @@ def from_json(data: Any) -> TuneTable:
         notes[key] = {k: v for k, v in row.items() if k not in _ENTRY_KEYS}
     thresholds: dict[tuple[str, int], int] = {}
     for i, row in enumerate(_rows(data, "thresholds", ("model", "tp", "split_threshold"))):
-        key = (row["model"], row["tp"])
-        if key in thresholds:
-            raise ValueError(f"tuning table threshold {i}: duplicate key {key}")
-        thresholds[key] = row["split_threshold"]
+        model_tp = (row["model"], row["tp"])
+        if model_tp in thresholds:
+            raise ValueError(f"tuning table threshold {i}: duplicate key {model_tp}")
+        thresholds[model_tp] = row["split_threshold"]
     models = data.get("models", {})
     if not isinstance(models, Mapping) or not all(isinstance(v, Mapping) for v in models.values()):
         raise ValueError("tuning table: 'models' must map names to shape objects")
