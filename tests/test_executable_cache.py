@@ -24,7 +24,13 @@ from testutil import fresh_process_jax_cache
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
+from jax_tokenweave.serving import (
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+    count_compilations,
+    executable_key,
+)
 from jax_tokenweave.serving import executable_cache as ec
 from jax_tokenweave.weave.tuning import TuneEntry
 
@@ -132,7 +138,7 @@ def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monk
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_foo")
     assert key() != base
     monkeypatch.undo()
-    monkeypatch.setattr(ec, "source_hash", lambda: "edited")
+    monkeypatch.setattr(executable_key, "source_hash", lambda: "edited")
     assert key() != base
     monkeypatch.undo()
     precision = jax.config.jax_default_matmul_precision

@@ -14,7 +14,9 @@ step n+1 made for it; its blocks are freed after step n+1 is processed. Each cal
 returns the deltas of one completed step; the tokens are those of the synchronous engine.
 
 ``add_request`` and ``abort`` may be called from another thread while a step runs (the async
-API and the HTTP server do); the scheduler is only touched under the engine's lock.
+API and the HTTP server do); the scheduler is only touched under the engine's lock. That
+request side (checks, queueing, aborts, outputs) is ``serving.intake.RequestIntake``, a base of
+:class:`LLMEngine`; this module holds the step loop.
 
 A request of ``n`` samples (``SamplingParams.n``) runs as ``n`` sequences sharing its id; its
 deltas carry the sample's ``index``. Failures stay with their request: a request whose host
@@ -48,20 +50,15 @@ from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.deltas import end_delta, mark_last, sample_delta
 from jax_tokenweave.serving.executable_cache import WarmupReport
-from jax_tokenweave.serving.outputs import (
-    RequestMetrics,
-    RequestOutput,
-    StreamDelta,
-    TextState,
-)
-from jax_tokenweave.serving.requests import EngineRequest, Sample
+from jax_tokenweave.serving.intake import RequestIntake
+from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta
 from jax_tokenweave.serving.runner import InFlight, ModelRunner
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import Request, ScheduledStep, Scheduler
 from jax_tokenweave.serving.stats import EngineStats
 
 
-class LLMEngine:
+class LLMEngine(RequestIntake):
     """Serves a causal LM (``models.llama.LlamaModel`` or a subclass) with continuous batching.
 
     ``tokenizer``: anything with ``decode(ids, skip_special_tokens=True)`` (text outputs and stop
@@ -99,13 +96,13 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config)
         self.stats = EngineStats()
-        self._requests: dict[str, EngineRequest] = {}
+        self._requests = {}
         self._lock = threading.RLock()  # the scheduler and the request table
         self._step_lock = threading.Lock()  # one step at a time (the cache)
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._inflight: collections.deque[InFlight] = collections.deque()  # tokens not taken
-        self._notices: list[StreamDelta] = []  # deltas made outside step() (abort, failures)
+        self._notices = []  # deltas made outside step() (abort, failures)
 
     @property
     def cache(self) -> Any:
@@ -124,144 +121,6 @@ class LLMEngine:
     def num_blocks_in_use(self) -> int:
         """KV cache blocks held by requests (waiting for a step in flight included)."""
         return self.config.num_blocks - self.scheduler.allocator.num_free
-
-    def counts(self) -> tuple[int, int]:
-        """Requests ``(running, waiting)`` now, each counted once whatever its ``n``."""
-        with self._lock:
-            return (
-                len({s.request_id for s in self.scheduler.running}),
-                len({s.request_id for s in self.scheduler.waiting}),
-            )
-
-    # -- requests ------------------------------------------------------------------------
-    def add_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        prompt: str | None = None,
-        arrival_time: float | None = None,
-    ) -> str:
-        """Queue a request (``params.n`` samples); returns its id. ``ValueError`` (nothing
-        queued) for bad token ids, bad params, stop strings without a tokenizer, too many
-        logprobs, or a request that could never fit the cache or ``max_model_len``."""
-        ids, params = self.check_request(prompt_token_ids, params)
-        stop_ids = frozenset(
-            set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        )
-        with self._lock:
-            rid = str(next(self._ids)) if request_id is None else str(request_id)
-            if rid in self._requests:
-                raise ValueError(f"request id {rid!r} is already in use")
-            seed = params.seed if params.seed is not None else int(self._rng.integers(1 << 31))
-            samples = [
-                Sample(
-                    Request(rid, ids, params, params.sample_seed(seed, i), stop_ids, index=i),
-                    TextState(self.tokenizer, params.stop) if self.tokenizer is not None else None,
-                    [] if params.logprobs is not None else None,
-                )
-                for i in range(params.n)
-            ]
-            for sample in samples:
-                self.scheduler.add(sample.seq)
-            self._requests[rid] = EngineRequest(
-                rid,
-                prompt,
-                ids,
-                samples,
-                RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
-            )
-        return rid
-
-    def check_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams | None, what: str = "prompt"
-    ) -> tuple[list[int], SamplingParams]:
-        """The checks of :meth:`add_request` (``ValueError`` naming ``what``), no side effect:
-        the prompt's ids as a list and the params (default ``SamplingParams()``)."""
-        ids = checks.token_ids(prompt_token_ids, self.model_config.vocab_size, what)
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"{what}: params must be a SamplingParams, got {type(params).__name__}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"{what}: stop strings need a tokenizer (the engine has none)")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"{what}: logprobs={params.logprobs} exceeds the engine's "
-                f"max_logprobs ({self.config.max_logprobs})"
-            )
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"{what}: stop_token_ids must be in [0, {vocab})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"{what}: n={params.n} exceeds max_num_seqs ({self.config.max_num_seqs})"
-            )
-        try:
-            self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
-        except ValueError as err:
-            raise ValueError(f"{what} cannot fit: {err}") from None
-        return ids, params
-
-    def abort(self, request_id: str) -> None:
-        """Finish a request's samples now with ``"abort"`` (a no-op for an unknown or finished
-        one); the next :meth:`step` returns an ``"abort"`` delta per sample. Blocks are freed
-        at once, or, where a dispatched step holds them, when that step's tokens are taken (by
-        the next :meth:`step`; :meth:`abort_all` takes them at once). Taking them here would
-        advance the other requests in the middle of a caller's loop over a step's deltas: one
-        of those aborted next would then get a token the synchronous engine never makes."""
-        self._abort(request_id)
-
-    def _abort(self, request_id: str) -> bool:
-        """:meth:`abort`; whether a dispatched step still holds the request's blocks."""
-        with self._lock:
-            request = self._requests.get(request_id)
-            if request is None or request.finished:
-                return False
-            held = False
-            for sample in request.samples:
-                if not sample.seq.finished:
-                    self.scheduler.finish(sample.seq, "abort")
-                    self._notices.append(end_delta(request, sample))
-                held |= sample.seq.in_flight > 0
-        return held
-
-    abort_request = abort
-
-    def request_ids(self) -> list[str]:
-        """Ids of the requests the engine holds (running, waiting or finished, not released)."""
-        with self._lock:
-            return list(self._requests)
-
-    def has_unfinished(self) -> bool:
-        """Requests waiting or running, blocks held by a step in flight, or deltas that
-        :meth:`step` has not returned yet."""
-        with self._lock:
-            return self.scheduler.has_unfinished() or bool(self._notices)
-
-    def output(self, request_id: str) -> RequestOutput:
-        """The request's output so far (final once it finished)."""
-        with self._lock:
-            r = self._requests[request_id]
-            return RequestOutput(
-                r.request_id,
-                r.prompt_text,
-                list(r.prompt_ids),
-                [s.completion(self.tokenizer) for s in r.samples],
-                r.metrics,
-            )
-
-    def release(self, request_id: str) -> RequestOutput:
-        """:meth:`output` of a finished request, then forget it."""
-        with self._lock:
-            out = self.output(request_id)
-            if not out.finished:
-                raise ValueError(f"request {request_id!r} has not finished")
-            del self._requests[request_id]
-            self._notices = [d for d in self._notices if d.request_id != request_id]
-            return out
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:

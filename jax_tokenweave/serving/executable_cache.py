@@ -5,18 +5,14 @@ JAX's persistent compilation cache (``serving.compilation_cache``) skips only XL
 restart still traces and lowers every step layout (``nnx.merge`` and the whole layer stack in
 Python), which dominates warm-up for deep models. This cache stores the finished
 ``jax.stages.Compiled`` of each layout instead, under ``<compilation_cache_dir>/executables/``,
-one file per program named by its key (:func:`program_key`). JAX's switch for compilation
-caching (``jax_enable_compilation_cache``, ``JAX_ENABLE_COMPILATION_CACHE=0``) turns it off too.
+one file per program named by its key (:func:`program_key`, in ``serving.executable_key``: a
+hash of the program's description and its environment). JAX's switch for compilation caching
+(``jax_enable_compilation_cache``, ``JAX_ENABLE_COMPILATION_CACHE=0``) turns it off too.
 
-The key hashes everything that can change the program: the caller's description of it (the
-layout, every static argument, the model's type, config and graph definition, the compiler
-options, the inputs' tree, shapes, dtypes and shardings with their mesh and device ids) plus
-the environment (:func:`environment`: JAX, jaxlib, flax and Python versions, the backend's
-platform, version and device kinds, JAX's config values, the ``XLA_*``/``JAX_TOKENWEAVE_*``
-environment variables, and a hash of this package's ``.py``/``.json`` sources and of the built
-CUDA extension). A file whose key, magic or checksum does not match, or that fails to load, is
-ignored with a warning and the program is compiled (and the file rewritten). Files are written
-atomically (a temporary file renamed into place).
+A file whose key, magic or checksum does not match, or that fails to load, is ignored with a
+warning and the program is compiled (and the file rewritten). Files are written atomically (a
+temporary file renamed into place). Some programs are not stored (:func:`compile_to_store`,
+:func:`process_local_reason`).
 
 Tree structures are not stored: the caller rebuilds the input tree from the arguments and the
 output tree from the function's known output type (see ``serving.runner``), and the loaded
@@ -30,39 +26,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
-import json
 import os
 import pickle
-import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
+from jax_tokenweave.serving.executable_key import describe_args as describe_args  # re-exported
+from jax_tokenweave.serving.executable_key import describe_leaf as describe_leaf
+from jax_tokenweave.serving.executable_key import environment as environment
+from jax_tokenweave.serving.executable_key import leaf_dtype, leaf_shape
+from jax_tokenweave.serving.executable_key import program_key as program_key
+from jax_tokenweave.serving.executable_key import source_hash as source_hash
+
 SUBDIR = "executables"
 MAGIC = b"jax-tokenweave executable v1\n"
 _DIGEST = hashlib.sha256().digest_size
-_ENV_PREFIXES = ("XLA_", "JAX_TOKENWEAVE_", "LIBTPU_INIT_ARGS", "NCCL_", "NVIDIA_TF32")
-_ENV_SKIP = ("JAX_TOKENWEAVE_COMMIT",)
-_CONFIG_SKIP = (
-    "cache",
-    "log",
-    "dump",
-    "traceback",
-    "pprint",
-    "timeout",
-    "explain",
-    "transfer_guard",
-    "source_url",
-    "debug_key_reuse",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,113 +97,6 @@ class JaxSerializer:
         )
 
 
-def _dtype(leaf: Any) -> np.dtype:
-    dtype = getattr(leaf, "dtype", None)
-    return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
-
-
-def _shape(leaf: Any) -> tuple[int, ...]:
-    shape = getattr(leaf, "shape", None)
-    return tuple(shape) if shape is not None else tuple(np.shape(leaf))
-
-
-def describe_leaf(leaf: Any) -> tuple[Any, ...]:
-    """A leaf's part of the key: shape, dtype, weak type and placement (a ``jax.Array``'s or
-    ``jax.ShapeDtypeStruct``'s sharding with its mesh axes, shape and device ids in order;
-    ``host`` for NumPy)."""
-    shape, dtype = _shape(leaf), str(_dtype(leaf))
-    if getattr(leaf, "sharding", None) is None:
-        return shape, dtype, "host"
-    sharding = leaf.sharding
-    mesh = getattr(sharding, "mesh", None)
-    where: tuple[Any, ...]
-    if mesh is not None and hasattr(mesh, "devices"):
-        where = (
-            type(sharding).__name__,
-            repr(getattr(sharding, "spec", None)),
-            tuple(mesh.axis_names),
-            tuple(mesh.devices.shape),
-            tuple(int(d.id) for d in mesh.devices.flat),
-            getattr(sharding, "memory_kind", None),
-        )
-    else:
-        where = (
-            type(sharding).__name__,
-            repr(sharding),
-            tuple(sorted(int(d.id) for d in sharding.device_set)),
-        )
-    return shape, dtype, bool(getattr(leaf, "weak_type", False)), where
-
-
-def describe_args(args: Any) -> dict[str, Any]:
-    """The key's part for a pytree of arguments: its structure and every leaf (by path)."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
-    return {
-        "tree": str(treedef),
-        "leaves": [(jax.tree_util.keystr(path), describe_leaf(leaf)) for path, leaf in leaves],
-    }
-
-
-@functools.cache
-def source_hash() -> str:
-    """SHA-256 of this package's ``.py`` and ``.json`` files (paths and bytes) and of the built
-    CUDA extension's file where it imported."""
-    from jax_tokenweave.kernel import _extension
-
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json") and p.is_file())
-    if _extension.import_error() is None:
-        files.append(Path(_extension.get().__file__))
-    for path in files:
-        digest.update(
-            str(path.relative_to(root) if path.is_relative_to(root) else path.name).encode()
-        )
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()
-
-
-def environment(devices: Iterable[Any]) -> dict[str, Any]:
-    """The key's part that is not the program's own description (module docstring), for a
-    program on ``devices``."""
-    import flax
-    import jaxlib
-
-    devices = list(devices)
-    client = devices[0].client if devices else None
-    return {
-        "python": sys.version_info[:2],
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "flax": flax.__version__,
-        "numpy": np.__version__,
-        "platform": sorted({d.platform for d in devices}),
-        "device_kinds": sorted({d.device_kind for d in devices}),
-        "platform_version": getattr(client, "platform_version", None),
-        "config": {
-            k: repr(v)
-            for k, v in sorted(jax.config.values.items())
-            if not any(s in k for s in _CONFIG_SKIP)
-        },
-        "env": {
-            k: v
-            for k, v in sorted(os.environ.items())
-            if k.startswith(_ENV_PREFIXES) and k not in _ENV_SKIP
-        },
-        "source": source_hash(),
-    }
-
-
-def program_key(program: Mapping[str, Any], devices: Iterable[Any]) -> str:
-    """A program's cache key (hex SHA-256): ``program`` (the caller's description: layout,
-    static arguments, model, :func:`describe_args` of the inputs, compiler options; values
-    are keyed by ``repr`` where not JSON) plus :func:`environment`."""
-    text = json.dumps(
-        {"program": program, "environment": environment(devices)}, sort_keys=True, default=repr
-    )
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def _check_args(compiled: Any, args: Any) -> None:
     """Raises ``ValueError`` where ``compiled`` was not compiled for ``args``' shapes and
     dtypes (``args``: the positional arguments, as ``jit`` flattens them with no kwargs)."""
@@ -226,10 +105,10 @@ def _check_args(compiled: Any, args: Any) -> None:
     if len(want) != len(got):
         raise ValueError(f"{len(want)} arguments compiled, {len(got)} given")
     for i, (w, g) in enumerate(zip(want, got, strict=True)):
-        if tuple(w.shape) != _shape(g) or np.dtype(w.dtype) != _dtype(g):
+        if tuple(w.shape) != leaf_shape(g) or np.dtype(w.dtype) != leaf_dtype(g):
             raise ValueError(
                 f"argument {i}: compiled for {w.dtype}{list(w.shape)}, given "
-                f"{_dtype(g)}{list(_shape(g))}"
+                f"{leaf_dtype(g)}{list(leaf_shape(g))}"
             )
 
 
@@ -257,7 +136,9 @@ class ExecutableCache:
     def enabled(self) -> bool:
         """Whether the cache loads and stores: it has a directory and JAX's switch for
         compilation caching (``jax_enable_compilation_cache``) is on."""
-        return self.directory is not None and bool(jax.config.jax_enable_compilation_cache)
+        return self.directory is not None and bool(
+            jax.config.values["jax_enable_compilation_cache"]
+        )
 
     def path(self, key: str) -> Path | None:
         """The file of ``key``'s program (None: the cache is off)."""

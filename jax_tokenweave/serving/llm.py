@@ -20,79 +20,38 @@ with ``generate``. Every way out of a call (an error, ``KeyboardInterrupt``, a c
 aborts the call's requests and frees their KV blocks; a request that fails inside a step ends
 alone (``serving.engine``), and the ``LLM`` serves later requests as before. Use one LLM either
 from synchronous code or from one asyncio event loop at a time (the HTTP server,
-``jax_tokenweave.serve``, drives the engine from one thread of its own).
+``jax_tokenweave.serve``, drives the engine from one thread of its own). What ``LLM(...)``
+builds from its arguments (the checks, the model, the tokenizer, the engine's config) is
+``serving.llm_setup``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
-import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jax_tokenweave._legacy import renamed_keyword
-from jax_tokenweave.serving import checks, resolve
+from jax_tokenweave.serving import llm_setup
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
+from jax_tokenweave.serving.llm_setup import TOKENIZER_FILES as TOKENIZER_FILES  # re-exported
+from jax_tokenweave.serving.llm_setup import check_tokenizer as check_tokenizer
+from jax_tokenweave.serving.llm_setup import load_tokenizer as load_tokenizer
+from jax_tokenweave.serving.llm_setup import make_mesh as make_mesh
 from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 Prompt = str | Sequence[int] | Mapping[str, Any]
-_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 
 class RequestFailed(RuntimeError):
     """A request failed inside a step (the engine goes on serving the others)."""
-
-
-def load_tokenizer(path: str | os.PathLike) -> Any:
-    """``transformers.AutoTokenizer`` of a checkpoint directory; None where it has no tokenizer
-    files (then prompts and outputs are token ids only)."""
-    if not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def check_tokenizer(tokenizer: Any) -> Any:
-    """``tokenizer`` if it can encode and decode (``ValueError`` naming ``tokenizer`` else)."""
-    if not all(callable(getattr(tokenizer, m, None)) for m in ("encode", "decode")):
-        raise ValueError(
-            f"LLM tokenizer must be a tokenizer (with encode and decode), a "
-            f"directory, None or False; got {type(tokenizer).__name__}"
-        )
-    return tokenizer
-
-
-def make_mesh(mesh: Mesh | None, tp: int | None, axis_name: str = "tp") -> Mesh:
-    """``mesh`` as given, or a 1-D ``axis_name`` mesh over the first ``tp`` devices (default 1)."""
-    if mesh is not None:
-        if tp is not None and mesh.shape.get(axis_name) != tp:
-            raise ValueError(
-                f"tp={tp} disagrees with the mesh's {axis_name!r} axis ({dict(mesh.shape)})"
-            )
-        return mesh
-    tp = 1 if tp is None else checks.at_least(tp, 1, "tensor_parallel_size")
-    devices = jax.devices()
-    if len(devices) < tp:
-        hint = (
-            f"; on a CPU-only host set JAX_NUM_CPU_DEVICES={tp} (or XLA_FLAGS="
-            f"--xla_force_host_platform_device_count={tp}) before JAX starts"
-            if devices[0].platform == "cpu"
-            else ""
-        )
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, have {len(devices)}{hint}")
-    return Mesh(np.array(devices[:tp]), (axis_name,))
 
 
 class LLM:
@@ -139,52 +98,17 @@ class LLM:
             engine["collective"] = renamed_keyword(
                 "LLM", "comm", engine.pop("comm"), "collective", engine.get("collective")
             )
-        unknown = sorted(set(engine) - _ENGINE_FIELDS)
-        if unknown:
-            raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
-        if config is not None and not isinstance(config, EngineConfig):
-            raise ValueError(f"LLM config must be an EngineConfig, got {type(config).__name__}")
-        if tp is not None and tensor_parallel_size is not None and tp != tensor_parallel_size:
-            raise ValueError(
-                f"LLM tp={tp} and tensor_parallel_size={tensor_parallel_size} "
-                f"disagree (tp is an alias)"
-            )
-        tp = tensor_parallel_size if tensor_parallel_size is not None else tp
-        resolve.check_utilization(gpu_memory_utilization)
-        if (
-            tokenizer is not None
-            and tokenizer is not False
-            and not isinstance(tokenizer, str | os.PathLike)
-        ):
-            check_tokenizer(tokenizer)
+        tp = llm_setup.check_arguments(
+            engine, config, tp, tensor_parallel_size, gpu_memory_utilization, tokenizer
+        )
         bar = tqdm(total=3, desc="LLM: loading weights", disable=not use_tqdm, leave=False)
         with bar:
-            source = None
-            if isinstance(model, str | os.PathLike):
-                from jax_tokenweave.hf.config import load_hf_config
-                from jax_tokenweave.models.auto import from_pretrained
-
-                source = resolve.checkpoint_dir(model)
-                info = load_hf_config(source)
-                model = from_pretrained(
-                    source, make_mesh(mesh, tp), resolve.param_dtype(dtype, info.torch_dtype)
-                )
-            elif tp is not None or mesh is not None:
-                raise ValueError(
-                    "tensor_parallel_size and mesh apply to a checkpoint; a model "
-                    "brings its own mesh"
-                )
-            elif dtype != "auto":
-                raise ValueError("dtype applies to a checkpoint; a model has its own")
+            model, source = llm_setup.load_model(model, mesh, tp, dtype)
             bar.update()
             bar.set_description("LLM: tokenizer and KV cache")
-            if isinstance(tokenizer, str | os.PathLike):
-                tokenizer = load_tokenizer(tokenizer)
-            elif tokenizer is None and source is not None:
-                tokenizer = load_tokenizer(source)
-            self.tokenizer = tokenizer or None
+            self.tokenizer = llm_setup.resolve_tokenizer(tokenizer, source)
             self.model_path = source
-            engine_config = self._engine_config(
+            engine_config = llm_setup.engine_config(
                 model, config, engine, max_model_len, seed, gpu_memory_utilization
             )
             self.engine = LLMEngine(model, engine_config, tokenizer=self.tokenizer)
@@ -196,37 +120,6 @@ class LLM:
         self._sync: dict[str, collections.deque[StreamDelta]] = {}
         self._async: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
         self._driver: asyncio.Task[None] | None = None
-
-    @staticmethod
-    def _engine_config(
-        model: Any,
-        config: EngineConfig | None,
-        engine: dict[str, Any],
-        max_model_len: int | None,
-        seed: int | None,
-        utilization: float,
-    ) -> EngineConfig:
-        fields = {**(config.__dict__ if config is not None else {}), **engine}
-        info = getattr(model, "hf_info", None)
-        limit = None if info is None else info.max_position_embeddings
-        fields["max_model_len"] = resolve.model_len(
-            max_model_len if max_model_len is not None else fields.get("max_model_len"),
-            limit,
-            EngineConfig.max_model_len,
-        )
-        if seed is not None:
-            fields["seed"] = checks.at_least(seed, 0, "LLM seed")
-        if "num_blocks" not in fields:
-            probe = EngineConfig(**fields)
-            mesh = model.mesh
-            fields["num_blocks"] = resolve.cache_blocks(
-                list(mesh.devices.flat),
-                model.config,
-                probe,
-                model.embed.get_value().dtype,
-                utilization,
-            )
-        return EngineConfig(**fields)
 
     # -- prompts -------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -1,0 +1,175 @@
+"""The engine's request side, a base of ``serving.engine.LLMEngine``: checking and queueing
+requests (``add_request``, ``check_request``), aborting them, and reading and releasing their
+outputs. A request of ``n`` samples is ``n`` scheduler requests sharing its id. The
+scheduler and the request table are only touched under the engine's lock, so these may be
+called from another thread while a step runs; the step loop is the engine's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_tokenweave.serving import checks
+from jax_tokenweave.serving.config import EngineConfig
+from jax_tokenweave.serving.deltas import end_delta
+from jax_tokenweave.serving.outputs import RequestMetrics, RequestOutput, StreamDelta, TextState
+from jax_tokenweave.serving.requests import EngineRequest, Sample
+from jax_tokenweave.serving.sampling_params import SamplingParams
+from jax_tokenweave.serving.scheduler import Request, Scheduler
+
+
+class RequestIntake:
+    """Requests in and outputs out, over state the engine sets up (the attributes below)."""
+
+    config: EngineConfig
+    model_config: Any  # the model's DecoderConfig (its vocab_size)
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    scheduler: Scheduler
+    _requests: dict[str, EngineRequest]
+    _lock: threading.RLock  # the scheduler and the request table
+    _ids: Iterator[int]  # request ids, where the caller gives none
+    _rng: np.random.Generator  # request seeds, where the params give none
+    _notices: list[StreamDelta]  # deltas made outside a step (abort, failures)
+
+    def counts(self) -> tuple[int, int]:
+        """Requests ``(running, waiting)`` now, each counted once whatever its ``n``."""
+        with self._lock:
+            return (
+                len({s.request_id for s in self.scheduler.running}),
+                len({s.request_id for s in self.scheduler.waiting}),
+            )
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request (``params.n`` samples); returns its id. ``ValueError`` (nothing
+        queued) for bad token ids, bad params, stop strings without a tokenizer, too many
+        logprobs, or a request that could never fit the cache or ``max_model_len``."""
+        ids, params = self.check_request(prompt_token_ids, params)
+        stop_ids = frozenset(
+            set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        )
+        with self._lock:
+            rid = str(next(self._ids)) if request_id is None else str(request_id)
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seed = params.seed if params.seed is not None else int(self._rng.integers(1 << 31))
+            samples = [
+                Sample(
+                    Request(rid, ids, params, params.sample_seed(seed, i), stop_ids, index=i),
+                    TextState(self.tokenizer, params.stop) if self.tokenizer is not None else None,
+                    [] if params.logprobs is not None else None,
+                )
+                for i in range(params.n)
+            ]
+            for sample in samples:
+                self.scheduler.add(sample.seq)
+            self._requests[rid] = EngineRequest(
+                rid,
+                prompt,
+                ids,
+                samples,
+                RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
+            )
+        return rid
+
+    def check_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams | None, what: str = "prompt"
+    ) -> tuple[list[int], SamplingParams]:
+        """The checks of :meth:`add_request` (``ValueError`` naming ``what``), no side effect:
+        the prompt's ids as a list and the params (default ``SamplingParams()``)."""
+        ids = checks.token_ids(prompt_token_ids, self.model_config.vocab_size, what)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"{what}: params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"{what}: stop strings need a tokenizer (the engine has none)")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"{what}: logprobs={params.logprobs} exceeds the engine's "
+                f"max_logprobs ({self.config.max_logprobs})"
+            )
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"{what}: stop_token_ids must be in [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"{what}: n={params.n} exceeds max_num_seqs ({self.config.max_num_seqs})"
+            )
+        try:
+            self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
+        except ValueError as err:
+            raise ValueError(f"{what} cannot fit: {err}") from None
+        return ids, params
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request's samples now with ``"abort"`` (a no-op for an unknown or finished
+        one); the next ``LLMEngine.step`` returns an ``"abort"`` delta per sample. Blocks are
+        freed at once, or, where a dispatched step holds them, when that step's tokens are taken
+        (by the next ``step``; ``LLMEngine.abort_all`` takes them at once). Taking them here
+        would advance the other requests in the middle of a caller's loop over a step's deltas:
+        one of those aborted next would then get a token the synchronous engine never makes."""
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        """:meth:`abort`; whether a dispatched step still holds the request's blocks."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None or request.finished:
+                return False
+            held = False
+            for sample in request.samples:
+                if not sample.seq.finished:
+                    self.scheduler.finish(sample.seq, "abort")
+                    self._notices.append(end_delta(request, sample))
+                held |= sample.seq.in_flight > 0
+        return held
+
+    abort_request = abort
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests the engine holds (running, waiting or finished, not released)."""
+        with self._lock:
+            return list(self._requests)
+
+    def has_unfinished(self) -> bool:
+        """Requests waiting or running, blocks held by a step in flight, or deltas that
+        ``LLMEngine.step`` has not returned yet."""
+        with self._lock:
+            return self.scheduler.has_unfinished() or bool(self._notices)
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The request's output so far (final once it finished)."""
+        with self._lock:
+            r = self._requests[request_id]
+            return RequestOutput(
+                r.request_id,
+                r.prompt_text,
+                list(r.prompt_ids),
+                [s.completion(self.tokenizer) for s in r.samples],
+                r.metrics,
+            )
+
+    def release(self, request_id: str) -> RequestOutput:
+        """:meth:`output` of a finished request, then forget it."""
+        with self._lock:
+            out = self.output(request_id)
+            if not out.finished:
+                raise ValueError(f"request {request_id!r} has not finished")
+            del self._requests[request_id]
+            self._notices = [d for d in self._notices if d.request_id != request_id]
+            return out
