@@ -1,18 +1,10 @@
-"""The fused kernel's communicator: one object per mesh axis that owns the symmetric workspace.
-
-A :class:`Communicator` holds the settings (:class:`CommSettings`, in
-:mod:`jax_tokenweave.kernel.comm_settings` with the environment variables that give their
-defaults), says in one sentence why the fused kernel cannot run for a given call
-(:meth:`Communicator.unavailable_reason`: its devices here, sizes and settings in
-:func:`shape_reason`), picks the kernel variant and CTA count (:meth:`Communicator.choose`, from
-the shipped :mod:`jax_tokenweave.kernel.policy` table), and registers the workspace with the
-extension on first use. Its sync state lives on the GPUs and is advanced by the kernels, so XLA
-can capture the calls in command buffers. A cross-GPU wait that exceeds ``timeout_s`` makes the
-communicator fail for good: later calls raise (or, replayed from a command buffer, produce NaN)
-and :meth:`Communicator.check` raises :class:`CommFailed`; :func:`reset_communicators` (in
-every process) frees the shared ones and clears JAX's caches, so the next traced call builds
-new ones.
-"""
+"""The fused kernel's communicator: one object per mesh axis that owns the symmetric workspace
+(settings: :mod:`jax_tokenweave.kernel.comm_settings`). It says why the kernel cannot run for a
+call (:meth:`Communicator.unavailable_reason`), picks the variant and CTAs
+(:meth:`Communicator.choose`) and registers the workspace on first use; its sync state lives on
+the GPUs, so XLA can capture the calls in command buffers. A wait past ``timeout_s`` fails it
+for good (:class:`CommFailed`; replays give NaN); :func:`reset_communicators` starts over.
+Details: docs/KERNEL.md#kernelcomm."""
 
 from __future__ import annotations
 

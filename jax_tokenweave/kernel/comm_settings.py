@@ -1,23 +1,8 @@
 """The fused kernel's settings and what follows from them and a call's sizes alone (no devices):
-:class:`CommSettings`, the kernel variant and CTA count of a call (:func:`choose`, from the
-shipped :mod:`jax_tokenweave.kernel.policy` table), and why a per-rank shape [T, H] cannot run
-(:func:`shape_reason`). :class:`~jax_tokenweave.kernel.comm.Communicator` adds the devices.
-
-Settings are constructor arguments; environment variables only give their defaults:
-
-==================================  =========================================================
-``JAX_TOKENWEAVE_WORKSPACE_MB``     data area per device (2048): slots x 2 parities of the
-                                    two-shot staging area (direct needs 16 bytes of it)
-``JAX_TOKENWEAVE_ONESHOT_MB``       one one-shot receive buffer (8); 3 per slot
-``JAX_TOKENWEAVE_SLOTS``            independent slots (4); calls in flight together need
-                                    different slots
-``JAX_TOKENWEAVE_TIMEOUT_S``        bound on every cross-GPU wait (30)
-``JAX_TOKENWEAVE_ALGO``             ``auto`` (by the policy table), ``one_shot``, ``two_shot``
-                                    or ``direct``
-``JAX_TOKENWEAVE_MULTIMEM=1``       opt into NVLink multicast; refused where
-                                    ``NCCL_NVLS_ENABLE=0``
-==================================  =========================================================
-"""
+:class:`CommSettings` (constructor arguments; ``JAX_TOKENWEAVE_*`` environment variables give
+their defaults), the kernel variant and CTA count of a call (:func:`choose`, from the
+:mod:`jax_tokenweave.kernel.policy` table) and why a per-rank shape [T, H] cannot run
+(:func:`shape_reason`). The variables: docs/KERNEL.md#kernelcomm_settings."""
 
 from __future__ import annotations
 

@@ -1,37 +1,11 @@
 """``LLMEngine``: continuous batching over a paged KV cache, one jitted step at a time.
 
-``add_request`` queues a request (checked at once: a bad one raises ``ValueError`` and leaves
-the others untouched); each :meth:`LLMEngine.step` asks the scheduler for a step
-(``serving.scheduler``), packs and dispatches it (``serving.runner``), then takes a completed
-step's tokens: advances the requests, finishes those that stop, frees their blocks and returns
-what each request gained (:class:`~jax_tokenweave.serving.outputs.StreamDelta`).
-
-Async scheduling (``EngineConfig.async_scheduling``, the default): a step call dispatches step
-n+1 before it waits for step n's tokens, so the host schedules and packs while the device
-computes and the device never waits for Python; step n+1's decodes take the tokens of step n
-on the device. A request that stops at step n (stop token, stop string, abort) drops the token
-step n+1 made for it; its blocks are freed after step n+1 is processed. Each call still
-returns the deltas of one completed step; the tokens are those of the synchronous engine.
-
-``add_request`` and ``abort`` may be called from another thread while a step runs (the async
-API and the HTTP server do); the scheduler is only touched under the engine's lock. That
-request side (checks, queueing, aborts, outputs) is ``serving.intake.RequestIntake``, a base of
-:class:`LLMEngine`; this module holds the step loop.
-
-A request of ``n`` samples (``SamplingParams.n``) runs as ``n`` sequences sharing its id; its
-deltas carry the sample's ``index``. Failures stay with their request: a request whose host
-work fails (detokenizing, stop strings) finishes with ``"error"`` (the delta and its output's
-``error`` say why) and frees its blocks; a step that cannot be scheduled, packed, dispatched or
-read back fails the requests it holds the same way, and the engine goes on with the others.
-Arguments are checked where they enter (``add_request``), so a request's own values cannot
-fail a step. An interrupted :meth:`LLMEngine.step` (``KeyboardInterrupt``) leaves the engine
-consistent: a dispatched step whose tokens were not taken is taken by the next call, or by
-:meth:`LLMEngine.abort`.
-
-Compilation: one program per ``StepLayout``; :meth:`LLMEngine.warmup` loads (from the
-executable cache) or compiles them all, after which a stream of requests compiles nothing
-(``serving.runner``).
-"""
+Each :meth:`LLMEngine.step` schedules a step (``serving.scheduler``), packs and dispatches it
+(``serving.runner``), takes a completed step's tokens and returns what each request gained
+(:class:`~jax_tokenweave.serving.outputs.StreamDelta`). With async scheduling (the default) it
+dispatches step n+1 before it waits for step n. The request side (checks, queue, aborts,
+outputs; callable from other threads) is ``serving.intake.RequestIntake``. A failure stays
+with its request (``finish_reason="error"``). Details: docs/SERVING.md#servingengine."""
 
 from __future__ import annotations
 

@@ -1,26 +1,9 @@
-"""Compiled step programs on disk, so a restart of the same model skips tracing, lowering and
-compiling (``jax.experimental.serialize_executable``).
-
-JAX's persistent compilation cache (``serving.compilation_cache``) skips only XLA's compile: a
-restart still traces and lowers every step layout (``nnx.merge`` and the whole layer stack in
-Python), which dominates warm-up for deep models. This cache stores the finished
-``jax.stages.Compiled`` of each layout instead, under ``<compilation_cache_dir>/executables/``,
-one file per program named by its key (:func:`program_key`, in ``serving.executable_key``: a
-hash of the program's description and its environment). JAX's switch for compilation caching
-(``jax_enable_compilation_cache``, ``JAX_ENABLE_COMPILATION_CACHE=0``) turns it off too.
-
-A file whose key, magic or checksum does not match, or that fails to load, is ignored with a
-warning and the program is compiled (and the file rewritten). Files are written atomically (a
-temporary file renamed into place). Some programs are not stored (:func:`compile_to_store`,
-:func:`process_local_reason`).
-
-Tree structures are not stored: the caller rebuilds the input tree from the arguments and the
-output tree from the function's known output type (see ``serving.runner``), and the loaded
-executable's argument shapes and dtypes are checked against the arguments before it is used.
-
-Trust: a file is unpickled and loaded as machine code; the directory must be as trusted as the
-package itself (as for JAX's own cache).
-"""
+"""Compiled step programs on disk (``jax.experimental.serialize_executable``), so a restart of
+the same model skips tracing, lowering and compiling: one file per program under
+``<compilation_cache_dir>/executables/``, named by its key (``serving.executable_key``). A file
+that does not match or fails to load is ignored with a warning and recompiled; writes are
+atomic. Files are unpickled and loaded as machine code: trust the directory as the package.
+Details: docs/SERVING.md#servingexecutable_cache."""
 
 from __future__ import annotations
 

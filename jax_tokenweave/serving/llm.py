@@ -1,29 +1,10 @@
-"""``LLM``: the user API, in vLLM's shape. A checkpoint (directory or cached Hugging Face id) or a
-model in; text or token ids in and out.
+"""``LLM``: the user API, in vLLM's shape: a checkpoint (directory or cached Hugging Face id) or a
+model in; text or token ids in and out (``generate``, ``chat``, ``stream``, ``astream``).
 
-::
-
-    llm = LLM(model="/path/to/checkpoint", tensor_parallel_size=2, dtype="auto")
-    params = SamplingParams(n=2, temperature=0.8, top_p=0.95, max_tokens=32)
-    for out in llm.generate(["The capital of France is"], sampling_params=params):
-        print(out.prompt, [o.text for o in out.outputs])
-    for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=64)):
-        print(delta.text, end="")
-
-Prompts are strings (encoded with the checkpoint's tokenizer, ``transformers.AutoTokenizer``),
-sequences of token ids, or dicts ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` as
-vLLM's; ``generate`` takes one prompt or a list, and one ``SamplingParams`` or one per prompt.
-Every argument is checked where it enters (``ValueError`` naming it; an unknown keyword of
-``LLM`` is a ``TypeError``). The engine serves every request of every caller together
-(continuous batching): ``stream`` and ``astream`` consumers share steps with each other and
-with ``generate``. Every way out of a call (an error, ``KeyboardInterrupt``, a closed stream)
-aborts the call's requests and frees their KV blocks; a request that fails inside a step ends
-alone (``serving.engine``), and the ``LLM`` serves later requests as before. Use one LLM either
-from synchronous code or from one asyncio event loop at a time (the HTTP server,
-``jax_tokenweave.serve``, drives the engine from one thread of its own). What ``LLM(...)``
-builds from its arguments (the checks, the model, the tokenizer, the engine's config) is
-``serving.llm_setup``'s.
-"""
+Every argument is checked where it enters (``ValueError`` naming it). All callers' requests
+are batched together; every way out of a call (error, ``KeyboardInterrupt``, closed stream)
+aborts its requests and frees their blocks. What ``LLM(...)`` builds from its arguments is
+``serving.llm_setup``'s. Examples and details: docs/SERVING.md#servingllm."""
 
 from __future__ import annotations
 
@@ -55,27 +36,13 @@ class RequestFailed(RuntimeError):
 
 
 class LLM:
-    """Serve a model (module docstring); vLLM's ``LLM`` arguments where they overlap.
-
-    Args:
-      model: a Hugging Face checkpoint directory, a Hugging Face model id in the local cache
-        (``serving.resolve``), or a model (``models.llama.LlamaModel``).
-      tensor_parallel_size (alias ``tp``) / mesh: the first ``tensor_parallel_size`` devices or
-        a mesh with a ``"tp"`` axis; only for a checkpoint.
-      dtype: ``"auto"`` (the checkpoint's ``torch_dtype``), a name (``"bfloat16"``, ...) or a
-        dtype; only for a checkpoint.
-      max_model_len: positions per request; default and upper bound: the checkpoint's
-        ``max_position_embeddings``.
-      gpu_memory_utilization: the share of each device's memory the weights, activations and
-        KV cache may use; sizes ``num_blocks`` unless given (``serving.resolve``).
-      tokenizer: a tokenizer object, a directory to load one from, None (the checkpoint's, if
-        it has one) or False (none: token ids only).
-      seed: seeds the requests that bring none.
-      use_tqdm: progress bars for loading and warm-up.
-      warmup: compile every step program before returning (``LLMEngine.warmup``), so no
-        request waits for a compilation.
-      config: an ``EngineConfig``; ``**engine`` overrides its fields (``max_num_seqs=...``).
-    """
+    """Serve a model (module docstring); vLLM's ``LLM`` arguments where they overlap: ``model`` (a
+    checkpoint directory, a cached Hugging Face id, or a ``LlamaModel``), ``tensor_parallel_size``
+    (alias ``tp``) or ``mesh``, ``dtype`` (``"auto"``: the checkpoint's), ``max_model_len``,
+    ``gpu_memory_utilization`` (sizes ``num_blocks`` unless given), ``tokenizer`` (object,
+    directory, None: the checkpoint's, False: none), ``seed``, ``use_tqdm``, ``warmup`` (compile
+    every step program first), ``config`` (an ``EngineConfig``; ``**engine`` overrides its
+    fields). Each argument: docs/SERVING.md#servingllmllm."""
 
     def __init__(
         self,
