@@ -13,7 +13,7 @@ import importlib
 import os
 from typing import Any
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Old module paths (``jax_tokenweave.ops``, ``.layers``, ...) find their shims in ``_legacy/``
 # for one release: each warns and resolves to the new module. No import hook is registered.
