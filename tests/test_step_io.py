@@ -15,7 +15,7 @@ from flax import nnx
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.serving import EngineConfig, LLMEngine
+from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving.step import jitted_forward_replayed
 from jax_tokenweave.serving.step_io import (
@@ -114,3 +114,17 @@ def test_only_the_staging_copy_reads_the_new_buffers(model):
     assert aliased.get("0") == str(slab[0]), header  # io.inputs in place
     logits = [i for _, i in re.findall(r"%?(\S+) = f32\[8,\d+\]\S* parameter\((\d+)\)", entry)]
     assert aliased.get("1") in logits, header  # io.logits in place
+
+
+def test_only_replayed_layouts_keep_buffers(model):
+    """A step with prompt chunks keeps no StepIO (its logits would hold [S, V] floats per
+    layout between steps); decode-only layouts keep theirs, one per layout."""
+    engine = LLMEngine(model, CFG)
+    runner = engine.runner
+    mixed = batch_lib.make_layout(8, 32, CFG, engine.model_config, engine.tp)
+    decode = batch_lib.make_layout(8, 8, CFG, engine.model_config, engine.tp)
+    assert runner.io(mixed) is None and runner.io(decode) is runner.io(decode)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+    assert runner._io and all(runner.replayed(layout) for layout in runner._io)

@@ -100,8 +100,11 @@ class ModelRunner:
     def _jitted(self, layout: batch_lib.StepLayout) -> Any:
         return jitted_forward_replayed if self.replayed(layout) else jitted_forward
 
-    def io(self, layout: batch_lib.StepLayout) -> StepIO:
-        """``layout``'s :class:`~jax_tokenweave.serving.step_io.StepIO` (made on first use)."""
+    def io(self, layout: batch_lib.StepLayout) -> StepIO | None:
+        """``layout``'s :class:`~jax_tokenweave.serving.step_io.StepIO` where its forward
+        replays (made on first use, then kept); None for the others, which keep no buffers."""
+        if not self.replayed(layout):
+            return None
         io = self._io.get(layout)
         if io is None:
             cfg = self.config
@@ -144,7 +147,8 @@ class ModelRunner:
             io, self.cache = self._jitted(layout)(*args, **self._static(layout))
         else:
             io, self.cache = program(*args)
-        self._io[layout] = io
+        if self.replayed(layout):
+            self._io[layout] = io
         logits = io.logits
         sampler = "sample" if np.any(np.asarray(arrays.temperature) > 0) else "greedy"
         logprobs = self.config.max_logprobs if bool(arrays.want_logprobs) else 0

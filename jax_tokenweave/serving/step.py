@@ -301,7 +301,7 @@ _FORWARD_STATICS = (
 def forward(
     state: Any,
     cache: PagedKVCache,
-    io: StepIO,
+    io: StepIO | None,
     packed: jax.Array,
     prev_tokens: jax.Array,
     *,
@@ -317,11 +317,12 @@ def forward(
     """``model_forward`` on ``nnx.merge(graphdef, state)``; returns ``(io, cache)``.
 
     ``packed`` (int32 [N], ``step_io.pack_inputs``) and ``prev_tokens`` [P] are staged into
-    ``io``, the logits written there. ``state`` is the flat list of leaves of the tree
-    ``state_def`` (faster dispatch than an ``nnx.State``). Jitted with ``io`` and ``cache`` donated
-    as :data:`jitted_forward` / :data:`jitted_forward_replayed`, shared by engines of one model
-    structure. Holds no ``lax.cond`` (XLA's GPU runtime would wait on the host for it): the host
-    picks the sampler program (:data:`jitted_sampler`). See docs/SERVING.md#servingstepforward.
+    ``io``, the logits written there (``io`` None: new buffers that nothing keeps). ``state``
+    is the flat list of leaves of the tree ``state_def`` (faster dispatch than an
+    ``nnx.State``). Jitted with ``io`` and ``cache`` donated as :data:`jitted_forward` /
+    :data:`jitted_forward_replayed`, shared by engines of one model structure. Holds no
+    ``lax.cond`` (XLA's GPU runtime would wait on the host for it): the host picks the
+    sampler program (:data:`jitted_sampler`). See docs/SERVING.md#servingstepforward.
     """
     if state_def is not None:
         state = jax.tree_util.tree_unflatten(state_def, state)

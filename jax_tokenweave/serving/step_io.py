@@ -1,13 +1,12 @@
 """The forward program's inputs and logits at fixed device addresses, so that XLA's command
 buffers (CUDA graphs) replay a step without updating its kernels.
 
-XLA updates a recorded graph before a replay wherever a buffer it reads moved, at about 2-4 us
-per kernel node and a re-capture per custom call; the step's inputs are new device buffers each
-step and its logits a new output, and on one H200 (Llama-3-8B shapes, batch 1) that updated 166
-to 389 of the forward's 389 commands per step, 0.4-2.2 ms (``benchmarks/results``). So the
-forward takes its inputs packed into one int32 vector and copies them, with the previous
-step's tokens, into :class:`StepIO` ``inputs``, a buffer it is donated and gives back, and
-writes the logits into ``logits``, donated the same way. Only the copy reads a new buffer.
+XLA updates a recorded graph wherever a buffer it reads moved (about 2-4 us per kernel node,
+a re-capture per custom call): with new input buffers and a new logits output every step,
+166-389 of the forward's 389 commands per step (one H200, ``benchmarks/results``). So the
+forward copies its packed inputs and the previous tokens into :class:`StepIO` ``inputs``, a
+buffer it is donated and gives back, and writes the logits into the donated ``logits``; only
+the copy reads a new buffer. Steps that are not replayed keep no buffers (no ``io``).
 """
 
 from __future__ import annotations
@@ -23,9 +22,6 @@ from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 
-INPUT_FIELDS = ("tokens", "token_source", "positions", "slots", "tables", "sample_rows")
-"""The ``StepArrays`` fields the forward reads, in their packed order (the rest: sampling)."""
-
 
 class ForwardInputs(NamedTuple):
     """The forward's view of a step's inputs (device arrays, int32)."""
@@ -36,6 +32,16 @@ class ForwardInputs(NamedTuple):
     slots: jax.Array  # [R]
     tables: jax.Array  # [G, W]
     sample_rows: jax.Array  # [S]
+
+
+INPUT_FIELDS = ForwardInputs._fields
+"""The ``StepArrays`` fields the forward reads, in their packed order (the rest: sampling)."""
+
+
+def _field_shapes(layout: StepLayout, table_width: int) -> list[tuple[int, ...]]:
+    """The shapes of :data:`INPUT_FIELDS` for ``layout``, in order."""
+    r, g, s = layout.rows, layout.groups, layout.samples
+    return [(r,), (r,), (r,), (r,), (g, table_width), (s,)]
 
 
 @jax.tree_util.register_dataclass
@@ -56,7 +62,7 @@ def pack_inputs(arrays: StepArrays) -> np.ndarray:
 
 def input_size(layout: StepLayout, table_width: int) -> int:
     """``N``: the length of :func:`pack_inputs`' vector for ``layout``."""
-    return 4 * layout.rows + layout.groups * table_width + layout.samples
+    return sum(int(np.prod(shape)) for shape in _field_shapes(layout, table_width))
 
 
 def new_io(layout: StepLayout, table_width: int, prev: int, vocab: int, mesh: Mesh) -> StepIO:
@@ -71,36 +77,39 @@ def new_io(layout: StepLayout, table_width: int, prev: int, vocab: int, mesh: Me
 
 
 def stage_inputs(
-    io: StepIO, packed: jax.Array, prev_tokens: jax.Array, layout: StepLayout
+    io: StepIO | None, packed: jax.Array, prev_tokens: jax.Array, layout: StepLayout
 ) -> tuple[jax.Array, ForwardInputs, jax.Array]:
-    """Inside the forward: copy ``packed`` [N] and ``prev_tokens`` [P] into ``io.inputs`` and
-    read every input from there. Returns the new ``inputs`` buffer (give it back in the
-    :class:`StepIO`), the fields, and the previous tokens. The optimization barrier keeps XLA
-    from reading the fields straight from ``packed``, whose address changes every step."""
-    n = packed.shape[0]
-    r, g, s = layout.rows, layout.groups, layout.samples
-    width = (n - 4 * r - s) // g
-    if 4 * r + g * width + s != n or io.inputs.shape[0] != n + prev_tokens.shape[0]:
+    """Inside the forward: ``packed`` [N] and ``prev_tokens`` [P] as one int32 vector, copied
+    into ``io.inputs`` (donated) where an ``io`` is given, and the fields read from it. Returns
+    that vector (the ``inputs`` of :func:`give_back`), the fields and the previous tokens. The
+    optimization barrier keeps XLA from reading the fields straight from ``packed``, whose
+    address changes every step. ``io`` None: a step that is not replayed; nothing is kept."""
+    n, g = packed.shape[0], layout.groups
+    width = (n - input_size(layout, 0)) // g
+    fits = input_size(layout, width) == n
+    if not fits or (io is not None and io.inputs.shape[0] != n + prev_tokens.shape[0]):
         raise ValueError(
             f"packed inputs of {n} values and {prev_tokens.shape[0]} previous tokens do not "
-            f"fit layout {layout} and its {io.inputs.shape[0]}-value input buffer"
+            f"fit layout {layout}"
+            + ("" if io is None else f" and its {io.inputs.shape[0]}-value input buffer")
         )
-    new = jnp.concatenate([packed.astype(jnp.int32), prev_tokens.astype(jnp.int32)])
-    flat = jax.lax.dynamic_update_slice(io.inputs, new, (0,))
-    flat = jax.lax.optimization_barrier(flat)
-    shapes: list[tuple[int, ...]] = [(r,), (r,), (r,), (r,), (g, width), (s,)]
+    flat = jnp.concatenate([packed.astype(jnp.int32), prev_tokens.astype(jnp.int32)])
+    if io is not None:
+        flat = jax.lax.dynamic_update_slice(io.inputs, flat, (0,))
+        flat = jax.lax.optimization_barrier(flat)
     fields: list[Any] = []
     start = 0
-    for shape in shapes:
+    for shape in _field_shapes(layout, width):
         size = int(np.prod(shape))
         fields.append(flat[start : start + size].reshape(shape))
         start += size
     return flat, ForwardInputs(*fields), flat[n:]
 
 
-def give_back(io: StepIO, inputs: jax.Array, logits: jax.Array) -> StepIO:
-    """Inside the forward: the :class:`StepIO` it returns, the logits written into the donated
-    ``io.logits`` (same shape, so in place)."""
-    return StepIO(
-        inputs, jax.lax.dynamic_update_slice(io.logits, logits.astype(jnp.float32), (0, 0))
-    )
+def give_back(io: StepIO | None, inputs: jax.Array, logits: jax.Array) -> StepIO:
+    """Inside the forward: the :class:`StepIO` it returns, the logits (float32) written into
+    the donated ``io.logits`` (same shape, so in place), or new where ``io`` is None."""
+    logits = logits.astype(jnp.float32)
+    if io is None:
+        return StepIO(inputs, logits)
+    return StepIO(inputs, jax.lax.dynamic_update_slice(io.logits, logits, (0, 0)))
