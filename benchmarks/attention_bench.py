@@ -4,6 +4,7 @@ Implementations (``--impls``), all on the same inputs in one run:
 
 - ``xla``: ``serving.paged_attention``'s pure-JAX key loop (the reference);
 - ``cuda``: the project's CUDA kernels (``serving.attention_kernel``), where they can run;
+- ``cudnn``: prompt tiles on cuDNN flash attention (``serving.cudnn_attention``; prefill only);
 - ``pallas``: JAX's ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only, GPUs only;
   its cache layout ``[KVH, NB, BS, D]`` and pre-scaled queries are built before the clock
   starts; it holds a second copy of the cache in that layout).
@@ -45,7 +46,7 @@ from tqdm.auto import tqdm
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 
-IMPLS = ("xla", "cuda", "pallas")
+IMPLS = ("xla", "cuda", "cudnn", "pallas")
 # (GPU default, GPU --quick, CPU default, CPU --quick) per sweep option.
 SWEEPS: dict[str, tuple[list[int], ...]] = {
     "batch": ([1, 16, 64, 256], [1, 64], [1, 4], [2]),
@@ -55,7 +56,7 @@ SWEEPS: dict[str, tuple[list[int], ...]] = {
 }
 # Per-rank shapes: Llama-3-8B at TP 1 on GPUs, tiny ones on CPUs.
 SHAPES = {
-    "gpu": dict(heads=32, kv_heads=8, head_dim=128, block_size=16, tile=64, key_chunk=512),
+    "gpu": dict(heads=32, kv_heads=8, head_dim=128, block_size=16, tile=128, key_chunk=512),
     "cpu": dict(heads=8, kv_heads=2, head_dim=32, block_size=16, tile=16, key_chunk=64),
 }
 
@@ -246,12 +247,17 @@ def make_inputs(case: Case, a: argparse.Namespace, seed: int) -> dict[str, Any]:
 
 def unavailable(impl: str, case: Case, a: argparse.Namespace, platform: str) -> str | None:
     """Why ``impl`` cannot run ``case`` here (None where it can)."""
-    from jax_tokenweave.serving import attention_kernel
+    from jax_tokenweave.serving import attention_kernel, cudnn_attention
 
-    if impl == "cuda":
-        return attention_kernel.unavailable_reason(
+    if impl in ("cuda", "cudnn"):
+        why = attention_kernel.unavailable_reason(
             platform, bm.DTYPES[a.dtype], a.head_dim, a.heads // a.kv_heads
         )
+        if why is None and impl == "cudnn":
+            if case.kind == "decode":
+                return "cudnn runs the prompt tiles only (decode rows: cuda)"
+            why = cudnn_attention.unavailable_reason(platform, bm.DTYPES[a.dtype], a.head_dim)
+        return why
     if impl == "pallas":
         if case.kind != "decode":
             return "JAX's Pallas paged attention is a decode kernel"

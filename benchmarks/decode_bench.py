@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
+from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
 
 ENGINE_OPTIONS = ("block_size", "prefill_tile", "key_chunk", "max_num_batched_tokens")
 DEFAULTS = {
@@ -80,7 +81,7 @@ def add_model_options(
     bm.add_collective_option(p, "auto", "weave's reductions")
     p.add_argument(
         "--attention",
-        choices=("auto", "cuda", "xla"),
+        choices=ATTENTION_IMPLS,
         default="auto",
         help="the engine's paged attention (EngineConfig.attention)",
     )

@@ -3,7 +3,8 @@
 :func:`paged_attention` takes queries in groups of ``tile`` rows of one request (a decode token: a
 group of one), each group with its block table; a row at position ``p`` attends to its request's
 keys ``0..p``, written before the read (:class:`PagedAttention`). Implementations: ``"xla"``
-(pure-JAX online softmax, the reference), ``"cuda"`` (``serving.attention_kernel``), ``"auto"``
+(pure-JAX online softmax, the reference), ``"cuda"`` (``serving.attention_kernel``), ``"cudnn"``
+(decode rows as ``"cuda"``, prompt tiles on cuDNN: ``serving.cudnn_attention``), ``"auto"``
 (:func:`resolve_implementation`). The caches are threaded through each read so XLA updates them in
 place. Design: docs/SERVING.md#servingpaged_attention.
 """
@@ -17,18 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tokenweave.serving import attention_kernel, paged_cache
+from jax_tokenweave.serving import attention_kernel, cudnn_attention, paged_cache
 from jax_tokenweave.weave.plan import Half
 
-ATTENTION_IMPLS = ("auto", "cuda", "xla")
+ATTENTION_IMPLS = ("auto", "cudnn", "cuda", "xla")
 
 
 def resolve_implementation(
     implementation: str, platform: str, dtype: jnp.dtype, head_dim: int, group: int
 ) -> str:
-    """``"cuda"`` or ``"xla"`` for ``implementation`` in :data:`ATTENTION_IMPLS`: ``"auto"``
-    takes the CUDA kernels where they can run (:func:`attention_kernel.unavailable_reason` is
-    None) and the pure-JAX loop elsewhere; an explicit ``"cuda"`` that cannot run raises
+    """``"cudnn"``, ``"cuda"`` or ``"xla"`` for ``implementation`` in :data:`ATTENTION_IMPLS`:
+    ``"auto"`` takes the first that can run here (the CUDA kernels need
+    :func:`attention_kernel.unavailable_reason` None; ``"cudnn"`` needs them and
+    :func:`cudnn_attention.unavailable_reason` None); an explicit choice that cannot run raises
     ``ValueError`` with the reason."""
     if implementation not in ATTENTION_IMPLS:
         raise ValueError(
@@ -37,11 +39,17 @@ def resolve_implementation(
     if implementation == "xla":
         return "xla"
     why = attention_kernel.unavailable_reason(platform, dtype, head_dim, group)
+    if why is None and implementation in ("auto", "cudnn"):
+        why_cudnn = cudnn_attention.unavailable_reason(platform, dtype, head_dim)
+        if why_cudnn is None:
+            return "cudnn"
+        if implementation == "cudnn":
+            raise ValueError(f"attention implementation 'cudnn' cannot run: {why_cudnn}")
     if why is None:
         return "cuda"
-    if implementation == "cuda":
-        raise ValueError(f"attention implementation 'cuda' cannot run: {why}")
-    return "xla"
+    if implementation == "auto":
+        return "xla"
+    raise ValueError(f"attention implementation {implementation!r} cannot run: {why}")
 
 
 def paged_attention(
@@ -62,8 +70,9 @@ def paged_attention(
     ``q`` [G * tile, Hq, D] (RoPE applied); ``k_cache``, ``v_cache`` [NB, BS, KVH, D] (one layer,
     this rank's heads); ``tables`` int32 [G, W] (W a multiple of ``key_chunk / BS``); ``positions``
     int32 [G * tile] (< 0: padding, attends to nothing, gets zeros). ``tile``: rows per group;
-    ``key_chunk``: keys per step of the ``"xla"`` loop. ``implementation``: ``"xla"`` or ``"cuda"``
-    (resolve ``"auto"`` first); ``tight``: decode rows at most half padding (sizes the CUDA grid).
+    ``key_chunk``: keys per step of the ``"xla"`` loop. ``implementation``: ``"xla"``,
+    ``"cuda"`` or ``"cudnn"`` (resolve ``"auto"`` first); ``tight``: decode rows at most half
+    padding (sizes the CUDA grid).
     Returns ``(out [G * tile, Hq, D] in q's dtype, k_cache, v_cache)``: write the next K/V into
     these caches (the in-place chain). See docs/SERVING.md#servingpaged_attentionpaged_attention.
     """
@@ -76,13 +85,20 @@ def paged_attention(
             f"{tables.shape}, key_chunk {key_chunk}, block size {bs}"
         )
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if implementation == "cuda":
+    if implementation == "cudnn" and tile > 1:
+        out = cudnn_attention.prompt_attention(
+            q, k_cache, v_cache, tables, positions, tile=tile, scale=scale
+        )
+        # The next write of the caches must follow this read, which XLA sees through the
+        # barrier (else it may copy a whole cache to let the two overlap).
+        return jax.lax.optimization_barrier((out, k_cache, v_cache))
+    if implementation in ("cuda", "cudnn"):
         return attention_kernel.paged_attention(
             q, k_cache, v_cache, tables, positions, tile=tile, scale=scale, tight=tight
         )
     if implementation != "xla":
         raise ValueError(
-            f"paged_attention: implementation must be 'xla' or 'cuda' (resolve "
+            f"paged_attention: implementation must be 'xla', 'cuda' or 'cudnn' (resolve "
             f"'auto' with resolve_implementation), got {implementation!r}"
         )
     qg = q.reshape(groups, tile, kvh, hq // kvh, d)
@@ -135,7 +151,7 @@ class PagedAttention:
     slots, then attend (:func:`paged_attention`) with the decode rows as groups of one and the
     chunk rows as groups of ``tile``. ``k``, ``v``: the per-layer caches (updated as the layers
     run); ``slots``, ``positions`` [R]; ``tables`` [groups, W] (``serving.batch``);
-    ``implementation``: ``"xla"`` or ``"cuda"`` (:func:`paged_attention`).
+    ``implementation``: ``"xla"``, ``"cuda"`` or ``"cudnn"`` (:func:`paged_attention`).
     """
 
     def __init__(
@@ -169,7 +185,7 @@ class PagedAttention:
     def fuses_rope(self) -> bool:
         """With the CUDA kernels, RoPE and the cache write are one kernel
         (:meth:`rope_and_attend`; ``stack.run_stack`` calls it)."""
-        return self.implementation == "cuda"
+        return self.implementation in ("cuda", "cudnn")
 
     def __call__(self, layer: int, j: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         lo, hi = self.halves[j].start, self.halves[j].end
