@@ -1,7 +1,8 @@
 """The cuDNN prompt path's decomposition (a paged prefix call and a causal diagonal call, merged by
 log-sum-exp) against a float64 reference, on CPU: cuDNN is stood in for by a float32 function
 with the semantics the GPU test pins (``test_paged_attention_gpu``): top-left causal mask, padding
-by lengths, zeros and lse 0 for a row with no key. Plus the choice of implementation."""
+by lengths, and NaNs for a row with no key (cuDNN gives zeros or NaNs there, by shape). Plus the
+choice of implementation."""
 
 from __future__ import annotations
 
@@ -31,9 +32,10 @@ def _stand_in(q, k, v, q_len, kv_len, *, causal, scale, table=None):
     ok = ok[:, None]  # [B, 1, T, S]
     s = jnp.where(ok, s, -jnp.inf)
     any_key = ok.any(-1)
-    lse = jnp.where(any_key, jax.nn.logsumexp(jnp.where(ok, s, -1e30), axis=-1), 0.0)
+    lse = jnp.where(any_key, jax.nn.logsumexp(jnp.where(ok, s, -1e30), axis=-1), jnp.nan)
     p = jnp.where(ok, jnp.exp(s - lse[..., None]), 0.0)
     out = jnp.einsum("bhts,bshd->bthd", p, v)
+    out = jnp.where(jnp.swapaxes(any_key, 1, 2)[..., None], out, jnp.nan)
     return out.astype(q.dtype), lse
 
 
@@ -84,6 +86,7 @@ def test_prefix_and_diagonal_merge_to_causal_attention(rng, monkeypatch, hq, kvh
     want = _reference(q, k_cache, v_cache, tables, positions, tile, live)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got[live], want[live], rtol=2e-5, atol=2e-5)
+    assert not got[21:24].any() and not got[25:].any()  # padding rows past a run
 
 
 def test_bad_shapes_are_refused(rng):

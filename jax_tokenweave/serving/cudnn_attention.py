@@ -109,7 +109,7 @@ def prompt_attention(
     ``q`` [G * tile, Hq, D] (RoPE applied); ``k_cache``, ``v_cache`` [NB, BS, KVH, D] holding the
     tiles' own K/V already; ``tables`` int32 [G, W]; ``positions`` int32 [G * tile]: a tile's
     rows are ``p0, p0 + 1, ..`` up to its first row that breaks the run (padding). Returns
-    ``out`` [G * tile, Hq, D] in q's dtype; padding rows hold finite values to be ignored.
+    ``out`` [G * tile, Hq, D] in q's dtype; padding rows (past a tile's run) get zeros.
     """
     rows, hq, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
@@ -136,20 +136,24 @@ def prompt_attention(
     k_own = own(k_cache).reshape(groups, tile, kvh, d)
     v_own = own(v_cache).reshape(groups, tile, kvh, d)
     o_diag, l_diag = _sdpa(qg, k_own, v_own, n, n, causal=True, scale=scale)
-    return _merge(o_pre, l_pre, o_diag, l_diag, p0 > 0).reshape(rows, hq, d).astype(q.dtype)
+    rows_live = jnp.arange(tile)[None, :] < n[:, None]  # [G, tile]
+    out = _merge(o_pre, l_pre, o_diag, l_diag, p0 > 0)
+    # cuDNN may leave NaNs where a row has no key (an empty prefix, rows past n): select.
+    return jnp.where(rows_live[..., None, None], out, 0.0).reshape(rows, hq, d).astype(q.dtype)
 
 
 def _merge(
     o_pre: jax.Array, l_pre: jax.Array, o_diag: jax.Array, l_diag: jax.Array, has_prefix: jax.Array
 ) -> jax.Array:
     """Softmax-weighted sum of two partial attentions: ``o`` [G, T, Hq, D], ``l`` [G, Hq, T]
-    (log-sum-exp of each part's scaled logits); ``has_prefix`` [G] (else the prefix is empty)."""
+    (log-sum-exp of each part's scaled logits); ``has_prefix`` [G] (else the prefix part is
+    ignored, whatever it holds). Exact for rows whose diagonal part has a key."""
     l_pre = jnp.swapaxes(l_pre, 1, 2)  # [G, T, Hq]
     l_diag = jnp.swapaxes(l_diag, 1, 2)
     use = has_prefix[:, None, None]
     top = jnp.where(use, jnp.maximum(l_pre, l_diag), l_diag)
     w_pre = jnp.where(use, jnp.exp(l_pre - top), 0.0)
     w_diag = jnp.exp(l_diag - top)  # one of the two weights is 1
-    out = o_pre.astype(jnp.float32) * w_pre[..., None]
-    out += o_diag.astype(jnp.float32) * w_diag[..., None]
+    o_pre = jnp.where(use[..., None], o_pre.astype(jnp.float32), 0.0)
+    out = o_pre * w_pre[..., None] + o_diag.astype(jnp.float32) * w_diag[..., None]
     return out / (w_pre + w_diag)[..., None]
