@@ -80,6 +80,12 @@ def add_model_options(
     )
     bm.add_collective_option(p, "auto", "weave's reductions")
     p.add_argument(
+        "--split-threshold",
+        type=bm.positive_int,
+        help="weave: split steps of at least this many rows (EngineConfig.split_threshold; "
+        "default: the tuning table's)",
+    )
+    p.add_argument(
         "--attention",
         choices=ATTENTION_IMPLS,
         default="auto",
@@ -213,6 +219,7 @@ def engine_config(a: argparse.Namespace, requests: int, positions: int) -> Any:
         key_chunk=a.key_chunk,
         schedule=a.schedule,
         collective=a.collective,
+        split_threshold=a.split_threshold,
         attention=a.attention,
         max_logprobs=0,
         seed=a.seed,
