@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
+from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
 
 WORKLOADS = ("all-at-once", "poisson")
 SCHEDULES = ("weave", "baseline")
@@ -111,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-command-buffers",
         action="store_true",
         help="decode steps without XLA command buffers (EngineConfig.command_buffers=False)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_IMPLS,
+        default="auto",
+        help="the engines' paged attention (EngineConfig.attention)",
     )
     p.add_argument("--seed", type=bm.nonnegative_int, default=0, help="workload and weights seed")
     p.add_argument(
@@ -226,6 +233,7 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
         max_logprobs=0,
         seed=args.seed,
         command_buffers=not args.no_command_buffers,
+        attention=args.attention,
     )
     runs: dict[str, dict[str, Any]] = {w: {} for w in args.workloads}
     warmups: dict[str, dict[str, Any]] = {}
