@@ -112,3 +112,36 @@ def test_cudnn_is_chosen_only_where_it_runs():
     assert "bfloat16 or float16" in cudnn_attention.unavailable_reason("gpu", jnp.float32, 128)
     assert "head_dim 96" not in (cudnn_attention.unavailable_reason("gpu", jnp.float16, 96) or "")
     assert "head_dim 100" in cudnn_attention.unavailable_reason("gpu", jnp.float16, 100)
+
+
+@pytest.mark.parametrize("attention", ["cudnn", "xla"])
+def test_warmup_runs_each_prompt_layout_once_on_cudnn(monkeypatch, attention):
+    """XLA builds a cuDNN call's plan on its first run: with prompt tiles on cuDNN, warm-up
+    runs each layout holding prompt rows once (padding rows), and no decode-only layout."""
+    from flax import nnx
+
+    from jax_tokenweave.models.configs import get_config
+    from jax_tokenweave.models.llama import LlamaModel
+    from jax_tokenweave.serving import EngineConfig, LLMEngine
+
+    config = get_config("tiny")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    model = LlamaModel(config, mesh, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cfg = EngineConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        prefill_tile=16,
+        block_size=8,
+        num_blocks=32,
+        max_model_len=48,
+        compilation_cache_dir=None,
+    )
+    runner = LLMEngine(model, cfg).runner
+    ran = []
+    monkeypatch.setattr(runner, "attention", lambda: attention)
+    monkeypatch.setattr(runner, "run", lambda layout, arrays: ran.append(layout))
+    layouts = runner.layouts()
+    runner._first_runs(layouts)
+    prompt = [la for la in layouts if la.rows > la.decode_rows]
+    assert ran == (prompt if attention == "cudnn" else [])
+    assert prompt and len(prompt) < len(layouts)

@@ -30,6 +30,7 @@ from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_p
 from jax_tokenweave.serving.compilation_cache import use_compilation_cache
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.executable_cache import ExecutableCache, WarmupReport
+from jax_tokenweave.serving.paged_attention import resolve_implementation
 from jax_tokenweave.serving.paged_cache import init_paged_cache
 from jax_tokenweave.serving.scheduler import ScheduledStep
 from jax_tokenweave.serving.step import (
@@ -273,8 +274,32 @@ class ModelRunner:
             for future in futures:
                 future.result()
             self._warm_samplers(pool)
+        self._first_runs(layouts)
         return WarmupReport(
             len(layouts), counts["loaded"], counts["compiled"], time.perf_counter() - start
+        )
+
+    def _first_runs(self, layouts: list[batch_lib.StepLayout]) -> None:
+        """With prompt tiles on cuDNN, run each layout that has them once on padding rows
+        (they write nothing): XLA builds a cuDNN call's plan on its first run, ~14 ms per call
+        on an H200, so a layout's first step would stall (32 layers: about 0.9 s)."""
+        if self.attention() != "cudnn":
+            return
+        for layout in layouts:
+            if layout.rows > layout.decode_rows:
+                self.run(layout, batch_lib.pack_padding(layout, self.config))
+        jax.block_until_ready(self.cache)
+
+    def attention(self) -> str:
+        """The paged attention the steps run (``paged_attention.resolve_implementation`` of
+        ``EngineConfig.attention`` on this mesh, dtype and heads)."""
+        mc = self.model_config
+        return resolve_implementation(
+            self.config.attention,
+            self.platform,
+            self.cache.k[0].dtype,
+            mc.head_dim,
+            mc.num_heads // mc.num_kv_heads,
         )
 
     def _warm_samplers(self, pool: concurrent.futures.Executor) -> None:
