@@ -288,12 +288,13 @@ def chained(step: Any, inner: int, donate: bool) -> Any:
 
 
 def step_fn(impl: str, a: argparse.Namespace, tile: int) -> Any:
-    """One call of ``impl`` as ``step(q, k, v, tables, positions) -> (out, k, v)``."""
+    """One call of ``impl`` as ``step(q, k, v, tables, positions) -> (out, k, v)``. Decode
+    rows run as in the engine's decode-only step (every row live: the ``tight`` grid)."""
     from jax_tokenweave.serving.paged_attention import paged_attention
 
     if impl != "pallas":
         return lambda q, k, v, t, p: paged_attention(
-            q, k, v, t, p, tile=tile, key_chunk=a.key_chunk, implementation=impl
+            q, k, v, t, p, tile=tile, key_chunk=a.key_chunk, implementation=impl, tight=tile == 1
         )
     from jax.experimental.pallas.ops.gpu import paged_attention as pallas
 

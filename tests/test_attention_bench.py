@@ -66,7 +66,7 @@ def test_runs_every_implementation_on_tiny_shapes(bench, tmp_path, capsys):
     report = json.loads((tmp_path / "attention.json").read_text())
     assert report["bandwidth"]["gb_s"] > 0 and report["environment"]["platform"] == "cpu"
     cell = {(r["kind"], r["impl"]): r for r in report["records"]}
-    assert len(report["records"]) == 6
+    assert len(report["records"]) == 8
     for kind in ("decode", "prefill"):
         xla = cell[kind, "xla"]
         assert xla["status"] == "ok" and xla["median_us"] > 0 and xla["gb_s"] > 0
@@ -74,6 +74,10 @@ def test_runs_every_implementation_on_tiny_shapes(bench, tmp_path, capsys):
         assert cell[kind, "cuda"]["status"] == "skipped"
         # Where the extension is built the reason is the platform, else the missing build.
         assert re.search("cpu|not built", cell[kind, "cuda"]["reason"])
+        assert cell[kind, "cudnn"]["status"] == "skipped"
+    assert "prompt tiles only" in cell["decode", "cudnn"]["reason"] or re.search(
+        "cpu|not built", cell["decode", "cudnn"]["reason"]
+    )
     pallas = cell["decode", "pallas"]
     assert pallas["status"] == "ok" and pallas["rel_err"] < 2e-2 and not pallas["flagged"]
     assert "decode kernel" in cell["prefill", "pallas"]["reason"]
