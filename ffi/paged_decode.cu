@@ -1,7 +1,8 @@
 // Paged attention, decode rows (tile == 1): the split-K kernel and the merge of the pieces.
 // Grid (split, kv head, row), 4 warps. A row's keys 0..p are cut into pieces of a multiple of
 // 32 keys (at least 128): as many as make the step's live rows (`live`, rows with a position
-// >= 0) fill kTargetBlocks blocks, at most `splits` (the grid's x). A block streams its piece's
+// >= 0) fill kTargetBlocks blocks, and while they do not, pieces of at most kLongPieceKeys;
+// at most `splits` (the grid's x). A block streams its piece's
 // K and V through shared memory in tiles of 16 KiB (32 keys at head_dim 128; cp.async, three
 // stages, so two tiles are in flight while one is used; 16-byte chunks XOR-swizzled for
 // ldmatrix). The G query heads of the block's kv head are the rows of one 16-row mma tile
@@ -20,6 +21,7 @@ namespace {
 constexpr int kStages = 3;              // key tiles in shared memory
 constexpr int kTileBytes = 16384;       // K and V of one tile
 constexpr int kTargetBlocks = 4 * 132;  // decode blocks to aim for: 4 per SM of an H100/H200
+constexpr int kLongPieceKeys = 1024;    // longest piece of a row while blocks are under a wave
 constexpr int kWarps = kThreads / 32;
 
 // A row's context and how it is cut: `n` pieces of `chunk` keys (the last may be shorter).
@@ -30,7 +32,12 @@ struct RowSplit {
 __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) {
   const int ctx = Context(p, row);
   const int pairs = max(*p.live, 1) * p.kvh;
-  const int pieces = max(1, min(p.splits, (kTargetBlocks + pairs - 1) / pairs));
+  // Under one wave of pairs, long rows also take pieces of at most kLongPieceKeys keys: at
+  // 16 rows x 8192 keys, 5 pieces made 640 blocks, 1.2 waves of kTargetBlocks (61% of the
+  // copy bandwidth on an H200).
+  const int fill = (kTargetBlocks + pairs - 1) / pairs;
+  const int by_length = pairs < kTargetBlocks ? (ctx + kLongPieceKeys - 1) / kLongPieceKeys : 1;
+  const int pieces = max(1, min(p.splits, max(fill, by_length)));
   const int chunk = SplitKeys(ctx, pieces);
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }

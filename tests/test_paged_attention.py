@@ -185,9 +185,11 @@ def test_decode_splits_fill_the_gpu(rows, kvh, splits):
 @pytest.mark.parametrize(
     ("rows", "kvh", "splits"),
     [
-        (8, 8, 9),  # a decode-only step of 1-8 requests: enough pieces to fill the GPU
-        (64, 8, 2),  # 64 live rows: two pieces each, not 16 (14 of which would exit at once)
+        (8, 8, 16),  # a decode-only step of 1-8 requests: room for twice the GPU's fill
+        (16, 8, 10),  # 16 rows x 8192 keys take 8 pieces of 1024 (5 fill the GPU once)
+        (64, 8, 4),  # 64 live rows: four pieces each at most, not 16
         (1, 8, 16),  # capped
+        (66, 8, 1),  # a wave of pairs: one piece each
         (256, 8, 1),
     ],
 )

@@ -54,15 +54,18 @@ def decode_splits(rows: int, kv_heads: int, tight: bool = False) -> int:
     """Blocks per (decode row, kv head): at most how many pieces a row's context is cut into.
     On the device, each row cuts its context into pieces of at least 128 keys, as many as the
     live rows need for :data:`TARGET_BLOCKS` blocks (the rest of the grid exits at once).
-    ``tight`` (rows at most half padding, as in a decode-only step): as many as ``rows`` need
-    for :data:`TARGET_BLOCKS` blocks, at most :data:`MAX_SPLITS`, so few blocks exit unused.
+    ``tight`` (rows at most half padding, as in a decode-only step): twice what ``rows`` need
+    for :data:`TARGET_BLOCKS` blocks (the kernel also cuts long rows into pieces of at most 1024
+    keys while under a wave), at most :data:`MAX_SPLITS`, so few blocks exit unused.
     Else, with fewer than :data:`TARGET_BLOCKS` (row, kv head) pairs, :data:`MAX_SPLITS`:
     the rows may be mostly padding (a step with prompt chunks pads its decode segment to a
     whole prompt tile, 64 rows, also for one request), and a lone request must still spread
     over the GPU; from there on, enough for :data:`TARGET_BLOCKS` blocks."""
     pairs = rows * kv_heads
     need = math.ceil(TARGET_BLOCKS / pairs)
-    return min(MAX_SPLITS, need) if tight or pairs >= TARGET_BLOCKS else MAX_SPLITS
+    if pairs >= TARGET_BLOCKS:
+        return need
+    return min(MAX_SPLITS, 2 * need) if tight else MAX_SPLITS
 
 
 def paged_attention(
