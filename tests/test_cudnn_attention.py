@@ -6,6 +6,8 @@ choice of implementation."""
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,3 +147,19 @@ def test_warmup_runs_each_prompt_layout_once_on_cudnn(monkeypatch, attention):
     prompt = [la for la in layouts if la.rows > la.decode_rows]
     assert ran == (prompt if attention == "cudnn" else [])
     assert prompt and len(prompt) < len(layouts)
+
+
+def test_a_changed_private_entry_is_refused_with_its_parameters(monkeypatch):
+    """The module calls JAX's private cuDNN entry by keyword: a JAX whose entry takes other
+    parameters makes the path unavailable (``auto`` then runs the CUDA kernels), not a crash."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    parameters = tuple(inspect.signature(fa._dot_product_attention_fwd).parameters)
+    assert parameters[10:] == cudnn_attention.ENTRY_KEYWORDS and len(parameters) == 19
+    monkeypatch.setattr(fa, "_dot_product_attention_fwd", lambda query, key, value: None)
+    cudnn_attention._cudnn.cache_clear()
+    try:
+        why = cudnn_attention.unavailable_reason("gpu", jnp.bfloat16, 128)
+    finally:
+        cudnn_attention._cudnn.cache_clear()
+    assert "has changed" in why and "'query', 'key', 'value'" in why

@@ -11,6 +11,7 @@ module calls the private one. Design and figures: docs/SERVING.md#servingcudnn_a
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -21,16 +22,31 @@ MIN_CUDNN = 90500
 """cuDNN 9.5: the first with paged K/V in its SDPA graphs."""
 
 
+ENTRY_KEYWORDS = (
+    *("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout"),
+    *("sliding_window_length", "cudnn_version", "return_residual"),
+)
+"""The private entry's parameters after its ten positional ones, as jax 0.10-0.11 name them
+(:func:`_sdpa` passes ten arrays by position, these by keyword)."""
+
+
 @functools.cache
 def _cudnn() -> tuple[Any, int] | str:
     """``(jax's cuDNN attention module, cuDNN version)``, or why there is none."""
     try:
         from jax._src.cudnn import fused_attention_stablehlo as fa
 
-        version = fa.check_cudnn_version()
-        _ = (fa._dot_product_attention_fwd, fa.MaskType.PADDING_CAUSAL, fa.AttentionLayout.BTNH)
+        entry = fa._dot_product_attention_fwd
+        _ = (fa.MaskType.PADDING_CAUSAL, fa.AttentionLayout.BTNH)
+        parameters = tuple(inspect.signature(entry).parameters)
     except Exception as err:  # any failure means "not here", with the reason
         return f"JAX's cuDNN attention cannot be loaded ({type(err).__name__}: {err})"
+    if len(parameters) != 10 + len(ENTRY_KEYWORDS) or parameters[10:] != ENTRY_KEYWORDS:
+        return f"JAX's private cuDNN attention entry has changed: it takes {parameters}"
+    try:
+        version = fa.check_cudnn_version()
+    except Exception as err:
+        return f"cuDNN is not available ({type(err).__name__}: {err})"
     if version < MIN_CUDNN:
         return f"cuDNN {version} is older than {MIN_CUDNN} (paged attention)"
     return fa, version
