@@ -290,19 +290,11 @@ def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
     """The decode step's layout (rows, whether split) and the attention it resolves to."""
     from jax_tokenweave.serving.batch import make_layout
     from jax_tokenweave.serving.buckets import decode_rows
-    from jax_tokenweave.serving.paged_attention import resolve_implementation
 
-    cfg, mc = engine.config, engine.model_config
+    cfg = engine.config
     rows = decode_rows(batch, cfg.prefill_tile)
-    layout = make_layout(rows, rows, cfg, mc, engine.tp)
-    impl = resolve_implementation(
-        cfg.attention,
-        engine.mesh.devices.flat[0].platform,
-        engine.cache.k[0].dtype,
-        mc.head_dim,
-        mc.num_heads // mc.num_kv_heads,
-    )
-    return {"rows": rows, "split": layout.plan.is_split, "attention": impl}
+    layout = make_layout(rows, rows, cfg, engine.model_config, engine.tp)
+    return {"rows": rows, "split": layout.plan.is_split, "attention": engine.runner.attention()}
 
 
 def add_roofline(record: dict[str, Any], model: Any, weights: int, gb_s: float) -> None:

@@ -59,8 +59,8 @@ def decode_splits(rows: int, kv_heads: int, tight: bool = False) -> int:
     keys while under a wave), at most :data:`MAX_SPLITS`, so few blocks exit unused.
     Else, with fewer than :data:`TARGET_BLOCKS` (row, kv head) pairs, :data:`MAX_SPLITS`:
     the rows may be mostly padding (a step with prompt chunks pads its decode segment to a
-    whole prompt tile, 64 rows, also for one request), and a lone request must still spread
-    over the GPU; from there on, enough for :data:`TARGET_BLOCKS` blocks."""
+    whole prompt tile, also for one request), and a lone request must still spread over the
+    GPU; from there on, enough for :data:`TARGET_BLOCKS` blocks."""
     pairs = rows * kv_heads
     need = math.ceil(TARGET_BLOCKS / pairs)
     if pairs >= TARGET_BLOCKS:

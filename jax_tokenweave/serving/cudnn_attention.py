@@ -138,8 +138,9 @@ def prompt_attention(
         )
     pos = positions.astype(jnp.int32).reshape(groups, tile)
     first = pos[:, :1]
-    live = pos == first + jnp.arange(tile, dtype=jnp.int32)  # the tile's run of real rows
-    n = jnp.sum(jnp.cumprod(live, axis=1), axis=1, dtype=jnp.int32)  # >= 1
+    # The tile's run of real rows: p0, p0 + 1, .. up to the first row that breaks it.
+    run = jnp.cumprod(pos == first + jnp.arange(tile, dtype=jnp.int32), axis=1).astype(bool)
+    n = jnp.sum(run, axis=1, dtype=jnp.int32)  # >= 1
     p0 = jnp.maximum(first[:, 0], 0)
     qg = q.reshape(groups, tile, hq, d)
     full = jnp.full((groups,), tile, jnp.int32)
@@ -147,15 +148,14 @@ def prompt_attention(
     o_pre, l_pre = _sdpa(qg, k_cache, v_cache, full, p0, causal=False, scale=scale, table=pages)
     # The tile's own keys, by slot (a padding row's slot reads as zeros).
     slots = jnp.take_along_axis(tables, (pos // bs).clip(0, width - 1), axis=1) * bs + pos % bs
-    slots = jnp.where(live, slots, nb * bs).reshape(rows)
+    slots = jnp.where(run, slots, nb * bs).reshape(rows)
     own = lambda c: c.reshape(nb * bs, kvh, d).at[slots].get(mode="fill", fill_value=0)
     k_own = own(k_cache).reshape(groups, tile, kvh, d)
     v_own = own(v_cache).reshape(groups, tile, kvh, d)
     o_diag, l_diag = _sdpa(qg, k_own, v_own, n, n, causal=True, scale=scale)
-    rows_live = jnp.arange(tile)[None, :] < n[:, None]  # [G, tile]
     out = _merge(o_pre, l_pre, o_diag, l_diag, p0 > 0)
     # cuDNN may leave NaNs where a row has no key (an empty prefix, rows past n): select.
-    return jnp.where(rows_live[..., None, None], out, 0.0).reshape(rows, hq, d).astype(q.dtype)
+    return jnp.where(run[..., None, None], out, 0.0).reshape(rows, hq, d).astype(q.dtype)
 
 
 def _merge(

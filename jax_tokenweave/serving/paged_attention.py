@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.serving import attention_kernel, cudnn_attention, paged_cache
 from jax_tokenweave.weave.plan import Half
 
@@ -50,6 +51,12 @@ def resolve_implementation(
     if implementation == "auto":
         return "xla"
     raise ValueError(f"attention implementation {implementation!r} cannot run: {why}")
+
+
+def resolve_for(implementation: str, platform: str, dtype: jnp.dtype, config: DecoderConfig) -> str:
+    """:func:`resolve_implementation` for a model's heads (``config``) and cache ``dtype``."""
+    group = config.num_heads // config.num_kv_heads
+    return resolve_implementation(implementation, platform, dtype, config.head_dim, group)
 
 
 def paged_attention(

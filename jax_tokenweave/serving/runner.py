@@ -30,7 +30,7 @@ from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_p
 from jax_tokenweave.serving.compilation_cache import use_compilation_cache
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.executable_cache import ExecutableCache, WarmupReport
-from jax_tokenweave.serving.paged_attention import resolve_implementation
+from jax_tokenweave.serving.paged_attention import resolve_for
 from jax_tokenweave.serving.paged_cache import init_paged_cache
 from jax_tokenweave.serving.scheduler import ScheduledStep
 from jax_tokenweave.serving.step import (
@@ -291,15 +291,10 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
 
     def attention(self) -> str:
-        """The paged attention the steps run (``paged_attention.resolve_implementation`` of
+        """The paged attention the steps run (``paged_attention.resolve_for`` of
         ``EngineConfig.attention`` on this mesh, dtype and heads)."""
-        mc = self.model_config
-        return resolve_implementation(
-            self.config.attention,
-            self.platform,
-            self.cache.k[0].dtype,
-            mc.head_dim,
-            mc.num_heads // mc.num_kv_heads,
+        return resolve_for(
+            self.config.attention, self.platform, self.cache.k[0].dtype, self.model_config
         )
 
     def _warm_samplers(self, pool: concurrent.futures.Executor) -> None:

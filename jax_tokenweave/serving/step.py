@@ -26,7 +26,7 @@ from jax_tokenweave.nn.params import partition_specs
 from jax_tokenweave.nn.stack import run_stack
 from jax_tokenweave.serving import sampling
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
-from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_implementation
+from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_for
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
 from jax_tokenweave.serving.step_io import ForwardInputs, StepIO, give_back, stage_inputs
 from jax_tokenweave.weave.schedules import stack_setup
@@ -93,13 +93,7 @@ def decoder_forward(
     halves, factory, ctx = setup.halves, setup.reducer, decoder.context(setup.tuning)
     graphdef, state = nnx.split(decoder)
     cfg = decoder.config
-    impl = resolve_implementation(
-        attention,
-        decoder.mesh.devices.flat[0].platform,
-        cache.k[0].dtype,
-        cfg.head_dim,
-        cfg.num_heads // cfg.num_kv_heads,
-    )
+    impl = resolve_for(attention, decoder.mesh.devices.flat[0].platform, cache.k[0].dtype, cfg)
 
     def per_rank(
         state: Any,
