@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,15 @@ class DecoderConfig:
                 f"experts_per_token ({self.experts_per_token}) must be in 1..num_experts "
                 f"({self.num_experts})"
             )
+
+    def check_mesh(self, mesh: Mesh, axis_name: str) -> int:
+        """The TP degree (``mesh``'s size along ``axis_name``); ``ValueError`` where the mesh
+        has no such axis or a sharded dimension does not divide by it."""
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+        tp = int(mesh.shape[axis_name])
+        self.check_tensor_parallel(tp)
+        return tp
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise ``ValueError`` unless every sharded dimension divides by the TP degree ``tp``."""

@@ -39,10 +39,7 @@ class LlamaModel(nnx.Module):
         dtype: jnp.dtype = jnp.bfloat16,
         rngs: nnx.Rngs,
     ) -> None:
-        if axis_name not in mesh.axis_names:
-            raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-        tp = mesh.shape[axis_name]
-        config.check_tensor_parallel(tp)
+        tp = config.check_mesh(mesh, axis_name)
         if config.vocab_size % tp:
             raise ValueError(
                 f"vocab_size={config.vocab_size} is not divisible by the "

@@ -75,9 +75,7 @@ class WeaveDecoder(nnx.Module):
         dtype: jnp.dtype = jnp.bfloat16,
         rngs: nnx.Rngs,
     ) -> None:
-        if axis_name not in mesh.axis_names:
-            raise ValueError(f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-        config.check_tensor_parallel(mesh.shape[axis_name])
+        config.check_mesh(mesh, axis_name)
         self.config = config
         self.mesh = mesh
         self.axis_name = axis_name
