@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of the bandwidth copy, GB (default: 2 on GPUs, 0.1 on CPUs)",
     )
     p.add_argument(
+        "--profile",
+        type=bm.nonnegative_int,
+        default=0,
+        metavar="N",
+        help="also profile N dispatches per case and implementation (PyTorch's CUDA profiler): "
+        "device time per call (the union of its kernels), the launches per call",
+    )
+    p.add_argument(
         "--pallas-interpret",
         action="store_true",
         help="run the Pallas kernel in interpret mode (slow; lets a CPU check the "
@@ -403,7 +411,31 @@ def run_case(
                 gb_s=base["bytes"] / (us * 1e-6) / rf.GB,
                 tflop_s=base["flops"] / (us * 1e-6) / 1e12,
             )
+            if a.profile:
+                info[impl].update(_device_time(timed[impl], a, base["bytes"]))
     return [{**base, "impl": impl, **info[impl]} for impl in impls]
+
+
+def _device_time(fn: Any, a: argparse.Namespace, moved: int) -> dict[str, Any]:
+    """``fn``'s profiled device time per call (``step_profile.profile_steps`` over
+    ``--profile`` dispatches of ``--inner`` calls): ``device_us``, ``device_gb_s``,
+    ``launches``, ``kernels``; ``{"profile": reason}`` where it cannot profile."""
+    import jax
+
+    prof = _sibling("step_profile").profile_steps(
+        lambda: jax.block_until_ready(fn()), a.profile, top=4
+    )
+    if prof["status"] != "ok":
+        return {"profile": prof["reason"]}
+    us = prof["busy_ms"] * 1e3 / a.inner
+    return {
+        "device_us": us,
+        "device_gb_s": moved / (us * 1e-6) / _roofline().GB,
+        "launches": prof["launches_per_step"] / a.inner,
+        "kernels": [
+            {"name": k["name"], "us": k["ms_per_step"] * 1e3 / a.inner} for k in prof["kernels"]
+        ],
+    }
 
 
 def run(a: argparse.Namespace, device: Any, platform: str, seed: int) -> dict[str, Any]:
@@ -440,6 +472,8 @@ def run(a: argparse.Namespace, device: Any, platform: str, seed: int) -> dict[st
         records += run_case(case, a, platform, seed + i, a.impls)
         for r in records[-len(a.impls) :]:
             r["pct_bw"] = 100 * r["gb_s"] / bandwidth["gb_s"] if "gb_s" in r else None
+            if "device_gb_s" in r:
+                r["device_pct_bw"] = 100 * r["device_gb_s"] / bandwidth["gb_s"]
     return {"bandwidth": bandwidth, "records": records}
 
 

@@ -29,7 +29,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         recs = [r for r in report["records"] if r["kind"] == kind]
         if not recs:
             continue
-        cols = functools.partial(_columns, extra)
+        profiled = any("device_us" in r or "profile" in r for r in recs)
+        cols = functools.partial(_columns, extra + (("dev µs", "dev %BW") if profiled else ()))
         head = [f"{i} {c}" for i in impls for c in cols(i)]
         lines += [
             f"## {kind}",
@@ -53,8 +54,11 @@ def to_markdown(report: dict[str, Any]) -> str:
                     _num(r["median_us"]),
                     _num(r["gb_s"]),
                     _num(r["pct_bw"]),
-                    *([_num(r["tflop_s"])] if extra else []),
+                    *([_num(r["tflop_s"])] if kind == "prefill" else []),
                 ]
+                if profiled:
+                    dev = r.get("device_us")
+                    row += ["-", "-"] if dev is None else [_num(dev), _num(r["device_pct_bw"])]
                 if impl != "xla":
                     row.append("-" if err is None else f"{err:.1e}" + "*" * r["flagged"])
             lines.append("| " + " | ".join(row) + " |")
