@@ -342,6 +342,7 @@ def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
         tqdm.write(_line(record))
         if record.get("profile", {}).get("host_profile"):
             print(record["profile"]["host_profile"], file=sys.stderr)
+            print(json.dumps(record["profile"]["idle_gaps"], indent=1), file=sys.stderr)
         records.append(record)
     return {
         "model": a.model,

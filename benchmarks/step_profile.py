@@ -31,10 +31,29 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def idle_gaps(spans: list[tuple[float, float, str]], top: int = 6) -> dict[str, Any]:
+    """Idle stretches between kernels (``(start, end, name)``, µs): the total in each size
+    class (``< 2 µs``, ``2-20 µs``, ``>= 20 µs``) and the ``top`` longest, with the kernels on
+    either side (``before``, ``after``)."""
+    classes = {"lt_2us": 0.0, "2_20us": 0.0, "ge_20us": 0.0}
+    found: list[dict[str, Any]] = []
+    end, last = float("inf"), ""
+    for a, b, name in sorted(spans):
+        if a > end:
+            gap = a - end
+            classes["lt_2us" if gap < 2 else "2_20us" if gap < 20 else "ge_20us"] += gap
+            found.append({"us": gap, "before": last, "after": name})
+        if b > end or end == float("inf"):
+            end, last = b, name
+    found.sort(key=lambda g: -g["us"])
+    return {"classes_us": classes, "longest": found[:top]}
+
+
 def profile_steps(step: Callable[[], Any], n: int, top: int = 24) -> dict[str, Any]:
     """Profile ``n`` calls of ``step`` (each must wait for its results, as ``engine.step``
     does). Returns ``{"status", "wall_ms", "busy_ms", "gap_ms", "launches_per_step",
-    "kernels"}``, times per step; each kernel with its launches per step."""
+    "kernels", "idle_gaps"}``, times per step; each kernel with its launches per step; the
+    idle stretches between kernels (:func:`idle_gaps`, classes per step)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -60,6 +79,8 @@ def profile_steps(step: Callable[[], Any], n: int, top: int = 24) -> dict[str, A
         by_name[e.name[:80]] += e.device_time_total
         calls[e.name[:80]] += 1
     busy = busy_us(intervals) / 1e3 / n
+    gaps = idle_gaps([(e.time_range.start, e.time_range.end, e.name[:60]) for e in kernels])
+    gaps["classes_us"] = {k: v / n for k, v in gaps["classes_us"].items()}
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return {
         "status": "ok",
@@ -73,5 +94,6 @@ def profile_steps(step: Callable[[], Any], n: int, top: int = 24) -> dict[str, A
             {"name": k, "ms_per_step": v / 1e3 / n, "calls_per_step": calls[k] / n}
             for k, v in ranked
         ],
+        "idle_gaps": gaps,
         "host_profile": text.getvalue(),
     }

@@ -1,8 +1,8 @@
 // Paged attention, decode rows (tile == 1): the split-K kernel and the merge of the pieces.
 // Grid (split, kv head, row), 4 warps. A row's keys 0..p are cut into pieces of a multiple of
-// 32 keys (at least 128): as many as make the step's live rows (`live`, rows with a position
-// >= 0) fill kTargetBlocks blocks, and while they do not, pieces of at most kLongPieceKeys;
-// at most `splits` (the grid's x). A block streams its piece's
+// 32 keys (at least 128): while the step's live (row, kv head) pairs (`live`: rows with a
+// position >= 0) are fewer than the blocks the GPU holds at once (`capacity`), as many pieces
+// as fit them all in that one wave; at most `splits` (the grid's x). A block streams its piece's
 // K and V through shared memory in tiles of 16 KiB (32 keys at head_dim 128; cp.async, three
 // stages, so two tiles are in flight while one is used; 16-byte chunks XOR-swizzled for
 // ldmatrix). The G query heads of the block's kv head are the rows of one 16-row mma tile
@@ -11,6 +11,10 @@
 // keeps the same online softmax (base-2, float32), then adds P V for its quarter of head_dim.
 // A row cut in one piece is normalised and written here; otherwise the block writes
 // unnormalised partial sums with their max and total, and the merge kernel combines them.
+// Both kernels are launched as programmatic dependents (sm_90): each may start while the
+// kernel before it drains, and waits for it (griddepcontrol.wait) before reading anything.
+#include <atomic>
+
 #include "attention_common.cuh"
 #include "attention_mma.cuh"
 
@@ -18,11 +22,24 @@ namespace tokenweave {
 namespace attn {
 namespace {
 
-constexpr int kStages = 3;              // key tiles in shared memory
-constexpr int kTileBytes = 16384;       // K and V of one tile
-constexpr int kTargetBlocks = 4 * 132;  // decode blocks to aim for: 4 per SM of an H100/H200
-constexpr int kLongPieceKeys = 1024;    // longest piece of a row while blocks are under a wave
+constexpr int kStages = 3;         // key tiles in shared memory
+constexpr int kTileBytes = 16384;  // K and V of one tile
+constexpr int kBlocksPerSm = 4;    // the split kernel's occupancy (launch bounds, shared memory)
 constexpr int kWarps = kThreads / 32;
+constexpr int kMergeBatch = 16;  // pieces whose partial sums the merge loads at once
+
+// Waits for the kernel this one depends on (programmatic launch); a no-op before sm_90.
+__device__ __forceinline__ void WaitForPrerequisite() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the dependent kernel's blocks launch (they wait for this grid's end before reading).
+__device__ __forceinline__ void AllowDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // A row's context and how it is cut: `n` pieces of `chunk` keys (the last may be shorter).
 // The split and merge kernels call this alike, so they agree on the pieces.
@@ -32,12 +49,10 @@ struct RowSplit {
 __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) {
   const int ctx = Context(p, row);
   const int pairs = max(*p.live, 1) * p.kvh;
-  // Under one wave of pairs, long rows also take pieces of at most kLongPieceKeys keys: at
-  // 16 rows x 8192 keys, 5 pieces made 640 blocks, 1.2 waves of kTargetBlocks (61% of the
-  // copy bandwidth on an H200).
-  const int fill = (kTargetBlocks + pairs - 1) / pairs;
-  const int by_length = pairs < kTargetBlocks ? (ctx + kLongPieceKeys - 1) / kLongPieceKeys : 1;
-  const int pieces = max(1, min(p.splits, max(fill, by_length)));
+  // Under one wave, as many pieces as keep every block in it: a second, partial wave costs a
+  // whole block's latency (16 rows x 1024 keys: 5 pieces made 640 blocks for 528 places, 34%
+  // of the copy bandwidth on an H200). From one wave on, a row is one piece.
+  const int pieces = max(1, min(p.splits, p.capacity / pairs));
   const int chunk = SplitKeys(ctx, pieces);
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }
@@ -55,6 +70,7 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
   __shared__ __align__(128) unsigned char smem[kStages * kTileBytes];
 
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
+  WaitForPrerequisite();
   const RowSplit rs = SplitRow(p, row);
   const int k0 = split * rs.chunk;
   if (k0 >= rs.ctx) return;  // the merge reads only the pieces under ctx
@@ -176,6 +192,7 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
     }
   }
   CpAsyncWait<0>();
+  AllowDependents();
 
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -200,49 +217,110 @@ __global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams
   if (warp == 0 && quad == 0) work[D] = m, work[D + 1] = l;
 }
 
-// Grid (row, kv head), G warps: warp g merges head g of the group over the row's pieces: its
-// lanes take the splits' maxima and totals side by side (warp reductions), then dims
-// lane, lane + 32, ... summing over the splits, and write the normalised output.
+// Grid (row, kv head), G warps: warp g merges head g of the group over the row's pieces. Lane
+// i holds the max and total of pieces i, i + 32, ... (warp reductions give the overall max and
+// total); then dims lane, lane + 32, ... sum over the pieces, kMergeBatch pieces' loads in
+// flight at once, and the normalised output is written.
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
   const int row = blockIdx.x, h = blockIdx.y, g = threadIdx.x / 32, lane = threadIdx.x % 32;
+  WaitForPrerequisite();
   const int n = SplitRow(p, row).n;
   if (n == 1) return;  // the split kernel wrote the row's output
   const float* work =
       p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) + g * (D + 2);
   constexpr int kStride = G * (D + 2);  // from one split's entry to the next one's
+  const auto weight = [&](float m, float mx) { return m == -INFINITY ? 0.f : exp2f(m - mx); };
   float mx = -INFINITY;
   for (int s = lane; s < n; s += 32) mx = fmaxf(mx, work[s * kStride + D]);
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  const auto weight = [&](int s) {
-    const float m = work[s * kStride + D];
-    return m == -INFINITY ? 0.f : exp2f(m - mx);
-  };
-  float total = 0.f;
-  for (int s = lane; s < n; s += 32) total += weight(s) * work[s * kStride + D + 1];
+  // Lane i's weight of piece i (pieces 0..31: the common case, shuffled to the sums below).
+  const float w_lane = lane < n ? weight(work[lane * kStride + D], mx) : 0.f;
+  float total = lane < n ? w_lane * work[lane * kStride + D + 1] : 0.f;
+  for (int s = lane + 32; s < n; s += 32)
+    total += weight(work[s * kStride + D], mx) * work[s * kStride + D + 1];
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
   const float inv = total > 0.f ? 1.f / total : 0.f;
   float sum[D / 32] = {};
-#pragma unroll 4
-  for (int s = 0; s < n; ++s) {
-    const float c = weight(s);
+  for (int s0 = 0; s0 < n; s0 += kMergeBatch) {
+    float part[kMergeBatch][D / 32];
 #pragma unroll
-    for (int i = 0; i < D / 32; ++i) sum[i] = fmaf(c, work[s * kStride + lane + 32 * i], sum[i]);
+    for (int j = 0; j < kMergeBatch; ++j)
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i)
+        part[j][i] = s0 + j < n ? work[(s0 + j) * kStride + lane + 32 * i] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kMergeBatch; ++j) {
+      const int s = s0 + j;
+      const float shuffled = __shfl_sync(0xffffffffu, w_lane, s % 32);
+      const float c = s >= n ? 0.f : s < 32 ? shuffled : weight(work[s * kStride + D], mx);
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) sum[i] = fmaf(c, part[j][i], sum[i]);
+    }
   }
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = Vec<T>::FromFloat(sum[i] * inv);
 }
 
+// Launches `kernel` on `stream` as a programmatic dependent of the work before it (sm_90 on).
+template <typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, bool programmatic,
+                            cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// The current device's multiprocessor count and compute capability major (read once each).
+struct DeviceFacts {
+  int sms, major;
+};
+cudaError_t CurrentDeviceFacts(DeviceFacts* facts) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> sms[kMaxDevices], major[kMaxDevices];
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (sms[device].load() == 0) {
+    int s = 0, m = 0;
+    if (cudaError_t e = cudaDeviceGetAttribute(&s, cudaDevAttrMultiProcessorCount, device);
+        e != cudaSuccess)
+      return e;
+    if (cudaError_t e = cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device);
+        e != cudaSuccess)
+      return e;
+    major[device].store(m);
+    sms[device].store(s);
+  }
+  *facts = {sms[device].load(), major[device].load()};
+  return cudaSuccess;
+}
+
+// The split kernel, then (where a row may take more than one piece) the merge.
 template <typename T, int D, int G>
-cudaError_t LaunchDecode(const AttentionParams& p, cudaStream_t stream) {
-  const int rows = p.groups;
-  DecodeSplitKernel<T, D, G><<<dim3(p.splits, p.kvh, rows), kThreads, 0, stream>>>(p);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  DecodeMergeKernel<T, D, G><<<dim3(rows, p.kvh), 32 * G, 0, stream>>>(p);
-  return cudaGetLastError();
+cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
+  DeviceFacts facts{};
+  if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
+  AttentionParams p = params;
+  p.capacity = kBlocksPerSm * facts.sms;
+  const bool programmatic = facts.major >= 9;
+  if (cudaError_t e = LaunchDependent(DecodeSplitKernel<T, D, G>, dim3(p.splits, p.kvh, p.groups),
+                                      dim3(kThreads), programmatic, stream, p);
+      e != cudaSuccess)
+    return e;
+  if (p.splits == 1) return cudaSuccess;
+  return LaunchDependent(DecodeMergeKernel<T, D, G>, dim3(p.groups, p.kvh), dim3(32 * G),
+                         programmatic, stream, p);
 }
 
 template <typename T, int D>

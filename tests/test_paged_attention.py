@@ -4,6 +4,8 @@ chunk cut by the weave split."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,26 +171,29 @@ def test_padding_rows_with_a_negative_position_get_zeros(rng):
 @pytest.mark.parametrize(
     ("rows", "kvh", "splits"),
     [
-        (1, 8, 16),  # fewer (row, kv head) pairs than blocks wanted: the most pieces
-        (64, 8, 16),  # an engine's decode segment of one tile: maybe one live request
-        (64, 2, 16),
+        (1, 8, 64),  # fewer (row, kv head) pairs than blocks wanted: the most pieces
+        (64, 8, 8),  # an engine's decode segment of one tile: maybe one live request
+        (64, 2, 32),  # the grid stays under GRID_BLOCKS
         (66, 8, 1),  # 528 pairs fill the GPU
         (256, 8, 1),
-        (300, 1, 16),  # 300 pairs: still too few
+        (300, 1, 13),  # 300 pairs: still too few
         (400, 2, 1),
     ],
 )
 def test_decode_splits_fill_the_gpu(rows, kvh, splits):
     assert attention_kernel.decode_splits(rows, kvh) == splits
+    assert splits == 1 or rows * kvh * splits <= max(
+        attention_kernel.GRID_BLOCKS, math.ceil(attention_kernel.TARGET_BLOCKS / (rows * kvh))
+    )
 
 
 @pytest.mark.parametrize(
     ("rows", "kvh", "splits"),
     [
-        (8, 8, 16),  # a decode-only step of 1-8 requests: room for twice the GPU's fill
-        (16, 8, 10),  # 16 rows x 8192 keys take 8 pieces of 1024 (5 fill the GPU once)
-        (64, 8, 4),  # 64 live rows: four pieces each at most, not 16
-        (1, 8, 16),  # capped
+        (8, 8, 9),  # a decode-only step of 1-8 requests: room for one wave
+        (16, 8, 5),  # 16 rows x 8192 keys: the kernel takes 4 pieces (512 blocks of 528)
+        (64, 8, 2),  # 64 live rows: one piece each on the device; two in the grid
+        (1, 8, 64),  # capped
         (66, 8, 1),  # a wave of pairs: one piece each
         (256, 8, 1),
     ],

@@ -23,9 +23,12 @@ HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 TARGET_BLOCKS = 4 * 132
-"""Decode blocks to aim for: four per multiprocessor of an H100/H200."""
-MAX_SPLITS = 16
+"""Decode blocks the GPU holds at once: four per multiprocessor of an H100/H200 (the kernel
+reads the real count at launch)."""
+MAX_SPLITS = 64
 """The most pieces a decode row's context is cut into (the handler allows 256)."""
+GRID_BLOCKS = 4096
+"""Decode grid to stay under where rows may be mostly padding (most of its blocks exit)."""
 
 
 def unavailable_reason(platform: str, dtype: jnp.dtype, head_dim: int, group: int) -> str | None:
@@ -52,20 +55,18 @@ def _register() -> None:
 
 def decode_splits(rows: int, kv_heads: int, tight: bool = False) -> int:
     """Blocks per (decode row, kv head): at most how many pieces a row's context is cut into.
-    On the device, each row cuts its context into pieces of at least 128 keys, as many as the
-    live rows need for :data:`TARGET_BLOCKS` blocks (the rest of the grid exits at once).
-    ``tight`` (rows at most half padding, as in a decode-only step): twice what ``rows`` need
-    for :data:`TARGET_BLOCKS` blocks (the kernel also cuts long rows into pieces of at most 1024
-    keys while under a wave), at most :data:`MAX_SPLITS`, so few blocks exit unused.
-    Else, with fewer than :data:`TARGET_BLOCKS` (row, kv head) pairs, :data:`MAX_SPLITS`:
-    the rows may be mostly padding (a step with prompt chunks pads its decode segment to a
-    whole prompt tile, also for one request), and a lone request must still spread over the
-    GPU; from there on, enough for :data:`TARGET_BLOCKS` blocks."""
+    On the device, while the live (row, kv head) pairs are under one wave of blocks, each row
+    cuts its context into as many pieces (of at least 128 keys) as keep the blocks in that
+    wave; from one wave on, one piece. ``tight`` (rows at most half padding, as in a
+    decode-only step): what ``rows`` need for :data:`TARGET_BLOCKS` blocks, so few blocks exit
+    unused. Else the rows may be mostly padding (a step with prompt chunks pads its decode
+    segment to a whole prompt tile, also for one request), and a lone request must still
+    spread over the GPU: enough for a grid of :data:`GRID_BLOCKS`. At most :data:`MAX_SPLITS`."""
     pairs = rows * kv_heads
     need = math.ceil(TARGET_BLOCKS / pairs)
     if pairs >= TARGET_BLOCKS:
         return need
-    return min(MAX_SPLITS, 2 * need) if tight else MAX_SPLITS
+    return min(MAX_SPLITS, need if tight else max(need, GRID_BLOCKS // pairs))
 
 
 def paged_attention(
