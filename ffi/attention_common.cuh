@@ -62,7 +62,7 @@ __device__ __forceinline__ int Context(const AttentionParams& p, int row) {
 
 // Keys per split of a row: its context cut into at most `splits` pieces of a multiple of 32
 // keys, at least kMinSplitKeys (a shorter piece costs more in partial sums than it saves).
-constexpr int kMinSplitKeys = 128;
+constexpr int kMinSplitKeys = 64;
 __device__ __forceinline__ int SplitKeys(int ctx, int splits) {
   return max(kMinSplitKeys, ((ctx + splits - 1) / splits + 31) / 32 * 32);
 }

@@ -1,8 +1,9 @@
 // Paged attention, decode rows (tile == 1): the split-K kernel and the merge of the pieces.
 // Grid (split, kv head, row), 4 warps. A row's keys 0..p are cut into pieces of a multiple of
-// 32 keys (at least 128): while the step's live (row, kv head) pairs (`live`: rows with a
+// 32 keys (at least 64): while the step's live (row, kv head) pairs (`live`: rows with a
 // position >= 0) are fewer than the blocks the GPU holds at once (`capacity`), as many pieces
-// as fit them all in that one wave; at most `splits` (the grid's x). A block streams its piece's
+// as fit them all in that one wave (SplitRow: past a wave, pieces only against a short last
+// wave); at most `splits` (the grid's x). A block streams its piece's
 // K and V through shared memory in tiles of 16 KiB (32 keys at head_dim 128; cp.async, three
 // stages, so two tiles are in flight while one is used; 16-byte chunks XOR-swizzled for
 // ldmatrix). The G query heads of the block's kv head are the rows of one 16-row mma tile
@@ -26,7 +27,8 @@ constexpr int kStages = 3;         // key tiles in shared memory
 constexpr int kTileBytes = 16384;  // K and V of one tile
 constexpr int kBlocksPerSm = 4;    // the split kernel's occupancy (launch bounds, shared memory)
 constexpr int kWarps = kThreads / 32;
-constexpr int kMergeBatch = 16;  // pieces whose partial sums the merge loads at once
+constexpr int kMergeBatch = 16;      // pieces whose partial sums the merge loads at once
+constexpr int kTailPieceKeys = 256;  // piece length where the last wave is under half full
 
 // Waits for the kernel this one depends on (programmatic launch); a no-op before sm_90.
 __device__ __forceinline__ void WaitForPrerequisite() {
@@ -48,11 +50,19 @@ struct RowSplit {
 };
 __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) {
   const int ctx = Context(p, row);
-  const int pairs = max(*p.live, 1) * p.kvh;
+  const int pairs = max(*p.live, 1) * p.kvh, waves = pairs / p.capacity;
+  const int last = pairs - waves * p.capacity;  // blocks of the last, partial wave
   // Under one wave, as many pieces as keep every block in it: a second, partial wave costs a
   // whole block's latency (16 rows x 1024 keys: 5 pieces made 640 blocks for 528 places, 34%
-  // of the copy bandwidth on an H200). From one wave on, a row is one piece.
-  const int pieces = max(1, min(p.splits, p.capacity / pairs));
+  // of the copy bandwidth on an H200). Past one wave, a row is one piece, unless the last
+  // wave is under half full: then pieces of kTailPieceKeys, so the blocks left alone at the
+  // end are short (67 rows x 1024 keys as one piece each: 65%).
+  int pieces = 1;
+  if (waves == 0)
+    pieces = p.capacity / pairs;
+  else if (last > 0 && 2 * last < p.capacity)
+    pieces = (ctx + kTailPieceKeys - 1) / kTailPieceKeys;
+  pieces = max(1, min(p.splits, pieces));
   const int chunk = SplitKeys(ctx, pieces);
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }

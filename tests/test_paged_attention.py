@@ -195,6 +195,8 @@ def test_decode_splits_fill_the_gpu(rows, kvh, splits):
         (64, 8, 2),  # 64 live rows: one piece each on the device; two in the grid
         (1, 8, 64),  # capped
         (66, 8, 1),  # a wave of pairs: one piece each
+        (67, 8, 8),  # 536 pairs: a last wave of 8 blocks; room for short pieces
+        (99, 8, 1),  # 792 pairs: the last wave half full
         (256, 8, 1),
     ],
 )

@@ -27,6 +27,9 @@ TARGET_BLOCKS = 4 * 132
 reads the real count at launch)."""
 MAX_SPLITS = 64
 """The most pieces a decode row's context is cut into (the handler allows 256)."""
+TAIL_SPLITS = 8
+"""A decode-only step's splits where its pairs leave the last wave under half full (the kernel
+then cuts rows into pieces of 256 keys, so the blocks left alone at the end are short)."""
 GRID_BLOCKS = 4096
 """Decode grid to stay under where rows may be mostly padding (most of its blocks exit)."""
 
@@ -54,18 +57,19 @@ def _register() -> None:
 
 
 def decode_splits(rows: int, kv_heads: int, tight: bool = False) -> int:
-    """Blocks per (decode row, kv head): at most how many pieces a row's context is cut into.
-    On the device, while the live (row, kv head) pairs are under one wave of blocks, each row
-    cuts its context into as many pieces (of at least 128 keys) as keep the blocks in that
-    wave; from one wave on, one piece. ``tight`` (rows at most half padding, as in a
-    decode-only step): what ``rows`` need for :data:`TARGET_BLOCKS` blocks, so few blocks exit
-    unused. Else the rows may be mostly padding (a step with prompt chunks pads its decode
-    segment to a whole prompt tile, also for one request), and a lone request must still
-    spread over the GPU: enough for a grid of :data:`GRID_BLOCKS`. At most :data:`MAX_SPLITS`."""
+    """Blocks per (decode row, kv head): the most pieces a row's context is cut into. The
+    kernel cuts rows into pieces (of at least 64 keys) that keep the live pairs' blocks in one
+    wave; past a wave, one piece each, or pieces of 256 keys where the last wave is under half
+    full. ``tight`` (a decode-only step, rows at most half padding): what ``rows`` need for
+    :data:`TARGET_BLOCKS` blocks (:data:`TAIL_SPLITS` against a short last wave), so few
+    blocks exit unused. Else the rows may be mostly padding (a mixed step pads its decode
+    segment to a prompt tile) and a lone request must still spread over the GPU: a grid of up
+    to :data:`GRID_BLOCKS`. At most :data:`MAX_SPLITS`."""
     pairs = rows * kv_heads
     need = math.ceil(TARGET_BLOCKS / pairs)
     if pairs >= TARGET_BLOCKS:
-        return need
+        last = pairs % TARGET_BLOCKS
+        return TAIL_SPLITS if tight and 0 < 2 * last < TARGET_BLOCKS else 1
     return min(MAX_SPLITS, need if tight else max(need, GRID_BLOCKS // pairs))
 
 

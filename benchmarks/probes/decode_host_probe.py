@@ -1,0 +1,112 @@
+"""Probe (GPU): where a decode step's wall time goes on the host, without cProfile's overhead.
+
+Builds the engine as ``decode_bench.py`` does (same options), then per batch: the timed decode
+steps with each host phase timed by ``perf_counter`` (schedule + pack + dispatch of step n+1,
+the wait for step n's tokens, the update), and a kernel-only CUDA profile (PyTorch, no
+cProfile) of a few steps: device busy time and the longest idle stretches with their neighbours.
+Run: ``python3 -P benchmarks/probes/decode_host_probe.py --batch 64 256 --context 1024``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jax_tokenweave.bench import benchmarking as bm
+
+BENCH = Path(__file__).resolve().parents[1]
+
+
+def timed(obj: Any, name: str, spent: dict[str, list[float]]) -> None:
+    """Wrap ``obj.name`` so each call's wall time lands in ``spent[name]``."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[name].append((time.perf_counter() - t0) * 1e3)
+
+    setattr(obj, name, wrapper)
+
+
+def kernel_profile(step: Any, n: int) -> dict[str, Any]:
+    """Kernel-only CUDA profile of ``n`` steps: busy and idle per step, the longest idles."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return {"profile": "no CUDA GPU for PyTorch's profiler"}
+    sp = bm.sibling_module(str(BENCH / "step_profile.py"), "step_profile")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        wall = (time.perf_counter() - t0) * 1e3 / n
+    ks = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
+    busy = sp.busy_us([(e.time_range.start, e.time_range.end) for e in ks]) / 1e3 / n
+    gaps = sp.idle_gaps([(e.time_range.start, e.time_range.end, e.name[:50]) for e in ks], 8)
+    return {"wall_ms": wall, "busy_ms": busy, "idle": gaps}
+
+
+def main() -> None:
+    db = bm.sibling_module(str(BENCH / "decode_bench.py"), "decode_bench")
+    a = db.parse_args([*sys.argv[1:], "--out", "/tmp/decode_host_probe"])
+    platform, devices = bm.start_devices(a.tp)
+    a = db.resolve(a, platform)
+    model = db.build_model(a, devices)
+    from jax_tokenweave.serving import LLMEngine, SamplingParams
+
+    rng = np.random.default_rng(0)
+    for batch in a.batch:
+        context = a.context[0]
+        max_tokens = a.warm_steps + 40 + batch
+        engine = LLMEngine(model, db.engine_config(a, batch, context + max_tokens))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request(rng.integers(0, model.config.vocab_size, context).tolist(), params)
+        sched = engine.scheduler
+        while sched.waiting or not all(s.prefilled for s in sched.running):
+            engine.step()
+        for _ in range(a.warm_steps):
+            engine.step()
+        spent: dict[str, list[float]] = collections.defaultdict(list)
+        for obj, name in (
+            (engine, "_dispatch_next"),
+            (engine, "_take_oldest"),
+            (engine.runner, "pack"),
+            (engine.runner, "run"),
+            (engine.runner, "fetch"),
+            (sched, "schedule"),
+            (sched, "update"),
+        ):
+            timed(obj, name, spent)
+        steps = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - t0) * 1e3)
+        phases = {k: round(statistics.median(v), 3) for k, v in spent.items()}
+        try:
+            prof = kernel_profile(engine.step, 4)
+        except ImportError as err:  # no PyTorch here
+            prof = {"profile": str(err)}
+        print(
+            json.dumps(
+                {"batch": batch, "step_ms": statistics.median(steps), "phases": phases, **prof},
+                indent=1,
+            )
+        )
+        del engine
+
+
+if __name__ == "__main__":
+    main()
