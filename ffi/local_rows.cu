@@ -66,11 +66,15 @@ __device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* p
 }
 
 // kBlock threads per row, kU 16-byte vectors per thread; rows longer than kBlock * kU vectors
-// take rowops' two-pass FusedRow. kFull: every row is exactly kBlock * kU vectors. The comm's
-// failure word is loaded first and looked at last (its latency hides behind the row's): a comm
-// closed since a command buffer recorded this call leaves NaN, as every other variant does.
-template <typename T, int kBlock, int kU, bool kFull>
-__global__ void __launch_bounds__(kBlock) LocalRowsKernel(const __grid_constant__ KernelParams p) {
+// take rowops' two-pass FusedRow. kFull: every row is exactly kBlock * kU vectors. kInRegisters:
+// the launcher's promise that every row fits in registers, so the two-pass path is not compiled
+// in: 70 registers instead of 124, capped at 64 for two 512-thread blocks per multiprocessor
+// (T = 256 rows ran in two waves of one block per SM: 5.2 us). The comm's failure word is
+// loaded first and looked at last (its latency hides behind the row's): a comm closed since a
+// command buffer recorded this call leaves NaN, as every other variant does.
+template <typename T, int kBlock, int kU, bool kFull, bool kInRegisters>
+__global__ void __launch_bounds__(kBlock, kInRegisters ? 2 : 1)
+    LocalRowsKernel(const __grid_constant__ KernelParams p) {
   __shared__ float red[kBlock / 32];
   const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
   const int vpr = p.hidden / Vec<T>::kN;
@@ -80,7 +84,7 @@ __global__ void __launch_bounds__(kBlock) LocalRowsKernel(const __grid_constant_
     const char* residual = static_cast<const char*>(p.residual) + row * rb;
     char* normed = static_cast<char*>(p.normed) + row * rb;
     char* residual_out = static_cast<char*>(p.residual_out) + row * rb;
-    if (kFull || vpr <= kBlock * kU) {
+    if (kFull || kInRegisters || vpr <= kBlock * kU) {
       RegisterRow<T, kBlock, kU, kFull>(p, partial, residual, normed, residual_out, vpr, red);
     } else {
       FusedRow<T, kBlock, kU, false>(
@@ -106,8 +110,21 @@ constexpr int kLocalBlock = kThreads, kLocalU = 2;  // rows of 8192 bf16 in regi
 template <typename T>
 cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   const int grid = p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid;
-  LocalRowsKernel<T, kLocalBlock, kLocalU, false><<<grid, kLocalBlock, 0, stream>>>(p);
+  if (p.hidden / Vec<T>::kN <= kLocalBlock * kLocalU)
+    LocalRowsKernel<T, kLocalBlock, kLocalU, false, true><<<grid, kLocalBlock, 0, stream>>>(p);
+  else
+    LocalRowsKernel<T, kLocalBlock, kLocalU, false, false><<<grid, kLocalBlock, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t PreloadFor() {
+  cudaFuncAttributes a;
+  for (const void* k :
+       {reinterpret_cast<const void*>(LocalRowsKernel<T, kLocalBlock, kLocalU, false, true>),
+        reinterpret_cast<const void*>(LocalRowsKernel<T, kLocalBlock, kLocalU, false, false>)})
+    if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -123,12 +140,8 @@ cudaError_t LaunchLocalRows(const KernelParams& p, DType dtype, cudaStream_t str
 }
 
 cudaError_t PreloadLocalRowsKernels() {
-  cudaFuncAttributes a;
-  for (const void* k :
-       {reinterpret_cast<const void*>(LocalRowsKernel<float, kLocalBlock, kLocalU, false>),
-        reinterpret_cast<const void*>(LocalRowsKernel<__half, kLocalBlock, kLocalU, false>),
-        reinterpret_cast<const void*>(LocalRowsKernel<__nv_bfloat16, kLocalBlock, kLocalU, false>)})
-    if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
+  for (cudaError_t e : {PreloadFor<float>(), PreloadFor<__half>(), PreloadFor<__nv_bfloat16>()})
+    if (e != cudaSuccess) return e;
   return cudaSuccess;
 }
 
