@@ -10,6 +10,7 @@
 // us with this kernel, benchmarks/results/2026-11-24-h200x1). A group of one never waits and
 // no peer reads its slot state, so skipping the state is safe: every call of a one-rank comm
 // takes this path (a closed comm still leaves NaN, below).
+#include "device_facts.h"
 #include "rowops.cuh"
 
 namespace tokenweave {
@@ -68,12 +69,14 @@ __device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* p
 // kBlock threads per row, kU 16-byte vectors per thread; rows longer than kBlock * kU vectors
 // take rowops' two-pass FusedRow. kFull: every row is exactly kBlock * kU vectors. kInRegisters:
 // the launcher's promise that every row fits in registers, so the two-pass path is not compiled
-// in: 70 registers instead of 124, capped at 64 for two 512-thread blocks per multiprocessor
-// (T = 256 rows ran in two waves of one block per SM: 5.2 us). The comm's failure word is
-// loaded first and looked at last (its latency hides behind the row's): a comm closed since a
-// command buffer recorded this call leaves NaN, as every other variant does.
-template <typename T, int kBlock, int kU, bool kFull, bool kInRegisters>
-__global__ void __launch_bounds__(kBlock, kInRegisters ? 2 : 1)
+// in (72 registers instead of 92 in bf16). kMinBlocks 2 caps that at 64 registers, two
+// 512-thread blocks per multiprocessor, for more rows than multiprocessors: with one block per
+// SM, T = 256 ran in two waves (5.2 us on an H200; 4.7 with two). Fewer rows keep the uncapped
+// kernel (the capped one spills 8 bytes and was 0.17-0.27 us slower at T = 1-64). The comm's
+// failure word is loaded first and looked at last (its latency hides behind the row's): a comm
+// closed since a command buffer recorded this call leaves NaN, as every other variant does.
+template <typename T, int kBlock, int kU, bool kFull, bool kInRegisters, int kMinBlocks>
+__global__ void __launch_bounds__(kBlock, kMinBlocks)
     LocalRowsKernel(const __grid_constant__ KernelParams p) {
   __shared__ float red[kBlock / 32];
   const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
@@ -107,22 +110,30 @@ __global__ void __launch_bounds__(kBlock, kInRegisters ? 2 : 1)
 
 constexpr int kLocalBlock = kThreads, kLocalU = 2;  // rows of 8192 bf16 in registers
 
+template <typename T, bool kInRegisters, int kMinBlocks>
+constexpr auto kLocalKernel =
+    LocalRowsKernel<T, kLocalBlock, kLocalU, false, kInRegisters, kMinBlocks>;
+
 template <typename T>
 cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
+  DeviceFacts facts{};
+  if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   const int grid = p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid;
-  if (p.hidden / Vec<T>::kN <= kLocalBlock * kLocalU)
-    LocalRowsKernel<T, kLocalBlock, kLocalU, false, true><<<grid, kLocalBlock, 0, stream>>>(p);
+  if (p.hidden / Vec<T>::kN > kLocalBlock * kLocalU)
+    kLocalKernel<T, false, 1><<<grid, kLocalBlock, 0, stream>>>(p);
+  else if (grid > facts.sms)
+    kLocalKernel<T, true, 2><<<grid, kLocalBlock, 0, stream>>>(p);
   else
-    LocalRowsKernel<T, kLocalBlock, kLocalU, false, false><<<grid, kLocalBlock, 0, stream>>>(p);
+    kLocalKernel<T, true, 1><<<grid, kLocalBlock, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t PreloadFor() {
   cudaFuncAttributes a;
-  for (const void* k :
-       {reinterpret_cast<const void*>(LocalRowsKernel<T, kLocalBlock, kLocalU, false, true>),
-        reinterpret_cast<const void*>(LocalRowsKernel<T, kLocalBlock, kLocalU, false, false>)})
+  for (const void* k : {reinterpret_cast<const void*>(kLocalKernel<T, false, 1>),
+                        reinterpret_cast<const void*>(kLocalKernel<T, true, 1>),
+                        reinterpret_cast<const void*>(kLocalKernel<T, true, 2>)})
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;
 }

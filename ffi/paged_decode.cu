@@ -14,10 +14,9 @@
 // unnormalised partial sums with their max and total, and the merge kernel combines them.
 // Both kernels are launched as programmatic dependents (sm_90): each may start while the
 // kernel before it drains, and waits for it (griddepcontrol.wait) before reading anything.
-#include <atomic>
-
 #include "attention_common.cuh"
 #include "attention_mma.cuh"
+#include "device_facts.h"
 
 namespace tokenweave {
 namespace attn {
@@ -289,31 +288,6 @@ cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, bool
   config.attrs = &attribute;
   config.numAttrs = programmatic ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, args...);
-}
-
-// The current device's multiprocessor count and compute capability major (read once each).
-struct DeviceFacts {
-  int sms, major;
-};
-cudaError_t CurrentDeviceFacts(DeviceFacts* facts) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> sms[kMaxDevices], major[kMaxDevices];
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (sms[device].load() == 0) {
-    int s = 0, m = 0;
-    if (cudaError_t e = cudaDeviceGetAttribute(&s, cudaDevAttrMultiProcessorCount, device);
-        e != cudaSuccess)
-      return e;
-    if (cudaError_t e = cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, device);
-        e != cudaSuccess)
-      return e;
-    major[device].store(m);
-    sms[device].store(s);
-  }
-  *facts = {sms[device].load(), major[device].load()};
-  return cudaSuccess;
 }
 
 // The split kernel, then (where a row may take more than one piece) the merge.
