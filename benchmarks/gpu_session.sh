@@ -95,7 +95,7 @@ if has ncu; then
     rep="$W/ncu/fused_t$t"
     mkdir -p "$W/ncu"
     timeout ${T_NCU:-150} ncu --clock-control none --set full --import-source yes \
-      --kernel-name regex:'OneShot|Fused|TwoShot|Direct' --launch-skip 8 --launch-count 1 \
+      --kernel-name regex:'OneShot|Fused|TwoShot|Direct|LocalRows' --launch-skip 8 --launch-count 1 \
       -f -o "$rep" $PY "$repo/benchmarks/ncu_fused.py" --tp "${NCU_TP:-1}" --tokens "$t" \
       > "$rep.log" 2>&1 || status=$?
     ncu -i "$rep.ncu-rep" --page details --csv > "$rep.details.csv" 2>> "$rep.log"
