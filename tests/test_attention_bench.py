@@ -4,15 +4,13 @@ bytes and FLOPs it reports, by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
+from testutil import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--batch",
     "2",
@@ -49,14 +47,8 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "attention_bench", ROOT / "benchmarks" / "attention_bench.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield load_benchmark("attention_bench")
+    sys.modules.pop("attention_bench", None)
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@ runs, device set-up without import side effects, and their command lines."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from testutil import load_benchmark
 
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.bench import job, report, timing
@@ -216,13 +216,7 @@ class _FakePlan:
 # ------------------------------------------------------------------------------ e2e bench ---
 
 
-def _load_script(name: str):
-    """``benchmarks/<name>.py`` as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+_load_script = load_benchmark
 
 
 def _load_e2e():

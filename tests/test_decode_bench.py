@@ -4,14 +4,12 @@ timed, and the roofline's bytes by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from testutil import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = [
     "--model",
     "tiny",
@@ -43,11 +41,7 @@ DECODE = [
 ]
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+load = load_benchmark
 
 
 @pytest.fixture(scope="module")

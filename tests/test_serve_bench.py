@@ -3,14 +3,12 @@ outputs it writes, its checks before the run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from testutil import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--model",
     "tiny",
@@ -48,12 +46,7 @@ TINY = [
 
 
 def load():
-    spec = importlib.util.spec_from_file_location(
-        "serve_bench", ROOT / "benchmarks" / "serve_bench.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("serve_bench")
 
 
 @pytest.mark.slow

@@ -1,10 +1,14 @@
 """Helpers shared by the tests: the relative error against a reference, a randomised
 ``WeaveDecoder``, pure-JAX stand-ins for the fused kernel injected as reducers, JAX's cache
-settings of a fresh process."""
+settings of a fresh process, a benchmark script loaded as a module."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -111,3 +115,14 @@ def fresh_process_jax_cache(monkeypatch) -> Iterator[None]:
         for name, value in saved.items():
             jax.config.update(name, value)
         cc.reset_cache()
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (benchmarks/ is no package), registered in
+    ``sys.modules`` under ``name``: dataclasses look their module up there."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
