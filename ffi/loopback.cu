@@ -111,29 +111,38 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
   for (auto& e : st.e) Check(cudaEventCreate(&e), "event");
   cudaEvent_t fork = st.e[n], t0 = st.e[n + 1], t1 = st.e[n + 2];
 
-  // One call of every rank: the ranks' streams fork from stream 0 and join back into it.
-  auto issue = [&](int call, bool skip) {
+  // Rank r's fused call on its stream.
+  auto launch = [&](int call, int r) {
+    KernelParams p{};
+    comm->Fill(*comm->At(r), call % req.slots, p);
+    p.partial = partial[r];
+    p.residual = residual[r];
+    p.weight = reinterpret_cast<const float*>(weight);
+    p.normed = normed[r];
+    p.residual_out = res_out[r];
+    p.tokens = t;
+    p.hidden = h;
+    p.rows = q;
+    p.eps = req.eps;
+    Check(LaunchAllreduceRmsnorm(p, req.dtype, req.algo, false, req.num_ctas, st.s[r]), "launch");
+  };
+  // The ranks' streams fork from stream 0 (join: back into it).
+  auto fork_ranks = [&]() {
     Check(cudaEventRecord(fork, st.s[0]), "record fork");
-    for (int r = 0; r < n; ++r) {
-      Check(cudaStreamWaitEvent(st.s[r], fork, 0), "wait fork");
-      if (skip && r == req.skip_rank) continue;
-      KernelParams p{};
-      comm->Fill(*comm->At(r), call % req.slots, p);
-      p.partial = partial[r];
-      p.residual = residual[r];
-      p.weight = reinterpret_cast<const float*>(weight);
-      p.normed = normed[r];
-      p.residual_out = res_out[r];
-      p.tokens = t;
-      p.hidden = h;
-      p.rows = q;
-      p.eps = req.eps;
-      Check(LaunchAllreduceRmsnorm(p, req.dtype, req.algo, false, req.num_ctas, st.s[r]), "launch");
-    }
+    for (int r = 1; r < n; ++r) Check(cudaStreamWaitEvent(st.s[r], fork, 0), "wait fork");
+  };
+  auto join_ranks = [&]() {
     for (int r = 1; r < n; ++r) {
       Check(cudaEventRecord(st.e[r], st.s[r]), "record join");
       Check(cudaStreamWaitEvent(st.s[0], st.e[r], 0), "wait join");
     }
+  };
+  // One call of every rank, forked and joined.
+  auto issue = [&](int call, bool skip) {
+    fork_ranks();
+    for (int r = 0; r < n; ++r)
+      if (!skip || r != req.skip_rank) launch(call, r);
+    join_ranks();
   };
   auto compare = [&](cudaStream_t s) {
     for (int r = 0; r < n; ++r) {
@@ -171,7 +180,14 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     Check(cudaStreamBeginCapture(st.s[0], cudaStreamCaptureModeThreadLocal), "begin capture");
-    for (int call = 0; call < req.graph_calls; ++call) issue(call, false);
+    if (req.free_running) {  // each rank's calls back to back, as on GPUs of their own
+      fork_ranks();
+      for (int call = 0; call < req.graph_calls; ++call)
+        for (int r = 0; r < n; ++r) launch(call, r);
+      join_ranks();
+    } else {
+      for (int call = 0; call < req.graph_calls; ++call) issue(call, false);
+    }
     Check(cudaStreamEndCapture(st.s[0], &graph), "end capture");
     Check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
     Check(cudaGraphLaunch(exec, st.s[0]), "warm-up replay");

@@ -28,6 +28,10 @@ struct LoopbackRequest {
   int skip_rank = 0;
   int graph_calls = 0;    // then capture this many calls in one CUDA graph ...
   int graph_replays = 0;  // ... and time this many replays
+  // The graph's ranks fork once and join once, each rank's calls back to back on its stream (as
+  // on GPUs of their own; the protocol keeps a rank at most one call ahead). Else every call
+  // forks and joins, so a call starts when every rank has ended the one before.
+  bool free_running = false;
 };
 
 struct LoopbackResult {

@@ -176,7 +176,8 @@ NB_MODULE(_tokenweave_ffi, m) {
       "loopback_run",
       [](int64_t comm_id, const std::string& dtype, const std::string& algo, int num_ctas,
          int tokens, int hidden, float eps, nb::bytes partial, nb::bytes residual, nb::bytes weight,
-         int calls, int slots, int skip_call, int skip_rank, int graph_calls, int graph_replays) {
+         int calls, int slots, int skip_call, int skip_rank, int graph_calls, int graph_replays,
+         bool free_running) {
         LoopbackRequest req;
         req.comm_id = comm_id;
         req.dtype = ParseDType(dtype);
@@ -194,6 +195,7 @@ NB_MODULE(_tokenweave_ffi, m) {
         req.skip_rank = skip_rank;
         req.graph_calls = graph_calls;
         req.graph_replays = graph_replays;
+        req.free_running = free_running;
         LoopbackResult res;
         {
           nb::gil_scoped_release release;
@@ -211,6 +213,7 @@ NB_MODULE(_tokenweave_ffi, m) {
       nb::arg("hidden"), nb::arg("eps"), nb::arg("partial"), nb::arg("residual"), nb::arg("weight"),
       nb::arg("calls") = 1, nb::arg("slots") = 1, nb::arg("skip_call") = -1,
       nb::arg("skip_rank") = 0, nb::arg("graph_calls") = 0, nb::arg("graph_replays") = 0,
+      nb::arg("free_running") = false,
       "Runs every rank of a loopback comm on its one device (see ffi/loopback.h).");
   m.def(
       "oneshot_encode",

@@ -118,6 +118,24 @@ def test_1000_calls_two_slots_and_graph_replays(loopback, rng, algo):
         comm.close()
 
 
+@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "direct"])
+@pytest.mark.parametrize(("n", "tokens"), [(2, 1), (8, 16), (4, 300)])
+def test_free_running_ranks_keep_every_call_exact(loopback, rng, algo, n, tokens):
+    """Each rank's calls back to back on its own stream, forked and joined once per graph (as
+    on GPUs of their own): a rank may run ahead of its peers, and every replayed call must
+    still give call 0's bits."""
+    comm = loopback.LoopbackComm(n)
+    try:
+        args = _inputs(rng, n, tokens, 4096, "bfloat16")
+        res = comm.run(
+            *args, algo=algo, num_ctas=8, graph_calls=50, graph_replays=5, free_running=True
+        )
+        _check(res, *args, "bfloat16")
+        assert res.mismatches == 0 and len(res.call_us) == 5
+    finally:
+        comm.close()
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_decode_rows_kernel_and_general_one_shot_share_a_slot(loopback, rng, n):
     """The decode-size one-shot kernel (T <= CTAs) and the general one (T > CTAs) follow each

@@ -63,11 +63,14 @@ class LoopbackComm:
         skip_rank: int = 0,
         graph_calls: int = 0,
         graph_replays: int = 0,
+        free_running: bool = False,
     ) -> LoopbackResult:
         """``calls`` back-to-back fused calls of every rank on ``partial`` [N, T, H] and the
         token-sharded ``residual`` [N, q, H] (bf16/fp16/fp32 NumPy arrays) with float32
         ``weight`` [H]; then, optionally, ``graph_replays`` timed replays of a CUDA graph of
-        ``graph_calls`` calls. ``skip_call``: the call at which rank ``skip_rank`` is absent."""
+        ``graph_calls`` calls (``free_running``: each rank's calls back to back, forked and
+        joined once, not per call). ``skip_call``: the call at which rank ``skip_rank`` is
+        absent."""
         n, tokens, hidden = partial.shape
         dtype = jnp.dtype(partial.dtype).name
         if n != self.num_ranks or residual.dtype != partial.dtype:
@@ -89,6 +92,7 @@ class LoopbackComm:
             skip_rank,
             graph_calls,
             graph_replays,
+            free_running,
         )
         np_dtype = _NUMPY[dtype]
         return LoopbackResult(
