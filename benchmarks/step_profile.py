@@ -37,23 +37,27 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 6) -> dict[str, 
     either side (``before``, ``after``)."""
     classes = {"lt_2us": 0.0, "2_20us": 0.0, "ge_20us": 0.0}
     found: list[dict[str, Any]] = []
-    end, last = float("inf"), ""
+    end: float | None = None  # the latest end so far, and its kernel
+    last = ""
     for a, b, name in sorted(spans):
-        if a > end:
+        if end is not None and a > end:
             gap = a - end
             classes["lt_2us" if gap < 2 else "2_20us" if gap < 20 else "ge_20us"] += gap
             found.append({"us": gap, "before": last, "after": name})
-        if b > end or end == float("inf"):
+        if end is None or b > end:
             end, last = b, name
     found.sort(key=lambda g: -g["us"])
     return {"classes_us": classes, "longest": found[:top]}
 
 
-def profile_steps(step: Callable[[], Any], n: int, top: int = 24) -> dict[str, Any]:
+def profile_steps(
+    step: Callable[[], Any], n: int, top: int = 24, host_profile: bool = True
+) -> dict[str, Any]:
     """Profile ``n`` calls of ``step`` (each must wait for its results, as ``engine.step``
     does). Returns ``{"status", "wall_ms", "busy_ms", "gap_ms", "launches_per_step",
-    "kernels", "idle_gaps"}``, times per step; each kernel with its launches per step; the
-    idle stretches between kernels (:func:`idle_gaps`, classes per step)."""
+    "kernels", "idle_gaps", "host_profile"}``, times per step; each kernel with its launches
+    per step; the idle stretches between kernels (:func:`idle_gaps`, classes per step).
+    ``host_profile=False``: no cProfile (it slows the host, so the GPU may idle more)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -61,16 +65,19 @@ def profile_steps(step: Callable[[], Any], n: int, top: int = 24) -> dict[str, A
         return {"status": "skipped", "reason": "PyTorch is not installed"}
     if not torch.cuda.is_available():
         return {"status": "skipped", "reason": "no CUDA GPU for PyTorch's profiler"}
-    host = cProfile.Profile()
+    host = cProfile.Profile() if host_profile else None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        host.enable()
+        if host is not None:
+            host.enable()
         for _ in range(n):
             step()
-        host.disable()
+        if host is not None:
+            host.disable()
         wall = time.perf_counter() - start
     text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
+    if host is not None:
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
     kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     by_name: dict[str, float] = collections.defaultdict(float)

@@ -67,7 +67,7 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
 }
 
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(kThreads, 4) DecodeSplitKernel(AttentionParams p) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(AttentionParams p) {
   constexpr int kKeys = kTileBytes / (4 * D);          // keys per tile (K and V, 2 bytes each)
   constexpr int kChunks = D / 8;                       // 16-byte chunks per key row
   constexpr int kCopies = kKeys * kChunks / kThreads;  // cp.async of K (and of V) per thread

@@ -2,8 +2,8 @@
 
 Builds the engine as ``decode_bench.py`` does (same options), then per batch: the timed decode
 steps with each host phase timed by ``perf_counter`` (schedule + pack + dispatch of step n+1,
-the wait for step n's tokens, the update), and a kernel-only CUDA profile (PyTorch, no
-cProfile) of a few steps: device busy time and the longest idle stretches with their neighbours.
+the wait for step n's tokens, the update), and ``step_profile.profile_steps`` of a few steps
+without cProfile: device busy time and the longest idle stretches with their neighbours.
 Run: ``python3 -P benchmarks/probes/decode_host_probe.py --batch 64 256 --context 1024``.
 """
 
@@ -38,27 +38,9 @@ def timed(obj: Any, name: str, spent: dict[str, list[float]]) -> None:
     setattr(obj, name, wrapper)
 
 
-def kernel_profile(step: Any, n: int) -> dict[str, Any]:
-    """Kernel-only CUDA profile of ``n`` steps: busy and idle per step, the longest idles."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    if not torch.cuda.is_available():
-        return {"profile": "no CUDA GPU for PyTorch's profiler"}
-    sp = bm.sibling_module(str(BENCH / "step_profile.py"), "step_profile")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        wall = (time.perf_counter() - t0) * 1e3 / n
-    ks = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
-    busy = sp.busy_us([(e.time_range.start, e.time_range.end) for e in ks]) / 1e3 / n
-    gaps = sp.idle_gaps([(e.time_range.start, e.time_range.end, e.name[:50]) for e in ks], 8)
-    return {"wall_ms": wall, "busy_ms": busy, "idle": gaps}
-
-
 def main() -> None:
     db = bm.sibling_module(str(BENCH / "decode_bench.py"), "decode_bench")
+    sp = bm.sibling_module(str(BENCH / "step_profile.py"), "step_profile")
     a = db.parse_args([*sys.argv[1:], "--out", "/tmp/decode_host_probe"])
     platform, devices = bm.start_devices(a.tp)
     a = db.resolve(a, platform)
@@ -95,13 +77,15 @@ def main() -> None:
             engine.step()
             steps.append((time.perf_counter() - t0) * 1e3)
         phases = {k: round(statistics.median(v), 3) for k, v in spent.items()}
-        try:
-            prof = kernel_profile(engine.step, 4)
-        except ImportError as err:  # no PyTorch here
-            prof = {"profile": str(err)}
+        prof = sp.profile_steps(engine.step, 4, top=8, host_profile=False)
         print(
             json.dumps(
-                {"batch": batch, "step_ms": statistics.median(steps), "phases": phases, **prof},
+                {
+                    "batch": batch,
+                    "step_ms": statistics.median(steps),
+                    "phases": phases,
+                    "profile": prof,
+                },
                 indent=1,
             )
         )
