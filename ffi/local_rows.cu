@@ -1,8 +1,14 @@
 // The fused call of a group of one rank (N = 1): nothing to communicate, so no call state, no
 // receive buffers, no waits: residual_out = partial + residual (rounded to T), normed =
-// RMSNorm(residual_out) * weight, one 512-thread block per row (grid-stride over rows), the
-// row in registers while it fits (H x itemsize <= 16 KiB). Same arithmetic as every other
-// variant: the sum in float32 in the order partial, residual.
+// RMSNorm(residual_out) * weight, the row in registers while it fits (H x itemsize <= 16 KiB).
+// Same arithmetic as every other variant: the sum in float32 in the order partial, residual.
+// Up to half as many rows as multiprocessors (sm_90), a row is cut across a cluster of 2-8 CTAs
+// that swap their sums of squares through distributed shared memory; otherwise one 512-thread
+// block per row (grid-stride over rows).
+//
+// Why clusters: a row per block moves the whole row through one SM (at T = 1, H = 8192 bf16:
+// 48 KiB in and 32 KiB out), and the SM's share of the L2 bandwidth, not the latency of one
+// load, set most of the 2.5 us a call took. Eight CTAs per row move a tenth each.
 //
 // Why a kernel of its own: the protocol kernels pay the slot's state atomic, the end-of-call
 // advance and their code size even when N = 1 (4.05 us per call at T = 1 on an H200 against
@@ -10,6 +16,9 @@
 // us with this kernel, benchmarks/results/2026-11-24-h200x1). A group of one never waits and
 // no peer reads its slot state, so skipping the state is safe: every call of a one-rank comm
 // takes this path (a closed comm still leaves NaN, below).
+#include <algorithm>
+#include <cstdlib>
+
 #include "device_facts.h"
 #include "rowops.cuh"
 
@@ -18,52 +27,72 @@ namespace {
 
 constexpr int kMaxLocalGrid = 4096;  // blocks at most; more rows are taken grid-stride
 
-// One row held in registers (vpr <= kBlock * kU): the sources' loads are issued first (they may
-// miss to HBM; the weights hit L2), one block-wide sum of squares (a single barrier), then the
-// normed row. kFull: vpr == kBlock * kU, no bounds checks.
-template <typename T, int kBlock, int kU, bool kFull>
-__device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* partial,
-                                            const char* residual, char* normed, char* residual_out,
-                                            int vpr, float* red) {
-  constexpr int kN = Vec<T>::kN;
-  const int tid = threadIdx.x;
-  uint4 a[kU], b[kU];
-  float4 w[kU][kN / 4];
+// The block's sum of v over its kBlock threads (every thread gets it). red: kBlock / 32 floats;
+// the caller syncs before red is written again.
+template <int kBlock>
+__device__ __forceinline__ float BlockSum(float v, float* red) {
 #pragma unroll
-  for (int u = 0; u < kU; ++u)
-    if (kFull || tid + u * kBlock < vpr) {
-      a[u] = Ldg(partial + (tid + u * kBlock) * 16);
-      b[u] = Ldg(residual + (tid + u * kBlock) * 16);
-    }
-#pragma unroll
-  for (int u = 0; u < kU; ++u)
-    if (kFull || tid + u * kBlock < vpr) LoadWeights<T>(p, tid + u * kBlock, w[u]);
-  float acc[kU][kN];
-  float ss = 0.f;
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    if (!kFull && tid + u * kBlock >= vpr) continue;
-#pragma unroll
-    for (int i = 0; i < kN; ++i) acc[u][i] = 0.f;
-    AddVec<T>(acc[u], a[u]);
-    AddVec<T>(acc[u], b[u]);
-    St(residual_out + (tid + u * kBlock) * 16, PackRound<T>(acc[u]));
-#pragma unroll
-    for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (tid % 32 == 0) red[tid / 32] = ss;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
   __syncthreads();
   float total = 0.f;
 #pragma unroll
   for (int i = 0; i < kBlock / 32; ++i) total += red[i];
-  __syncthreads();  // every thread has read red before a next row writes it
-  const float inv = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
+  return total;
+}
+
+// Vectors v0 .. v0 + nv - 1 of one row held in registers (nv <= kBlock * kU; the pointers are
+// the row's starts): the sources' loads are issued first (they may miss to HBM; the weights
+// hit L2), then row_total(this thread's sum of squares) gives the whole row's, and the normed
+// vectors are written. kFull: nv == kBlock * kU, no bounds checks.
+template <typename T, int kBlock, int kU, bool kFull, typename RowTotal>
+__device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* partial,
+                                            const char* residual, char* normed, char* residual_out,
+                                            int v0, int nv, RowTotal row_total) {
+  constexpr int kN = Vec<T>::kN;
+  const int tid = threadIdx.x;
+  const auto live = [&](int u) { return kFull || tid + u * kBlock < nv; };
+  const auto at = [&](int u) { return v0 + tid + u * kBlock; };
+  uint4 a[kU], b[kU];
+  float4 w[kU][kN / 4];
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (live(u)) {
+      a[u] = Ldg(partial + at(u) * 16);
+      b[u] = Ldg(residual + at(u) * 16);
+    }
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (live(u)) LoadWeights<T>(p, at(u), w[u]);
+  float acc[kU][kN];
+  float ss = 0.f;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (!live(u)) continue;
+#pragma unroll
+    for (int i = 0; i < kN; ++i) acc[u][i] = 0.f;
+    AddVec<T>(acc[u], a[u]);
+    AddVec<T>(acc[u], b[u]);
+    St(residual_out + at(u) * 16, PackRound<T>(acc[u]));
+#pragma unroll
+    for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
+  }
+  const float inv = rsqrtf(row_total(ss) / static_cast<float>(p.hidden) + p.eps);
   auto emit = [&](int v, uint4 o) { St(normed + v * 16, o); };
 #pragma unroll
   for (int u = 0; u < kU; ++u)
-    if (kFull || tid + u * kBlock < vpr) EmitNormed<T>(acc[u], w[u], inv, tid + u * kBlock, emit);
+    if (live(u)) EmitNormed<T>(acc[u], w[u], inv, at(u), emit);
+}
+
+// NaN over vectors v0 .. v0 + nv - 1 of a row's outputs (a failed or closed comm), after the
+// block's stores of them.
+template <typename T, int kBlock>
+__device__ __forceinline__ void PoisonRow(char* normed, char* residual_out, int v0, int nv) {
+  __syncthreads();
+  for (int v = v0 + threadIdx.x; v < v0 + nv; v += kBlock) {
+    St(normed + v * 16, NanVec<T>());
+    St(residual_out + v * 16, NanVec<T>());
+  }
 }
 
 // kBlock threads per row, kU 16-byte vectors per thread; rows longer than kBlock * kU vectors
@@ -88,7 +117,12 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
     char* normed = static_cast<char*>(p.normed) + row * rb;
     char* residual_out = static_cast<char*>(p.residual_out) + row * rb;
     if (kFull || kInRegisters || vpr <= kBlock * kU) {
-      RegisterRow<T, kBlock, kU, kFull>(p, partial, residual, normed, residual_out, vpr, red);
+      RegisterRow<T, kBlock, kU, kFull>(p, partial, residual, normed, residual_out, 0, vpr,
+                                        [&](float ss) {
+                                          const float total = BlockSum<kBlock>(ss, red);
+                                          __syncthreads();  // red read before the next row
+                                          return total;
+                                        });
     } else {
       FusedRow<T, kBlock, kU, false>(
           p,
@@ -98,14 +132,70 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
           },
           residual_out, normed, [&](int v, uint4 o) { St(normed + v * 16, o); }, red, 0);
     }
-    if (failed != 0) {
-      __syncthreads();  // after every thread's stores of the row
-      for (int v = threadIdx.x; v < vpr; v += kBlock) {
-        St(normed + v * 16, NanVec<T>());
-        St(residual_out + v * 16, NanVec<T>());
-      }
-    }
+    if (failed != 0) PoisonRow<T, kBlock>(normed, residual_out, 0, vpr);
   }
+}
+
+// Cluster barriers and distributed shared memory (PTX, sm_90; the kernel that uses them is
+// compiled empty before sm_90).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void ClusterArriveRelaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void ClusterArrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void ClusterWait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// *x (this CTA's shared memory) in the CTA of the cluster whose rank is `cta` = v.
+__device__ __forceinline__ void StoreToClusterCta(float* x, int cta, float v) {
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(x));
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(cta));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+#endif
+
+constexpr int kMaxRowCtas = 8;      // a portable cluster
+constexpr int kClusterBlock = 256;  // threads per CTA of a cut row
+
+// Grid (CTAs per row, T), clusters of gridDim.x CTAs (a power of two <= 8 that divides the
+// row's vectors, at most kClusterBlock * kU of them per CTA): CTA c holds vectors
+// [c * nv, (c + 1) * nv) of row blockIdx.y. Each CTA sums its squares, stores the sum into
+// slot c of every CTA's `sums` (distributed shared memory) and waits at the cluster barrier;
+// then all add the slots in the same order, so a row's CTAs share one norm. The barrier's
+// first phase is arrived at on entry and waited on just before the remote stores (a CTA's
+// shared memory may be written once it runs); nothing remote follows the second phase, so no
+// CTA waits for the others to leave. Compiled empty before sm_90, where it is never launched.
+template <typename T, int kU>
+__global__ void __launch_bounds__(kClusterBlock)
+    LocalRowsClusterKernel(const __grid_constant__ KernelParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ float red[kClusterBlock / 32];
+  __shared__ float sums[kMaxRowCtas];
+  ClusterArriveRelaxed();
+  const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
+  const int ctas = gridDim.x, cta = blockIdx.x;
+  const int nv = p.hidden / Vec<T>::kN / ctas, v0 = cta * nv;
+  const int64_t at = static_cast<int64_t>(blockIdx.y) * p.hidden * sizeof(T);
+  char* normed = static_cast<char*>(p.normed) + at;
+  char* residual_out = static_cast<char*>(p.residual_out) + at;
+  RegisterRow<T, kClusterBlock, kU, false>(p, static_cast<const char*>(p.partial) + at,
+                                           static_cast<const char*>(p.residual) + at, normed,
+                                           residual_out, v0, nv, [&](float ss) {
+                                             const float mine = BlockSum<kClusterBlock>(ss, red);
+                                             ClusterWait();  // every CTA of the cluster runs
+                                             if (threadIdx.x < ctas)
+                                               StoreToClusterCta(&sums[cta], threadIdx.x, mine);
+                                             ClusterArrive();
+                                             ClusterWait();
+                                             float total = 0.f;
+                                             for (int i = 0; i < ctas; ++i) total += sums[i];
+                                             return total;
+                                           });
+  if (failed != 0) PoisonRow<T, kClusterBlock>(normed, residual_out, v0, nv);
+#endif
 }
 
 constexpr int kLocalBlock = kThreads, kLocalU = 2;  // rows of 8192 bf16 in registers
@@ -114,12 +204,46 @@ template <typename T, bool kInRegisters, int kMinBlocks>
 constexpr auto kLocalKernel =
     LocalRowsKernel<T, kLocalBlock, kLocalU, false, kInRegisters, kMinBlocks>;
 
+// CTAs per row: a cluster of 2-8 (sm_90) while T x CTAs fits the multiprocessors once and a
+// CTA's share fits kClusterBlock x 2 vectors; else 1 (a block per row). A positive
+// JAX_TOKENWEAVE_LOCAL_ROW_CTAS caps it (1: a block per row), for measurements side by side.
+int RowCtas(int tokens, int vpr, const DeviceFacts& facts) {
+  int cap = kMaxRowCtas;
+  if (const char* s = std::getenv("JAX_TOKENWEAVE_LOCAL_ROW_CTAS"); s != nullptr && *s != 0)
+    cap = std::max(1, std::atoi(s));
+  if (facts.major < 9) return 1;
+  for (int c = kMaxRowCtas; c >= 2; c /= 2)
+    if (c <= cap && tokens * c <= facts.sms && vpr % c == 0 && vpr / c <= 2 * kClusterBlock)
+      return c;
+  return 1;
+}
+
+template <typename T, int kU>
+cudaError_t LaunchCluster(const KernelParams& p, int ctas, cudaStream_t stream) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(ctas, p.tokens);
+  config.blockDim = dim3(kClusterBlock);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = ctas;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, LocalRowsClusterKernel<T, kU>, p);
+}
+
 template <typename T>
 cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   DeviceFacts facts{};
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
+  const int vpr = p.hidden / Vec<T>::kN;
+  if (const int ctas = RowCtas(p.tokens, vpr, facts); ctas > 1)
+    return vpr / ctas <= kClusterBlock ? LaunchCluster<T, 1>(p, ctas, stream)
+                                       : LaunchCluster<T, 2>(p, ctas, stream);
   const int grid = p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid;
-  if (p.hidden / Vec<T>::kN > kLocalBlock * kLocalU)
+  if (vpr > kLocalBlock * kLocalU)
     kLocalKernel<T, false, 1><<<grid, kLocalBlock, 0, stream>>>(p);
   else if (grid > facts.sms)
     kLocalKernel<T, true, 2><<<grid, kLocalBlock, 0, stream>>>(p);
@@ -133,7 +257,9 @@ cudaError_t PreloadFor() {
   cudaFuncAttributes a;
   for (const void* k : {reinterpret_cast<const void*>(kLocalKernel<T, false, 1>),
                         reinterpret_cast<const void*>(kLocalKernel<T, true, 1>),
-                        reinterpret_cast<const void*>(kLocalKernel<T, true, 2>)})
+                        reinterpret_cast<const void*>(kLocalKernel<T, true, 2>),
+                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 1>),
+                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 2>)})
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;
 }

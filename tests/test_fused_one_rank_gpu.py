@@ -115,3 +115,30 @@ def test_matches_xla_add_rmsnorm(mesh1, rng):
         rel_err(np.asarray(got[0].astype(jnp.float32)), np.asarray(want[0].astype(jnp.float32)))
         < 4e-3
     )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "dtype"),
+    [
+        (1, 8192, jnp.bfloat16),
+        (16, 8192, jnp.bfloat16),
+        (64, 8192, jnp.bfloat16),
+        (5, 4096, jnp.float16),
+        (3, 16384, jnp.float32),
+    ],
+)
+def test_rows_cut_across_a_cluster_agree(mesh1, rng, monkeypatch, tokens, hidden, dtype):
+    """Rows cut across clusters of 2, 4 or 8 CTAs (sm_90, capped by
+    JAX_TOKENWEAVE_LOCAL_ROW_CTAS) give the one-block rows: the rounded sums bitwise, the
+    normed rows to the float32 rounding of a differently ordered sum of squares."""
+    args = _inputs(rng, tokens, hidden, dtype)
+    want_n, want_r = _reference(*args)
+    outs = {}
+    for cap in (1, 2, 4, 8):
+        monkeypatch.setenv("JAX_TOKENWEAVE_LOCAL_ROW_CTAS", str(cap))
+        outs[cap] = [np.asarray(o.astype(jnp.float32)) for o in _call(mesh1)(*args)]
+    for cap, (normed, res_out) in outs.items():
+        assert np.isfinite(normed).all(), cap
+        assert rel_err(normed, want_n) < TOL[dtype] and rel_err(res_out, want_r) < TOL[dtype]
+        np.testing.assert_array_equal(res_out, outs[1][1])
+        assert rel_err(normed, outs[1][0]) < (1e-6 if dtype == jnp.float32 else 2e-3), cap
