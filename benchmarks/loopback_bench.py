@@ -2,6 +2,7 @@
 (jax_tokenweave.kernel.loopback): device time of one call, from timed replays of a CUDA graph of
 calls. Peer traffic is local memory here, so this says nothing about NVLink; it compares the
 variants' protocol and launch costs (one-shot: no barrier; two-shot/direct: two barriers).
+``--profile R``: also each call's kernel time (torch.profiler, free-running ranks, R replays).
 
   python benchmarks/loopback_bench.py --ranks 2 4 8 --tokens 1 16 64 256 --out DIR
 """
@@ -9,6 +10,7 @@ variants' protocol and launch costs (one-shot: no barrier; two-shot/direct: two 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -22,6 +24,24 @@ from tqdm import tqdm
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.kernel.comm import CommSettings
 from jax_tokenweave.kernel.loopback import LoopbackComm, reference
+
+
+def _kernel_us(run) -> float:
+    """Mean device time (us) of the fused kernels (``tokenweave::`` CUDA kernels) that
+    ``run()`` launches, profiled after one unprofiled warm run: one kernel per rank per call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    times = [
+        e.device_time_total
+        for e in prof.events()
+        if "CUDA" in str(getattr(e, "device_type", "")) and "tokenweave" in e.name
+    ]
+    return statistics.fmean(times) if times else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctas", type=int, default=8, help="CTAs per rank")
     ap.add_argument("--graph-calls", type=int, default=50, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=20, help="timed graph replays per point")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="graph replays profiled for each call's kernel time (0: none)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="folder for JSON + markdown")
     args = ap.parse_args(argv)
 
@@ -51,18 +77,22 @@ def main(argv: list[str] | None = None) -> int:
         residual = rng.standard_normal((n, q, args.hidden)).astype(ml_dtypes.bfloat16)
         weight = rng.standard_normal(args.hidden).astype(np.float32)
         comm = LoopbackComm(n, CommSettings(workspace_mib=512, oneshot_mib=32, num_slots=1))
-        runs = {}
+        runs, kernel_us = {}, float("nan")
+        run = functools.partial(
+            comm.run,
+            partial,
+            residual,
+            weight,
+            algo=algo,
+            num_ctas=args.ctas,
+            graph_calls=args.graph_calls,
+        )
         try:
             for free in (False, True):
-                runs[free] = comm.run(
-                    partial,
-                    residual,
-                    weight,
-                    algo=algo,
-                    num_ctas=args.ctas,
-                    graph_calls=args.graph_calls,
-                    graph_replays=args.replays,
-                    free_running=free,
+                runs[free] = run(graph_replays=args.replays, free_running=free)
+            if args.profile:
+                kernel_us = _kernel_us(
+                    functools.partial(run, graph_replays=args.profile, free_running=True)
                 )
         finally:
             comm.close()
@@ -85,16 +115,18 @@ def main(argv: list[str] | None = None) -> int:
                 us=statistics.median(res.call_us),
                 us_min=min(res.call_us),
                 us_free=statistics.median(runs[True].call_us),
+                kernel_us=kernel_us,
                 rel_err=err,
             )
         )
     lines = [
-        "| N | T | algo | us/call (median) | min | free-running us/call | rel err |",
-        "|---|---|---|---|---|---|---|",
+        "| N | T | algo | us/call (median) | min | free-running us/call "
+        "| kernel us/call (profiled) | rel err |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['ranks']} | {r['tokens']} | {r['algo']} | {r['us']:.2f} | "
-        f"{r['us_min']:.2f} | {r['us_free']:.2f} | {r['rel_err']:.1e} |"
+        f"{r['us_min']:.2f} | {r['us_free']:.2f} | {r['kernel_us']:.2f} | {r['rel_err']:.1e} |"
         for r in rows
     ]
     table = "\n".join(lines)
@@ -107,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             method="median of timed CUDA-graph replays "
             "(graph of --graph-calls calls) / calls; every rank on one GPU. us: every call "
             "forks the ranks' streams and joins them; us_free: each rank's calls back to "
-            "back, forked and joined once per graph (as on GPUs of their own)",
+            "back, forked and joined once per graph (as on GPUs of their own); kernel_us: "
+            "torch.profiler, the mean duration of the fused kernels of --profile free-running "
+            "replays (one kernel per rank per call; NaN without --profile)",
         )
         (args.out / "loopback_bench.json").write_text(
             json.dumps(dict(meta=meta, rows=rows), indent=1)

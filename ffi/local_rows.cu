@@ -157,22 +157,22 @@ __device__ __forceinline__ void StoreToClusterCta(float* x, int cta, float v) {
 }
 #endif
 
-constexpr int kMaxRowCtas = 8;      // a portable cluster
-constexpr int kClusterBlock = 256;  // threads per CTA of a cut row
+constexpr int kMaxRowCtas = 8;     // a portable cluster
+constexpr int kMaxCutBlock = 512;  // threads of a CTA of a cut row (a 16-byte vector each)
 
 // Grid (CTAs per row, T), clusters of gridDim.x CTAs (a power of two <= 8 that divides the
-// row's vectors, at most kClusterBlock * kU of them per CTA): CTA c holds vectors
-// [c * nv, (c + 1) * nv) of row blockIdx.y. Each CTA sums its squares, stores the sum into
-// slot c of every CTA's `sums` (distributed shared memory) and waits at the cluster barrier;
-// then all add the slots in the same order, so a row's CTAs share one norm. The barrier's
-// first phase is arrived at on entry and waited on just before the remote stores (a CTA's
-// shared memory may be written once it runs); nothing remote follows the second phase, so no
-// CTA waits for the others to leave. Compiled empty before sm_90, where it is never launched.
-template <typename T, int kU>
-__global__ void __launch_bounds__(kClusterBlock)
+// row's vectors into shares of at most kBlock): CTA c holds vectors [c * nv, (c + 1) * nv) of
+// row blockIdx.y, one per thread. Each CTA sums its squares, stores the sum into slot c of
+// every CTA's `sums` (distributed shared memory) and waits at the cluster barrier; then all
+// add the slots in the same order, so a row's CTAs share one norm. The barrier's first phase
+// is arrived at on entry and waited on just before the remote stores (a CTA's shared memory
+// may be written once it runs); nothing remote follows the second phase, so no CTA waits for
+// the others to leave. Compiled empty before sm_90, where it is never launched.
+template <typename T, int kBlock>
+__global__ void __launch_bounds__(kBlock)
     LocalRowsClusterKernel(const __grid_constant__ KernelParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ float red[kClusterBlock / 32];
+  __shared__ float red[kBlock / 32];
   __shared__ float sums[kMaxRowCtas];
   ClusterArriveRelaxed();
   const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
@@ -181,20 +181,20 @@ __global__ void __launch_bounds__(kClusterBlock)
   const int64_t at = static_cast<int64_t>(blockIdx.y) * p.hidden * sizeof(T);
   char* normed = static_cast<char*>(p.normed) + at;
   char* residual_out = static_cast<char*>(p.residual_out) + at;
-  RegisterRow<T, kClusterBlock, kU, false>(p, static_cast<const char*>(p.partial) + at,
-                                           static_cast<const char*>(p.residual) + at, normed,
-                                           residual_out, v0, nv, [&](float ss) {
-                                             const float mine = BlockSum<kClusterBlock>(ss, red);
-                                             ClusterWait();  // every CTA of the cluster runs
-                                             if (threadIdx.x < ctas)
-                                               StoreToClusterCta(&sums[cta], threadIdx.x, mine);
-                                             ClusterArrive();
-                                             ClusterWait();
-                                             float total = 0.f;
-                                             for (int i = 0; i < ctas; ++i) total += sums[i];
-                                             return total;
-                                           });
-  if (failed != 0) PoisonRow<T, kClusterBlock>(normed, residual_out, v0, nv);
+  RegisterRow<T, kBlock, 1, false>(p, static_cast<const char*>(p.partial) + at,
+                                   static_cast<const char*>(p.residual) + at, normed, residual_out,
+                                   v0, nv, [&](float ss) {
+                                     const float mine = BlockSum<kBlock>(ss, red);
+                                     ClusterWait();  // every CTA of the cluster runs
+                                     if (threadIdx.x < ctas)
+                                       StoreToClusterCta(&sums[cta], threadIdx.x, mine);
+                                     ClusterArrive();
+                                     ClusterWait();
+                                     float total = 0.f;
+                                     for (int i = 0; i < ctas; ++i) total += sums[i];
+                                     return total;
+                                   });
+  if (failed != 0) PoisonRow<T, kBlock>(normed, residual_out, v0, nv);
 #endif
 }
 
@@ -204,25 +204,28 @@ template <typename T, bool kInRegisters, int kMinBlocks>
 constexpr auto kLocalKernel =
     LocalRowsKernel<T, kLocalBlock, kLocalU, false, kInRegisters, kMinBlocks>;
 
-// CTAs per row: a cluster of 2-8 (sm_90) while T x CTAs fits the multiprocessors once and a
-// CTA's share fits kClusterBlock x 2 vectors; else 1 (a block per row). A positive
-// JAX_TOKENWEAVE_LOCAL_ROW_CTAS caps it (1: a block per row), for measurements side by side.
+// Threads of a CTA that holds nv vectors of a row.
+constexpr int CutBlock(int nv) { return nv <= 128 ? 128 : (nv <= 256 ? 256 : 512); }
+
+// CTAs per row: for at most as many rows as multiprocessors (sm_90), the largest cluster of
+// 2-8 that divides the row into shares of at most kMaxCutBlock vectors; else 1 (a block per
+// row). A positive JAX_TOKENWEAVE_LOCAL_ROW_CTAS caps it (1: a block per row), for
+// measurements side by side.
 int RowCtas(int tokens, int vpr, const DeviceFacts& facts) {
   int cap = kMaxRowCtas;
   if (const char* s = std::getenv("JAX_TOKENWEAVE_LOCAL_ROW_CTAS"); s != nullptr && *s != 0)
     cap = std::max(1, std::atoi(s));
-  if (facts.major < 9) return 1;
+  if (facts.major < 9 || tokens > facts.sms) return 1;
   for (int c = kMaxRowCtas; c >= 2; c /= 2)
-    if (c <= cap && tokens * c <= facts.sms && vpr % c == 0 && vpr / c <= 2 * kClusterBlock)
-      return c;
+    if (c <= cap && vpr % c == 0 && vpr / c <= kMaxCutBlock) return c;
   return 1;
 }
 
-template <typename T, int kU>
+template <typename T, int kBlock>
 cudaError_t LaunchCluster(const KernelParams& p, int ctas, cudaStream_t stream) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(ctas, p.tokens);
-  config.blockDim = dim3(kClusterBlock);
+  config.blockDim = dim3(kBlock);
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeClusterDimension;
@@ -231,7 +234,7 @@ cudaError_t LaunchCluster(const KernelParams& p, int ctas, cudaStream_t stream) 
   attribute.val.clusterDim.z = 1;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, LocalRowsClusterKernel<T, kU>, p);
+  return cudaLaunchKernelEx(&config, LocalRowsClusterKernel<T, kBlock>, p);
 }
 
 template <typename T>
@@ -239,9 +242,13 @@ cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   DeviceFacts facts{};
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   const int vpr = p.hidden / Vec<T>::kN;
-  if (const int ctas = RowCtas(p.tokens, vpr, facts); ctas > 1)
-    return vpr / ctas <= kClusterBlock ? LaunchCluster<T, 1>(p, ctas, stream)
-                                       : LaunchCluster<T, 2>(p, ctas, stream);
+  if (const int ctas = RowCtas(p.tokens, vpr, facts); ctas > 1) {
+    switch (CutBlock(vpr / ctas)) {
+      case 128: return LaunchCluster<T, 128>(p, ctas, stream);
+      case 256: return LaunchCluster<T, 256>(p, ctas, stream);
+      default: return LaunchCluster<T, 512>(p, ctas, stream);
+    }
+  }
   const int grid = p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid;
   if (vpr > kLocalBlock * kLocalU)
     kLocalKernel<T, false, 1><<<grid, kLocalBlock, 0, stream>>>(p);
@@ -258,8 +265,9 @@ cudaError_t PreloadFor() {
   for (const void* k : {reinterpret_cast<const void*>(kLocalKernel<T, false, 1>),
                         reinterpret_cast<const void*>(kLocalKernel<T, true, 1>),
                         reinterpret_cast<const void*>(kLocalKernel<T, true, 2>),
-                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 1>),
-                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 2>)})
+                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 128>),
+                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 256>),
+                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 512>)})
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;
 }
