@@ -2,13 +2,13 @@
 // receive buffers, no waits: residual_out = partial + residual (rounded to T), normed =
 // RMSNorm(residual_out) * weight, the row in registers while it fits (H x itemsize <= 16 KiB).
 // Same arithmetic as every other variant: the sum in float32 in the order partial, residual.
-// Up to half as many rows as multiprocessors (sm_90), a row is cut across a cluster of 2-8 CTAs
-// that swap their sums of squares through distributed shared memory; otherwise one 512-thread
-// block per row (grid-stride over rows).
+// At decode sizes (T <= kMaxCutRows, sm_90) a row is cut across a cluster of 2-8 CTAs, one
+// 16-byte vector per thread, that swap their sums of squares through distributed shared
+// memory; otherwise one 512-thread block per row (grid-stride over rows).
 //
-// Why clusters: a row per block moves the whole row through one SM (at T = 1, H = 8192 bf16:
-// 48 KiB in and 32 KiB out), and the SM's share of the L2 bandwidth, not the latency of one
-// load, set most of the 2.5 us a call took. Eight CTAs per row move a tenth each.
+// Why clusters: a block per row moves the whole row through one SM (at T = 1, H = 8192 bf16:
+// 48 KiB in and 32 KiB out) with two vectors per thread; cut across eight CTAs with one vector
+// per thread, a call took 2.03 us instead of 2.53 (RowCtas lists what else was measured).
 //
 // Why a kernel of its own: the protocol kernels pay the slot's state atomic, the end-of-call
 // advance and their code size even when N = 1 (4.05 us per call at T = 1 on an H200 against
@@ -207,15 +207,18 @@ constexpr auto kLocalKernel =
 // Threads of a CTA that holds nv vectors of a row.
 constexpr int CutBlock(int nv) { return nv <= 128 ? 128 : (nv <= 256 ? 256 : 512); }
 
-// CTAs per row: for at most as many rows as multiprocessors (sm_90), the largest cluster of
-// 2-8 that divides the row into shares of at most kMaxCutBlock vectors; else 1 (a block per
-// row). A positive JAX_TOKENWEAVE_LOCAL_ROW_CTAS caps it (1: a block per row), for
-// measurements side by side.
+// CTAs per row: for up to kMaxCutRows rows (sm_90), the largest cluster of 2-8 that divides
+// the row into shares of at most kMaxCutBlock vectors; else 1 (a block per row). Profiled on an
+// H200 (H = 8192 bf16, us at T = 1 / 16 / 64; benchmarks/results/2026-11-25-h200x1): a block
+// per row 2.53 / 2.66 / 2.81, clusters of 8 2.03 / 2.17 / 3.08, of 4 2.11 / 2.22 / 3.16, of
+// 2 2.45 / 2.60 / 3.10: at 64 rows the clusters cost more than the cut saves. A positive
+// JAX_TOKENWEAVE_LOCAL_ROW_CTAS caps it (1: a block per row), for measurements side by side.
+constexpr int kMaxCutRows = 32;
 int RowCtas(int tokens, int vpr, const DeviceFacts& facts) {
   int cap = kMaxRowCtas;
   if (const char* s = std::getenv("JAX_TOKENWEAVE_LOCAL_ROW_CTAS"); s != nullptr && *s != 0)
     cap = std::max(1, std::atoi(s));
-  if (facts.major < 9 || tokens > facts.sms) return 1;
+  if (facts.major < 9 || tokens > kMaxCutRows) return 1;
   for (int c = kMaxRowCtas; c >= 2; c /= 2)
     if (c <= cap && vpr % c == 0 && vpr / c <= kMaxCutBlock) return c;
   return 1;

@@ -124,6 +124,47 @@ def test_decode_rows_match_reference(rng, dtype, hq, kvh, d, tight):
 
 @needs_kernel
 @pytest.mark.gpu
+def test_decode_calls_back_to_back_merge_their_own_pieces(rng):
+    """The last piece of a row to arrive merges the row, counted on device counters that wrap to
+    zero: calls back to back in one program (each one's blocks may launch while the previous
+    drains), whose rows are cut into different numbers of pieces, each match float64."""
+    hq, kvh, d, bs, rows, calls = 32, 8, 128, 16, 16, 5
+    width, num_blocks = ceil_div(3000, bs), 400
+    cast = lambda a: jnp.asarray(a, jnp.bfloat16)
+    k_cache = cast(rng.standard_normal((num_blocks, bs, kvh, d)))
+    v_cache = cast(rng.standard_normal((num_blocks, bs, kvh, d)))
+    qs = cast(rng.standard_normal((calls, rows, hq, d)))
+    tables = rng.integers(0, num_blocks, (calls, rows, width)).astype(np.int32)
+    positions = np.full((calls, rows), -1, np.int32)
+    for c, live in enumerate([16, 1, 9, 16, 3]):  # 1 to 32 pieces per row
+        positions[c, :live] = rng.integers(0, 3000, live)
+
+    def chain(qs, k, v, tables, positions):
+        outs = []
+        for c in range(calls):
+            out, k, v = paged_attention(
+                qs[c], k, v, tables[c], positions[c], tile=1, implementation="cuda"
+            )
+            outs.append(out)
+        return jnp.stack(outs)
+
+    got = np.asarray(
+        jax.jit(chain)(qs, k_cache, v_cache, jnp.asarray(tables), jnp.asarray(positions)).astype(
+            jnp.float32
+        )
+    )
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    for c in range(calls):
+        live = positions[c] >= 0
+        want = _reference(
+            f32(qs[c])[live], f32(k_cache), f32(v_cache), tables[c][live], positions[c][live], 1
+        )
+        assert _rel(got[c][live], want) < 1e-2, (c, _rel(got[c][live], want))
+        assert not np.any(got[c][~live]), c
+
+
+@needs_kernel
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize(
     ("tile", "hq", "kvh", "d", "bs"),
@@ -199,7 +240,7 @@ def test_padding_rows_and_every_output_written(rng, impl):
 )
 def test_decode_rows_cut_by_live_rows_and_padding_rows_zero(rng, rows, live, kvh):
     """The decode kernel cuts rows by how many are live (position >= 0): one live row over
-    many pieces, a full segment in one piece per row (written without the merge). Padding
+    many pieces, a full segment in one piece per row (written without a merge). Padding
     rows (position -1) get zeros; blocks are shared between rows in random order."""
     hq, d, bs, num_blocks = 4 * kvh, 128, 16, 300
     contexts = rng.integers(1, 2500, live)
