@@ -103,9 +103,6 @@ ffi::Error PagedAttentionImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
       return Bad("splits must be in [1, " + std::to_string(kMaxSplits) + "], got " +
                  std::to_string(splits));
     p.splits = splits;
-    if (rows * kvh > kMaxDecodePairs)
-      return Bad("a decode call takes at most " + std::to_string(kMaxDecodePairs) +
-                 " (row, kv head) pairs, got " + std::to_string(rows * kvh));
     const int64_t need = rows * kvh * p.splits * (hq / kvh) * (d + 2);
     if (static_cast<int64_t>(work->element_count()) < need)
       return Bad("work buffer holds " + std::to_string(work->element_count()) +

@@ -40,14 +40,11 @@ struct AttentionParams {
   int32_t capacity;  // decode: split-kernel blocks the GPU holds at once (set at launch)
 };
 
-// Decode: the most (row, kv head) pairs of one call (one arrival counter each, 1 MiB per GPU).
-constexpr int64_t kMaxDecodePairs = int64_t{1} << 18;
-
 // Grouped-query sizes the kernels are built for.
 bool AttentionShapeSupported(int head_dim, int group);
 
-// Launches the kernel of one segment on `stream`: tile == 1 decode (split-K, the last piece of
-// a row merges), tile > 1 the tensor-core kernel. Returns the first CUDA error.
+// Launches the kernels of one segment on `stream`: tile == 1 decode (split kernel, then the
+// merge of the splits), tile > 1 the tensor-core kernel. Returns the first CUDA error.
 cudaError_t LaunchPagedAttention(const AttentionParams& p, AttnDType dtype, cudaStream_t stream);
 
 }  // namespace tokenweave

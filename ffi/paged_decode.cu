@@ -1,4 +1,4 @@
-// Paged attention, decode rows (tile == 1): the split-K kernel, whose last piece of a row merges.
+// Paged attention, decode rows (tile == 1): the split-K kernel and the merge of the pieces.
 // Grid (split, kv head, row), 4 warps. A row's keys 0..p are cut into pieces of a multiple of
 // 32 keys (at least 64): while the step's live (row, kv head) pairs (`live`: rows with a
 // position >= 0) are fewer than the blocks the GPU holds at once (`capacity`), as many pieces
@@ -11,14 +11,9 @@
 // S = Q K^T for the whole tile on tensor cores (mma.sync m16n8k16, float32 accumulators) and
 // keeps the same online softmax (base-2, float32), then adds P V for its quarter of head_dim.
 // A row cut in one piece is normalised and written here; otherwise the block writes
-// unnormalised partial sums with their max and total and counts itself in on the (row, kv
-// head)'s arrival counter; the last piece to arrive merges them all (MergeHead), so no merge
-// kernel is launched (it cost 3.1 us of 25 at 16 rows x 1024 keys on an H200: a launch and two
-// dependent loads after the split kernel's last block). The counters are device globals that
-// wrap to 0 at each group's last arrival (atomicInc), so no state is set per call; they assume
-// that two decode calls never run at once on one GPU (XLA runs a device's attention calls on
-// one stream). The kernel is launched as a programmatic dependent (sm_90): it may start while
-// the kernel before it drains, and waits for it (griddepcontrol.wait) before reading anything.
+// unnormalised partial sums with their max and total, and the merge kernel combines them.
+// Both kernels are launched as programmatic dependents (sm_90): each may start while the
+// kernel before it drains, and waits for it (griddepcontrol.wait) before reading anything.
 #include "attention_common.cuh"
 #include "attention_mma.cuh"
 #include "device_facts.h"
@@ -34,9 +29,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMergeBatch = 16;      // pieces whose partial sums the merge loads at once
 constexpr int kTailPieceKeys = 256;  // piece length where the last wave is under half full
 
-// Pieces of each (row, kv head) that have arrived in the running call (wraps to 0 at the last).
-__device__ unsigned int g_pieces_arrived[kMaxDecodePairs];
-
 // Waits for the kernel this one depends on (programmatic launch); a no-op before sm_90.
 __device__ __forceinline__ void WaitForPrerequisite() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -51,7 +43,7 @@ __device__ __forceinline__ void AllowDependents() {
 }
 
 // A row's context and how it is cut: `n` pieces of `chunk` keys (the last may be shorter).
-// Every block of a row calls this alike, so they agree on the pieces (and on how many arrive).
+// The split and merge kernels call this alike, so they agree on the pieces.
 struct RowSplit {
   int ctx, chunk, n;
 };
@@ -74,50 +66,6 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }
 
-// Head g of kv head h of `row`, merged over its n pieces by one warp: lane i holds the max and
-// total of pieces i, i + 32, ... (warp reductions give the overall max and total); then dims
-// lane, lane + 32, ... sum over the pieces, kMergeBatch pieces' loads in flight at once, and
-// the normalised output is written. The entries are read from L2 (other blocks wrote them).
-template <typename T, int D, int G>
-__device__ __forceinline__ void MergeHead(const AttentionParams& p, int row, int h, int g, int n,
-                                          int lane) {
-  const float* work =
-      p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) + g * (D + 2);
-  constexpr int kStride = G * (D + 2);  // from one split's entry to the next one's
-  const auto at = [&](int s, int i) { return __ldcg(work + s * kStride + i); };
-  const auto weight = [&](float m, float mx) { return m == -INFINITY ? 0.f : exp2f(m - mx); };
-  float mx = -INFINITY;
-  for (int s = lane; s < n; s += 32) mx = fmaxf(mx, at(s, D));
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  // Lane i's weight of piece i (pieces 0..31: the common case, shuffled to the sums below).
-  const float w_lane = lane < n ? weight(at(lane, D), mx) : 0.f;
-  float total = lane < n ? w_lane * at(lane, D + 1) : 0.f;
-  for (int s = lane + 32; s < n; s += 32) total += weight(at(s, D), mx) * at(s, D + 1);
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  float sum[D / 32] = {};
-  for (int s0 = 0; s0 < n; s0 += kMergeBatch) {
-    float part[kMergeBatch][D / 32];
-#pragma unroll
-    for (int j = 0; j < kMergeBatch; ++j)
-#pragma unroll
-      for (int i = 0; i < D / 32; ++i) part[j][i] = s0 + j < n ? at(s0 + j, lane + 32 * i) : 0.f;
-#pragma unroll
-    for (int j = 0; j < kMergeBatch; ++j) {
-      const int s = s0 + j;
-      const float shuffled = __shfl_sync(0xffffffffu, w_lane, s % 32);
-      const float c = s >= n ? 0.f : s < 32 ? shuffled : weight(at(s, D), mx);
-#pragma unroll
-      for (int i = 0; i < D / 32; ++i) sum[i] = fmaf(c, part[j][i], sum[i]);
-    }
-  }
-  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
-#pragma unroll
-  for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = Vec<T>::FromFloat(sum[i] * inv);
-}
-
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(AttentionParams p) {
   constexpr int kKeys = kTileBytes / (4 * D);          // keys per tile (K and V, 2 bytes each)
@@ -134,14 +82,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
   WaitForPrerequisite();
   const RowSplit rs = SplitRow(p, row);
   const int k0 = split * rs.chunk;
-  if (k0 >= rs.ctx) {  // past the row's keys; a row without any (padding) gets zeros
-    if (split == 0) {
-      uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) +
-                                                  (static_cast<int64_t>(row) * p.hq + h * G) * D);
-      for (int i = threadIdx.x; i < G * D / 2; i += kThreads) out[i] = 0u;
-    }
-    return;
-  }
+  if (k0 >= rs.ctx) return;  // the merge reads only the pieces under ctx
   const int k1 = min(rs.ctx, k0 + rs.chunk);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int bs = p.block_size;
@@ -264,9 +205,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
 
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
+  if (g >= G) return;
   // This thread's outputs: head g, dims warp * D / 4 + dt * 8 + quad * 2 + {0, 1}.
   if (rs.n == 1) {  // the row's only piece: its normalised output
-    if (g >= G) return;
     T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
     const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
@@ -276,26 +217,61 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
     return;
   }
   // Head g's entry of this piece: D unnormalised sums, then the max and the total.
-  if (g < G) {
-    float* work =
-        p.work + (((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G + g) * (D + 2);
+  float* work =
+      p.work + (((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G + g) * (D + 2);
 #pragma unroll
-    for (int dt = 0; dt < kDimTiles; ++dt)
-      *reinterpret_cast<float2*>(work + (warp * kDimTiles + dt) * 8 + quad * 2) =
-          make_float2(o[dt][0], o[dt][1]);
-    if (warp == 0 && quad == 0) work[D] = m, work[D + 1] = l;
+  for (int dt = 0; dt < kDimTiles; ++dt)
+    *reinterpret_cast<float2*>(work + (warp * kDimTiles + dt) * 8 + quad * 2) =
+        make_float2(o[dt][0], o[dt][1]);
+  if (warp == 0 && quad == 0) work[D] = m, work[D + 1] = l;
+}
+
+// Grid (row, kv head), G warps: warp g merges head g of the group over the row's pieces. Lane
+// i holds the max and total of pieces i, i + 32, ... (warp reductions give the overall max and
+// total); then dims lane, lane + 32, ... sum over the pieces, kMergeBatch pieces' loads in
+// flight at once, and the normalised output is written.
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
+  const int row = blockIdx.x, h = blockIdx.y, g = threadIdx.x / 32, lane = threadIdx.x % 32;
+  WaitForPrerequisite();
+  const int n = SplitRow(p, row).n;
+  if (n == 1) return;  // the split kernel wrote the row's output
+  const float* work =
+      p.work + (static_cast<int64_t>(row) * p.kvh + h) * p.splits * G * (D + 2) + g * (D + 2);
+  constexpr int kStride = G * (D + 2);  // from one split's entry to the next one's
+  const auto weight = [&](float m, float mx) { return m == -INFINITY ? 0.f : exp2f(m - mx); };
+  float mx = -INFINITY;
+  for (int s = lane; s < n; s += 32) mx = fmaxf(mx, work[s * kStride + D]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  // Lane i's weight of piece i (pieces 0..31: the common case, shuffled to the sums below).
+  const float w_lane = lane < n ? weight(work[lane * kStride + D], mx) : 0.f;
+  float total = lane < n ? w_lane * work[lane * kStride + D + 1] : 0.f;
+  for (int s = lane + 32; s < n; s += 32)
+    total += weight(work[s * kStride + D], mx) * work[s * kStride + D + 1];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  float sum[D / 32] = {};
+  for (int s0 = 0; s0 < n; s0 += kMergeBatch) {
+    float part[kMergeBatch][D / 32];
+#pragma unroll
+    for (int j = 0; j < kMergeBatch; ++j)
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i)
+        part[j][i] = s0 + j < n ? work[(s0 + j) * kStride + lane + 32 * i] : 0.f;
+#pragma unroll
+    for (int j = 0; j < kMergeBatch; ++j) {
+      const int s = s0 + j;
+      const float shuffled = __shfl_sync(0xffffffffu, w_lane, s % 32);
+      const float c = s >= n ? 0.f : s < 32 ? shuffled : weight(work[s * kStride + D], mx);
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) sum[i] = fmaf(c, part[j][i], sum[i]);
+    }
   }
-  // Arrive: the entry is visible to every block before the count is (a release); the last of
-  // the row's pieces to arrive reads all entries after its count (an acquire) and merges.
-  __threadfence();
-  __syncthreads();
-  bool last = false;
-  if (tid == 0)
-    last = atomicInc(&g_pieces_arrived[row * p.kvh + h], rs.n - 1) ==
-           static_cast<unsigned int>(rs.n - 1);
-  if (__syncthreads_or(last) == 0) return;
-  __threadfence();
-  for (int head = warp; head < G; head += kWarps) MergeHead<T, D, G>(p, row, h, head, rs.n, lane);
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = Vec<T>::FromFloat(sum[i] * inv);
 }
 
 // Launches `kernel` on `stream` as a programmatic dependent of the work before it (sm_90 on).
@@ -314,7 +290,7 @@ cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, bool
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-// The split kernel (the last piece of a row to arrive merges the row).
+// The split kernel, then (where a row may take more than one piece) the merge.
 template <typename T, int D, int G>
 cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
   DeviceFacts facts{};
@@ -322,8 +298,13 @@ cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
   AttentionParams p = params;
   p.capacity = kBlocksPerSm * facts.sms;
   const bool programmatic = facts.major >= 9;
-  return LaunchDependent(DecodeSplitKernel<T, D, G>, dim3(p.splits, p.kvh, p.groups),
-                         dim3(kThreads), programmatic, stream, p);
+  if (cudaError_t e = LaunchDependent(DecodeSplitKernel<T, D, G>, dim3(p.splits, p.kvh, p.groups),
+                                      dim3(kThreads), programmatic, stream, p);
+      e != cudaSuccess)
+    return e;
+  if (p.splits == 1) return cudaSuccess;
+  return LaunchDependent(DecodeMergeKernel<T, D, G>, dim3(p.groups, p.kvh), dim3(32 * G),
+                         programmatic, stream, p);
 }
 
 template <typename T, int D>

@@ -124,10 +124,10 @@ def test_decode_rows_match_reference(rng, dtype, hq, kvh, d, tight):
 
 @needs_kernel
 @pytest.mark.gpu
-def test_decode_calls_back_to_back_merge_their_own_pieces(rng):
-    """The last piece of a row to arrive merges the row, counted on device counters that wrap to
-    zero: calls back to back in one program (each one's blocks may launch while the previous
-    drains), whose rows are cut into different numbers of pieces, each match float64."""
+def test_decode_calls_back_to_back_with_changing_pieces(rng):
+    """Decode calls back to back in one program (programmatic launches: each kernel's blocks
+    may start while the one before drains), whose rows are cut into 1 to 32 pieces, each
+    match float64; padding rows get zeros."""
     hq, kvh, d, bs, rows, calls = 32, 8, 128, 16, 16, 5
     width, num_blocks = ceil_div(3000, bs), 400
     cast = lambda a: jnp.asarray(a, jnp.bfloat16)
@@ -143,7 +143,7 @@ def test_decode_calls_back_to_back_merge_their_own_pieces(rng):
         outs = []
         for c in range(calls):
             out, k, v = paged_attention(
-                qs[c], k, v, tables[c], positions[c], tile=1, implementation="cuda"
+                qs[c], k, v, tables[c], positions[c], tile=1, key_chunk=64, implementation="cuda"
             )
             outs.append(out)
         return jnp.stack(outs)
