@@ -16,9 +16,7 @@
 // us with this kernel, benchmarks/results/2026-11-24-h200x1). A group of one never waits and
 // no peer reads its slot state, so skipping the state is safe: every call of a one-rank comm
 // takes this path (a closed comm still leaves NaN, below).
-#include <algorithm>
-#include <cstdlib>
-
+#include "cluster.cuh"
 #include "device_facts.h"
 #include "rowops.cuh"
 
@@ -136,64 +134,30 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   }
 }
 
-// Cluster barriers and distributed shared memory (PTX, sm_90; the kernel that uses them is
-// compiled empty before sm_90).
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void ClusterArriveRelaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void ClusterArrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void ClusterWait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// *x (this CTA's shared memory) in the CTA of the cluster whose rank is `cta` = v.
-__device__ __forceinline__ void StoreToClusterCta(float* x, int cta, float v) {
-  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(x));
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(cta));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
-#endif
-
-constexpr int kMaxRowCtas = 8;     // a portable cluster
-constexpr int kMaxCutBlock = 512;  // threads of a CTA of a cut row (a 16-byte vector each)
-
-// Grid (CTAs per row, T), clusters of gridDim.x CTAs (a power of two <= 8 that divides the
-// row's vectors into shares of at most kBlock): CTA c holds vectors [c * nv, (c + 1) * nv) of
-// row blockIdx.y, one per thread. Each CTA sums its squares, stores the sum into slot c of
-// every CTA's `sums` (distributed shared memory) and waits at the cluster barrier; then all
-// add the slots in the same order, so a row's CTAs share one norm. The barrier's first phase
-// is arrived at on entry and waited on just before the remote stores (a CTA's shared memory
-// may be written once it runs); nothing remote follows the second phase, so no CTA waits for
-// the others to leave. Compiled empty before sm_90, where it is never launched.
+// Grid (CTAs per row x T), clusters of the CTAs of a row (a power of two <= 8 that divides
+// the row's vectors into shares of at most kBlock): CTA c holds vectors [c * nv, (c + 1) * nv)
+// of its row, one per thread. Each CTA sums its squares and the cluster adds the sums
+// (ClusterSum, distributed shared memory), in the same order in every CTA, so a row's CTAs
+// share one norm. The cluster barrier's first phase is arrived at on entry, so its wait hides
+// behind the loads. Compiled empty before sm_90, where it is never launched.
 template <typename T, int kBlock>
 __global__ void __launch_bounds__(kBlock)
-    LocalRowsClusterKernel(const __grid_constant__ KernelParams p) {
+    LocalRowsCutKernel(const __grid_constant__ KernelParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ float red[kBlock / 32];
-  __shared__ float sums[kMaxRowCtas];
+  __shared__ float sums[kMaxRowCtas], unused[kMaxRowCtas];
   ClusterArriveRelaxed();
   const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
-  const int ctas = gridDim.x, cta = blockIdx.x;
+  const int ctas = ClusterCtas(), cta = ClusterRank();
   const int nv = p.hidden / Vec<T>::kN / ctas, v0 = cta * nv;
-  const int64_t at = static_cast<int64_t>(blockIdx.y) * p.hidden * sizeof(T);
+  const int64_t at = static_cast<int64_t>(blockIdx.x / ctas) * p.hidden * sizeof(T);
   char* normed = static_cast<char*>(p.normed) + at;
   char* residual_out = static_cast<char*>(p.residual_out) + at;
-  RegisterRow<T, kBlock, 1, false>(p, static_cast<const char*>(p.partial) + at,
-                                   static_cast<const char*>(p.residual) + at, normed, residual_out,
-                                   v0, nv, [&](float ss) {
-                                     const float mine = BlockSum<kBlock>(ss, red);
-                                     ClusterWait();  // every CTA of the cluster runs
-                                     if (threadIdx.x < ctas)
-                                       StoreToClusterCta(&sums[cta], threadIdx.x, mine);
-                                     ClusterArrive();
-                                     ClusterWait();
-                                     float total = 0.f;
-                                     for (int i = 0; i < ctas; ++i) total += sums[i];
-                                     return total;
-                                   });
+  RegisterRow<T, kBlock, 1, false>(
+      p, static_cast<const char*>(p.partial) + at, static_cast<const char*>(p.residual) + at,
+      normed, residual_out, v0, nv, [&](float ss) {
+        return ClusterSum2(make_float2(BlockSum<kBlock>(ss, red), 0.f), sums, unused, ctas, cta).x;
+      });
   if (failed != 0) PoisonRow<T, kBlock>(normed, residual_out, v0, nv);
 #endif
 }
@@ -207,49 +171,17 @@ constexpr auto kLocalKernel =
 // Threads of a CTA that holds nv vectors of a row.
 constexpr int CutBlock(int nv) { return nv <= 128 ? 128 : (nv <= 256 ? 256 : 512); }
 
-// CTAs per row: for up to kMaxCutRows rows (sm_90), the largest cluster of 2-8 that divides
-// the row into shares of at most kMaxCutBlock vectors; else 1 (a block per row). Profiled on an
-// H200 (H = 8192 bf16, us at T = 1 / 16 / 64; benchmarks/results/2026-11-25-h200x1): a block
-// per row 2.53 / 2.66 / 2.81, clusters of 8 2.03 / 2.17 / 3.08, of 4 2.11 / 2.22 / 3.16, of
-// 2 2.45 / 2.60 / 3.10: at 64 rows the clusters cost more than the cut saves. A positive
-// JAX_TOKENWEAVE_LOCAL_ROW_CTAS caps it (1: a block per row), for measurements side by side.
-constexpr int kMaxCutRows = 32;
-int RowCtas(int tokens, int vpr, const DeviceFacts& facts) {
-  int cap = kMaxRowCtas;
-  if (const char* s = std::getenv("JAX_TOKENWEAVE_LOCAL_ROW_CTAS"); s != nullptr && *s != 0)
-    cap = std::max(1, std::atoi(s));
-  if (facts.major < 9 || tokens > kMaxCutRows) return 1;
-  for (int c = kMaxRowCtas; c >= 2; c /= 2)
-    if (c <= cap && vpr % c == 0 && vpr / c <= kMaxCutBlock) return c;
-  return 1;
-}
-
-template <typename T, int kBlock>
-cudaError_t LaunchCluster(const KernelParams& p, int ctas, cudaStream_t stream) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(ctas, p.tokens);
-  config.blockDim = dim3(kBlock);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = ctas;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, LocalRowsClusterKernel<T, kBlock>, p);
-}
-
 template <typename T>
 cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   DeviceFacts facts{};
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   const int vpr = p.hidden / Vec<T>::kN;
-  if (const int ctas = RowCtas(p.tokens, vpr, facts); ctas > 1) {
+  if (const int ctas = RowCtas(p.tokens, vpr, facts.major); ctas > 1) {
+    const int grid = ctas * p.tokens;
     switch (CutBlock(vpr / ctas)) {
-      case 128: return LaunchCluster<T, 128>(p, ctas, stream);
-      case 256: return LaunchCluster<T, 256>(p, ctas, stream);
-      default: return LaunchCluster<T, 512>(p, ctas, stream);
+      case 128: return LaunchClusters(LocalRowsCutKernel<T, 128>, grid, 128, ctas, stream, p);
+      case 256: return LaunchClusters(LocalRowsCutKernel<T, 256>, grid, 256, ctas, stream, p);
+      default: return LaunchClusters(LocalRowsCutKernel<T, 512>, grid, 512, ctas, stream, p);
     }
   }
   const int grid = p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid;
@@ -268,9 +200,9 @@ cudaError_t PreloadFor() {
   for (const void* k : {reinterpret_cast<const void*>(kLocalKernel<T, false, 1>),
                         reinterpret_cast<const void*>(kLocalKernel<T, true, 1>),
                         reinterpret_cast<const void*>(kLocalKernel<T, true, 2>),
-                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 128>),
-                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 256>),
-                        reinterpret_cast<const void*>(LocalRowsClusterKernel<T, 512>)})
+                        reinterpret_cast<const void*>(LocalRowsCutKernel<T, 128>),
+                        reinterpret_cast<const void*>(LocalRowsCutKernel<T, 256>),
+                        reinterpret_cast<const void*>(LocalRowsCutKernel<T, 512>)})
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;
 }

@@ -1,5 +1,6 @@
-// The decode-size one-shot kernel: one 512-thread block per token row (T <= grid), a row held in
-// registers (H <= 2 x 512 vectors). Same protocol, buffers and state as the general one-shot
+// The decode-size one-shot kernel: a token row per 512-thread block (T <= grid), held in
+// registers (H <= 2 x 512 vectors), or, up to kMaxCutRows rows on sm_90, a row cut across a
+// cluster of 2-8 CTAs (cluster.cuh) that swap their sums of squares and verdicts. Same protocol, buffers and state as the general one-shot
 // kernel (oneshot.cu), so calls of either kind may follow each other on a slot. It is shorter
 // on the critical path of a decode call (loopback, 16 CTAs, T = 16: 6.3 / 10.0 / 21.5 us at
 // N = 2 / 4 / 8 against 14.7 / 18.0 / 39.2 for the general kernel; benchmarks/results):
@@ -9,30 +10,45 @@
 //     already holds (no second load);
 //   - the slot advances at the end (the general kernels advance it at once);
 //   - one bounded poll loop for all of a step's sources, no per-source copies of it, no stack;
-//   - a failure poisons only this block's rows (it alone writes them).
+//   - a failure poisons only this block's rows (it alone writes them; a cut row's CTAs share
+//     one verdict).
 // Partials are summed in rank order, then the residual, in float32, from their one-shot
 // encodings (own partial included), so every rank's rows are bitwise identical.
+#include "cluster.cuh"
+#include "device_facts.h"
 #include "rowops.cuh"
 
 namespace tokenweave {
 namespace {
 
-constexpr int kRowV = 2;  // 16-byte vectors per thread per row
+constexpr int kRowV = 2;  // 16-byte vectors per thread per row (a row per block)
 
+// NaN over vectors [v, end) of a row, v advancing by the block.
 template <typename T>
-__device__ __forceinline__ void FillNan(char* row, int vpr) {
+__device__ __forceinline__ void FillNan(char* row, int v, int end) {
 #pragma unroll 1
-  for (int v = threadIdx.x; v < vpr; v += kThreads) St(row + v * 16, NanVec<T>());
+  for (; v < end; v += kThreads) St(row + v * 16, NanVec<T>());
 }
 
-template <typename T, int kMaxN>
+// The decode one-shot kernel. kCut (sm_90, T <= kMaxCutRows): a row is cut across a cluster of
+// CTAs (cluster.cuh: RowCtas), CTA c of row g pushing, polling and norming vectors
+// [c * nv, (c + 1) * nv), one per thread; the cluster adds the CTAs' sums of squares and their
+// failures (ClusterSum2), so a row's CTAs share one norm and one verdict. Else block g holds
+// row g, kRowV vectors per thread.
+template <typename T, int kMaxN, bool kCut>
 __global__ void __launch_bounds__(kThreads)
     OneShotRowsKernel(const __grid_constant__ KernelParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (kCut) return;  // never launched before sm_90 (RowCtas)
+#endif
   constexpr int kN = Vec<T>::kN;
-  constexpr int kStep = kMaxN <= 4 ? kRowV : 1;  // vectors polled at once (registers)
+  constexpr int kU = kCut ? 1 : kRowV;
+  constexpr int kStep = kMaxN <= 4 ? kU : 1;  // vectors polled at once (registers)
   __shared__ float red[kThreads / 32];
-  const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens, g = blockIdx.x;
-  const int vpr = p.hidden / kN;
+  __shared__ float sums[kMaxRowCtas], failures[kMaxRowCtas];
+  const int ctas = kCut ? ClusterCtas() : 1, cta = kCut ? ClusterRank() : 0;
+  const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens, g = blockIdx.x / ctas;
+  const int vpr = p.hidden / kN, v0 = cta * (vpr / ctas), v1 = v0 + vpr / ctas;
   const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
   const int64_t seg = static_cast<int64_t>(tokens + q) * rb;
   const int own_real = max(0, min(q, tokens - r * q));  // own residual rows below T
@@ -40,14 +56,16 @@ __global__ void __launch_bounds__(kThreads)
   const int owner = g / q, orow = g % q;
   const char* partial = static_cast<const char*>(p.partial) + g * rb;
   const char* residual = static_cast<const char*>(p.residual);
+  const auto vec = [&](int u) { return v0 + static_cast<int>(threadIdx.x) + u * kThreads; };
+  if (kCut && has_row) ClusterArriveRelaxed();  // a whole cluster has a row or none
 
   // (1) Loads that need no call state, in flight with the state's.
-  uint4 own[kRowV], res_own[kRowV], res_send[kRowV];
-  float4 w[kRowV][kN / 4];
+  uint4 own[kU], res_own[kU], res_send[kU];
+  float4 w[kU][kN / 4];
 #pragma unroll
-  for (int u = 0; u < kRowV; ++u) {
-    const int v = threadIdx.x + u * kThreads;
-    if (v >= vpr) continue;
+  for (int u = 0; u < kU; ++u) {
+    const int v = vec(u);
+    if (v >= v1) continue;
     if (has_row) {
       own[u] = Canonical<T>(Ldg(partial + v * 16));
       LoadWeights<T>(p, v, w[u]);
@@ -66,9 +84,9 @@ __global__ void __launch_bounds__(kThreads)
       const int j = (r + k) % n;
       char* dst = p.oneshot[j] + buf * p.oneshot_bytes + PeerIndex(r, j, n) * seg;
 #pragma unroll
-      for (int u = 0; u < kRowV; ++u) {
-        const int v = threadIdx.x + u * kThreads;
-        if (v >= vpr) continue;
+      for (int u = 0; u < kU; ++u) {
+        const int v = vec(u);
+        if (v >= v1) continue;
         if (has_row) St(dst + g * rb + v * 16, own[u]);
         if (sends_residual) St(dst + (tokens + g) * rb + v * 16, res_send[u]);
       }
@@ -77,7 +95,7 @@ __global__ void __launch_bounds__(kThreads)
     FillSentinel(PreviousOneShotBuffer(p, buf), call.oneshot_clear);
   }
 
-  float acc[kRowV][kN];
+  float acc[kU][kN];
   if (ok && has_row) {
     // (4) Row g: the N partials in rank order, then its owner's residual row; polled from
     // this rank's receive buffer where a peer sent them.
@@ -90,7 +108,7 @@ __global__ void __launch_bounds__(kThreads)
         owner == r ? nullptr : recv + PeerIndex(owner, r, n) * seg + (tokens + orow) * rb;
     Deadline d;
 #pragma unroll
-    for (int u0 = 0; u0 < kRowV; u0 += kStep) {
+    for (int u0 = 0; u0 < kU; u0 += kStep) {
       if (!ok) break;
       uint4 x[kMaxN + 1][kStep];
       auto each = [&](auto f) {
@@ -98,8 +116,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int s = 0; s <= kMaxN; ++s)
 #pragma unroll
           for (int u = 0; u < kStep; ++u)
-            if (src_row[s] != nullptr && threadIdx.x + (u0 + u) * kThreads < vpr)
-              f(x[s][u], src_row[s] + (threadIdx.x + (u0 + u) * kThreads) * 16);
+            if (src_row[s] != nullptr && vec(u0 + u) < v1)
+              f(x[s][u], src_row[s] + vec(u0 + u) * 16);
       };
       each([](uint4& xv, const char* a) { xv = LdVolatile16(a); });
       for (;;) {  // one bounded loop re-polls whatever has not arrived
@@ -134,59 +152,80 @@ __global__ void __launch_bounds__(kThreads)
         AddVec<T>(acc[uu], owner == r ? res_own[uu] : x[kMaxN][u]);
       }
     }
-    ok = __syncthreads_and(ok) != 0;  // every thread polled (or gave up): one verdict
   }
-  if (ok && has_row) {
-    // (5) Round, write the residual (owner only), RMSNorm, write the normed row.
+  if (has_row) {
+    ok = __syncthreads_and(ok) != 0;  // every thread polled (or gave up): one verdict
+    // (5) Round, write the residual (owner only), RMSNorm (the cluster's verdict and sum of
+    // squares where the row is cut), write the normed row.
     float ss = 0.f;
 #pragma unroll
-    for (int u = 0; u < kRowV; ++u) {
-      const int v = threadIdx.x + u * kThreads;
-      if (v >= vpr) continue;
+    for (int u = 0; u < kU; ++u) {
+      const int v = vec(u);
+      if (!ok || v >= v1) continue;
       const uint4 rounded = PackRound<T>(acc[u]);
       if (owner == r) St(static_cast<char*>(p.residual_out) + orow * rb + v * 16, rounded);
 #pragma unroll
       for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
     }
-    const float inv = rsqrtf(GroupSum<kThreads>(ss, red, 0) / static_cast<float>(p.hidden) + p.eps);
-    char* out = static_cast<char*>(p.normed) + g * rb;
-    auto emit = [&](int v, uint4 o) { St(out + v * 16, o); };
+    float total = GroupSum<kThreads>(ss, red, 0);
+    if (kCut) {
+      const float2 both =
+          ClusterSum2(make_float2(total, ok ? 0.f : 1.f), sums, failures, ctas, cta);
+      total = both.x;
+      ok = both.y == 0.f;
+    }
+    if (ok) {
+      const float inv = rsqrtf(total / static_cast<float>(p.hidden) + p.eps);
+      char* out = static_cast<char*>(p.normed) + g * rb;
+      auto emit = [&](int v, uint4 o) { St(out + v * 16, o); };
 #pragma unroll
-    for (int u = 0; u < kRowV; ++u) {
-      const int v = threadIdx.x + u * kThreads;
-      if (v < vpr) EmitNormed<T>(acc[u], w[u], inv, v, emit);
+      for (int u = 0; u < kU; ++u)
+        if (vec(u) < v1) EmitNormed<T>(acc[u], w[u], inv, vec(u), emit);
     }
   }
   // (6) Own padding row g (q > own real rows) is carried through.
   if (g >= own_real && g < q)
-    CopyRow<kThreads>(residual + g * rb, static_cast<char*>(p.residual_out) + g * rb, vpr);
+    for (int v = vec(0); v < v1; v += kThreads)
+      St(static_cast<char*>(p.residual_out) + g * rb + v * 16, Ldg(residual + g * rb + v * 16));
 
-  // Only this block writes its rows: a failed wait (or an earlier failure) leaves them NaN.
+  // Only this block writes its rows' vectors: a failed wait (or an earlier failure) leaves
+  // them NaN.
   if (__syncthreads_or(!ok)) {
-    if (has_row) FillNan<T>(static_cast<char*>(p.normed) + g * rb, vpr);
-    if (has_row && owner == r) FillNan<T>(static_cast<char*>(p.residual_out) + orow * rb, vpr);
-    if (g >= own_real && g < q) FillNan<T>(static_cast<char*>(p.residual_out) + g * rb, vpr);
+    if (has_row) FillNan<T>(static_cast<char*>(p.normed) + g * rb, vec(0), v1);
+    if (has_row && owner == r)
+      FillNan<T>(static_cast<char*>(p.residual_out) + orow * rb, vec(0), v1);
+    if (g >= own_real && g < q) FillNan<T>(static_cast<char*>(p.residual_out) + g * rb, vec(0), v1);
   }
   AdvanceIfLast(p, call, used);
 }
 
+template <typename T, int kMaxN>
+cudaError_t LaunchFor(const KernelParams& p, int num_ctas, cudaStream_t stream) {
+  DeviceFacts facts{};
+  if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
+  if (const int ctas = RowCtas(p.tokens, p.hidden / Vec<T>::kN, facts.major); ctas > 1)
+    return LaunchClusters(OneShotRowsKernel<T, kMaxN, true>, ctas * p.tokens, kThreads, ctas,
+                          stream, p);
+  OneShotRowsKernel<T, kMaxN, false><<<num_ctas, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t LaunchRows(const KernelParams& p, int num_ctas, cudaStream_t stream) {
-  if (p.nranks <= 2)
-    OneShotRowsKernel<T, 2><<<num_ctas, kThreads, 0, stream>>>(p);
-  else if (p.nranks <= 4)
-    OneShotRowsKernel<T, 4><<<num_ctas, kThreads, 0, stream>>>(p);
-  else
-    OneShotRowsKernel<T, 8><<<num_ctas, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (p.nranks <= 2) return LaunchFor<T, 2>(p, num_ctas, stream);
+  if (p.nranks <= 4) return LaunchFor<T, 4>(p, num_ctas, stream);
+  return LaunchFor<T, 8>(p, num_ctas, stream);
 }
 
 template <typename T>
 cudaError_t PreloadRowsFor() {
   cudaFuncAttributes a;
-  for (const void* k : {reinterpret_cast<const void*>(OneShotRowsKernel<T, 2>),
-                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 4>),
-                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 8>)})
+  for (const void* k : {reinterpret_cast<const void*>(OneShotRowsKernel<T, 2, false>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 4, false>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 8, false>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 2, true>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 4, true>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 8, true>)})
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;
 }

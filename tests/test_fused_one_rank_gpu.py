@@ -129,13 +129,13 @@ def test_matches_xla_add_rmsnorm(mesh1, rng):
 )
 def test_rows_cut_across_a_cluster_agree(mesh1, rng, monkeypatch, tokens, hidden, dtype):
     """Rows cut across clusters of 2, 4 or 8 CTAs (sm_90, capped by
-    JAX_TOKENWEAVE_LOCAL_ROW_CTAS) give the one-block rows: the rounded sums bitwise, the
+    JAX_TOKENWEAVE_ROW_CTAS) give the one-block rows: the rounded sums bitwise, the
     normed rows to the float32 rounding of a differently ordered sum of squares."""
     args = _inputs(rng, tokens, hidden, dtype)
     want_n, want_r = _reference(*args)
     outs = {}
     for cap in (1, 2, 4, 8):
-        monkeypatch.setenv("JAX_TOKENWEAVE_LOCAL_ROW_CTAS", str(cap))
+        monkeypatch.setenv("JAX_TOKENWEAVE_ROW_CTAS", str(cap))
         outs[cap] = [np.asarray(o.astype(jnp.float32)) for o in _call(mesh1)(*args)]
     for cap, (normed, res_out) in outs.items():
         assert np.isfinite(normed).all(), cap

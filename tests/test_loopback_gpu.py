@@ -151,6 +151,33 @@ def test_decode_rows_kernel_and_general_one_shot_share_a_slot(loopback, rng, n):
         comm.close()
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_decode_rows_cut_across_clusters_agree_with_a_block_per_row(loopback, rng, monkeypatch, n):
+    """Decode-size rows cut across clusters of 2, 4 or 8 CTAs (sm_90; JAX_TOKENWEAVE_ROW_CTAS
+    caps the cut, read at each launch) give a block per row's rows: the residual bitwise, the
+    normed rows to the float32 rounding of a differently ordered sum of squares; calls and
+    graph replays keep their bits, every rank the same."""
+    comm = loopback.LoopbackComm(n)
+    try:
+        for tokens in (1, 16, 32):
+            args = _inputs(rng, n, tokens, 8192, "bfloat16")
+            outs = {}
+            for cap in (1, 2, 4, 8):
+                monkeypatch.setenv("JAX_TOKENWEAVE_ROW_CTAS", str(cap))
+                res = comm.run(
+                    *args, algo="one_shot", num_ctas=32, calls=3, graph_calls=4, graph_replays=2
+                )
+                _check(res, *args, "bfloat16")
+                assert res.mismatches == 0, (tokens, cap)
+                outs[cap] = res
+            for cap, res in outs.items():
+                np.testing.assert_array_equal(res.residual_out, outs[1].residual_out)
+                got, want = (o.normed.astype(np.float32) for o in (res, outs[1]))
+                assert rel_err(got, want) < 2e-3, (tokens, cap)
+    finally:
+        comm.close()
+
+
 def test_algos_share_a_slot(loopback, rng):
     """The device epoch and the one-shot rotation survive other variants on the same slot."""
     comm = loopback.LoopbackComm(4)
