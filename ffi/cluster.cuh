@@ -22,22 +22,23 @@ constexpr int kMaxCutRows = 32;    // rows up to which a row is cut (see RowCtas
 // clusters of 8 2.02 / 2.18 / 2.50 / 2.85, of 4 2.10 / 2.23 / 2.58, of 2 2.45 / 2.60 / - /
 // 3.10. A positive JAX_TOKENWEAVE_ROW_CTAS caps it (1: a block per row), read at each
 // launch, for measurements side by side.
-inline int RowCtas(int tokens, int vpr, int compute_major) {
+// At most max_ctas CTAs in all (the caller's CTA budget: the fused kernel runs beside GEMMs).
+inline int RowCtas(int tokens, int vpr, int compute_major, int max_ctas) {
   int cap = kMaxRowCtas;
   if (const char* s = std::getenv("JAX_TOKENWEAVE_ROW_CTAS"); s != nullptr && *s != 0)
     cap = std::max(1, std::atoi(s));
   if (compute_major < 9 || tokens > kMaxCutRows) return 1;
   for (int c = kMaxRowCtas; c >= 2; c /= 2)
-    if (c <= cap && vpr % c == 0 && vpr / c <= kMaxCutBlock) return c;
+    if (c <= cap && c * tokens <= max_ctas && vpr % c == 0 && vpr / c <= kMaxCutBlock) return c;
   return 1;
 }
 
 // Launches kernel<<<grid, block>>>(args...) in clusters of `cluster` CTAs along x.
 template <typename... Args>
-cudaError_t LaunchClusters(void (*kernel)(Args...), int grid, int block, int cluster,
+cudaError_t LaunchClusters(void (*kernel)(Args...), dim3 grid, int block, int cluster,
                            cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid);
+  config.gridDim = grid;
   config.blockDim = dim3(block);
   config.stream = stream;
   cudaLaunchAttribute attribute{};
@@ -56,6 +57,7 @@ cudaError_t LaunchClusters(void (*kernel)(Args...), int grid, int block, int clu
 __device__ __forceinline__ int ClusterCtas() { return 1; }
 __device__ __forceinline__ int ClusterRank() { return 0; }
 __device__ __forceinline__ void ClusterArriveRelaxed() {}
+__device__ __forceinline__ float ClusterSum(float mine, float*, int, int) { return mine; }
 __device__ __forceinline__ float2 ClusterSum2(float2 mine, float*, float*, int, int) {
   return mine;
 }
@@ -88,10 +90,21 @@ __device__ __forceinline__ void StoreToClusterCta(float* x, int cta, float v) {
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
 }
 
-// The cluster's sums of two values, added in CTA order (the same bits in every CTA). Every
-// thread of every CTA calls it, once per kernel, after ClusterArriveRelaxed on entry: the
-// barrier's first phase (every CTA runs, so its shared memory may be written) then costs
-// nothing here. xs, ys: kMaxRowCtas floats of shared memory each.
+// The cluster's sum of one value per CTA, added in CTA order (the same bits in every CTA).
+// Every thread of every CTA calls it, once per kernel, after ClusterArriveRelaxed on entry:
+// the barrier's first phase (every CTA runs, so its shared memory may be written) then costs
+// nothing here. slots: kMaxRowCtas floats of shared memory.
+__device__ __forceinline__ float ClusterSum(float mine, float* slots, int ctas, int cta) {
+  ClusterWait();
+  if (static_cast<int>(threadIdx.x) < ctas) StoreToClusterCta(&slots[cta], threadIdx.x, mine);
+  ClusterArrive();
+  ClusterWait();  // nothing remote follows: no CTA waits for the others to leave
+  float total = 0.f;
+  for (int i = 0; i < ctas; ++i) total += slots[i];
+  return total;
+}
+
+// ClusterSum of two values at once (one barrier). xs, ys: kMaxRowCtas floats each.
 __device__ __forceinline__ float2 ClusterSum2(float2 mine, float* xs, float* ys, int ctas,
                                               int cta) {
   ClusterWait();

@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kBlock, kMinBlocks)
   }
 }
 
-// Grid (CTAs per row x T), clusters of the CTAs of a row (a power of two <= 8 that divides
+// Grid (CTAs per row, T), clusters of the CTAs of a row (a power of two <= 8 that divides
 // the row's vectors into shares of at most kBlock): CTA c holds vectors [c * nv, (c + 1) * nv)
 // of its row, one per thread. Each CTA sums its squares and the cluster adds the sums
 // (ClusterSum, distributed shared memory), in the same order in every CTA, so a row's CTAs
@@ -145,19 +145,18 @@ __global__ void __launch_bounds__(kBlock)
     LocalRowsCutKernel(const __grid_constant__ KernelParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ float red[kBlock / 32];
-  __shared__ float sums[kMaxRowCtas], unused[kMaxRowCtas];
+  __shared__ float sums[kMaxRowCtas];
   ClusterArriveRelaxed();
   const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
-  const int ctas = ClusterCtas(), cta = ClusterRank();
+  const int ctas = gridDim.x, cta = blockIdx.x;
   const int nv = p.hidden / Vec<T>::kN / ctas, v0 = cta * nv;
-  const int64_t at = static_cast<int64_t>(blockIdx.x / ctas) * p.hidden * sizeof(T);
+  const int64_t at = static_cast<int64_t>(blockIdx.y) * p.hidden * sizeof(T);
   char* normed = static_cast<char*>(p.normed) + at;
   char* residual_out = static_cast<char*>(p.residual_out) + at;
   RegisterRow<T, kBlock, 1, false>(
       p, static_cast<const char*>(p.partial) + at, static_cast<const char*>(p.residual) + at,
-      normed, residual_out, v0, nv, [&](float ss) {
-        return ClusterSum2(make_float2(BlockSum<kBlock>(ss, red), 0.f), sums, unused, ctas, cta).x;
-      });
+      normed, residual_out, v0, nv,
+      [&](float ss) { return ClusterSum(BlockSum<kBlock>(ss, red), sums, ctas, cta); });
   if (failed != 0) PoisonRow<T, kBlock>(normed, residual_out, v0, nv);
 #endif
 }
@@ -176,8 +175,8 @@ cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   DeviceFacts facts{};
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   const int vpr = p.hidden / Vec<T>::kN;
-  if (const int ctas = RowCtas(p.tokens, vpr, facts.major); ctas > 1) {
-    const int grid = ctas * p.tokens;
+  if (const int ctas = RowCtas(p.tokens, vpr, facts.major, kMaxRowCtas * p.tokens); ctas > 1) {
+    const dim3 grid(ctas, p.tokens);
     switch (CutBlock(vpr / ctas)) {
       case 128: return LaunchClusters(LocalRowsCutKernel<T, 128>, grid, 128, ctas, stream, p);
       case 256: return LaunchClusters(LocalRowsCutKernel<T, 256>, grid, 256, ctas, stream, p);

@@ -1,9 +1,10 @@
 // The decode-size one-shot kernel: a token row per 512-thread block (T <= grid), held in
 // registers (H <= 2 x 512 vectors), or, up to kMaxCutRows rows on sm_90, a row cut across a
-// cluster of 2-8 CTAs (cluster.cuh) that swap their sums of squares and verdicts. Same protocol, buffers and state as the general one-shot
-// kernel (oneshot.cu), so calls of either kind may follow each other on a slot. It is shorter
-// on the critical path of a decode call (loopback, 16 CTAs, T = 16: 6.3 / 10.0 / 21.5 us at
-// N = 2 / 4 / 8 against 14.7 / 18.0 / 39.2 for the general kernel; benchmarks/results):
+// cluster of 2-8 CTAs (cluster.cuh) that swap their sums of squares and verdicts. Same protocol,
+// buffers and state as the general one-shot kernel (oneshot.cu), so calls of either kind may follow
+// each other on a slot. It is shorter on the critical path of a decode call (loopback, 16 CTAs, T =
+// 16: 6.3 / 10.0 / 21.5 us at N = 2 / 4 / 8 against 14.7 / 18.0 / 39.2 for the general kernel;
+// benchmarks/results):
 //   - the row's own inputs (partial, residual, weights) are loaded before the call state is
 //     read, so both round trips overlap;
 //   - the block that reduces row g is the block that pushes row g, from the registers it
@@ -33,8 +34,9 @@ __device__ __forceinline__ void FillNan(char* row, int v, int end) {
 // The decode one-shot kernel. kCut (sm_90, T <= kMaxCutRows): a row is cut across a cluster of
 // CTAs (cluster.cuh: RowCtas), CTA c of row g pushing, polling and norming vectors
 // [c * nv, (c + 1) * nv), one per thread; the cluster adds the CTAs' sums of squares and their
-// failures (ClusterSum2), so a row's CTAs share one norm and one verdict. Else block g holds
-// row g, kRowV vectors per thread.
+// failures (ClusterSum2), so a row's CTAs share one norm and one verdict; the grid is the cut
+// rows' CTAs, at most the call's CTA count (RowCtas). Else block g holds row g, kRowV vectors
+// per thread.
 template <typename T, int kMaxN, bool kCut>
 __global__ void __launch_bounds__(kThreads)
     OneShotRowsKernel(const __grid_constant__ KernelParams p) {
@@ -203,8 +205,8 @@ template <typename T, int kMaxN>
 cudaError_t LaunchFor(const KernelParams& p, int num_ctas, cudaStream_t stream) {
   DeviceFacts facts{};
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
-  if (const int ctas = RowCtas(p.tokens, p.hidden / Vec<T>::kN, facts.major); ctas > 1)
-    return LaunchClusters(OneShotRowsKernel<T, kMaxN, true>, ctas * p.tokens, kThreads, ctas,
+  if (const int ctas = RowCtas(p.tokens, p.hidden / Vec<T>::kN, facts.major, num_ctas); ctas > 1)
+    return LaunchClusters(OneShotRowsKernel<T, kMaxN, true>, dim3(ctas * p.tokens), kThreads, ctas,
                           stream, p);
   OneShotRowsKernel<T, kMaxN, false><<<num_ctas, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
