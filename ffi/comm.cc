@@ -57,10 +57,26 @@ std::string FailureMessage(const Comm& comm) {
            ? " (it never started this call: its host did not issue it, or its stream was "
              "blocked)"
            : " (it started this call but never arrived)";
-  return s +
+  return s + comm.IssuedNote(e) +
          ". The communicator is unusable: outputs of later calls are NaN and every later "
          "launch fails; jax_tokenweave.comm.reset_communicators() (in every process) "
          "frees it and starts over";
+}
+
+std::string Comm::IssuedNote(const ErrorRecord& e) const {
+  if (options_.loopback || e.slot < 0 || e.slot >= options_.num_slots || e.peer < 0 ||
+      e.peer >= group_size_)
+    return "";
+  for (const auto& d : devs_) {
+    if (d->ordinal != e.device) continue;
+    const DeviceState& peer = *devs_[d->group * group_size_ + e.peer];
+    if (peer.ordinal < 0) return "";
+    return "; this process's handlers issued " + std::to_string(peer.issued[e.slot].load()) +
+           " launches on slot " + std::to_string(e.slot) + " to the missing rank (device " +
+           std::to_string(peer.ordinal) + ") and " + std::to_string(d->issued[e.slot].load()) +
+           " to the waiting one";
+  }
+  return "";
 }
 
 Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options)
@@ -118,6 +134,7 @@ Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options
     d->ordinal = ordinals_[i];
     d->group = i / group_size_;
     d->rank = i % group_size_;
+    d->issued = std::make_unique<std::atomic<uint32_t>[]>(options_.num_slots);
     devs_.push_back(std::move(d));
   }
   for (int g = 0; options_.multimem && g < n / group_size_; ++g) {

@@ -42,6 +42,7 @@ struct DeviceState {
   std::mutex mu;                         // guards the lazily created stream and events
   cudaStream_t side = nullptr;           // high-priority stream of the start/done pair
   std::vector<cudaEvent_t> ready, done;  // per slot: inputs ready / kernel done
+  std::unique_ptr<std::atomic<uint32_t>[]> issued;  // per slot: launches the handlers issued
 };
 
 class Comm {
@@ -84,6 +85,9 @@ class Comm {
   // Host-side launches issued so far by the handlers (an XLA command buffer replay issues none).
   int64_t launches() const { return launches_.load(); }
   void CountLaunch() { launches_.fetch_add(1); }
+  // What the host issued on the failed wait's slot to the missing rank and to the waiting
+  // one, where both are this process's devices ("" otherwise; command buffers issue none).
+  std::string IssuedNote(const ErrorRecord& e) const;
 
  private:
   void EnablePeerAccess();

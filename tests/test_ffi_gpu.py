@@ -142,9 +142,9 @@ def test_1000_back_to_back_calls(ffi_mesh2, rng, tokens, algo):
 
     def chain(p, r, w):
         def step(_, carry):
-            return _ffi.allreduce_rmsnorm(
-                p, carry[1], w, axis_name="tp", mesh=ffi_mesh2, eps=EPS, algo=algo
-            )
+            return _ffi.allreduce_rmsnorm(  # the configuration of `single` below: a row's
+                p, carry[1], w, axis_name="tp", mesh=ffi_mesh2, eps=EPS, algo=algo, num_ctas=16
+            )  # sum of squares is cut across CTAs by the count, so bits follow it
 
         return jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(p), r))
 
@@ -165,8 +165,9 @@ def test_two_slots_interleaved(ffi_mesh2, rng):
 
     def both(pa, ra, pb, rb, w):
         def step(_, c):
-            a = _ffi.allreduce_rmsnorm(pa, c[1], w, axis_name="tp", mesh=ffi_mesh2, eps=EPS, slot=0)
-            b = _ffi.allreduce_rmsnorm(pb, c[3], w, axis_name="tp", mesh=ffi_mesh2, eps=EPS, slot=1)
+            kw = dict(axis_name="tp", mesh=ffi_mesh2, eps=EPS, num_ctas=16)  # as _op below
+            a = _ffi.allreduce_rmsnorm(pa, c[1], w, slot=0, **kw)
+            b = _ffi.allreduce_rmsnorm(pb, c[3], w, slot=1, **kw)
             return (*a, *b)
 
         return jax.lax.fori_loop(0, iters, step, (jnp.zeros_like(pa), ra, jnp.zeros_like(pb), rb))
@@ -185,7 +186,7 @@ def test_two_slots_interleaved(ffi_mesh2, rng):
 def test_start_done_matches_sync(ffi_mesh2, rng, algo):
     pa, ra, w = _inputs(rng, 2, 2000, 8192, jnp.bfloat16)
     pb, rb, _ = _inputs(rng, 2, 500, 8192, jnp.bfloat16)
-    kw = dict(axis_name="tp", mesh=ffi_mesh2, eps=EPS, algo=algo)
+    kw = dict(axis_name="tp", mesh=ffi_mesh2, eps=EPS, algo=algo, num_ctas=16)  # as _op's
 
     def overlapped(pa, ra, pb, rb, w):
         pend = _ffi.allreduce_rmsnorm_start(pa, ra, w, slot=2, **kw)
@@ -198,7 +199,7 @@ def test_start_done_matches_sync(ffi_mesh2, rng, algo):
     got = _shard(ffi_mesh2, overlapped, 5, 4)(pa, ra, pb, rb, w)
     _check(ffi_mesh2, got[:2], pa, ra, w, jnp.bfloat16)
     _check(ffi_mesh2, got[2:], pb * 2, rb, w, jnp.bfloat16)
-    want = _op(ffi_mesh2, "auto", 16, 0)(pa, ra, w)
+    want = _op(ffi_mesh2, algo, 16, 0)(pa, ra, w)
     for g, x in zip(got[:2], want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
 
@@ -213,7 +214,7 @@ def test_start_done_matches_sync(ffi_mesh2, rng, algo):
     got = _shard(ffi_mesh2, chain, 3, 2)(pa, ra, w)
     c = (None, ra)
     for _ in range(200):
-        c = _op(ffi_mesh2, "auto", 16, 0)(pa, c[1], w)
+        c = _op(ffi_mesh2, algo, 16, 0)(pa, c[1], w)
     for g, x in zip(got, c, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(x))
 
@@ -221,11 +222,15 @@ def test_start_done_matches_sync(ffi_mesh2, rng, algo):
 def test_errors(ffi_mesh2, rng, monkeypatch):
     args = _inputs(rng, 2, 16, 4096, jnp.bfloat16)
 
-    def body(p, r, w):
-        return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=ffi_mesh2, num_ctas=64)
+    def body(p, r, w, num_ctas=129, algo="auto"):
+        kw = dict(axis_name="tp", mesh=ffi_mesh2, num_ctas=num_ctas, algo=algo)
+        return _ffi.allreduce_rmsnorm(p, r, w, **kw)
 
-    with pytest.raises(ValueError, match="num_ctas"):
+    with pytest.raises(ValueError, match="num_ctas"):  # beyond every variant's grid
         _shard(ffi_mesh2, body, 3, 2)(*args)
+    two_shot_64 = functools.partial(body, num_ctas=64, algo="two_shot")  # one-shot only
+    with pytest.raises(RuntimeError, match="num_ctas=64 is outside"):
+        _shard(ffi_mesh2, two_shot_64, 3, 2)(*args)
     monkeypatch.setenv("JAX_TOKENWEAVE_WORKSPACE_MB", "16")
     monkeypatch.setenv("JAX_TOKENWEAVE_ALGO", "two_shot")  # direct stages nothing
     why = _ffi.unavailable_reason(ffi_mesh2, "tp", jnp.bfloat16, (4096, 8192))
@@ -278,8 +283,9 @@ def test_forced_timeout_raises_and_leaves_the_gpus_usable(ffi_mesh2, rng):
     )
     normed, _ = step(p, r, w)
     assert np.isnan(np.asarray(normed.astype(jnp.float32))).all()
-    with pytest.raises(CommFailed, match=r"rank 1.*never started"):
-        comm.check()
+    issued = r"issued 0 launches on slot 0 to the missing rank \(device \d+\) and 1 to the waiting"
+    with pytest.raises(CommFailed, match=r"rank 1.*never started.*" + issued):
+        comm.check()  # the host never issued rank 1's call: its count says so
     with pytest.raises(Exception, match="wait expired"):
         jax.block_until_ready(step(p, r, w))
     for d in ffi_mesh2.devices.flat:  # the CUDA contexts survived
