@@ -40,7 +40,10 @@ W=$(mktemp -d)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 start=$SECONDS
-log() { echo "[gpu_session $((SECONDS - start))s] $*"; }
+# Each stage's log line first packs what the stages before it wrote, so a call cut off by its
+# time limit still brings back every finished stage.
+pack() { tar czf "$OUT/session.tgz" -C "$W" . 2>/dev/null; }
+log() { pack; echo "[gpu_session $((SECONDS - start))s] $*"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 # -P: never import the source folder in place of the installed package.
 PY="python3 -P"
@@ -169,6 +172,5 @@ for bench in attention decode prefill; do
     ${!args_var} > "$W/$bench.log" 2>&1 || status=$?
   cat "$W/$bench/$bench.md" 2>/dev/null || tail -30 "$W/$bench.log"
 done
-tar czf "$OUT/session.tgz" -C "$W" .
 log "done (status $status); results in $OUT/session.tgz"
 exit "$status"

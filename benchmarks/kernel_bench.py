@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel import _ffi, ops
+from jax_tokenweave.kernel.comm import get_communicator
 from jax_tokenweave.kernel.policy import KernelPolicy, PolicyRow
 
 
@@ -64,6 +65,15 @@ def _fn(mesh, impl, iters, num_ctas, algo):
     )
 
 
+def _ctas(text: str) -> int | None:
+    """A ``--ctas`` value: a positive count, or ``policy`` (None: the policy table's)."""
+    if text == "policy":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a CTA count is a positive integer or 'policy': {text!r}")
+    return int(text)
+
+
 def _time(f, args, reps):
     jax.block_until_ready(f(*args))
     jax.block_until_ready(f(*args))
@@ -81,7 +91,13 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096, 16384])
     ap.add_argument("--hidden", type=int, nargs="+", default=[8192, 5120, 4096])
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--ctas", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    ap.add_argument(
+        "--ctas",
+        type=_ctas,
+        nargs="+",
+        default=[2, 4, 8, 16, 32],
+        help="CTA counts of the ffi rows; 'policy': the count auto takes (policy.json)",
+    )
     ap.add_argument("--algos", nargs="+", default=["auto"])
     ap.add_argument("--impls", nargs="+", default=["ffi", "xla", "xla_rsag"])
     ap.add_argument("--dtype", default="bfloat16")
@@ -181,6 +197,9 @@ def main():
             dtype=str(dtype),
             us=sec * 1e6,
         )
+        if impl == "ffi":  # what ran: auto's variant, the policy's count
+            comm = get_communicator(mesh, "tp")
+            row["ran_algo"], row["ran_ctas"] = comm.choose(dtype, (t, h), algo=algo, num_ctas=ctas)
         if args.device_time:
             profiling = bm.sibling_module(__file__, "profile_kernels")  # found under -P too
             row["device_us"] = profiling.device_us_per_call(fn, (part, res, w), args.reps, iters)
@@ -218,14 +237,18 @@ def policy_from_rows(rows, meta) -> KernelPolicy:
             if size not in best or _time_of(r) < _time_of(best[size]):
                 best[size] = r
         sizes = sorted(best)
-        policy_rows = [PolicyRow(s, best[s]["algo"], best[s]["num_ctas"]) for s in sizes[:-1]]
-        last = best[sizes[-1]]
-        by_tp[tp] = (*policy_rows, PolicyRow(None, last["algo"], last["num_ctas"]))
+        policy_rows = [PolicyRow(s, *_ran(best[s])) for s in sizes[:-1]]
+        by_tp[tp] = (*policy_rows, PolicyRow(None, *_ran(best[sizes[-1]])))
     source = (
         f"measured by benchmarks/kernel_bench.py on {meta['device']} x{meta['n_devices']}, "
         f"{meta['date']}, commit {meta['commit']}: {meta['argv']}"
     )
     return KernelPolicy(by_tp, {"source": source, "generated": meta["date"][:10]})
+
+
+def _ran(r) -> tuple[str, int]:
+    """The variant and CTA count an ffi row ran (rows of older files: as asked)."""
+    return r.get("ran_algo", r["algo"]), r.get("ran_ctas", r["num_ctas"])
 
 
 def _label(r):
@@ -256,10 +279,10 @@ def _markdown(out, meta, rows):
     ]
     for r in rows:
         dev = f"{r['device_us']:.1f}" if "device_us" in r else "-"
+        ctas, algo = _shown(r)
         lines.append(
-            f"| {r['tp']} | {r['hidden']} | {r['tokens']} | {r['impl']} | "
-            f"{r['num_ctas'] or ''} | {r['algo'] or ''} | {r['us']:.1f} | {dev} | "
-            f"{r['busbw_gbs']:.1f} |"
+            f"| {r['tp']} | {r['hidden']} | {r['tokens']} | {r['impl']} | {ctas} | {algo} | "
+            f"{r['us']:.1f} | {dev} | {r['busbw_gbs']:.1f} |"
         )
     lines += [
         "",
@@ -269,10 +292,22 @@ def _markdown(out, meta, rows):
         "|---|---|---|---|---|---|",
     ]
     for (tp, h, t, impl), r in sorted(_best_ffi(rows).items()):
-        lines.append(f"| {tp} | {h} | {t} | {impl} | {_time_of(r):.1f} | {r['num_ctas'] or ''} |")
+        lines.append(f"| {tp} | {h} | {t} | {impl} | {_time_of(r):.1f} | {_shown(r)[0]} |")
     with open(os.path.join(out, "kernel_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines[-(len(_best_ffi(rows)) + 2) :]))
+
+
+def _shown(r) -> tuple[str, str]:
+    """The CTAs and algo cells of a row: as asked, with what ran where it differs
+    (``policy (64)``, ``auto (one_shot)``)."""
+    if r["impl"] != "ffi":
+        return "", ""
+    ran_algo, ran_ctas = _ran(r)
+    ctas = "policy" if r["num_ctas"] is None else str(r["num_ctas"])
+    ctas += f" ({ran_ctas})" if str(ran_ctas) != ctas else ""
+    algo = r["algo"] + (f" ({ran_algo})" if ran_algo != r["algo"] else "")
+    return ctas, algo
 
 
 def _plot(out, rows):

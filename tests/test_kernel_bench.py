@@ -84,6 +84,28 @@ def test_policy_uses_wall_time_without_device_time(kernel_bench):
     assert kernel_bench.policy_from_rows(rows, meta).choose(4, 1).algo == "one_shot"
 
 
+def test_policy_names_what_ran_not_auto(kernel_bench):
+    """Rows asked for ``auto`` and the policy's count record what ran; the table written
+    from them holds that variant and count (a table row of ``auto`` or no count is no policy)."""
+    slow = _row(2, 16, "auto", None, us=9.0) | dict(ran_algo="one_shot", ran_ctas=64)
+    fast = _row(2, 16, "auto", 32, us=7.0) | dict(ran_algo="one_shot", ran_ctas=32)
+    big = _row(2, 4096, "auto", None, us=300.0) | dict(ran_algo="direct", ran_ctas=16)
+    meta = dict(device="H200", n_devices=2, date="2026-11-26T00:00:00", commit="x", argv="")
+    policy = kernel_bench.policy_from_rows([slow, fast, big], meta)
+    small_row, large_row = policy.choose(2, 16 * 8192 * 2), policy.choose(2, 10**9)
+    assert (small_row.algo, small_row.num_ctas) == ("one_shot", 32)
+    assert (large_row.algo, large_row.num_ctas) == ("direct", 16)
+    assert kernel_bench._shown(slow) == ("policy (64)", "auto (one_shot)")
+    assert kernel_bench._shown(_row(2, 1, "direct", 8, us=1.0)) == ("8", "direct")
+
+
+def test_ctas_option(kernel_bench):
+    assert [kernel_bench._ctas(v) for v in ("16", "policy")] == [16, None]
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(Exception, match="positive integer or 'policy'"):
+            kernel_bench._ctas(bad)
+
+
 @pytest.mark.slow
 def test_runs_with_one_process_per_device(tmp_path):
     """Under the launcher (two CPU processes, XLA's collectives over gloo) every process builds
