@@ -162,11 +162,11 @@ def main():
             tqdm.write(f"time budget of {args.time_budget:.0f} s spent: stopping")
             break
         mesh = Mesh(np.array(gpus[:tp]), ("tp",))
-        if impl == "ffi" and _ffi.unavailable_reason(mesh, "tp", dtype, (t, h)) is not None:
-            tqdm.write(
-                f"skip ffi tp={tp} H={h} T={t}: "
-                f"{_ffi.unavailable_reason(mesh, 'tp', dtype, (t, h))}"
-            )
+        why = None
+        if impl == "ffi":  # (e.g. more CTAs than the asked variant's grid holds)
+            why = _ffi.unavailable_reason(mesh, "tp", dtype, (t, h), num_ctas=ctas, algo=algo)
+        if why is not None:
+            tqdm.write(f"skip ffi tp={tp} H={h} T={t} CTAs={ctas} algo={algo}: {why}")
             continue
         q = ops.rows_per_rank(t, tp)
         res_rows = t if impl == "xla" else q
