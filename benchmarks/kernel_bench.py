@@ -42,6 +42,11 @@ from jax_tokenweave.kernel import _ffi, ops
 from jax_tokenweave.kernel.comm import get_communicator
 from jax_tokenweave.kernel.policy import KernelPolicy, PolicyRow
 
+# Every jitted chain lives until the process ends: freeing one unloads its CUDA modules, which
+# in one process driving several GPUs can hold back a launch while a fused kernel spins for it
+# (ffi/README.md, "One process, several GPUs").
+_KEEP_ALIVE: list = []
+
 
 def _fn(mesh, impl, iters, num_ctas, algo):
     def body(p, r, w):
@@ -54,7 +59,7 @@ def _fn(mesh, impl, iters, num_ctas, algo):
 
         return jax.lax.fori_loop(0, iters, step, (p, r), unroll=True)
 
-    return jax.jit(
+    f = jax.jit(
         jax.shard_map(
             body,
             mesh=mesh,
@@ -63,6 +68,8 @@ def _fn(mesh, impl, iters, num_ctas, algo):
             check_vma=False,
         )
     )
+    _KEEP_ALIVE.append(f)
+    return f
 
 
 def _ctas(text: str) -> int | None:

@@ -55,7 +55,8 @@ std::string FailureMessage(const Comm& comm) {
        std::to_string(e.peer_entered);
   s += static_cast<int32_t>(e.peer_entered - e.epoch) < 0
            ? " (it never started this call: its host did not issue it, or its stream was "
-             "blocked)"
+             "blocked; with several GPUs in one process, see \"One process, several GPUs\" "
+             "in jax-tokenweave's ffi/README.md)"
            : " (it started this call but never arrived)";
   return s + comm.IssuedNote(e) +
          ". The communicator is unusable: outputs of later calls are NaN and every later "

@@ -56,7 +56,12 @@ def gpu_mesh():
 @pytest.fixture
 def ffi_mesh2(gpu_mesh):
     """A 2-GPU ``"tp"`` mesh on which the fused CUDA kernel can run; skips, saying why, where
-    it cannot (too few GPUs, extension not built, devices not peers, ...)."""
+    it cannot (too few GPUs, extension not built, devices not peers, ...). Garbage is collected
+    before and after the test, while no call is in flight: freeing a jitted function unloads
+    its CUDA modules, which in one process can hold back a GPU's launch while a fused kernel
+    spins for it (ffi/README.md, "One process, several GPUs")."""
+    import gc
+
     import jax.numpy as jnp
 
     from jax_tokenweave.kernel import _ffi
@@ -67,7 +72,9 @@ def ffi_mesh2(gpu_mesh):
     why = _ffi.unavailable_reason(mesh, "tp", jnp.bfloat16, (1024, 4096))
     if why is not None:
         pytest.skip(why)
-    return mesh
+    gc.collect()
+    yield mesh
+    gc.collect()
 
 
 DEFAULT_SEED = 0

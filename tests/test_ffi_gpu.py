@@ -19,8 +19,14 @@ TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
 EPS = 1e-6
 
 
+# Jitted functions live for the whole module: freeing one unloads its executable's CUDA
+# modules, which may happen when its last call ends, while later calls are in flight (see
+# ffi_mesh2 in conftest.py and ffi/README.md, "One process, several GPUs").
+_KEEP_ALIVE: list = []
+
+
 def _shard(mesh, fn, n_in, n_out):
-    return jax.jit(
+    f = jax.jit(
         jax.shard_map(
             fn,
             mesh=mesh,
@@ -29,6 +35,8 @@ def _shard(mesh, fn, n_in, n_out):
             check_vma=False,
         )
     )
+    _KEEP_ALIVE.append(f)
+    return f
 
 
 def _inputs(rng, n, tokens, hidden, dtype):
