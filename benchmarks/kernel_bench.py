@@ -153,6 +153,7 @@ def main():
                     else:
                         configs.append((tp, h, t, impl, None, None))
     rows, checked = [], set()
+    profiling = bm.sibling_module(__file__, "profile_kernels")  # found under python -P too
     meta = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         device=gpus[0].device_kind,
@@ -208,7 +209,6 @@ def main():
             comm = get_communicator(mesh, "tp")
             row["ran_algo"], row["ran_ctas"] = comm.choose(dtype, (t, h), algo=algo, num_ctas=ctas)
         if args.device_time:
-            profiling = bm.sibling_module(__file__, "profile_kernels")  # found under -P too
             row["device_us"] = profiling.device_us_per_call(fn, (part, res, w), args.reps, iters)
             sec = row["device_us"] / 1e6
         row.update(algbw_gbs=nbytes / sec / 1e9, busbw_gbs=2 * (tp - 1) / tp * nbytes / sec / 1e9)

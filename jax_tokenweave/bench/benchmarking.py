@@ -312,6 +312,8 @@ def result_parser(prog: str, doc: str, stem: str) -> argparse.ArgumentParser:
 def sibling_module(anchor: str, name: str) -> ModuleType:
     """``<name>.py`` beside the file ``anchor`` (a benchmark's ``__file__``), loaded by path once
     (benchmarks/ is no package, and ``python -P`` leaves the script's folder off the path)."""
+    if (loaded := sys.modules.get(f"_benchmarks_{name}")) is not None:
+        return loaded
     spec = importlib.util.spec_from_file_location(
         f"_benchmarks_{name}", Path(anchor).with_name(f"{name}.py")
     )
