@@ -64,6 +64,13 @@ std::string FailureMessage(const Comm& comm) {
          "frees it and starts over";
 }
 
+int64_t Comm::launches() const {
+  int64_t total = 0;
+  for (const auto& d : devs_)
+    for (int s = 0; s < options_.num_slots; ++s) total += d->issued[s].load();
+  return total;
+}
+
 std::string Comm::IssuedNote(const ErrorRecord& e) const {
   if (options_.loopback || e.slot < 0 || e.slot >= options_.num_slots || e.peer < 0 ||
       e.peer >= group_size_)

@@ -83,8 +83,7 @@ class Comm {
   const CommOptions& options() const { return options_; }
   ErrorRecord* error_record() const { return err_; }
   // Host-side launches issued so far by the handlers (an XLA command buffer replay issues none).
-  int64_t launches() const { return launches_.load(); }
-  void CountLaunch() { launches_.fetch_add(1); }
+  int64_t launches() const;  // the sum of every device's `issued`
   // What the host issued on the failed wait's slot to the missing rank and to the waiting
   // one, where both are this process's devices ("" otherwise; command buffers issue none).
   std::string IssuedNote(const ErrorRecord& e) const;
@@ -105,7 +104,6 @@ class Comm {
   CommOptions options_;
   std::vector<std::unique_ptr<DeviceState>> devs_;  // in `ordinals_` order
   ErrorRecord* err_ = nullptr;
-  std::atomic<int64_t> launches_{0};
 };
 
 // Registers (or finds) the comm for these CUDA ordinals, in group order, `group_size` devices

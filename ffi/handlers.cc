@@ -156,7 +156,6 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
 }
 
 ffi::Error Launch(Call& c, cudaStream_t stream) {
-  c.comm->CountLaunch();
   c.dev->issued[c.params.slot].fetch_add(1, std::memory_order_relaxed);
   TW_FFI_CHECK(LaunchAllreduceRmsnorm(c.params, c.dtype, c.algo, c.comm->options().multimem,
                                       c.num_ctas, stream));
