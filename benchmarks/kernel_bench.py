@@ -12,7 +12,8 @@ also profiled (torch.profiler: every kernel of the chain, per GPU, median over G
 ``profile_kernels.py``), and bandwidth uses that time. Bandwidth: ``busbw = 2 (N-1)/N *
 T*H*bytes / time`` (the all-reduce convention), and ``algbw = T*H*bytes / time``.
 ``--write-policy PATH`` writes the size table ``auto`` reads (``jax_tokenweave/kernel/policy.json``
-format) from the fastest ffi variant and CTA count at each measured size.
+format) from the fastest ffi variant and CTA count at each measured size, keeping the TP degrees
+it did not measure (``policy_table.py`` does the same from saved results).
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernel --tokens 1 128 4096
 
@@ -40,7 +41,8 @@ from tqdm import tqdm
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel import _ffi, ops
 from jax_tokenweave.kernel.comm import get_communicator
-from jax_tokenweave.kernel.policy import KernelPolicy, PolicyRow
+
+_table = bm.sibling_module(__file__, "policy_table")  # time_of, ran, write (found under -P)
 
 # Every jitted chain lives until the process ends: freeing one unloads its CUDA modules, which
 # in one process driving several GPUs can hold back a launch while a fused kernel spins for it
@@ -223,39 +225,8 @@ def main():
     _markdown(args.out, meta, rows)
     _plot(args.out, rows)
     if args.write_policy:
-        policy_from_rows(rows, meta).save(args.write_policy)
+        _table.write(rows, meta, args.write_policy)
         print(f"policy table written to {args.write_policy}")
-
-
-def _time_of(r) -> float:
-    return r.get("device_us", r["us"])
-
-
-def policy_from_rows(rows, meta) -> KernelPolicy:
-    """Per TP, for each measured message size (T*H*itemsize), the fastest ffi (algo, CTAs); the
-    largest size's choice covers every larger message."""
-    by_tp: dict[int, list[PolicyRow]] = {}
-    for tp in sorted({r["tp"] for r in rows if r["impl"] == "ffi"}):
-        best: dict[int, dict] = {}
-        for r in rows:
-            if r["impl"] != "ffi" or r["tp"] != tp:
-                continue
-            size = r["tokens"] * r["hidden"] * np.dtype(jnp.dtype(r["dtype"])).itemsize
-            if size not in best or _time_of(r) < _time_of(best[size]):
-                best[size] = r
-        sizes = sorted(best)
-        policy_rows = [PolicyRow(s, *_ran(best[s])) for s in sizes[:-1]]
-        by_tp[tp] = (*policy_rows, PolicyRow(None, *_ran(best[sizes[-1]])))
-    source = (
-        f"measured by benchmarks/kernel_bench.py on {meta['device']} x{meta['n_devices']}, "
-        f"{meta['date']}, commit {meta['commit']}: {meta['argv']}"
-    )
-    return KernelPolicy(by_tp, {"source": source, "generated": meta["date"][:10]})
-
-
-def _ran(r) -> tuple[str, int]:
-    """The variant and CTA count an ffi row ran (rows of older files: as asked)."""
-    return r.get("ran_algo", r["algo"]), r.get("ran_ctas", r["num_ctas"])
 
 
 def _label(r):
@@ -268,7 +239,7 @@ def _best_ffi(rows):
     best = {}
     for r in rows:
         key = (r["tp"], r["hidden"], r["tokens"], _label(r))
-        if key not in best or _time_of(r) < _time_of(best[key]):
+        if key not in best or _table.time_of(r) < _table.time_of(best[key]):
             best[key] = r
     return best
 
@@ -299,7 +270,7 @@ def _markdown(out, meta, rows):
         "|---|---|---|---|---|---|",
     ]
     for (tp, h, t, impl), r in sorted(_best_ffi(rows).items()):
-        lines.append(f"| {tp} | {h} | {t} | {impl} | {_time_of(r):.1f} | {_shown(r)[0]} |")
+        lines.append(f"| {tp} | {h} | {t} | {impl} | {_table.time_of(r):.1f} | {_shown(r)[0]} |")
     with open(os.path.join(out, "kernel_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines[-(len(_best_ffi(rows)) + 2) :]))
@@ -310,7 +281,7 @@ def _shown(r) -> tuple[str, str]:
     (``policy (64)``, ``auto (one_shot)``)."""
     if r["impl"] != "ffi":
         return "", ""
-    ran_algo, ran_ctas = _ran(r)
+    ran_algo, ran_ctas = _table.ran(r)
     ctas = "policy" if r["num_ctas"] is None else str(r["num_ctas"])
     ctas += f" ({ran_ctas})" if str(ran_ctas) != ctas else ""
     algo = r["algo"] + (f" ({ran_algo})" if ran_algo != r["algo"] else "")
@@ -329,7 +300,9 @@ def _plot(out, rows):
     for ax, (tp, h) in zip(axes[0], keys, strict=True):
         for impl in sorted({k[3] for k in best}):
             pts = sorted(
-                (t, _time_of(r)) for (a, b, t, i), r in best.items() if (a, b, i) == (tp, h, impl)
+                (t, _table.time_of(r))
+                for (a, b, t, i), r in best.items()
+                if (a, b, i) == (tp, h, impl)
             )
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=impl)

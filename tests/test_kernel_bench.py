@@ -1,5 +1,5 @@
-"""The kernel benchmark's policy writer: the size table ``auto`` reads is made from
-measurements (benchmarks/kernel_bench.py --write-policy)."""
+"""The kernel benchmark and its policy writer: the size table ``auto`` reads is made from
+measurements (benchmarks/kernel_bench.py --write-policy, benchmarks/policy_table.py)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_tokenweave.kernel.policy import KernelPolicy
+from jax_tokenweave.kernel.policy import KernelPolicy, PolicyRow
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def kernel_bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("kernel_bench", BENCH / "kernel_bench.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH))
+    return _load("kernel_bench")
+
+
+@pytest.fixture(scope="module")
+def policy_table():
+    return _load("policy_table")
 
 
 def _row(tp, tokens, algo, ctas, us, device_us=None):
@@ -43,7 +48,7 @@ def _row(tp, tokens, algo, ctas, us, device_us=None):
     return r
 
 
-def test_policy_from_rows_takes_the_fastest_per_size(kernel_bench):
+def test_policy_from_rows_takes_the_fastest_per_size(policy_table):
     rng = np.random.default_rng()
     rows = []
     fastest = {}
@@ -69,7 +74,7 @@ def test_policy_from_rows_takes_the_fastest_per_size(kernel_bench):
     meta = dict(
         device="H200", n_devices=2, date="2026-11-23T00:00:00", commit="abc", argv="kernel_bench.py"
     )
-    policy = kernel_bench.policy_from_rows(rows, meta)
+    policy = policy_table.policy_from_rows(rows, meta)
     assert isinstance(policy, KernelPolicy) and set(policy.by_ranks) == {2}
     for tokens, (algo, ctas, _) in fastest.items():
         row = policy.choose(2, tokens * 8192 * 2)
@@ -78,25 +83,76 @@ def test_policy_from_rows_takes_the_fastest_per_size(kernel_bench):
     assert "abc" in policy.meta["source"]
 
 
-def test_policy_uses_wall_time_without_device_time(kernel_bench):
+def test_policy_uses_wall_time_without_device_time(policy_table):
     rows = [_row(4, 1, "one_shot", 8, us=5.0), _row(4, 1, "direct", 8, us=9.0)]
     meta = dict(device="H200", n_devices=4, date="2026-11-23T00:00:00", commit="x", argv="")
-    assert kernel_bench.policy_from_rows(rows, meta).choose(4, 1).algo == "one_shot"
+    assert policy_table.policy_from_rows(rows, meta).choose(4, 1).algo == "one_shot"
 
 
-def test_policy_names_what_ran_not_auto(kernel_bench):
+def test_policy_names_what_ran_not_auto(policy_table, kernel_bench):
     """Rows asked for ``auto`` and the policy's count record what ran; the table written
     from them holds that variant and count (a table row of ``auto`` or no count is no policy)."""
     slow = _row(2, 16, "auto", None, us=9.0) | dict(ran_algo="one_shot", ran_ctas=64)
     fast = _row(2, 16, "auto", 32, us=7.0) | dict(ran_algo="one_shot", ran_ctas=32)
     big = _row(2, 4096, "auto", None, us=300.0) | dict(ran_algo="direct", ran_ctas=16)
     meta = dict(device="H200", n_devices=2, date="2026-11-26T00:00:00", commit="x", argv="")
-    policy = kernel_bench.policy_from_rows([slow, fast, big], meta)
+    policy = policy_table.policy_from_rows([slow, fast, big], meta)
     small_row, large_row = policy.choose(2, 16 * 8192 * 2), policy.choose(2, 10**9)
     assert (small_row.algo, small_row.num_ctas) == ("one_shot", 32)
     assert (large_row.algo, large_row.num_ctas) == ("direct", 16)
     assert kernel_bench._shown(slow) == ("policy (64)", "auto (one_shot)")
     assert kernel_bench._shown(_row(2, 1, "direct", 8, us=1.0)) == ("8", "direct")
+
+
+def test_policy_merges_sizes_with_one_choice(policy_table):
+    """Sizes whose fastest row is the same (variant, CTAs) share one table row."""
+    rows = [
+        _row(2, 1, "one_shot", 64, us=5.0),
+        _row(2, 16, "one_shot", 64, us=6.0),
+        _row(2, 16, "direct", 32, us=9.0),
+        _row(2, 256, "direct", 32, us=27.0),
+        _row(2, 256, "one_shot", 64, us=31.0),
+        _row(2, 4096, "direct", 32, us=250.0),
+    ]
+    meta = dict(device="H200", n_devices=2, date="2026-11-26T00:00:00", commit="x", argv="")
+    got = policy_table.policy_from_rows(rows, meta).by_ranks[2]
+    assert [(r.max_bytes, r.algo, r.num_ctas) for r in got] == [
+        (16 * 8192 * 2, "one_shot", 64),
+        (None, "direct", 32),
+    ]
+
+
+def test_write_keeps_group_sizes_it_did_not_measure(policy_table, tmp_path):
+    """Rows of TP 2 and 4 (run on different machines, two files) replace those degrees of the
+    table at --out; TP 8, measured in neither, keeps its rows."""
+    import json
+
+    out = tmp_path / "policy.json"
+    before = KernelPolicy(
+        {
+            2: (PolicyRow(None, "direct", 16),),
+            8: (PolicyRow(65536, "one_shot", 16), PolicyRow(None, "direct", 16)),
+        },
+        {"source": "old runs"},
+    )
+    before.save(out)
+    files = []
+    for tp, algo in ((2, "one_shot"), (4, "direct")):
+        meta = dict(device="H200", n_devices=tp, date="2026-11-26T01:00:00", commit=f"c{tp}")
+        meta["argv"] = f"kernel_bench.py --tp {tp}"
+        rows = [_row(tp, 1, algo, 32, us=5.0, device_us=4.0), _row(tp, 1, "auto", 8, us=9.0)]
+        files.append(tmp_path / f"tp{tp}.json")
+        files[-1].write_text(json.dumps(dict(meta=meta, rows=rows)))
+    argv, sys.argv = sys.argv, ["policy_table.py", *map(str, files), "--out", str(out)]
+    try:
+        policy_table.main()
+    finally:
+        sys.argv = argv
+    after = KernelPolicy.from_json(json.loads(out.read_text()))
+    assert after.by_ranks[2] == (PolicyRow(None, "one_shot", 32),)
+    assert after.by_ranks[4] == (PolicyRow(None, "direct", 32),)
+    assert after.by_ranks[8] == before.by_ranks[8]
+    assert "c2, c4" in after.meta["source"] and "old runs" in after.meta["source"]
 
 
 def test_ctas_option(kernel_bench):
