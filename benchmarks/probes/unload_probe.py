@@ -82,7 +82,7 @@ def main() -> None:
             jax.block_until_ready(out)
             comm.check()
         except Exception as err:  # a held-back launch: record it, start over
-            failures.append((k, time.perf_counter() - t0, str(err)[:400]))
+            failures.append((k, time.perf_counter() - t0, str(err)))
             print(f"round {k}: {failures[-1][2]}")
             reset_communicators()
             comm = Communicator(mesh, "tp", settings)
