@@ -9,8 +9,11 @@
 
 namespace tokenweave {
 
-constexpr int kMaxRanks = 8;          // largest group (tensor-parallel axis) size
-constexpr int kMaxCtas = 32;          // largest grid of the barrier kernels (per-block flags)
+constexpr int kMaxRanks = 8;  // largest group (tensor-parallel axis) size
+constexpr int kMaxCtas = 64;  // largest grid of the barrier kernels (per-block flags)
+// Largest grid of a barrier kernel in the loopback harness, where every rank's blocks share one
+// GPU and must all be resident at once (8 ranks x 32 blocks of 512 threads fill an H100).
+constexpr int kMaxLoopbackCtas = 32;
 constexpr int kMaxOneShotCtas = 128;  // largest grid of the one-shot kernel (no flags)
 constexpr int kMinCtas = 1;
 constexpr int kThreads = 512;  // threads per block

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "comm.h"
@@ -66,9 +67,14 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
   const int n = comm->group_size(), t = req.tokens, h = req.hidden;
   const int q = (t + n - 1) / n;
   const int64_t es = req.dtype == DType::kF32 ? 4 : 2, rb = h * es;
+  const int top = req.algo == Algo::kOneShot ? kMaxOneShotCtas : kMaxLoopbackCtas;
+  if (req.num_ctas < kMinCtas || req.num_ctas > top)
+    throw std::runtime_error("jax-tokenweave loopback: num_ctas=" + std::to_string(req.num_ctas) +
+                             " is outside [" + std::to_string(kMinCtas) + ", " +
+                             std::to_string(top) +
+                             "] (every rank's blocks share one GPU and must be resident at once)");
   if (t < 1 || h < 8 || h % 8 != 0 || h > kMaxHidden || req.slots < 1 ||
-      req.slots > comm->options().num_slots || req.calls < 1 || req.num_ctas < kMinCtas ||
-      req.num_ctas > (req.algo == Algo::kOneShot ? kMaxOneShotCtas : kMaxCtas))
+      req.slots > comm->options().num_slots || req.calls < 1)
     throw std::runtime_error("jax-tokenweave loopback: bad request");
   if (static_cast<int64_t>(req.partial.size()) != n * t * rb ||
       static_cast<int64_t>(req.residual.size()) != n * q * rb ||

@@ -161,6 +161,7 @@ NB_MODULE(_tokenweave_ffi, m) {
     d["min_ctas"] = kMinCtas;
     d["max_ctas"] = kMaxCtas;
     d["max_oneshot_ctas"] = kMaxOneShotCtas;
+    d["max_loopback_ctas"] = kMaxLoopbackCtas;
     d["max_hidden"] = kMaxHidden;
     d["threads"] = kThreads;
     d["oneshot_buffers"] = kLamportBuffers;

@@ -177,7 +177,8 @@ def test_shape_reasons(monkeypatch):
     assert "not supported" in reason(2, jnp.int32, (128, 8192), s)
     assert "multiple of 8" in reason(2, jnp.bfloat16, (128, 8190), s)
     assert "num_ctas=0" in reason(2, jnp.bfloat16, (128, 64), s, num_ctas=0)
-    assert "num_ctas=33" in reason(2, jnp.bfloat16, (128, 64), s, num_ctas=33, algo="direct")
+    assert "num_ctas=65" in reason(2, jnp.bfloat16, (128, 64), s, num_ctas=65, algo="direct")
+    assert reason(2, jnp.bfloat16, (128, 64), s, num_ctas=64, algo="direct") is None
     assert reason(2, jnp.bfloat16, (128, 64), s, num_ctas=64, algo="one_shot") is None
     assert "num_ctas=129" in reason(2, jnp.bfloat16, (128, 64), s, num_ctas=129)
     assert "slot 9" in reason(2, jnp.bfloat16, (128, 64), s, slot=9)

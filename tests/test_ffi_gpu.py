@@ -236,9 +236,9 @@ def test_errors(ffi_mesh2, rng, monkeypatch):
 
     with pytest.raises(ValueError, match="num_ctas"):  # beyond every variant's grid
         _shard(ffi_mesh2, body, 3, 2)(*args)
-    two_shot_64 = functools.partial(body, num_ctas=64, algo="two_shot")  # one-shot only
-    with pytest.raises(RuntimeError, match="num_ctas=64 is outside"):
-        _shard(ffi_mesh2, two_shot_64, 3, 2)(*args)
+    two_shot_65 = functools.partial(body, num_ctas=65, algo="two_shot")  # one-shot only
+    with pytest.raises(RuntimeError, match="num_ctas=65 is outside"):
+        _shard(ffi_mesh2, two_shot_65, 3, 2)(*args)
     monkeypatch.setenv("JAX_TOKENWEAVE_WORKSPACE_MB", "16")
     monkeypatch.setenv("JAX_TOKENWEAVE_ALGO", "two_shot")  # direct stages nothing
     why = _ffi.unavailable_reason(ffi_mesh2, "tp", jnp.bfloat16, (4096, 8192))

@@ -93,6 +93,23 @@ def test_matches_float64_reference(loopback, rng, n, algo, dtype, tokens, hidden
         comm.close()
 
 
+def test_grid_beyond_what_one_gpu_holds_is_refused(loopback, rng):
+    """Barrier kernels take up to 64 CTAs on GPUs of their own, but in the harness every rank's
+    blocks share one GPU and must be resident at once: past 32 it refuses, naming the bound."""
+    from jax_tokenweave.kernel import _extension
+
+    top = _extension.limits()["max_loopback_ctas"]
+    assert top < _extension.limits()["max_ctas"]
+    comm = loopback.LoopbackComm(2)
+    try:
+        args = _inputs(rng, 2, 16, 4096, "bfloat16")
+        with pytest.raises(RuntimeError, match=rf"num_ctas={top + 1} is outside \[1, {top}\]"):
+            comm.run(*args, algo="two_shot", num_ctas=top + 1)
+        _check(comm.run(*args, algo="two_shot", num_ctas=top), *args, "bfloat16")
+    finally:
+        comm.close()
+
+
 @pytest.mark.parametrize("n", [2, 8])
 def test_one_shot_large_and_uneven(loopback, rng, n):
     comm = loopback.LoopbackComm(n, CommSettings(workspace_mib=64, oneshot_mib=64, num_slots=1))

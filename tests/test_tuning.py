@@ -23,10 +23,10 @@ def test_tune_entry_and_defaults():
     hash(TuneEntry(-128, 32, 2))
     for bad in (
         dict(offset=None, num_ctas=0),
-        dict(offset=None, num_ctas=33),
+        dict(offset=None, num_ctas=65),
         dict(offset=None, num_ctas=8.0),
         dict(offset=1.5, num_ctas=8),
-        dict(offset=None, num_ctas=8, first_num_ctas=64),
+        dict(offset=None, num_ctas=8, first_num_ctas=65),
         dict(offset=None, num_ctas=True),
     ):
         with pytest.raises(ValueError):
@@ -120,9 +120,9 @@ def test_reads_the_first_format():
         (
             {
                 "format": tuning.FORMAT,
-                "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 64}],
+                "entries": [{"model": "m", "tp": 2, "tokens": 8, "num_ctas": 65}],
             },
-            r"\[1, 32\]",
+            r"\[1, 64\]",
         ),
         (
             {

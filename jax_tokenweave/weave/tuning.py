@@ -42,7 +42,7 @@ __all__ = [
 
 FORMAT = "jax-tokenweave-tuning/2"
 _OLD_FORMAT = "jax-tokenweave-tuning/1"
-MIN_CTAS, MAX_CTAS = 1, 32  # the extension's limits (tests/test_ffi.py pins them to limits())
+MIN_CTAS, MAX_CTAS = 1, 64  # the extension's limits (tests/test_ffi.py pins them to limits())
 ANY_MODEL = "*"
 DEFAULT_THRESHOLD = 1024
 """Split batches of at least this many tokens where the table has no threshold (the paper's)."""
