@@ -6,9 +6,9 @@ fully unrolled ``lax.fori_loop`` (no per-iteration host sync; both outputs feed 
 hoisted out of the loop or merged with another by XLA); it is timed with ``block_until_ready`` over
 R repetitions after a warm-up, and the median time divided by K is reported as the device time
 per call (one dispatch per K calls, so dispatch is amortised; the same method for every impl).
-The ffi result is checked against
-``xla_rsag`` on fresh random inputs before timing. With ``--device-time`` each configuration is
-also profiled (torch.profiler: every kernel of the chain, per GPU, median over GPUs; see
+Each ffi configuration (variant and CTA count) is checked against ``xla_rsag`` on fresh random
+inputs before timing. With ``--device-time`` each configuration is also profiled
+(torch.profiler: every kernel of the chain, per GPU, median over GPUs; see
 ``profile_kernels.py``), and bandwidth uses that time. Bandwidth: ``busbw = 2 (N-1)/N *
 T*H*bytes / time`` (the all-reduce convention), and ``algbw = T*H*bytes / time``.
 ``--write-policy PATH`` writes the size table ``auto`` reads (``jax_tokenweave/kernel/policy.json``
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -44,12 +45,11 @@ from jax_tokenweave.kernel.comm import get_communicator
 
 _table = bm.sibling_module(__file__, "policy_table")  # time_of, ran, write (found under -P)
 
+
 # Every jitted chain lives until the process ends: freeing one unloads its CUDA modules, which
 # in one process driving several GPUs can hold back a launch while a fused kernel spins for it
 # (ffi/README.md, "One process, several GPUs").
-_KEEP_ALIVE: list = []
-
-
+@functools.cache  # one jitted function per configuration, kept for the whole run
 def _fn(mesh, impl, iters, num_ctas, algo):
     def body(p, r, w):
         def step(_, c):
@@ -70,7 +70,6 @@ def _fn(mesh, impl, iters, num_ctas, algo):
             check_vma=False,
         )
     )
-    _KEEP_ALIVE.append(f)
     return f
 
 
@@ -185,14 +184,16 @@ def main():
         )
         res = bm.global_array(mesh, rng.standard_normal((tp * res_rows, h)).astype(dtype), P("tp"))
         w = bm.global_array(mesh, (1 + 0.1 * rng.standard_normal(h)).astype(dtype), P())
-        if impl == "ffi" and (tp, h, t, algo) not in checked:  # check once against xla_rsag
+        if impl == "ffi" and (tp, h, t, algo, ctas) not in checked:  # each against xla_rsag
             got = _fn(mesh, "ffi", 1, ctas, algo)(part, res, w)
             want = _fn(mesh, "xla_rsag", 1, None, None)(part, res, w)
             for g, x in zip(got, want, strict=True):
                 g, x = bm.local_data(g), bm.local_data(x)
                 err = np.linalg.norm(g - x) / np.linalg.norm(x)
-                assert err < 2e-2, f"ffi mismatch tp={tp} H={h} T={t}: rel err {err}"
-            checked.add((tp, h, t, algo))
+                assert err < 2e-2, (
+                    f"ffi mismatch tp={tp} H={h} T={t} algo={algo} CTAs={ctas}: rel err {err}"
+                )
+            checked.add((tp, h, t, algo, ctas))
         nbytes = t * h * dtype.itemsize
         iters = 50 if nbytes <= 4 << 20 else 10
         fn = _fn(mesh, impl, iters, ctas, algo)
