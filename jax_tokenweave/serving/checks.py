@@ -54,3 +54,17 @@ def eos_token_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, Iterable) and not isinstance(value, str | bytes):
         return tuple(integer(t, "an eos token id") for t in value)
     raise ValueError(f"eos_token_ids must be a token id or a sequence of them, got {value!r}")
+
+
+def single_process_mesh(mesh: Any) -> None:
+    """``ValueError`` where ``mesh`` holds devices of another process: the engine schedules on
+    one host thread and reads its results back, so it drives every GPU of its tensor-parallel
+    axis from one process."""
+    owners = sorted({d.process_index for d in np.asarray(mesh.devices).flat})
+    if len(owners) > 1:
+        raise ValueError(
+            f"the serving engine drives every tensor-parallel GPU from one process, but this "
+            f"mesh spans processes {owners} (started by jax_tokenweave.launch or "
+            f"jax.distributed): run the engine, LLM or server in one process over all its GPUs; "
+            f"one process per GPU is for SPMD programs, where every process runs the same code"
+        )

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jax_tokenweave.serving import batch as batch_lib
+from jax_tokenweave.serving import checks
 from jax_tokenweave.serving import executable_cache as exe_cache
 from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_pow2
 from jax_tokenweave.serving.compilation_cache import use_compilation_cache
@@ -64,6 +65,7 @@ class ModelRunner:
     ``config`` (module docstring)."""
 
     def __init__(self, model: Any, config: EngineConfig) -> None:
+        checks.single_process_mesh(model.mesh)
         self.config = config
         self.compilation_cache_dir = use_compilation_cache(config.compilation_cache_dir)
         self.model_config = model.config
