@@ -393,14 +393,3 @@ def test_logprobs_only_where_asked(model, rng):
     assert not arrays.want_logprobs
     outputs = engine.runner.run(layout, arrays)
     assert not np.asarray(outputs.top_logprobs).any() and not np.asarray(outputs.logprob).any()
-
-
-def test_a_mesh_of_several_processes_is_refused():
-    """Under one process per GPU (jax_tokenweave.launch) the model's mesh spans processes; the
-    engine, which schedules and reads results on one host, says so instead of diverging."""
-    from types import SimpleNamespace
-
-    devices = np.array([SimpleNamespace(process_index=i) for i in (0, 1)], dtype=object)
-    spanning = SimpleNamespace(mesh=SimpleNamespace(devices=devices))
-    with pytest.raises(ValueError, match=r"spans processes \[0, 1\].*one process over all"):
-        LLMEngine(spanning, CFG)

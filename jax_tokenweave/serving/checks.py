@@ -56,10 +56,10 @@ def eos_token_ids(value: Any) -> tuple[int, ...]:
     raise ValueError(f"eos_token_ids must be a token id or a sequence of them, got {value!r}")
 
 
-def single_process_mesh(mesh: Any) -> None:
-    """``ValueError`` where ``mesh`` holds devices of another process: the engine schedules on
-    one host thread and reads its results back, so it drives every GPU of its tensor-parallel
-    axis from one process."""
+def single_process_mesh(mesh: Any, process: int = 0) -> None:
+    """``ValueError`` where ``mesh`` holds devices of a process other than ``process`` (this
+    one's ``jax.process_index()``): the engine schedules on one host thread and reads its
+    results back, so it drives every GPU of its tensor-parallel axis from one process."""
     owners = sorted({d.process_index for d in np.asarray(mesh.devices).flat})
     if len(owners) > 1:
         raise ValueError(
@@ -67,4 +67,9 @@ def single_process_mesh(mesh: Any) -> None:
             f"mesh spans processes {owners} (started by jax_tokenweave.launch or "
             f"jax.distributed): run the engine, LLM or server in one process over all its GPUs; "
             f"one process per GPU is for SPMD programs, where every process runs the same code"
+        )
+    if owners != [process]:
+        raise ValueError(
+            f"the mesh's devices belong to process {owners[0]}, not to this one ({process}): "
+            f"the serving engine runs on its own devices"
         )

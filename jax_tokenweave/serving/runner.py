@@ -65,7 +65,7 @@ class ModelRunner:
     ``config`` (module docstring)."""
 
     def __init__(self, model: Any, config: EngineConfig) -> None:
-        checks.single_process_mesh(model.mesh)
+        checks.single_process_mesh(model.mesh, jax.process_index())
         self.config = config
         self.compilation_cache_dir = use_compilation_cache(config.compilation_cache_dir)
         self.model_config = model.config
