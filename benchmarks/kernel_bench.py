@@ -61,7 +61,7 @@ def _fn(mesh, impl, iters, num_ctas, algo):
 
         return jax.lax.fori_loop(0, iters, step, (p, r), unroll=True)
 
-    f = jax.jit(
+    return jax.jit(
         jax.shard_map(
             body,
             mesh=mesh,
@@ -70,7 +70,6 @@ def _fn(mesh, impl, iters, num_ctas, algo):
             check_vma=False,
         )
     )
-    return f
 
 
 def _ctas(text: str) -> int | None:

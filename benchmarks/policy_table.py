@@ -50,8 +50,8 @@ def rows_for(rows: Iterable[Row], tp: int, tolerance: float = TOLERANCE) -> tupl
     by_size: dict[int, dict[tuple[str, int], float]] = {}
     for r in rows:
         if r["impl"] == "ffi" and r["tp"] == tp:
-            times = by_size.setdefault(_message_bytes(r), {})
-            times[ran(r)] = min(time_of(r), times.get(ran(r), float("inf")))
+            times, key = by_size.setdefault(_message_bytes(r), {}), ran(r)
+            times[key] = min(time_of(r), times.get(key, float("inf")))
     if not by_size:
         raise ValueError(f"no ffi rows for TP={tp}")
     sizes = sorted(by_size)
