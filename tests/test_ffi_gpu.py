@@ -117,10 +117,19 @@ def test_matches_float64_reference(ffi_mesh2, rng, tokens, hidden, dtype, algo):
     _check(ffi_mesh2, outs, *args, dtype)
 
 
-@pytest.mark.parametrize("num_ctas", [1, 8, 32])
-def test_num_ctas(ffi_mesh2, rng, num_ctas):
+@pytest.mark.parametrize("algo", ["auto", "two_shot", "direct"])
+@pytest.mark.parametrize("num_ctas", [1, 8, 32, 64])
+def test_num_ctas(ffi_mesh2, rng, num_ctas, algo):
     args = _inputs(rng, 2, 333, 4096, jnp.bfloat16)
-    _check(ffi_mesh2, _op(ffi_mesh2, "auto", num_ctas)(*args), *args, jnp.bfloat16)
+    _check(ffi_mesh2, _op(ffi_mesh2, algo, num_ctas)(*args), *args, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 256, 1024, 4096])
+def test_policy_choices_match_float64_reference(ffi_mesh2, rng, tokens):
+    """The shipped policy's variant and CTA count per size (num_ctas None), at H = 8192."""
+    args = _inputs(rng, 2, tokens, 8192, jnp.bfloat16)
+    _poison(ffi_mesh2, [((tokens, 8192), jnp.bfloat16)])
+    _check(ffi_mesh2, _op(ffi_mesh2, "auto", None)(*args), *args, jnp.bfloat16)
 
 
 def test_ops_ffi_and_auto_match_xla_rsag(ffi_mesh2, rng):
