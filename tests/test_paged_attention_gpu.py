@@ -167,6 +167,72 @@ def test_decode_calls_back_to_back_with_changing_pieces(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize(
+    ("rows", "live", "hq", "kvh", "d"),
+    [
+        (16, 16, 32, 8, 128),
+        (16, 11, 32, 8, 128),
+        (32, 32, 32, 8, 128),
+        (12, 12, 64, 8, 64),
+        (24, 20, 16, 8, 128),
+    ],
+)
+def test_decode_rows_merged_in_a_cluster(rng, dtype, rows, live, hq, kvh, d):
+    """The engine's decode-only grids of 12-32 rows (2-8 pieces per row, one wave): a row's
+    pieces merge inside their thread-block cluster on sm_90 (the merge kernel elsewhere).
+    Ragged contexts from one key to several thousand, padding rows (position -1) get zeros,
+    blocks in random order, calls back to back."""
+    assert 2 <= attention_kernel.decode_splits(rows, kvh, tight=True) <= 8  # the cluster path
+    bs, calls = 16, 3
+    contexts = rng.integers(1, 3000, (calls, live))
+    contexts[:, :3] = [1, 65, 2999]
+    width = ceil_div(3000, bs)
+    num_blocks = rows * width + 5
+    cast = lambda a: jnp.asarray(a, dtype)
+    k_cache = cast(rng.standard_normal((num_blocks, bs, kvh, d)))
+    v_cache = cast(rng.standard_normal((num_blocks, bs, kvh, d)))
+    qs = cast(rng.standard_normal((calls, rows, hq, d)))
+    tables = np.stack(
+        [rng.permutation(num_blocks)[: rows * width].reshape(rows, width) for _ in range(calls)]
+    ).astype(np.int32)
+    positions = np.full((calls, rows), -1, np.int32)
+    positions[:, :live] = contexts - 1
+
+    def chain(qs, k, v, tables, positions):
+        outs = []
+        for c in range(calls):
+            out, k, v = paged_attention(
+                qs[c],
+                k,
+                v,
+                tables[c],
+                positions[c],
+                tile=1,
+                key_chunk=64,
+                implementation="cuda",
+                tight=True,
+            )
+            outs.append(out)
+        return jnp.stack(outs)
+
+    got = np.asarray(
+        jax.jit(chain)(qs, k_cache, v_cache, jnp.asarray(tables), jnp.asarray(positions)).astype(
+            jnp.float32
+        )
+    )
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    for c in range(calls):
+        want = _reference(
+            f32(qs[c])[:live], f32(k_cache), f32(v_cache), tables[c][:live], positions[c][:live], 1
+        )
+        assert np.isfinite(got[c]).all()
+        assert _rel(got[c][:live], want) < 1e-2, (c, _rel(got[c][:live], want))
+        assert not np.any(got[c][live:]), c
+
+
+@needs_kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
     ("tile", "hq", "kvh", "d", "bs"),
     [
         (64, 32, 8, 128, 16),
