@@ -1,7 +1,6 @@
-// Thread-block clusters (sm_90): the cluster barrier, stores into another CTA's shared memory, a
-// cluster launch, and how many CTAs a decode-size row is cut across. Shared by the one-rank
-// kernel (local_rows.cu), the decode one-shot kernel (oneshot_rows.cu) and the decode attention
-// merge (paged_decode.cu).
+// Rows cut across a thread-block cluster (sm_90): the cluster barrier, stores into another CTA's
+// shared memory, a cluster launch, and how many CTAs a decode-size row is cut across. Shared by
+// the one-rank kernel (local_rows.cu) and the decode one-shot kernel (oneshot_rows.cu).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -62,9 +61,6 @@ __device__ __forceinline__ float ClusterSum(float mine, float*, int, int) { retu
 __device__ __forceinline__ float2 ClusterSum2(float2 mine, float*, float*, int, int) {
   return mine;
 }
-__device__ __forceinline__ void ClusterArrive() {}
-__device__ __forceinline__ void ClusterWait() {}
-__device__ __forceinline__ void StoreToClusterCta2(float*, int, float2) {}
 #else
 // CTAs in this CTA's cluster, and this CTA's rank in it.
 __device__ __forceinline__ int ClusterCtas() {
@@ -92,14 +88,6 @@ __device__ __forceinline__ void StoreToClusterCta(float* x, int cta, float v) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(cta));
   asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
-// *x and x[1] (8-byte aligned, this CTA's shared memory) in the cluster's CTA of rank `cta`.
-__device__ __forceinline__ void StoreToClusterCta2(float* x, int cta, float2 v) {
-  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(x));
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(cta));
-  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(v.x), "f"(v.y)
-               : "memory");
 }
 
 // The cluster's sum of one value per CTA, added in CTA order (the same bits in every CTA).

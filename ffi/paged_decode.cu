@@ -11,16 +11,11 @@
 // S = Q K^T for the whole tile on tensor cores (mma.sync m16n8k16, float32 accumulators) and
 // keeps the same online softmax (base-2, float32), then adds P V for its quarter of head_dim.
 // A row cut in one piece is normalised and written here; otherwise the block writes
-// unnormalised partial sums with their max and total, and the merge kernel combines them, or,
-// where a row's pieces are the CTAs of one cluster (MergeCluster), its first CTA does.
+// unnormalised partial sums with their max and total, and the merge kernel combines them.
 // Both kernels are launched as programmatic dependents (sm_90): each may start while the
 // kernel before it drains, and waits for it (griddepcontrol.wait) before reading anything.
-#include <cstdlib>
-#include <cstring>
-
 #include "attention_common.cuh"
 #include "attention_mma.cuh"
-#include "cluster.cuh"
 #include "device_facts.h"
 
 namespace tokenweave {
@@ -71,49 +66,6 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }
 
-// The pieces of one (row, kv head) as the CTAs of one cluster (sm_90; split = cluster rank):
-// each CTA stores its piece's entry (per head of the group: D unnormalised sums, the max, the
-// total) into rank 0's shared memory, and rank 0 merges them and writes the row's output. No
-// partial sums reach global memory and no merge kernel runs. Barrier phase 1: rank 0 is done
-// with its key tiles, whose stages take the entries (and every CTA has started); phase 2:
-// every entry has landed. Every thread of the CTA calls it (the barriers are warp-aligned).
-// entries: rank 0's stages, n x G x (D + 2) floats; o, m, l: as the split kernel holds them.
-template <typename T, int D, int G, int kDimTiles>
-__device__ __forceinline__ void MergeInCluster(const AttentionParams& p, float* entries,
-                                               const float (&o)[kDimTiles][4], float m, float l,
-                                               int n, int row, int h, int split) {
-  constexpr int kEntry = G * (D + 2);  // floats from one piece's entry to the next one's
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, quad = lane % 4;
-  if (split == 0) __syncthreads();  // rank 0's last tile is read: its stages may be overwritten
-  ClusterArrive();
-  ClusterWait();
-  if (g < G) {
-    float* mine = entries + split * kEntry + g * (D + 2);
-#pragma unroll
-    for (int dt = 0; dt < kDimTiles; ++dt)
-      StoreToClusterCta2(mine + (warp * kDimTiles + dt) * 8 + quad * 2, 0,
-                         make_float2(o[dt][0], o[dt][1]));
-    if (warp == 0 && quad == 0) StoreToClusterCta2(mine + D, 0, make_float2(m, l));
-  }
-  ClusterArrive();  // the others leave: nobody reads their shared memory
-  if (split != 0) return;
-  ClusterWait();
-  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
-  for (int e = threadIdx.x; e < G * D; e += kThreads) {
-    const float* head = entries + (e / D) * (D + 2);
-    float mx = -INFINITY;
-    for (int s = 0; s < n; ++s) mx = fmaxf(mx, head[s * kEntry + D]);
-    float total = 0.f, sum = 0.f;
-    for (int s = 0; s < n; ++s) {
-      const float* entry = head + s * kEntry;
-      const float w = exp2f(entry[D] - mx);  // every piece has a key: its max is finite
-      total = fmaf(w, entry[D + 1], total);
-      sum = fmaf(w, entry[e % D], sum);
-    }
-    out[e] = Vec<T>::FromFloat(total > 0.f ? sum / total : 0.f);
-  }
-}
-
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(AttentionParams p) {
   constexpr int kKeys = kTileBytes / (4 * D);          // keys per tile (K and V, 2 bytes each)
@@ -124,7 +76,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
   constexpr int kDimTiles = D / kWarps / 8;            // n-tiles of O per warp
   static_assert(kCopies * kThreads == kKeys * kChunks && kDimTiles % 2 == 0 && kKSteps % 2 == 0);
   static_assert(G <= 8, "the heads of a kv head are the rows 0..7 of one mma tile");
-  static_assert(kMaxRowCtas * G * (D + 2) * 4 <= kStages * kTileBytes, "MergeInCluster's entries");
   __shared__ __align__(128) unsigned char smem[kStages * kTileBytes];
 
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
@@ -260,10 +211,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
 
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
-  if (rs.n > 1 && ClusterCtas() > 1) {  // the same for every CTA of the cluster: one row, kv head
-    MergeInCluster<T, D, G>(p, reinterpret_cast<float*>(smem), o, m, l, rs.n, row, h, split);
-    return;
-  }
   if (g >= G) return;
   // This thread's outputs: head g, dims warp * D / 4 + dt * 8 + quad * 2 + {0, 1}.
   if (rs.n == 1) {  // the row's only piece: its normalised output
@@ -333,38 +280,20 @@ __global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
   for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = Vec<T>::FromFloat(sum[i] * inv);
 }
 
-// Launches `kernel` on `stream` as a programmatic dependent of the work before it (sm_90 on),
-// in clusters of `cluster` CTAs along x where cluster > 1.
+// Launches `kernel` on `stream` as a programmatic dependent of the work before it (sm_90 on).
 template <typename... Args>
 cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, bool programmatic,
-                            int cluster, cudaStream_t stream, Args... args) {
+                            cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.stream = stream;
-  cudaLaunchAttribute attributes[2]{};
-  config.attrs = attributes;
-  if (programmatic) {
-    attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
-    attributes[config.numAttrs++].val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
-  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = programmatic ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, args...);
-}
-
-// CTAs per cluster of the split kernel: its grid's x (a row's pieces merge in the cluster,
-// MergeInCluster) where that is 2..8, the GPU is sm_90, and the step's pairs are fewer than the
-// blocks it holds at once (one wave: every piece of a row runs at once, so a cluster does not
-// delay the others); else 1 (the merge kernel). JAX_TOKENWEAVE_DECODE_MERGE=kernel keeps the
-// merge kernel, read at each launch, for measurements side by side.
-inline int MergeCluster(const AttentionParams& p, int compute_major) {
-  if (const char* s = std::getenv("JAX_TOKENWEAVE_DECODE_MERGE"); s && !std::strcmp(s, "kernel"))
-    return 1;
-  const bool one_wave = static_cast<int64_t>(p.groups) * p.kvh < p.capacity;
-  return compute_major >= 9 && one_wave && p.splits >= 2 && p.splits <= kMaxRowCtas ? p.splits : 1;
 }
 
 // The split kernel, then (where a row may take more than one piece) the merge.
@@ -375,14 +304,13 @@ cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
   AttentionParams p = params;
   p.capacity = kBlocksPerSm * facts.sms;
   const bool programmatic = facts.major >= 9;
-  const int cluster = MergeCluster(p, facts.major);
   if (cudaError_t e = LaunchDependent(DecodeSplitKernel<T, D, G>, dim3(p.splits, p.kvh, p.groups),
-                                      dim3(kThreads), programmatic, cluster, stream, p);
+                                      dim3(kThreads), programmatic, stream, p);
       e != cudaSuccess)
     return e;
-  if (p.splits == 1 || cluster > 1) return cudaSuccess;
+  if (p.splits == 1) return cudaSuccess;
   return LaunchDependent(DecodeMergeKernel<T, D, G>, dim3(p.groups, p.kvh), dim3(32 * G),
-                         programmatic, 1, stream, p);
+                         programmatic, stream, p);
 }
 
 template <typename T, int D>

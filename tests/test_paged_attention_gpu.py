@@ -176,12 +176,11 @@ def test_decode_calls_back_to_back_with_changing_pieces(rng):
         (24, 20, 16, 8, 128),
     ],
 )
-def test_decode_rows_merged_in_a_cluster(rng, dtype, rows, live, hq, kvh, d):
-    """The engine's decode-only grids of 12-32 rows (2-8 pieces per row, one wave): a row's
-    pieces merge inside their thread-block cluster on sm_90 (the merge kernel elsewhere).
-    Ragged contexts from one key to several thousand, padding rows (position -1) get zeros,
-    blocks in random order, calls back to back."""
-    assert 2 <= attention_kernel.decode_splits(rows, kvh, tight=True) <= 8  # the cluster path
+def test_decode_rows_on_the_tight_grid(rng, dtype, rows, live, hq, kvh, d):
+    """The engine's decode-only grids of 12-32 rows (2-8 pieces per row, all in one wave, then
+    the merge kernel). Ragged contexts from one key to several thousand, padding rows
+    (position -1) get zeros, blocks in random order, calls back to back."""
+    assert 2 <= attention_kernel.decode_splits(rows, kvh, tight=True) <= 8
     bs, calls = 16, 3
     contexts = rng.integers(1, 3000, (calls, live))
     contexts[:, :3] = [1, 65, 2999]
