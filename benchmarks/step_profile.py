@@ -50,14 +50,21 @@ def idle_gaps(spans: list[tuple[float, float, str]], top: int = 6) -> dict[str, 
     return {"classes_us": classes, "longest": found[:top]}
 
 
+def _spread(values: list[float]) -> list[float]:
+    """Min, median and max of ``values``."""
+    ordered = sorted(values)
+    return [ordered[0], ordered[len(ordered) // 2], ordered[-1]]
+
+
 def profile_steps(
     step: Callable[[], Any], n: int, top: int = 24, host_profile: bool = True
 ) -> dict[str, Any]:
     """Profile ``n`` calls of ``step`` (each must wait for its results, as ``engine.step``
     does). Returns ``{"status", "wall_ms", "busy_ms", "gap_ms", "launches_per_step",
     "kernels", "idle_gaps", "host_profile"}``, times per step; each kernel with its launches
-    per step; the idle stretches between kernels (:func:`idle_gaps`, classes per step).
-    ``host_profile=False``: no cProfile (it slows the host, so the GPU may idle more)."""
+    per step and the min / median / max device time of one launch; the idle stretches between
+    kernels (:func:`idle_gaps`, classes per step). ``host_profile=False``: no cProfile (it
+    slows the host, so the GPU may idle more)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -80,11 +87,10 @@ def profile_steps(
         pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
     kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
-    by_name: dict[str, float] = collections.defaultdict(float)
-    calls: collections.Counter[str] = collections.Counter()
+    launches: dict[str, list[float]] = collections.defaultdict(list)
     for e in kernels:
-        by_name[e.name[:80]] += e.device_time_total
-        calls[e.name[:80]] += 1
+        launches[e.name[:80]].append(e.device_time_total)
+    by_name = {k: sum(v) for k, v in launches.items()}
     busy = busy_us(intervals) / 1e3 / n
     gaps = idle_gaps([(e.time_range.start, e.time_range.end, e.name[:60]) for e in kernels])
     gaps["classes_us"] = {k: v / n for k, v in gaps["classes_us"].items()}
@@ -98,7 +104,12 @@ def profile_steps(
         "kernel_ms": sum(by_name.values()) / 1e3 / n,
         "launches_per_step": len(kernels) / n,
         "kernels": [
-            {"name": k, "ms_per_step": v / 1e3 / n, "calls_per_step": calls[k] / n}
+            {
+                "name": k,
+                "ms_per_step": v / 1e3 / n,
+                "calls_per_step": len(launches[k]) / n,
+                "us_per_launch_min_p50_max": _spread(launches[k]),
+            }
             for k, v in ranked
         ],
         "idle_gaps": gaps,
