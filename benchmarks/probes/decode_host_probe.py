@@ -38,6 +38,20 @@ def timed(obj: Any, name: str, spent: dict[str, list[float]]) -> None:
     setattr(obj, name, wrapper)
 
 
+def timed_value(table: dict, key: Any, label: str, spent: dict[str, list[float]]) -> None:
+    """Wrap the callable ``table[key]`` so each call's wall time lands in ``spent[label]``."""
+    inner = table[key]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[label].append((time.perf_counter() - t0) * 1e3)
+
+    table[key] = wrapper
+
+
 def main() -> None:
     db = bm.sibling_module(str(BENCH / "decode_bench.py"), "decode_bench")
     sp = bm.sibling_module(str(BENCH / "step_profile.py"), "step_profile")
@@ -61,7 +75,16 @@ def main() -> None:
         for _ in range(a.warm_steps):
             engine.step()
         spent: dict[str, list[float]] = collections.defaultdict(list)
+        from jax_tokenweave.serving import runner as runner_module
+
         for obj, name in (
+            # run()'s parts: the input vector, the forward's dispatch (jit path; warmed-up
+            # executables are timed by their dict below), the sampler's.
+            (runner_module, "pack_inputs"),
+            (runner_module, "jitted_forward"),
+            (runner_module, "jitted_forward_replayed"),
+            (runner_module, "sampling_arrays"),
+            (runner_module, "jitted_sampler"),
             (engine, "_dispatch_next"),
             (engine, "_take_oldest"),
             (engine.runner, "pack"),
@@ -71,6 +94,12 @@ def main() -> None:
             (sched, "update"),
         ):
             timed(obj, name, spent)
+        for table, label in (
+            (engine.runner._executables, "forward"),
+            (engine.runner._samplers, "sampler"),
+        ):
+            for key in list(table):
+                timed_value(table, key, label, spent)
         steps = []
         for _ in range(20):
             t0 = time.perf_counter()
