@@ -4,13 +4,15 @@ Builds the engine as ``decode_bench.py`` does (same options), then per batch: th
 steps with each host phase timed by ``perf_counter`` (schedule + pack + dispatch of step n+1,
 the wait for step n's tokens, the update), and ``step_profile.profile_steps`` of a few steps
 without cProfile: device busy time and the longest idle stretches with their neighbours.
-Run: ``python3 -P benchmarks/probes/decode_host_probe.py --batch 64 256 --context 1024``.
+Run: ``python3 -P benchmarks/probes/decode_host_probe.py --batch 64 256 --context 1024``
+(``PROBE_VARIANT=no_prev`` or ``no_d2h``: see :func:`variant`).
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import os
 import statistics
 import sys
 import time
@@ -52,6 +54,28 @@ def timed_value(table: dict, key: Any, label: str, spent: dict[str, list[float]]
     table[key] = wrapper
 
 
+def variant(engine: Any, name: str) -> None:
+    """What may hold the next step's dispatch, taken away (the tokens go wrong; only the
+    timing counts): "no_prev", decodes take no tokens from the step in flight; "no_d2h",
+    no copy of the sampled tokens to the host is started at dispatch (fetch waits for it)."""
+    runner = engine.runner
+    dispatch = runner.dispatch
+    if name == "no_prev":
+        runner.dispatch = lambda scheduled, arrays, previous=None: dispatch(scheduled, arrays)
+    elif name == "no_d2h":
+        from jax_tokenweave.serving.runner import InFlight
+
+        def no_copy(scheduled: Any, arrays: Any, previous: Any = None) -> Any:
+            layout, host = arrays
+            prev = None if previous is None else previous.outputs.tokens
+            outputs = runner.run(layout, host, prev)
+            return InFlight(scheduled, layout, outputs, bool(host.want_logprobs))
+
+        runner.dispatch = no_copy
+    elif name != "default":
+        raise SystemExit(f"PROBE_VARIANT must be default, no_prev or no_d2h, got {name!r}")
+
+
 def main() -> None:
     db = bm.sibling_module(str(BENCH / "decode_bench.py"), "decode_bench")
     sp = bm.sibling_module(str(BENCH / "step_profile.py"), "step_profile")
@@ -76,6 +100,8 @@ def main() -> None:
             engine.step()
         spent: dict[str, list[float]] = collections.defaultdict(list)
         from jax_tokenweave.serving import runner as runner_module
+
+        variant(engine, os.environ.get("PROBE_VARIANT", "default"))
 
         for obj, name in (
             # run()'s parts: the input vector, the forward's dispatch (jit path; warmed-up
