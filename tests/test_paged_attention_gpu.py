@@ -122,6 +122,44 @@ def test_decode_rows_match_reference(rng, dtype, hq, kvh, d, tight):
     np.testing.assert_array_equal(np.asarray(k_back), np.asarray(case[1]))
 
 
+def _decode_chain(qs, k_cache, v_cache, tables, positions, tight):
+    """Decode calls back to back in one jitted program (call c: ``qs[c]`` [R, Hq, D],
+    ``tables[c]``, ``positions[c]``, one cache); their outputs [calls, R, Hq, D] in float32."""
+
+    def chain(qs, k, v, tables, positions):
+        outs = []
+        for c in range(qs.shape[0]):
+            out, k, v = paged_attention(
+                qs[c],
+                k,
+                v,
+                tables[c],
+                positions[c],
+                tile=1,
+                key_chunk=64,
+                implementation="cuda",
+                tight=tight,
+            )
+            outs.append(out)
+        return jnp.stack(outs)
+
+    out = jax.jit(chain)(qs, k_cache, v_cache, jnp.asarray(tables), jnp.asarray(positions))
+    return np.asarray(out.astype(jnp.float32))
+
+
+def _check_decode_chain(got, qs, k_cache, v_cache, tables, positions):
+    """Each call's live rows (position >= 0) against float64, its padding rows zeros."""
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    for c in range(qs.shape[0]):
+        live = positions[c] >= 0
+        want = _reference(
+            f32(qs[c])[live], f32(k_cache), f32(v_cache), tables[c][live], positions[c][live], 1
+        )
+        assert np.isfinite(got[c]).all(), c
+        assert _rel(got[c][live], want) < 1e-2, (c, _rel(got[c][live], want))
+        assert not np.any(got[c][~live]), c
+
+
 @needs_kernel
 @pytest.mark.gpu
 def test_decode_calls_back_to_back_with_changing_pieces(rng):
@@ -139,28 +177,8 @@ def test_decode_calls_back_to_back_with_changing_pieces(rng):
     for c, live in enumerate([16, 1, 9, 16, 3]):  # 1 to 32 pieces per row
         positions[c, :live] = rng.integers(0, 3000, live)
 
-    def chain(qs, k, v, tables, positions):
-        outs = []
-        for c in range(calls):
-            out, k, v = paged_attention(
-                qs[c], k, v, tables[c], positions[c], tile=1, key_chunk=64, implementation="cuda"
-            )
-            outs.append(out)
-        return jnp.stack(outs)
-
-    got = np.asarray(
-        jax.jit(chain)(qs, k_cache, v_cache, jnp.asarray(tables), jnp.asarray(positions)).astype(
-            jnp.float32
-        )
-    )
-    f32 = lambda a: np.asarray(a.astype(jnp.float32))
-    for c in range(calls):
-        live = positions[c] >= 0
-        want = _reference(
-            f32(qs[c])[live], f32(k_cache), f32(v_cache), tables[c][live], positions[c][live], 1
-        )
-        assert _rel(got[c][live], want) < 1e-2, (c, _rel(got[c][live], want))
-        assert not np.any(got[c][~live]), c
+    got = _decode_chain(qs, k_cache, v_cache, tables, positions, tight=False)
+    _check_decode_chain(got, qs, k_cache, v_cache, tables, positions)
 
 
 @needs_kernel
@@ -196,36 +214,8 @@ def test_decode_rows_on_the_tight_grid(rng, dtype, rows, live, hq, kvh, d):
     positions = np.full((calls, rows), -1, np.int32)
     positions[:, :live] = contexts - 1
 
-    def chain(qs, k, v, tables, positions):
-        outs = []
-        for c in range(calls):
-            out, k, v = paged_attention(
-                qs[c],
-                k,
-                v,
-                tables[c],
-                positions[c],
-                tile=1,
-                key_chunk=64,
-                implementation="cuda",
-                tight=True,
-            )
-            outs.append(out)
-        return jnp.stack(outs)
-
-    got = np.asarray(
-        jax.jit(chain)(qs, k_cache, v_cache, jnp.asarray(tables), jnp.asarray(positions)).astype(
-            jnp.float32
-        )
-    )
-    f32 = lambda a: np.asarray(a.astype(jnp.float32))
-    for c in range(calls):
-        want = _reference(
-            f32(qs[c])[:live], f32(k_cache), f32(v_cache), tables[c][:live], positions[c][:live], 1
-        )
-        assert np.isfinite(got[c]).all()
-        assert _rel(got[c][:live], want) < 1e-2, (c, _rel(got[c][:live], want))
-        assert not np.any(got[c][live:]), c
+    got = _decode_chain(qs, k_cache, v_cache, tables, positions, tight=True)
+    _check_decode_chain(got, qs, k_cache, v_cache, tables, positions)
 
 
 @needs_kernel

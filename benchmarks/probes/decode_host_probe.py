@@ -26,23 +26,8 @@ from jax_tokenweave.bench import benchmarking as bm
 BENCH = Path(__file__).resolve().parents[1]
 
 
-def timed(obj: Any, name: str, spent: dict[str, list[float]]) -> None:
-    """Wrap ``obj.name`` so each call's wall time lands in ``spent[name]``."""
-    inner = getattr(obj, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            spent[name].append((time.perf_counter() - t0) * 1e3)
-
-    setattr(obj, name, wrapper)
-
-
-def timed_value(table: dict, key: Any, label: str, spent: dict[str, list[float]]) -> None:
-    """Wrap the callable ``table[key]`` so each call's wall time lands in ``spent[label]``."""
-    inner = table[key]
+def _timing(inner: Any, label: str, spent: dict[str, list[float]]) -> Any:
+    """``inner`` wrapped so each call's wall time (ms) lands in ``spent[label]``."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -51,7 +36,17 @@ def timed_value(table: dict, key: Any, label: str, spent: dict[str, list[float]]
         finally:
             spent[label].append((time.perf_counter() - t0) * 1e3)
 
-    table[key] = wrapper
+    return wrapper
+
+
+def timed(obj: Any, name: str, spent: dict[str, list[float]]) -> None:
+    """Time each call of ``obj.name`` into ``spent[name]``."""
+    setattr(obj, name, _timing(getattr(obj, name), name, spent))
+
+
+def timed_value(table: dict, key: Any, label: str, spent: dict[str, list[float]]) -> None:
+    """Time each call of the callable ``table[key]`` into ``spent[label]``."""
+    table[key] = _timing(table[key], label, spent)
 
 
 def variant(engine: Any, name: str) -> None:
