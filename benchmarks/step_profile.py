@@ -6,7 +6,9 @@ the device-busy time (the union of the kernels' intervals, so overlapping kernel
 the host gap (wall - busy: the GPU idle while Python schedules, packs, dispatches and reads
 results back), the kernels that took the most device time, and the host's own profile of the
 same steps (``cProfile``, the functions with the most time of their own). Without PyTorch or a
-CUDA GPU it returns a record that says so.
+CUDA GPU it returns a record that says so. With steps pipelined (the engine's async scheduling),
+the first profiled step starts on an idle GPU (the profiler's start outlasts the step in flight):
+profile 20 steps or more before reading the host gap as the steady state's.
 """
 
 from __future__ import annotations
