@@ -372,96 +372,6 @@ def _line(r: dict[str, Any]) -> str:
     )
 
 
-def to_markdown(report: dict[str, Any]) -> str:
-    """One table: a row per (batch, context)."""
-    env, bw = report["environment"], report["bandwidth"]
-    lines = [
-        f"# Decode step vs roofline: {report['model']}, {report['layers']} layers, TP "
-        f"{report['tp']} ({env['device_kind']})",
-        "",
-        f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; weights "
-        f"{report['weight_bytes'] / 1e9:.2f} GB per GPU, copy bandwidth {bw['gb_s']:.0f} "
-        "GB/s (read + write). Ratio = step p50 / roofline.",
-        "",
-        "| batch | context | step p50 ms | step p90 ms | roofline ms | ratio | tok/s | compiles |",
-        "|---" * 8 + "|",
-    ]
-    for r in report["records"]:
-        if r["status"] != "ok":
-            lines.append(
-                f"| {r['batch']} | {r['context']} | {r['status']}: {r['reason']} |" + " - |" * 5
-            )
-            continue
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['step_p50_ms']:.3f} | "
-            f"{r['step_p90_ms']:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | "
-            f"{r['tok_s']:.0f} | {r['compilations']} |"
-        )
-    profiled = [r for r in report["records"] if r.get("profile", {}).get("status") == "ok"]
-    if profiled:
-        lines += [
-            "",
-            "## Profiled steps (PyTorch CUDA profiler)",
-            "",
-            "GPU busy = union of the kernels' intervals; host gap = wall - busy.",
-            "",
-            "| batch | context | wall ms | GPU busy ms | host gap ms | top kernels (ms per step) |",
-            "|---" * 6 + "|",
-        ]
-        for r in profiled:
-            prof = r["profile"]
-            top = "; ".join(f"{k['name'][:48]} {k['ms_per_step']:.3f}" for k in prof["kernels"][:5])
-            lines.append(
-                f"| {r['batch']} | {r['context']} | {prof['wall_ms']:.3f} | "
-                f"{prof['busy_ms']:.3f} | {prof['gap_ms']:.3f} | {top} |"
-            )
-    return "\n".join(lines)
-
-
-def write_plot(report: dict[str, Any], path: Path) -> bool:
-    """Step time and roofline time vs batch, a panel per context."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in report["records"] if r["status"] == "ok"]
-    contexts = sorted({r["context"] for r in ok})
-    if not contexts:
-        return False
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 3.8), squeeze=False)
-    for ax, context in zip(axes[0], contexts, strict=True):
-        pts = sorted(
-            (r["batch"], r["step_p50_ms"], r["roofline_ms"]) for r in ok if r["context"] == context
-        )
-        xs, step, roof = zip(*pts, strict=True)
-        ax.plot(xs, step, marker="o", label="step p50")
-        ax.plot(xs, roof, marker="x", ls="--", label="roofline")
-        ax.set_xscale("log", base=2)
-        ax.set(title=f"context {context}", xlabel="batch (requests)", ylabel="ms per step")
-        ax.legend(fontsize=8)
-    fig.suptitle(
-        f"decode step, {report['model']} x{report['layers']}, TP {report['tp']} "
-        f"({report['environment']['device_kind']})"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def write_outputs(
-    report: dict[str, Any], out: Path, stem: str, markdown: str, plot: Any = None
-) -> None:
-    """``<stem>.json``, ``<stem>.md`` and (``plot(report, path)``) ``<stem>.png`` in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(markdown + "\n")
-    if plot is not None:
-        plot(report, out / f"{stem}.png")
-    print(markdown)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep and write the outputs; 1 where a point failed or compiled while timed."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -471,7 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(a, devices)
     report["environment"] = bm.environment(devices[: a.tp], ["benchmarks/decode_bench.py", *argv])
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
-    write_outputs(report, a.out, "decode", to_markdown(report), None if a.no_plot else write_plot)
+    out = sibling("decode_report")
+    out.write_outputs(
+        report, a.out, "decode", out.to_markdown(report), None if a.no_plot else out.write_plot
+    )
     if platform == "cpu":
         print(bm.CPU_NOTE)
     bad = [r for r in report["records"] if r["status"] != "ok" or r["compilations"]]

@@ -233,7 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(a, devices)
     report["environment"] = bm.environment(devices[: a.tp], ["benchmarks/prefill_bench.py", *argv])
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
-    decode_bench().write_outputs(report, a.out, "prefill", to_markdown(report))
+    bm.sibling_module(__file__, "decode_report").write_outputs(
+        report, a.out, "prefill", to_markdown(report)
+    )
     if platform == "cpu":
         print(bm.CPU_NOTE)
     bad = [
