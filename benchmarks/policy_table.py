@@ -74,21 +74,28 @@ def policy_from_rows(
     rows: list[Row], meta: Mapping[str, Any], keep: KernelPolicy | None = None
 ) -> KernelPolicy:
     """The table from kernel_bench rows (``meta``: the run's, for the source line); group sizes
-    measured in no row keep ``keep``'s rows."""
+    measured in no row keep ``keep``'s rows and their own source (``meta.sources``, per group
+    size; a table without it gives its whole ``source``), so rewriting a table never nests the
+    sources of the degrees it replaces."""
     measured = sorted({r["tp"] for r in rows if r["impl"] == "ffi"})
     by_ranks = dict(keep.by_ranks) if keep is not None else {}
     by_ranks.update({tp: rows_for(rows, tp) for tp in measured})
-    source = (
-        f"TP {', '.join(map(str, measured))}: measured by benchmarks/kernel_bench.py on "
-        f"{meta['device']} x{meta['n_devices']}, {meta['date']}, commit {meta['commit']}: "
-        f"{meta['argv']}"
+    run = (
+        f"measured by benchmarks/kernel_bench.py on {meta['device']} x{meta['n_devices']}, "
+        f"{meta['date']}, commit {meta['commit']}: {meta['argv']}"
     )
-    kept = sorted(set(by_ranks) - set(measured))
-    if kept and keep is not None:
-        source += f". TP {', '.join(map(str, kept))} kept from the table before: " + str(
-            keep.meta.get("source", "no source given")
-        )
-    return KernelPolicy(by_ranks, {"source": source, "generated": meta["date"][:10]})
+    old = dict(keep.meta.get("sources", {})) if keep is not None else {}
+    fallback = str(keep.meta.get("source", "no source given")) if keep is not None else ""
+    sources = {
+        str(tp): run if tp in measured else old.get(str(tp), fallback) for tp in sorted(by_ranks)
+    }
+    by_text: dict[str, list[str]] = {}
+    for tp, text in sources.items():
+        by_text.setdefault(text, []).append(tp)
+    source = ". ".join(f"TP {', '.join(tps)}: {text}" for text, tps in by_text.items())
+    return KernelPolicy(
+        by_ranks, {"source": source, "sources": sources, "generated": meta["date"][:10]}
+    )
 
 
 def write(rows: list[Row], meta: Mapping[str, Any], path: str | Path) -> KernelPolicy:

@@ -153,6 +153,13 @@ def test_write_keeps_group_sizes_it_did_not_measure(policy_table, tmp_path):
     assert after.by_ranks[4] == (PolicyRow(None, "direct", 32),)
     assert after.by_ranks[8] == before.by_ranks[8]
     assert "c2, c4" in after.meta["source"] and "old runs" in after.meta["source"]
+    assert after.meta["sources"]["8"] == "old runs"
+    # A second write keeps TP 8's own source, not the whole previous source line again.
+    policy_table.write(rows, dict(meta, commit="c9"), out)
+    again = KernelPolicy.from_json(json.loads(out.read_text()))
+    assert again.meta["sources"]["8"] == "old runs"
+    assert again.meta["sources"]["2"] == after.meta["sources"]["2"]
+    assert "c9" in again.meta["sources"]["4"] and again.meta["source"].count("old runs") == 1
 
 
 def test_ctas_option(kernel_bench):
