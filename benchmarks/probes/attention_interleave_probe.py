@@ -17,12 +17,16 @@ import json
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.serving import attention_kernel
+
+BENCH = Path(__file__).resolve().parents[1]
 
 ROWS, HQ, KVH, D, BS, HIDDEN, FFN = 256, 32, 8, 128, 16, 4096, 14336
 
@@ -100,20 +104,16 @@ def _chains(context: int, calls: int, seed: int):
 
 
 def _kernel_us(fn, args, reps: int) -> dict[str, float]:
-    """Kernel name -> mean device us per launch over ``reps`` runs of ``fn``."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+    """Kernel name -> median device us per launch over ``reps`` runs of ``fn`` (after one
+    untimed run), from ``step_profile.profile_steps``."""
     jax.block_until_ready(fn(*args))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            jax.block_until_ready(fn(*args))
-        torch.cuda.synchronize()
-    times: dict[str, list[float]] = {}
-    for e in prof.events():
-        if "CUDA" in str(getattr(e, "device_type", "")):
-            times.setdefault(e.name[:60], []).append(e.device_time_total)
-    return {name: statistics.mean(ts) for name, ts in times.items()}
+    step_profile = bm.sibling_module(str(BENCH / "step_profile.py"), "step_profile")
+    prof = step_profile.profile_steps(
+        lambda: jax.block_until_ready(fn(*args)), reps, host_profile=False
+    )
+    if prof["status"] != "ok":
+        raise SystemExit(f"cannot profile: {prof['reason']}")
+    return {k["name"][:60]: k["us_per_launch_min_p50_max"][1] for k in prof["kernels"]}
 
 
 def main(argv: list[str] | None = None) -> int:
