@@ -60,11 +60,12 @@ __device__ __forceinline__ int Context(const AttentionParams& p, int row) {
   return max(0, min(p.positions[row] + 1, p.width * p.block_size));
 }
 
-// Keys per split of a row: its context cut into at most `splits` pieces of a multiple of 32
-// keys, at least kMinSplitKeys (a shorter piece costs more in partial sums than it saves).
+// Keys per split of a row: its context cut into at most `splits` pieces of a multiple of 64
+// keys (the decode kernel's tile at head_dim 128), at least kMinSplitKeys (a shorter piece
+// costs more in partial sums than it saves).
 constexpr int kMinSplitKeys = 64;
 __device__ __forceinline__ int SplitKeys(int ctx, int splits) {
-  return max(kMinSplitKeys, ((ctx + splits - 1) / splits + 31) / 32 * 32);
+  return max(kMinSplitKeys, ((ctx + splits - 1) / splits + 63) / 64 * 64);
 }
 
 __device__ __forceinline__ int64_t BlockId(const int32_t* table, int index, int num_blocks) {

@@ -1,6 +1,6 @@
 // Tensor-core and shared-memory helpers of the paged attention kernels (paged_prefill.cu,
-// paged_decode.cu): cp.async copies, ldmatrix, mma.sync m16n8k16 (bf16/fp16 in, float32
-// accumulators) and the XOR swizzle of [rows, D] tiles that keeps ldmatrix conflict-free.
+// paged_decode.cu): cp.async copies, ldmatrix, movmatrix, mma.sync m16n8k16 (bf16/fp16 in,
+// float32 accumulators) and the XOR swizzle of [rows, D] tiles that keeps ldmatrix conflict-free.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,6 +30,14 @@ __device__ __forceinline__ void Ldmatrix4Trans(uint32_t (&r)[4], const void* p) 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(SmemAddr(p)));
+}
+
+// The transpose of an 8x8 16-bit matrix held as the mma fragments hold one (lane g * 4 + q:
+// row g, columns 2q and 2q + 1): lane g * 4 + q gets row g of the transpose.
+__device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 template <typename T>

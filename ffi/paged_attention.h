@@ -35,7 +35,7 @@ struct AttentionParams {
   float* work;
   int32_t groups, tile, hq, kvh, head_dim, block_size, width, num_blocks;
   int32_t splits;    // decode: blocks per (row, kv head), the most pieces a row's context is
-                     // cut into (pieces of a multiple of 32 keys, as many as `live` rows need)
+                     // cut into (pieces of a multiple of 64 keys, as many as `live` rows need)
   float scale;       // logit scale (1 / sqrt(head_dim) by default)
   int32_t capacity;  // decode: split-kernel blocks the GPU holds at once (set at launch)
 };

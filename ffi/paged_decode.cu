@@ -1,15 +1,19 @@
 // Paged attention, decode rows (tile == 1): the split-K kernel and the merge of the pieces.
 // Grid (split, kv head, row), 4 warps. A row's keys 0..p are cut into pieces of a multiple of
-// 32 keys (at least 64): while the step's live (row, kv head) pairs (`live`: rows with a
+// 64 keys (at least 64): while the step's live (row, kv head) pairs (`live`: rows with a
 // position >= 0) are fewer than the blocks the GPU holds at once (`capacity`), as many pieces
 // as fit them all in that one wave (SplitRow: past a wave, pieces only against a short last
-// wave); at most `splits` (the grid's x). A block streams its piece's
-// K and V through shared memory in tiles of 16 KiB (32 keys at head_dim 128; cp.async, three
-// stages, so two tiles are in flight while one is used; 16-byte chunks XOR-swizzled for
-// ldmatrix). The G query heads of the block's kv head are the rows of one 16-row mma tile
-// (grouped-query attention: one read of K/V serves them all): every warp computes
-// S = Q K^T for the whole tile on tensor cores (mma.sync m16n8k16, float32 accumulators) and
-// keeps the same online softmax (base-2, float32), then adds P V for its quarter of head_dim.
+// wave); at most `splits` (the grid's x). A block streams its piece's K and V through shared
+// memory in tiles of 32 KiB (64 keys at head_dim 128; cp.async, three stages, so two tiles are
+// in flight while one is used; 16-byte chunks XOR-swizzled for ldmatrix; the block-table
+// entries of a tile load one tile ahead). Each warp takes its own quarter of a tile's keys and
+// computes transposed: S^T = K Q^T (keys as the mma's 16 rows, the group's G <= 8 query heads
+// as its 8 columns, Q^T held in registers) and O^T += V^T P^T (head_dim as rows), with P^T
+// moved into the B operand by movmatrix. So every key is multiplied once, not once per warp
+// (the kernel before this one had each of its 4 warps compute S for all keys and 16 rows of
+// which G were heads: 8x the tensor work and 2.5x the shared-memory reads, which made it
+// issue-bound: 45% of issue slots at 62% of DRAM bandwidth on 16 rows x 1024 keys).
+// Online softmax per warp (base-2, float32); at the end the 4 warps merge through shared memory.
 // A row cut in one piece is normalised and written here; otherwise the block writes
 // unnormalised partial sums with their max and total, and the merge kernel combines them.
 // Both kernels are launched as programmatic dependents (sm_90): each may start while the
@@ -22,12 +26,14 @@ namespace tokenweave {
 namespace attn {
 namespace {
 
-constexpr int kStages = 3;         // key tiles in shared memory
-constexpr int kTileBytes = 16384;  // K and V of one tile
-constexpr int kBlocksPerSm = 4;    // the split kernel's occupancy (launch bounds, shared memory)
+constexpr int kStages = 3;                        // key tiles in shared memory
+constexpr int kTileBytes = 32768;                 // K and V of one tile
+constexpr int kSmemBytes = kStages * kTileBytes;  // dynamic shared memory of the split kernel
+constexpr int kBlocksPerSm = 2;                   // the split kernel's occupancy (shared memory)
 constexpr int kWarps = kThreads / 32;
 constexpr int kMergeBatch = 16;      // pieces whose partial sums the merge loads at once
 constexpr int kTailPieceKeys = 256;  // piece length where the last wave is under half full
+constexpr int kHeadCols = 8;         // the mma's n: query heads of a group, padded to 8
 
 // Waits for the kernel this one depends on (programmatic launch); a no-op before sm_90.
 __device__ __forceinline__ void WaitForPrerequisite() {
@@ -52,10 +58,8 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
   const int pairs = max(*p.live, 1) * p.kvh, waves = pairs / p.capacity;
   const int last = pairs - waves * p.capacity;  // blocks of the last, partial wave
   // Under one wave, as many pieces as keep every block in it: a second, partial wave costs a
-  // whole block's latency (16 rows x 1024 keys: 5 pieces made 640 blocks for 528 places, 34%
-  // of the copy bandwidth on an H200). Past one wave, a row is one piece, unless the last
-  // wave is under half full: then pieces of kTailPieceKeys, so the blocks left alone at the
-  // end are short (67 rows x 1024 keys as one piece each: 65%).
+  // whole block's latency. Past one wave, a row is one piece, unless the last wave is under
+  // half full: then pieces of kTailPieceKeys, so the blocks left alone at the end are short.
   int pieces = 1;
   if (waves == 0)
     pieces = p.capacity / pairs;
@@ -69,14 +73,18 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(AttentionParams p) {
   constexpr int kKeys = kTileBytes / (4 * D);          // keys per tile (K and V, 2 bytes each)
+  constexpr int kWarpKeys = kKeys / kWarps;            // a warp's keys of each tile
+  constexpr int kKeyTiles = kWarpKeys / 16;            // its m-tiles of S^T (16 keys each)
   constexpr int kChunks = D / 8;                       // 16-byte chunks per key row
   constexpr int kCopies = kKeys * kChunks / kThreads;  // cp.async of K (and of V) per thread
-  constexpr int kKeyTiles = kKeys / 8;                 // n-tiles of S
-  constexpr int kKSteps = D / 16;                      // k-steps of S = Q K^T
-  constexpr int kDimTiles = D / kWarps / 8;            // n-tiles of O per warp
-  static_assert(kCopies * kThreads == kKeys * kChunks && kDimTiles % 2 == 0 && kKSteps % 2 == 0);
-  static_assert(G <= 8, "the heads of a kv head are the rows 0..7 of one mma tile");
-  __shared__ __align__(128) unsigned char smem[kStages * kTileBytes];
+  constexpr int kRowStep = kThreads / kChunks;         // key rows between a thread's copies
+  constexpr int kDimTiles = D / 16;                    // k-steps of S^T, m-tiles of O^T
+  constexpr int kOStride = D + 4;                      // floats per head in the final merge
+  static_assert(kThreads % kChunks == 0 && kCopies * kRowStep == kKeys);
+  static_assert(kWarpKeys % 16 == 0 && kKeyTiles >= 1);
+  static_assert(G <= kHeadCols, "the heads of a kv head are the 8 columns of one mma tile");
+  static_assert(kWarps * kHeadCols * (kOStride + 2) * 4 <= kSmemBytes);
+  extern __shared__ __align__(128) unsigned char smem[];
 
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
   WaitForPrerequisite();
@@ -90,146 +98,199 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
     return;
   }
   const int k1 = min(rs.ctx, k0 + rs.chunk);
+  const int ntiles = (k1 - k0 + kKeys - 1) / kKeys;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int bs = p.block_size;
-  const int32_t* table = p.tables + static_cast<int64_t>(row) * p.width;
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
-  const int64_t pos_stride = static_cast<int64_t>(p.kvh) * D;
+  const int g = lane / 4, quad = lane % 4;
 
-  // Tile t of the piece into stage t % kStages (zeros past k1).
-  const auto issue = [&](int t) {
-    T* sk = reinterpret_cast<T*>(smem + (t % kStages) * kTileBytes);
-    T* sv = sk + kKeys * D;
-    const int base = k0 + t * kKeys;
+  // Q^T as the B operand of S^T = K Q^T (column = head g; heads >= G are zero), loaded first
+  // so its latency overlaps the block table's: qb[ks] = {b0, b1} of k-step ks.
+  uint32_t qb[kDimTiles][2];
+  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
+#pragma unroll
+  for (int ks = 0; ks < kDimTiles; ++ks) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      qb[ks][j] =
+          g < G ? *reinterpret_cast<const uint32_t*>(qrow + g * D + ks * 16 + j * 8 + quad * 2)
+                : 0u;
+  }
+
+  // This thread's copies: key rows r0 + i * kRowStep of a tile, 16-byte chunk `chunk` of each.
+  const int bs = p.block_size, bs_shift = __ffs(bs) - 1;
+  const bool bs_pow2 = (bs & (bs - 1)) == 0;
+  const int r0 = tid / kChunks, chunk = tid % kChunks;
+  const int32_t* table = p.tables + static_cast<int64_t>(row) * p.width;
+  const T* kc = static_cast<const T*>(p.k_cache) + h * D + chunk * 8;
+  const T* vc = static_cast<const T*>(p.v_cache) + h * D + chunk * 8;
+  const int64_t pos_stride = static_cast<int64_t>(p.kvh) * D;
+  const auto page_of = [&](int key) { return bs_pow2 ? key >> bs_shift : key / bs; };
+  // Block-table entries of tile t's copies (0 past the piece), read a tile before its copies.
+  const auto load_ids = [&](int t, int32_t(&ids)[kCopies]) {
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      const int c = tid + i * kThreads, r = c / kChunks, chunk = c % kChunks;
-      const int key = base + r;
+      const int key = k0 + t * kKeys + r0 + i * kRowStep;
+      ids[i] = key < k1 ? __ldg(table + page_of(key)) : 0;
+    }
+  };
+  // Tile t of the piece into stage t % kStages (zeros past k1).
+  const auto issue = [&](int t, const int32_t(&ids)[kCopies]) {
+    T* sk = reinterpret_cast<T*>(smem + (t % kStages) * kTileBytes);
+    T* sv = sk + kKeys * D;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int r = r0 + i * kRowStep, key = k0 + t * kKeys + r;
       const bool ok = key < k1;
-      const int64_t at =
-          ok ? (BlockId(table, key / bs, p.num_blocks) * bs + key % bs) * pos_stride + h * D +
-                   chunk * 8
-             : 0;
+      const int slot = bs_pow2 ? key & (bs - 1) : key % bs;
+      const int64_t id = min(max(ids[i], 0), p.num_blocks - 1);
+      const int64_t at = ok ? (id * bs + slot) * pos_stride : 0;
       CpAsync16(sk + Swizzled<D>(r, chunk), kc + at, ok);
       CpAsync16(sv + Swizzled<D>(r, chunk), vc + at, ok);
     }
   };
-  const int ntiles = (k1 - k0 + kKeys - 1) / kKeys;
-#pragma unroll
-  for (int t = 0; t < kStages - 1; ++t) {
-    if (t < ntiles) issue(t);
-    CpAsyncCommit();
-  }
+  int32_t ids[kCopies], ids_next[kCopies];
+  load_ids(0, ids);
+  load_ids(1, ids_next);
+  issue(0, ids);
+  CpAsyncCommit();
+  if (ntiles > 1) issue(1, ids_next);
+  CpAsyncCommit();
+  static_assert(kStages == 3, "the prologue issues two tiles");
+  load_ids(2, ids);  // the next tile to issue: 2
 
-  // Q as the A operand (row = head of the group; rows >= G and 8..15 are zero), while the
-  // first tiles load: qa[ks] = {a0, a2} of k-step ks (a1 = a3 = 0).
-  const int g = lane / 4, quad = lane % 4;
-  uint32_t qa[kKSteps][2];
-  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
-#pragma unroll
-  for (int ks = 0; ks < kKSteps; ++ks) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      qa[ks][j] =
-          g < G ? *reinterpret_cast<const uint32_t*>(qrow + g * D + ks * 16 + j * 8 + quad * 2)
-                : 0u;
-  }
   const float qscale = p.scale * kLog2e;
-  float m = -INFINITY, l = 0.f;  // row g's running max (base 2) and this thread's partial total
-  float o[kDimTiles][4];         // O[g][dims of this warp]: c0, c1 (c2, c3: rows 8..15)
+  // Heads 2 * quad and 2 * quad + 1: running max (base 2) and this thread's partial total.
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[kDimTiles][4];  // O^T: c0, c1 = dim dt * 16 + g, heads 2 quad, +1; c2, c3: dim + 8
 #pragma unroll
   for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  const int wkey = warp * kWarpKeys;  // the warp's first key within a tile
 
   for (int t = 0; t < ntiles; ++t) {
     CpAsyncWait<kStages - 2>();  // tile t has landed (this thread's copies) ...
     __syncthreads();             // ... and everyone's; stage (t - 1) % kStages is free again
-    if (t + kStages - 1 < ntiles) issue(t + kStages - 1);
+    if (t + kStages - 1 < ntiles) {
+      issue(t + kStages - 1, ids);
+      load_ids(t + kStages, ids);  // read now, used by the next iteration's copies
+    }
     CpAsyncCommit();
     const T* sk = reinterpret_cast<const T*>(smem + (t % kStages) * kTileBytes);
     const T* sv = sk + kKeys * D;
-    const int base = k0 + t * kKeys;
 
-    // S = Q K^T over the tile's keys: s[nt] = keys nt * 8 .. + 7 (c0, c1: keys quad * 2 + 0, 1).
+    // S^T = K Q^T for the warp's keys: s[mt] = keys mt * 16 + g (c0, c1) and + 8 (c2, c3).
     float s[kKeyTiles][4];
 #pragma unroll
-    for (int nt = 0; nt < kKeyTiles; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    for (int mt = 0; mt < kKeyTiles; ++mt) {
+      s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.f;
 #pragma unroll
-      for (int kp = 0; kp < kKSteps / 2; ++kp) {  // two k-steps per ldmatrix.x4
-        uint32_t b[4];
-        Ldmatrix4(b, sk + Swizzled<D>(nt * 8 + lane % 8, kp * 4 + lane / 8));
-        const uint32_t a0[4] = {qa[2 * kp][0], 0u, qa[2 * kp][1], 0u};
-        const uint32_t a1[4] = {qa[2 * kp + 1][0], 0u, qa[2 * kp + 1][1], 0u};
-        Mma<T>::Run(s[nt], a0, b[0], b[1]);
-        Mma<T>::Run(s[nt], a1, b[2], b[3]);
+      for (int ks = 0; ks < kDimTiles; ++ks) {
+        uint32_t a[4];
+        Ldmatrix4(a, sk + Swizzled<D>(wkey + mt * 16 + ((lane / 8) % 2) * 8 + lane % 8,
+                                      ks * 2 + lane / 16));
+        Mma<T>::Run(s[mt], a, qb[ks][0], qb[ks][1]);
       }
     }
-    // Online softmax of row g over the tile (the quad's four lanes hold its keys).
-    float tile_max = -INFINITY;
+    const int key0 = k0 + t * kKeys + wkey + g;  // the key of s[0][0]
+    const bool partial = t == ntiles - 1;        // only the last tile has keys past k1
 #pragma unroll
-    for (int nt = 0; nt < kKeyTiles; ++nt) {
+    for (int mt = 0; mt < kKeyTiles; ++mt) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const bool valid = base + nt * 8 + quad * 2 + j < k1;
-        s[nt][j] = valid ? s[nt][j] * qscale : -INFINITY;
-        tile_max = fmaxf(tile_max, s[nt][j]);
+      for (int i = 0; i < 4; ++i) {
+        const bool valid = !partial || key0 + mt * 16 + (i / 2) * 8 < k1;
+        s[mt][i] = valid ? s[mt][i] * qscale : -INFINITY;
       }
     }
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    const float m_new = fmaxf(m, tile_max);  // finite: a tile has a valid key
-    const float corr = exp2f(m - m_new);     // 0 on the first tile (m = -inf)
-    m = m_new;
-    l *= corr;
+    // Online softmax per head: the 8 lanes of a quad position hold a head's 16 keys per tile.
+    float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] *= corr, o[dt][1] *= corr;
-    uint32_t pa[kKeyTiles];  // P of row g, two keys per register (bf16/fp16)
-#pragma unroll
-    for (int nt = 0; nt < kKeyTiles; ++nt) {
-      const float p0 = exp2f(s[nt][0] - m), p1 = exp2f(s[nt][1] - m);
-      l += p0 + p1;
-      pa[nt] = Vec<T>::FromFloat2(p0, p1);
+    for (int mt = 0; mt < kKeyTiles; ++mt) {
+      tile_max[0] = fmaxf(tile_max[0], fmaxf(s[mt][0], s[mt][2]));
+      tile_max[1] = fmaxf(tile_max[1], fmaxf(s[mt][1], s[mt][3]));
     }
-    // O[:, this warp's dims] += P V: k16 steps of 16 keys; ldmatrix.trans gives V's B operand
-    // for two dim tiles (rows: keys, lanes / 8: which 8 keys and which dim tile).
+    float base[2], corr[2];
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      const uint32_t a[4] = {pa[2 * kk], 0u, pa[2 * kk + 1], 0u};
+    for (int j = 0; j < 2; ++j) {
 #pragma unroll
-      for (int dp = 0; dp < kDimTiles / 2; ++dp) {
-        uint32_t b[4];
-        Ldmatrix4Trans(b, sv + Swizzled<D>(kk * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                           (warp * kDimTiles + 2 * dp + lane / 16)));
-        Mma<T>::Run(o[2 * dp], a, b[0], b[1]);
-        Mma<T>::Run(o[2 * dp + 1], a, b[2], b[3]);
+      for (int x = 4; x < 32; x *= 2)
+        tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], x));
+      const float m_new = fmaxf(m[j], tile_max[j]);
+      base[j] = m_new == -INFINITY ? 0.f : m_new;  // a warp may have seen no key yet
+      corr[j] = exp2f(m[j] - base[j]);             // 0 while m is -inf
+      m[j] = m_new;
+      l[j] *= corr[j];
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDimTiles; ++dt) {
+      o[dt][0] *= corr[0], o[dt][1] *= corr[1];
+      o[dt][2] *= corr[0], o[dt][3] *= corr[1];
+    }
+    // P^T as the B operand of O^T += V^T P^T: pb[mt] = {b0, b1} (keys 0..7, 8..15 of m-tile mt).
+    uint32_t pb[kKeyTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kKeyTiles; ++mt) {
+      const float p0 = exp2f(s[mt][0] - base[0]), p1 = exp2f(s[mt][1] - base[1]);
+      const float p2 = exp2f(s[mt][2] - base[0]), p3 = exp2f(s[mt][3] - base[1]);
+      l[0] += p0 + p2;
+      l[1] += p1 + p3;
+      pb[mt][0] = Transpose8x8(Vec<T>::FromFloat2(p0, p1));
+      pb[mt][1] = Transpose8x8(Vec<T>::FromFloat2(p2, p3));
+    }
+    // V^T as the A operand: ldmatrix.trans of [keys, dims] 8x8 tiles.
+#pragma unroll
+    for (int mt = 0; mt < kKeyTiles; ++mt) {
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        uint32_t a[4];
+        Ldmatrix4Trans(a, sv + Swizzled<D>(wkey + mt * 16 + (lane / 16) * 8 + lane % 8,
+                                           dt * 2 + (lane / 8) % 2));
+        Mma<T>::Run(o[dt], a, pb[mt][0], pb[mt][1]);
       }
     }
   }
   CpAsyncWait<0>();
+  __syncthreads();  // every warp is done with the tiles: the merge below reuses the memory
   AllowDependents();
 
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  if (g >= G) return;
-  // This thread's outputs: head g, dims warp * D / 4 + dt * 8 + quad * 2 + {0, 1}.
-  if (rs.n == 1) {  // the row's only piece: its normalised output
-    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+  // The warps' (max, total, O^T) per head into shared memory, then one merge per output.
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int x = 4; x < 32; x *= 2) l[j] += __shfl_xor_sync(0xffffffffu, l[j], x);
+  float* so = reinterpret_cast<float*>(smem);       // [warp][head][kOStride]
+  float* sml = so + kWarps * kHeadCols * kOStride;  // [warp][head]: max, total
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    float* head = so + (warp * kHeadCols + 2 * quad + j) * kOStride + g;
 #pragma unroll
     for (int dt = 0; dt < kDimTiles; ++dt)
-      *reinterpret_cast<uint32_t*>(out + (warp * kDimTiles + dt) * 8 + quad * 2) =
-          Vec<T>::FromFloat2(o[dt][0] * inv, o[dt][1] * inv);
-    return;
+      head[dt * 16] = o[dt][j], head[dt * 16 + 8] = o[dt][2 + j];
+    if (g == 0) {
+      sml[(warp * kHeadCols + 2 * quad + j) * 2] = m[j];
+      sml[(warp * kHeadCols + 2 * quad + j) * 2 + 1] = l[j];
+    }
   }
-  // Head g's entry of this piece: D unnormalised sums, then the max and the total.
-  float* work =
-      p.work + (((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G + g) * (D + 2);
+  __syncthreads();
+  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
+  float* work = p.work + ((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G * (D + 2);
+  for (int e = tid; e < G * D; e += kThreads) {
+    const int head = e / D, d = e % D;
+    float mx = -INFINITY;
 #pragma unroll
-  for (int dt = 0; dt < kDimTiles; ++dt)
-    *reinterpret_cast<float2*>(work + (warp * kDimTiles + dt) * 8 + quad * 2) =
-        make_float2(o[dt][0], o[dt][1]);
-  if (warp == 0 && quad == 0) work[D] = m, work[D + 1] = l;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sml[(w * kHeadCols + head) * 2]);
+    float total = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = sml[(w * kHeadCols + head) * 2];
+      const float c = mw == -INFINITY ? 0.f : exp2f(mw - mx);
+      total = fmaf(c, sml[(w * kHeadCols + head) * 2 + 1], total);
+      sum = fmaf(c, so[(w * kHeadCols + head) * kOStride + d], sum);
+    }
+    if (rs.n == 1) {  // the row's only piece: its normalised output
+      out[e] = Vec<T>::FromFloat(total > 0.f ? sum / total : 0.f);
+    } else {  // head's entry of this piece: D unnormalised sums, then the max and the total
+      work[head * (D + 2) + d] = sum;
+      if (d == 0) work[head * (D + 2) + D] = mx, work[head * (D + 2) + D + 1] = total;
+    }
+  }
 }
 
 // Grid (row, kv head), G warps: warp g merges head g of the group over the row's pieces. Lane
@@ -296,11 +357,12 @@ __global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
 
 // Launches `kernel` on `stream` as a programmatic dependent of the work before it (sm_90 on).
 template <typename... Args>
-cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, bool programmatic,
-                            cudaStream_t stream, Args... args) {
+cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, size_t smem,
+                            bool programmatic, cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -318,12 +380,17 @@ cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
   AttentionParams p = params;
   p.capacity = kBlocksPerSm * facts.sms;
   const bool programmatic = facts.major >= 9;
+  // The attribute is per function and device; setting it each launch is cheap and thread-safe.
+  if (cudaError_t e = cudaFuncSetAttribute(DecodeSplitKernel<T, D, G>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      e != cudaSuccess)
+    return e;
   if (cudaError_t e = LaunchDependent(DecodeSplitKernel<T, D, G>, dim3(p.splits, p.kvh, p.groups),
-                                      dim3(kThreads), programmatic, stream, p);
+                                      dim3(kThreads), kSmemBytes, programmatic, stream, p);
       e != cudaSuccess)
     return e;
   if (p.splits == 1) return cudaSuccess;
-  return LaunchDependent(DecodeMergeKernel<T, D, G>, dim3(p.groups, p.kvh), dim3(32 * G),
+  return LaunchDependent(DecodeMergeKernel<T, D, G>, dim3(p.groups, p.kvh), dim3(32 * G), 0,
                          programmatic, stream, p);
 }
 

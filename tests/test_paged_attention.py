@@ -172,12 +172,12 @@ def test_padding_rows_with_a_negative_position_get_zeros(rng):
     ("rows", "kvh", "splits"),
     [
         (1, 8, 64),  # fewer (row, kv head) pairs than blocks wanted: the most pieces
-        (64, 8, 8),  # an engine's decode segment of one tile: maybe one live request
-        (64, 2, 32),  # the grid stays under GRID_BLOCKS
-        (66, 8, 1),  # 528 pairs fill the GPU
-        (256, 8, 1),
-        (300, 1, 13),  # 300 pairs: still too few
-        (400, 2, 1),
+        (64, 8, 4),  # an engine's decode segment of one tile: maybe one live request
+        (64, 2, 16),  # the grid stays under GRID_BLOCKS
+        (66, 8, 3),  # 528 pairs fill the GPU twice; a lone live row still gets 3 pieces
+        (256, 8, 1),  # 2048 pairs: the grid is full
+        (300, 1, 6),
+        (400, 2, 2),
     ],
 )
 def test_decode_splits_fill_the_gpu(rows, kvh, splits):
@@ -190,13 +190,14 @@ def test_decode_splits_fill_the_gpu(rows, kvh, splits):
 @pytest.mark.parametrize(
     ("rows", "kvh", "splits"),
     [
-        (8, 8, 9),  # a decode-only step of 1-8 requests: room for one wave
-        (16, 8, 5),  # 16 rows x 8192 keys: the kernel takes 4 pieces (512 blocks of 528)
-        (64, 8, 2),  # 64 live rows: one piece each on the device; two in the grid
-        (1, 8, 64),  # capped
-        (66, 8, 1),  # a wave of pairs: one piece each
-        (67, 8, 8),  # 536 pairs: a last wave of 8 blocks; room for short pieces
-        (99, 8, 1),  # 792 pairs: the last wave half full
+        (8, 8, 5),  # a decode-only step of 1-8 requests: room for one wave
+        (16, 8, 3),  # 16 rows x 8192 keys: the kernel takes 2 pieces (256 blocks of 264)
+        (32, 8, 2),  # 256 pairs: one piece each on the device; two in the grid
+        (1, 8, 33),  # one request: a piece per place in the wave
+        (33, 8, 1),  # a wave of pairs: one piece each
+        (34, 8, 8),  # 272 pairs: a last wave of 8 blocks; room for short pieces
+        (64, 8, 1),  # 512 pairs: the last wave almost full
+        (99, 8, 1),  # 792 pairs: three full waves
         (256, 8, 1),
     ],
 )

@@ -22,16 +22,17 @@ ROPE_TARGET = "tokenweave_rope_cache_write"
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-TARGET_BLOCKS = 4 * 132
-"""Decode blocks the GPU holds at once: four per multiprocessor of an H100/H200 (the kernel
-reads the real count at launch)."""
+TARGET_BLOCKS = 2 * 132
+"""Decode blocks the GPU holds at once: two per multiprocessor of an H100/H200 (96 KiB of
+shared memory each; the kernel reads the real count at launch)."""
 MAX_SPLITS = 64
 """The most pieces a decode row's context is cut into (the handler allows 256)."""
 TAIL_SPLITS = 8
 """A decode-only step's splits where its pairs leave the last wave under half full (the kernel
 then cuts rows into pieces of 256 keys, so the blocks left alone at the end are short)."""
-GRID_BLOCKS = 4096
-"""Decode grid to stay under where rows may be mostly padding (most of its blocks exit)."""
+GRID_BLOCKS = 2048
+"""Decode grid to stay under where rows may be mostly padding (most of its blocks exit, each
+holding its 96 KiB of shared memory while it does)."""
 
 
 def unavailable_reason(platform: str, dtype: jnp.dtype, head_dim: int, group: int) -> str | None:
@@ -67,10 +68,12 @@ def decode_splits(rows: int, kv_heads: int, tight: bool = False) -> int:
     to :data:`GRID_BLOCKS`. At most :data:`MAX_SPLITS`."""
     pairs = rows * kv_heads
     need = math.ceil(TARGET_BLOCKS / pairs)
+    if not tight:
+        return max(1, min(MAX_SPLITS, max(need, GRID_BLOCKS // pairs)))
     if pairs >= TARGET_BLOCKS:
         last = pairs % TARGET_BLOCKS
-        return TAIL_SPLITS if tight and 0 < 2 * last < TARGET_BLOCKS else 1
-    return min(MAX_SPLITS, need if tight else max(need, GRID_BLOCKS // pairs))
+        return TAIL_SPLITS if 0 < 2 * last < TARGET_BLOCKS else 1
+    return min(MAX_SPLITS, need)
 
 
 def paged_attention(
