@@ -5,19 +5,20 @@
 // as fit them all in that one wave (SplitRow: past a wave, pieces only against a short last
 // wave); at most `splits` (the grid's x). A block streams its piece's K and V through shared
 // memory in tiles of 32 KiB (64 keys at head_dim 128; cp.async, three stages, so two tiles are
-// in flight while one is used; 16-byte chunks XOR-swizzled for ldmatrix; the block-table
-// entries of a tile load one tile ahead). Each warp takes its own quarter of a tile's keys and
-// computes transposed: S^T = K Q^T (keys as the mma's 16 rows, the group's G <= 8 query heads
-// as its 8 columns, Q^T held in registers) and O^T += V^T P^T (head_dim as rows), with P^T
-// moved into the B operand by movmatrix. So every key is multiplied once, not once per warp
-// (the kernel before this one had each of its 4 warps compute S for all keys and 16 rows of
-// which G were heads: 8x the tensor work and 2.5x the shared-memory reads, which made it
-// issue-bound: 45% of issue slots at 62% of DRAM bandwidth on 16 rows x 1024 keys).
-// Online softmax per warp (base-2, float32); at the end the 4 warps merge through shared memory.
-// A row cut in one piece is normalised and written here; otherwise the block writes
-// unnormalised partial sums with their max and total, and the merge kernel combines them.
-// Both kernels are launched as programmatic dependents (sm_90): each may start while the
-// kernel before it drains, and waits for it (griddepcontrol.wait) before reading anything.
+// in flight while one is used; 16-byte chunks XOR-swizzled for ldmatrix). The row's first 128
+// block-table entries load with its position; later ones a tile ahead of their copies.
+// Each warp takes its own quarter of a tile's keys and computes transposed: S^T = K Q^T (keys
+// as the mma's 16 rows, the group's G <= 8 query heads as its 8 columns, Q^T held in
+// registers) and O^T += V^T P^T (head_dim as rows), with P^T moved into the B operand by
+// movmatrix. So every key is multiplied once, not once per warp (the kernel before this one
+// had each of its 4 warps compute S for all keys and 16 rows of which G were heads: 8x the
+// tensor work and 2.5x the shared-memory reads, which made it issue-bound: 45% of issue slots
+// at 62% of DRAM bandwidth on 16 rows x 1024 keys). Online softmax per warp (base-2, float32);
+// at the end the 4 warps merge through shared memory. A row cut in one piece is normalised and
+// written here; otherwise the block writes unnormalised partial sums with their max and total,
+// and the merge kernel combines them. Both kernels are launched as programmatic dependents
+// (sm_90): each may start while the kernel before it drains, and waits for it
+// (griddepcontrol.wait) before reading anything.
 #include "attention_common.cuh"
 #include "attention_mma.cuh"
 #include "device_facts.h"
@@ -87,7 +88,26 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
   extern __shared__ __align__(128) unsigned char smem[];
 
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, quad = lane % 4;
+  __shared__ int32_t first_ids[kThreads];  // the row's block-table entries 0..kThreads - 1
   WaitForPrerequisite();
+  // One round trip for what needs no position: the row's first kThreads table entries (every
+  // page of a context up to kThreads * block_size keys) and Q^T, the B operand of S^T = K Q^T
+  // (column = head g; heads >= G are zero): qb[ks] = {b0, b1} of k-step ks. The position and
+  // live count that decide the piece load beside them.
+  const int32_t* table = p.tables + static_cast<int64_t>(row) * p.width;
+  const int32_t first_id = tid < p.width ? __ldg(table + tid) : 0;
+  uint32_t qb[kDimTiles][2];
+  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
+#pragma unroll
+  for (int ks = 0; ks < kDimTiles; ++ks) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      qb[ks][j] =
+          g < G ? *reinterpret_cast<const uint32_t*>(qrow + g * D + ks * 16 + j * 8 + quad * 2)
+                : 0u;
+  }
   const RowSplit rs = SplitRow(p, row);
   const int k0 = split * rs.chunk;
   if (k0 >= rs.ctx) {                 // the merge reads only the pieces under ctx
@@ -99,27 +119,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
   }
   const int k1 = min(rs.ctx, k0 + rs.chunk);
   const int ntiles = (k1 - k0 + kKeys - 1) / kKeys;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, quad = lane % 4;
-
-  // Q^T as the B operand of S^T = K Q^T (column = head g; heads >= G are zero), loaded first
-  // so its latency overlaps the block table's: qb[ks] = {b0, b1} of k-step ks.
-  uint32_t qb[kDimTiles][2];
-  const T* qrow = static_cast<const T*>(p.q) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
-#pragma unroll
-  for (int ks = 0; ks < kDimTiles; ++ks) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      qb[ks][j] =
-          g < G ? *reinterpret_cast<const uint32_t*>(qrow + g * D + ks * 16 + j * 8 + quad * 2)
-                : 0u;
-  }
+  first_ids[tid] = first_id;
+  __syncthreads();
 
   // This thread's copies: key rows r0 + i * kRowStep of a tile, 16-byte chunk `chunk` of each.
   const int bs = p.block_size, bs_shift = __ffs(bs) - 1;
   const bool bs_pow2 = (bs & (bs - 1)) == 0;
   const int r0 = tid / kChunks, chunk = tid % kChunks;
-  const int32_t* table = p.tables + static_cast<int64_t>(row) * p.width;
   const T* kc = static_cast<const T*>(p.k_cache) + h * D + chunk * 8;
   const T* vc = static_cast<const T*>(p.v_cache) + h * D + chunk * 8;
   const int64_t pos_stride = static_cast<int64_t>(p.kvh) * D;
@@ -128,8 +134,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
   const auto load_ids = [&](int t, int32_t(&ids)[kCopies]) {
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      const int key = k0 + t * kKeys + r0 + i * kRowStep;
-      ids[i] = key < k1 ? __ldg(table + page_of(key)) : 0;
+      const int key = k0 + t * kKeys + r0 + i * kRowStep, page = page_of(key);
+      ids[i] = key >= k1 ? 0 : page < kThreads ? first_ids[page] : __ldg(table + page);
     }
   };
   // Tile t of the piece into stage t % kStages (zeros past k1).
