@@ -4,11 +4,9 @@
 // position >= 0) are fewer than the blocks the GPU holds at once (`capacity`), as many pieces
 // as fit them all in that one wave (SplitRow: past a wave, pieces only against a short last
 // wave); at most `splits` (the grid's x). A block streams its piece's K and V through shared
-// memory in tiles of 32 KiB (64 keys at head_dim 128; cp.async: two blocks per SM of three
-// stages, two tiles in flight while one is used, or, where the grid fits one wave of single
-// blocks, one block of four stages; 16-byte chunks XOR-swizzled for ldmatrix). The row's
-// first 128 block-table entries load with its position; later ones a tile ahead of their
-// copies.
+// memory in tiles of 32 KiB (64 keys at head_dim 128; cp.async, three stages, so two tiles are
+// in flight while one is used; 16-byte chunks XOR-swizzled for ldmatrix). The row's first 128
+// block-table entries load with its position; later ones a tile ahead of their copies.
 // Each warp takes its own quarter of a tile's keys and computes transposed: S^T = K Q^T (keys
 // as the mma's 16 rows, the group's G <= 8 query heads as its 8 columns, Q^T held in
 // registers) and O^T += V^T P^T (head_dim as rows), with P^T moved into the B operand by
@@ -29,24 +27,14 @@ namespace tokenweave {
 namespace attn {
 namespace {
 
-constexpr int kTileBytes = 32768;  // K and V of one tile
+constexpr int kStages = 3;                        // key tiles in shared memory
+constexpr int kTileBytes = 32768;                 // K and V of one tile
+constexpr int kSmemBytes = kStages * kTileBytes;  // dynamic shared memory of the split kernel
+constexpr int kBlocksPerSm = 2;                   // the split kernel's occupancy (shared memory)
 constexpr int kWarps = kThreads / 32;
 constexpr int kMergeBatch = 16;      // pieces whose partial sums the merge loads at once
 constexpr int kTailPieceKeys = 256;  // piece length where the last wave is under half full
 constexpr int kHeadCols = 8;         // the mma's n: query heads of a group, padded to 8
-
-// The split kernel's pipeline: key tiles in shared memory (dynamic) and blocks per SM.
-template <int Stages, int BlocksPerSm>
-struct Pipeline {
-  static constexpr int kStages = Stages, kBlocksPerSm = BlocksPerSm;
-  static constexpr int kSmemBytes = Stages * kTileBytes;
-};
-// Two blocks of three stages per SM, for grids past one wave of single blocks.
-using SharedSm = Pipeline<3, 2>;
-// One block of four stages per SM (three tiles in flight), for grids that fit one wave of
-// single blocks: 12-16 rows x 8 kv heads get one piece each and no merge, and one block still
-// keeps enough bytes in flight for its share of the bandwidth.
-using WholeSm = Pipeline<4, 1>;
 
 // Waits for the kernel this one depends on (programmatic launch); a no-op before sm_90.
 __device__ __forceinline__ void WaitForPrerequisite() {
@@ -83,10 +71,8 @@ __device__ __forceinline__ RowSplit SplitRow(const AttentionParams& p, int row) 
   return {ctx, chunk, ctx > 0 ? (ctx + chunk - 1) / chunk : 0};
 }
 
-template <typename T, int D, int G, typename Pipe>
-__global__ void __launch_bounds__(kThreads, Pipe::kBlocksPerSm)
-    DecodeSplitKernel(AttentionParams p) {
-  constexpr int kStages = Pipe::kStages;
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(AttentionParams p) {
   constexpr int kKeys = kTileBytes / (4 * D);          // keys per tile (K and V, 2 bytes each)
   constexpr int kWarpKeys = kKeys / kWarps;            // a warp's keys of each tile
   constexpr int kKeyTiles = kWarpKeys / 16;            // its m-tiles of S^T (16 keys each)
@@ -98,7 +84,7 @@ __global__ void __launch_bounds__(kThreads, Pipe::kBlocksPerSm)
   static_assert(kThreads % kChunks == 0 && kCopies * kRowStep == kKeys);
   static_assert(kWarpKeys % 16 == 0 && kKeyTiles >= 1);
   static_assert(G <= kHeadCols, "the heads of a kv head are the 8 columns of one mma tile");
-  static_assert(kWarps * kHeadCols * (kOStride + 2) * 4 <= Pipe::kSmemBytes);
+  static_assert(kWarps * kHeadCols * (kOStride + 2) * 4 <= kSmemBytes);
   extern __shared__ __align__(128) unsigned char smem[];
 
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
@@ -167,18 +153,15 @@ __global__ void __launch_bounds__(kThreads, Pipe::kBlocksPerSm)
       CpAsync16(sv + Swizzled<D>(r, chunk), vc + at, ok);
     }
   };
-  int32_t ids[kCopies];  // the next tile to issue's table entries
-  {
-    int32_t first[kStages - 1][kCopies];  // the first tiles' entries, read at once
-#pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) load_ids(t, first[t]);
-#pragma unroll
-    for (int t = 0; t < kStages - 1; ++t) {
-      if (t < ntiles) issue(t, first[t]);
-      CpAsyncCommit();
-    }
-  }
-  load_ids(kStages - 1, ids);
+  int32_t ids[kCopies], ids_next[kCopies];
+  load_ids(0, ids);
+  load_ids(1, ids_next);
+  issue(0, ids);
+  CpAsyncCommit();
+  if (ntiles > 1) issue(1, ids_next);
+  CpAsyncCommit();
+  static_assert(kStages == 3, "the prologue issues two tiles");
+  load_ids(2, ids);  // the next tile to issue: 2
 
   const float qscale = p.scale * kLog2e;
   // Heads 2 * quad and 2 * quad + 1: running max (base 2) and this thread's partial total.
@@ -395,35 +378,26 @@ cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, size
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
-// The split kernel on pipeline `Pipe`, then (where a row may take more than one piece) the merge.
-template <typename T, int D, int G, typename Pipe>
-cudaError_t LaunchDecodeOn(AttentionParams p, const DeviceFacts& facts, cudaStream_t stream) {
-  p.capacity = Pipe::kBlocksPerSm * facts.sms;
+// The split kernel, then (where a row may take more than one piece) the merge.
+template <typename T, int D, int G>
+cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
+  DeviceFacts facts{};
+  if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
+  AttentionParams p = params;
+  p.capacity = kBlocksPerSm * facts.sms;
   const bool programmatic = facts.major >= 9;
-  const auto kernel = DecodeSplitKernel<T, D, G, Pipe>;
   // The attribute is per function and device; setting it each launch is cheap and thread-safe.
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           Pipe::kSmemBytes);
+  if (cudaError_t e = cudaFuncSetAttribute(DecodeSplitKernel<T, D, G>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
       e != cudaSuccess)
     return e;
-  if (cudaError_t e = LaunchDependent(kernel, dim3(p.splits, p.kvh, p.groups), dim3(kThreads),
-                                      Pipe::kSmemBytes, programmatic, stream, p);
+  if (cudaError_t e = LaunchDependent(DecodeSplitKernel<T, D, G>, dim3(p.splits, p.kvh, p.groups),
+                                      dim3(kThreads), kSmemBytes, programmatic, stream, p);
       e != cudaSuccess)
     return e;
   if (p.splits == 1) return cudaSuccess;
   return LaunchDependent(DecodeMergeKernel<T, D, G>, dim3(p.groups, p.kvh), dim3(32 * G), 0,
                          programmatic, stream, p);
-}
-
-// A grid that fits one wave of single blocks takes the whole-SM pipeline, any other the
-// shared one (both cut rows by the blocks their GPU holds at once).
-template <typename T, int D, int G>
-cudaError_t LaunchDecode(const AttentionParams& p, cudaStream_t stream) {
-  DeviceFacts facts{};
-  if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
-  if (static_cast<int64_t>(p.splits) * p.kvh * p.groups <= facts.sms)
-    return LaunchDecodeOn<T, D, G, WholeSm>(p, facts, stream);
-  return LaunchDecodeOn<T, D, G, SharedSm>(p, facts, stream);
 }
 
 template <typename T, int D>

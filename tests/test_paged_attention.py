@@ -190,11 +190,10 @@ def test_decode_splits_fill_the_gpu(rows, kvh, splits):
 @pytest.mark.parametrize(
     ("rows", "kvh", "splits"),
     [
-        (8, 8, 2),  # a decode-only step of 1-8 requests: one block per SM, 2 pieces
-        (16, 8, 1),  # 128 pairs: one piece each, one block per SM, no merge
-        (17, 8, 2),  # 136 pairs: two blocks per SM; one piece each on the device
+        (8, 8, 5),  # a decode-only step of 1-8 requests: room for one wave
+        (16, 8, 3),  # 16 rows x 8192 keys: the kernel takes 2 pieces (256 blocks of 264)
         (32, 8, 2),  # 256 pairs: one piece each on the device; two in the grid
-        (1, 8, 16),  # one request: a piece per SM
+        (1, 8, 33),  # one request: a piece per place in the wave
         (33, 8, 1),  # a wave of pairs: one piece each
         (34, 8, 8),  # 272 pairs: a last wave of 8 blocks; room for short pieces
         (64, 8, 1),  # 512 pairs: the last wave almost full

@@ -187,7 +187,6 @@ def test_decode_calls_back_to_back_with_changing_pieces(rng):
 @pytest.mark.parametrize(
     ("rows", "live", "hq", "kvh", "d"),
     [
-        (4, 4, 32, 8, 128),
         (16, 16, 32, 8, 128),
         (16, 11, 32, 8, 128),
         (32, 32, 32, 8, 128),
@@ -196,11 +195,10 @@ def test_decode_calls_back_to_back_with_changing_pieces(rng):
     ],
 )
 def test_decode_rows_on_the_tight_grid(rng, dtype, rows, live, hq, kvh, d):
-    """The engine's decode-only grids of 4-32 rows: one block per SM (4 rows: 4 pieces and the
-    merge; 12-16 rows: one piece, no merge) and two (24-32 rows: up to 2 pieces). Ragged
-    contexts from one key to several thousand, padding rows (position -1) get zeros, blocks
-    in random order, calls back to back."""
-    assert 1 <= attention_kernel.decode_splits(rows, kvh, tight=True) <= 8
+    """The engine's decode-only grids of 12-32 rows (2-8 pieces per row, all in one wave, then
+    the merge kernel). Ragged contexts from one key to several thousand, padding rows
+    (position -1) get zeros, blocks in random order, calls back to back."""
+    assert 2 <= attention_kernel.decode_splits(rows, kvh, tight=True) <= 8
     bs, calls = 16, 3
     contexts = rng.integers(1, 3000, (calls, live))
     contexts[:, :3] = [1, 65, 2999]

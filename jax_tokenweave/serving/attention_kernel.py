@@ -22,12 +22,9 @@ ROPE_TARGET = "tokenweave_rope_cache_write"
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 4, 8)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SMS = 132
-"""Multiprocessors of an H100/H200 SXM (the kernel reads the real count at launch)."""
-TARGET_BLOCKS = 2 * SMS
-"""Decode blocks the GPU holds at once where the grid is past one wave of single blocks: two
-per multiprocessor (96 KiB of shared memory each). A grid of at most :data:`SMS` blocks runs
-one block of four stages per multiprocessor instead."""
+TARGET_BLOCKS = 2 * 132
+"""Decode blocks the GPU holds at once: two per multiprocessor of an H100/H200 (96 KiB of
+shared memory each; the kernel reads the real count at launch)."""
 MAX_SPLITS = 64
 """The most pieces a decode row's context is cut into (the handler allows 256)."""
 TAIL_SPLITS = 8
@@ -64,20 +61,15 @@ def decode_splits(rows: int, kv_heads: int, tight: bool = False) -> int:
     """Blocks per (decode row, kv head): the most pieces a row's context is cut into. The
     kernel cuts rows into pieces (of at least 64 keys) that keep the live pairs' blocks in one
     wave; past a wave, one piece each, or pieces of 256 keys where the last wave is under half
-    full. ``tight`` (a decode-only step, rows at most half padding): up to :data:`SMS`
-    pairs, the pieces that keep a grid of at most :data:`SMS` blocks (one block per
-    multiprocessor, four stages deep: 12-16 rows of 8 kv heads take one piece each and no
-    merge); past that, what ``rows`` need for :data:`TARGET_BLOCKS` blocks
-    (:data:`TAIL_SPLITS` against a short last wave), so few blocks exit unused. Else the rows
-    may be mostly padding (a mixed step pads its decode segment to a prompt tile) and a lone
-    request must still spread over the GPU: a grid of up to :data:`GRID_BLOCKS`. At most
-    :data:`MAX_SPLITS`."""
+    full. ``tight`` (a decode-only step, rows at most half padding): what ``rows`` need for
+    :data:`TARGET_BLOCKS` blocks (:data:`TAIL_SPLITS` against a short last wave), so few
+    blocks exit unused. Else the rows may be mostly padding (a mixed step pads its decode
+    segment to a prompt tile) and a lone request must still spread over the GPU: a grid of up
+    to :data:`GRID_BLOCKS`. At most :data:`MAX_SPLITS`."""
     pairs = rows * kv_heads
     need = math.ceil(TARGET_BLOCKS / pairs)
     if not tight:
         return max(1, min(MAX_SPLITS, max(need, GRID_BLOCKS // pairs)))
-    if pairs <= SMS:
-        return min(MAX_SPLITS, SMS // pairs)
     if pairs >= TARGET_BLOCKS:
         last = pairs % TARGET_BLOCKS
         return TAIL_SPLITS if 0 < 2 * last < TARGET_BLOCKS else 1
