@@ -18,7 +18,8 @@ The model: ``--model`` a checkpoint directory / cached Hugging Face id, or ``--r
 named config with random weights (default: ``llama3-8b`` on GPUs, ``tiny`` with one layer on
 CPUs). Each run serves an untimed round of ``--clients`` requests first. Reported per run:
 output and total tokens/s, requests/s, TTFT and TPOT p50 / p99, and HTTP / in-process output
-throughput. Writes ``http.json`` and ``http.md`` into ``--out``.
+throughput. Writes ``http.json`` and ``http.md`` into ``--out``. The server and the
+streaming clients live in ``http_client.py``.
 
 On one GPU (Llama-3-8B shapes, random weights, TP 1, 64 clients)::
 
@@ -30,11 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -46,7 +44,6 @@ import numpy as np
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 
-ROOT = Path(__file__).resolve().parents[1]
 ENGINE_OPTIONS = ("max_num_batched_tokens", "prefill_tile", "block_size", "key_chunk")
 DEFAULTS = {
     "gpu": dict(
@@ -208,129 +205,19 @@ def summary(records: list[dict[str, float]], seconds: float) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- HTTP ---
 
 
-async def _one(client: Any, url: str, model: str, prompt: list[int], n: int) -> dict[str, Any]:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": n,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start, times, usage = time.perf_counter(), [], None
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("error"):
-                raise RuntimeError(f"the server failed the request: {chunk['error']}")
-            if chunk.get("choices"):
-                times.append(time.perf_counter())
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    if usage is None or usage["completion_tokens"] != n or len(times) != n:
-        raise RuntimeError(f"expected {n} tokens, got {len(times)} chunks, usage {usage}")
-    return {
-        "tokens": n,
-        "prompt": len(prompt),
-        "ttft": times[0] - start,
-        "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None,
-    }
-
-
-async def _closed_loop(
-    url: str, model: str, requests: list[tuple[list[int], int]], clients: int
-) -> tuple[list[dict[str, Any]], float]:
-    import httpx
-
-    queue: asyncio.Queue[tuple[list[int], int]] = asyncio.Queue()
-    for r in requests:
-        queue.put_nowait(r)
-    records: list[dict[str, Any]] = []
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-
-        async def worker() -> None:
-            while not queue.empty():
-                prompt, n = queue.get_nowait()
-                records.append(await _one(client, url, model, prompt, n))
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        return records, time.perf_counter() - start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(a: argparse.Namespace, sizes: dict[str, int], log: Path) -> tuple[Any, str]:
-    """A server subprocess (every program compiled before it listens) and its URL."""
-    import httpx
-
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "jax_tokenweave.serve",
-        *([a.model] if a.model else ["--random", a.random]),
-        *(["--layers", str(a.layers)] if a.layers and not a.model else []),
-        "--port",
-        str(port),
-        "--tp",
-        str(a.tp),
-        "--dtype",
-        a.dtype,
-        "--served-model-name",
-        "bench",
-        "--schedule",
-        a.schedule,
-        "--engine-seed",
-        str(a.seed),
-        "--max-logprobs",
-        "0",
-        "--log-level",
-        "debug",
-        *[x for k, v in sizes.items() for x in (f"--{k.replace('_', '-')}", str(v))],
-    ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    out = open(log, "w")  # noqa: SIM115 (the server's lifetime)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + a.startup_timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the server did not start: {log.read_text()[-3000:]}")
-        time.sleep(0.5)
-
-
 def run_http(a: argparse.Namespace, requests: list, sizes: dict[str, int]) -> dict[str, Any]:
     """The HTTP run (a server started here unless ``--url``)."""
-    proc, url = (None, a.url.rstrip("/")) if a.url else start_server(a, sizes, a.out / "server.log")
+    client = bm.sibling_module(__file__, "http_client")
+    proc, url = (
+        (None, a.url.rstrip("/")) if a.url else client.start_server(a, sizes, a.out / "server.log")
+    )
     try:
         import httpx
 
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         warm = requests[: a.clients]
-        asyncio.run(_closed_loop(url, model, warm, a.clients))  # untimed
-        records, seconds = asyncio.run(_closed_loop(url, model, requests, a.clients))
+        asyncio.run(client.closed_loop(url, model, warm, a.clients))  # untimed
+        records, seconds = asyncio.run(client.closed_loop(url, model, requests, a.clients))
         metrics = httpx.get(url + "/metrics", timeout=30).text
         leaked = [x for x in metrics.splitlines() if x.startswith("tokenweave_kv_blocks_in_use")]
     finally:

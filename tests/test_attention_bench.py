@@ -51,6 +51,12 @@ def bench():
     sys.modules.pop("attention_bench", None)
 
 
+@pytest.fixture(scope="module")
+def cases(bench):
+    """``benchmarks/attention_cases.py``, as ``attention_bench.py`` loads it."""
+    return bench._attention_cases()
+
+
 @pytest.mark.slow
 def test_runs_every_implementation_on_tiny_shapes(bench, tmp_path, capsys):
     plot = [] if bench.bm.matplotlib_missing() is None else ["--no-plot"]
@@ -120,14 +126,14 @@ def test_checks_before_running(bench, monkeypatch, tmp_path, capsys):
     assert "--no-plot" in capsys.readouterr().err
 
 
-def test_bytes_and_flops_by_hand(bench):
+def test_bytes_and_flops_by_hand(cases):
     # decode: 2 requests x 10 keys x 2 kv heads x D 8 x 2 bytes x (K, V) = 1280, q + out:
     # 2 rows x 4 heads x 8 x 2 bytes x 2 = 256.
-    decode = bench.Case("decode", batch=2, context=10)
-    assert bench.moved_bytes(decode, 4, 2, 8, 2) == 1280 + 256
-    assert bench.attention_flops(decode, 4, 8) == 4 * 8 * 4 * 20
+    decode = cases.Case("decode", batch=2, context=10)
+    assert cases.moved_bytes(decode, 4, 2, 8, 2) == 1280 + 256
+    assert cases.attention_flops(decode, 4, 8) == 4 * 8 * 4 * 20
     # prefill: 4 rows after 3 cached positions see 4, 5, 6, 7 keys: 22 pairs; 7 keys are read.
-    prefill = bench.Case("prefill", chunk=4, prefix=3)
+    prefill = cases.Case("prefill", chunk=4, prefix=3)
     assert prefill.pairs == 22 and prefill.keys == 7
-    assert bench.attention_flops(prefill, 4, 8) == 4 * 8 * 4 * 22
-    assert bench.moved_bytes(prefill, 4, 2, 8, 2) == 7 * 2 * 8 * 2 * 2 + 2 * 4 * 4 * 8 * 2
+    assert cases.attention_flops(prefill, 4, 8) == 4 * 8 * 4 * 22
+    assert cases.moved_bytes(prefill, 4, 2, 8, 2) == 7 * 2 * 8 * 2 * 2 + 2 * 4 * 4 * 8 * 2
