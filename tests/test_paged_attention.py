@@ -190,9 +190,10 @@ def test_decode_splits_fill_the_gpu(rows, kvh, splits):
 @pytest.mark.parametrize(
     ("rows", "kvh", "splits"),
     [
-        (8, 8, 5),  # a decode-only step of 1-8 requests: room for one wave
-        (16, 8, 3),  # 16 rows x 8192 keys: the kernel takes 2 pieces (256 blocks of 264)
-        (32, 8, 2),  # 256 pairs: one piece each on the device; two in the grid
+        (8, 8, 4),  # a decode-only step of 1-8 requests: room for one wave
+        (16, 8, 2),  # 16 rows x 8192 keys: 2 pieces each, 256 blocks of 264
+        (12, 8, 2),  # 96 pairs: 192 blocks
+        (32, 8, 1),  # 256 pairs: one piece each, no block exits
         (1, 8, 33),  # one request: a piece per place in the wave
         (33, 8, 1),  # a wave of pairs: one piece each
         (34, 8, 8),  # 272 pairs: a last wave of 8 blocks; room for short pieces

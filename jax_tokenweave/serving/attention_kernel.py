@@ -61,19 +61,22 @@ def decode_splits(rows: int, kv_heads: int, tight: bool = False) -> int:
     """Blocks per (decode row, kv head): the most pieces a row's context is cut into. The
     kernel cuts rows into pieces (of at least 64 keys) that keep the live pairs' blocks in one
     wave; past a wave, one piece each, or pieces of 256 keys where the last wave is under half
-    full. ``tight`` (a decode-only step, rows at most half padding): what ``rows`` need for
-    :data:`TARGET_BLOCKS` blocks (:data:`TAIL_SPLITS` against a short last wave), so few
-    blocks exit unused. Else the rows may be mostly padding (a mixed step pads its decode
-    segment to a prompt tile) and a lone request must still spread over the GPU: a grid of up
-    to :data:`GRID_BLOCKS`. At most :data:`MAX_SPLITS`."""
+    full. ``tight`` (a decode-only step, rows at most half padding): the pieces the kernel
+    takes for ``rows`` live rows under one wave of :data:`TARGET_BLOCKS` blocks, so no block
+    exits unused (fewer live rows keep that many pieces: their blocks take no longer), or
+    :data:`TAIL_SPLITS` against a short last wave. Else the rows may be mostly padding (a
+    mixed step pads its decode segment to a prompt tile) and a lone request must still spread
+    over the GPU: a grid of up to :data:`GRID_BLOCKS`. At most :data:`MAX_SPLITS`."""
     pairs = rows * kv_heads
-    need = math.ceil(TARGET_BLOCKS / pairs)
     if not tight:
+        need = math.ceil(TARGET_BLOCKS / pairs)
         return max(1, min(MAX_SPLITS, max(need, GRID_BLOCKS // pairs)))
     if pairs >= TARGET_BLOCKS:
         last = pairs % TARGET_BLOCKS
         return TAIL_SPLITS if 0 < 2 * last < TARGET_BLOCKS else 1
-    return min(MAX_SPLITS, need)
+    # The pieces the kernel takes when every row is live: no block of the grid exits unused (a
+    # block that exits still holds a place in the first wave while it reads its row's position).
+    return min(MAX_SPLITS, TARGET_BLOCKS // pairs)
 
 
 def paged_attention(
