@@ -85,10 +85,10 @@ def _as_f32(case):
     return (*(np.asarray(a.astype(jnp.float32)) for a in (q, k, v)), tables, positions)
 
 
-def _run(impl, q, k, v, tables, positions, tile, tight=False):
+def _run(impl, q, k, v, tables, positions, tile, tight=False, key_chunk=64):
     fn = jax.jit(
         lambda q, k, v, t, p: paged_attention(
-            q, k, v, t, p, tile=tile, key_chunk=64, implementation=impl, tight=tight
+            q, k, v, t, p, tile=tile, key_chunk=key_chunk, implementation=impl, tight=tight
         )
     )
     out, k_back, v_back = fn(q, k, v, jnp.asarray(tables), jnp.asarray(positions))
@@ -120,6 +120,32 @@ def test_decode_rows_match_reference(rng, dtype, hq, kvh, d, tight):
     assert _rel(got, want) < 1e-2, _rel(got, want)
     assert _rel(got, xla) < 1e-2
     np.testing.assert_array_equal(np.asarray(k_back), np.asarray(case[1]))
+
+
+@needs_kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [8, 32, 12])
+@pytest.mark.parametrize("tight", [False, True])
+def test_decode_rows_with_other_block_sizes(rng, bs, tight):
+    """Pages of 8 and 32 positions, and of 12 (not a power of two: the kernel divides instead
+    of shifting), with contexts past the first 128 table entries that each block reads with
+    its row's position, against float64."""
+    contexts = [1, 13, 200, 1100, 3000, 1537]
+    case = _case(
+        rng,
+        groups=len(contexts),
+        tile=1,
+        contexts=contexts,
+        hq=32,
+        kvh=8,
+        d=128,
+        bs=bs,
+        dtype=jnp.bfloat16,
+    )
+    want = _reference(*_as_f32(case), tile=1)
+    got, _, _ = _run("cuda", *case, tile=1, tight=tight, key_chunk=8 * bs)
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < 1e-2, _rel(got, want)
 
 
 def _decode_chain(qs, k_cache, v_cache, tables, positions, tight):
