@@ -68,8 +68,12 @@ __device__ __forceinline__ int SplitKeys(int ctx, int splits) {
   return max(kMinSplitKeys, ((ctx + splits - 1) / splits + 63) / 64 * 64);
 }
 
+// A block id clamped to [0, num_blocks), as XLA's gather clamps (bad data cannot fault).
+__device__ __forceinline__ int64_t ClampBlock(int32_t id, int num_blocks) {
+  return min(max(id, 0), num_blocks - 1);
+}
 __device__ __forceinline__ int64_t BlockId(const int32_t* table, int index, int num_blocks) {
-  return min(max(table[index], 0), num_blocks - 1);
+  return ClampBlock(table[index], num_blocks);
 }
 
 }  // namespace attn

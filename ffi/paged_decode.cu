@@ -73,11 +73,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
           g < G ? *reinterpret_cast<const uint32_t*>(qrow + g * D + ks * 16 + j * 8 + quad * 2)
                 : 0u;
   }
+  T* const out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
   const RowSplit rs = SplitRow(p, row);
   const int k0 = split * rs.chunk;
   if (k0 >= rs.ctx) {                 // the merge reads only the pieces under ctx
     if (rs.ctx == 0 && split == 0) {  // a padding row (no key): zeros, written once
-      T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
       for (int e = threadIdx.x; e < G * D; e += kThreads) out[e] = Vec<T>::FromFloat(0.f);
     }
     return;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
       const int r = r0 + i * kRowStep, key = k0 + t * kKeys + r;
       const bool ok = key < k1;
       const int slot = bs_pow2 ? key & (bs - 1) : key % bs;
-      const int64_t id = min(max(ids[i], 0), p.num_blocks - 1);
+      const int64_t id = ClampBlock(ids[i], p.num_blocks);
       const int64_t at = ok ? (id * bs + slot) * pos_stride : 0;
       CpAsync16(sk + Swizzled<D>(r, chunk), kc + at, ok);
       CpAsync16(sv + Swizzled<D>(r, chunk), vc + at, ok);
@@ -240,7 +240,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
     }
   }
   __syncthreads();
-  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G) * D;
   float* work = p.work + ((static_cast<int64_t>(row) * p.kvh + h) * p.splits + split) * G * (D + 2);
   for (int e = tid; e < G * D; e += kThreads) {
     const int head = e / D, d = e % D;
