@@ -98,9 +98,19 @@ def _run(impl, q, k, v, tables, positions, tile, tight=False, key_chunk=64):
 @needs_kernel
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize(("hq", "kvh", "d"), [(32, 8, 128), (8, 8, 64), (16, 2, 128)])
+@pytest.mark.parametrize(
+    ("hq", "kvh", "d", "bs"),
+    [
+        (32, 8, 128, 16),
+        (8, 8, 64, 16),
+        (16, 2, 128, 16),
+        (32, 8, 128, 8),  # contexts past the 128 table entries read with the row's position
+        (32, 8, 128, 32),
+        (32, 8, 128, 12),  # not a power of two: the kernel divides instead of shifting
+    ],
+)
 @pytest.mark.parametrize("tight", [False, True])
-def test_decode_rows_match_reference(rng, dtype, hq, kvh, d, tight):
+def test_decode_rows_match_reference(rng, dtype, hq, kvh, d, bs, tight):
     contexts = [1, 7, 64, 65, 513, 3000, 1024, 200]  # one split up to several
     case = _case(
         rng,
@@ -110,42 +120,16 @@ def test_decode_rows_match_reference(rng, dtype, hq, kvh, d, tight):
         hq=hq,
         kvh=kvh,
         d=d,
-        bs=16,
+        bs=bs,
         dtype=dtype,
     )
     want = _reference(*_as_f32(case), tile=1)
-    got, k_back, _ = _run("cuda", *case, tile=1, tight=tight)
-    xla, _, _ = _run("xla", *case, tile=1)
+    got, k_back, _ = _run("cuda", *case, tile=1, tight=tight, key_chunk=4 * bs)
+    xla, _, _ = _run("xla", *case, tile=1, key_chunk=4 * bs)
     assert np.isfinite(got).all()
     assert _rel(got, want) < 1e-2, _rel(got, want)
     assert _rel(got, xla) < 1e-2
     np.testing.assert_array_equal(np.asarray(k_back), np.asarray(case[1]))
-
-
-@needs_kernel
-@pytest.mark.gpu
-@pytest.mark.parametrize("bs", [8, 32, 12])
-@pytest.mark.parametrize("tight", [False, True])
-def test_decode_rows_with_other_block_sizes(rng, bs, tight):
-    """Pages of 8 and 32 positions, and of 12 (not a power of two: the kernel divides instead
-    of shifting), with contexts past the first 128 table entries that each block reads with
-    its row's position, against float64."""
-    contexts = [1, 13, 200, 1100, 3000, 1537]
-    case = _case(
-        rng,
-        groups=len(contexts),
-        tile=1,
-        contexts=contexts,
-        hq=32,
-        kvh=8,
-        d=128,
-        bs=bs,
-        dtype=jnp.bfloat16,
-    )
-    want = _reference(*_as_f32(case), tile=1)
-    got, _, _ = _run("cuda", *case, tile=1, tight=tight, key_chunk=8 * bs)
-    assert np.isfinite(got).all()
-    assert _rel(got, want) < 1e-2, _rel(got, want)
 
 
 def _decode_chain(qs, k_cache, v_cache, tables, positions, tight):
