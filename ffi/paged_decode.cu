@@ -25,19 +25,28 @@
 #include "decode_merge.cuh"
 #include "device_facts.h"
 
+#include <cstdlib>
+#include <string>
+
 namespace tokenweave {
 namespace attn {
 namespace {
 
-constexpr int kStages = 3;                        // key tiles in shared memory
-constexpr int kTileBytes = 32768;                 // K and V of one tile
-constexpr int kSmemBytes = kStages * kTileBytes;  // dynamic shared memory of the split kernel
-constexpr int kBlocksPerSm = 2;                   // the split kernel's occupancy (shared memory)
-constexpr int kWarps = kThreads / 32;
-constexpr int kHeadCols = 8;  // the mma's n: query heads of a group, padded to 8
+constexpr int kStages = 3;            // key tiles in shared memory
+constexpr int kWarpTileBytes = 8192;  // K and V of a warp's keys of one tile
+constexpr int kHeadCols = 8;          // the mma's n: query heads of a group, padded to 8
+// Warps of the split kernel's block: 4 (two blocks per SM), or 8 (one) for rows run whole.
+constexpr int kWarpsSplit = 4, kWarpsWhole = 8;
+template <int W>
+__host__ __device__ constexpr int SmemBytes() {  // the split kernel's dynamic shared memory
+  return kStages * kWarpTileBytes * W;
+}
 
-template <typename T, int D, int G>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(AttentionParams p) {
+template <typename T, int D, int G, int W>
+__global__ void __launch_bounds__(32 * W, 8 / W) DecodeSplitKernel(AttentionParams p) {
+  constexpr int kWarps = W, kThreads = 32 * W;
+  constexpr int kTileBytes = kWarpTileBytes * W;  // K and V of one tile
+  constexpr int kSmemBytes = SmemBytes<W>();
   constexpr int kKeys = kTileBytes / (4 * D);          // keys per tile (K and V, 2 bytes each)
   constexpr int kWarpKeys = kKeys / kWarps;            // a warp's keys of each tile
   constexpr int kKeyTiles = kWarpKeys / 16;            // its m-tiles of S^T (16 keys each)
@@ -263,22 +272,38 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) DecodeSplitKernel(Atte
   }
 }
 
-// The split kernel, then (where a row may take more than one piece) the merge.
+// Launches the split kernel of W warps on grid (p.splits, kv heads, rows).
+template <typename T, int D, int G, int W>
+cudaError_t LaunchSplit(const AttentionParams& p, bool programmatic, cudaStream_t stream) {
+  // The attribute is per function and device; setting it each launch is cheap and thread-safe.
+  if (cudaError_t e =
+          cudaFuncSetAttribute(DecodeSplitKernel<T, D, G, W>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, SmemBytes<W>());
+      e != cudaSuccess)
+    return e;
+  return LaunchDependent(DecodeSplitKernel<T, D, G, W>, dim3(p.splits, p.kvh, p.groups),
+                         dim3(32 * W), SmemBytes<W>(), programmatic, stream, p);
+}
+
+// The split kernel, then (where a row may take more than one piece) the merge. A grid of two
+// pieces a row whose (row, kv head) pairs fit one block per SM (the engine's decode-only steps
+// of 12-16 rows at 8 kv heads) runs each row whole in blocks of 8 warps instead: the same SMs
+// stream the same bytes with as many warps, and no partial sums or merge kernel follow.
 template <typename T, int D, int G>
 cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
   DeviceFacts facts{};
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   AttentionParams p = params;
-  p.capacity = kBlocksPerSm * facts.sms;
   const bool programmatic = facts.major >= 9;
-  // The attribute is per function and device; setting it each launch is cheap and thread-safe.
-  if (cudaError_t e = cudaFuncSetAttribute(DecodeSplitKernel<T, D, G>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-      e != cudaSuccess)
-    return e;
-  if (cudaError_t e = LaunchDependent(DecodeSplitKernel<T, D, G>, dim3(p.splits, p.kvh, p.groups),
-                                      dim3(kThreads), kSmemBytes, programmatic, stream, p);
-      e != cudaSuccess)
+  static const bool whole_on = std::getenv("JAX_TOKENWEAVE_DECODE_WHOLE") == nullptr ||
+                               std::string(std::getenv("JAX_TOKENWEAVE_DECODE_WHOLE")) != "0";
+  if (whole_on && p.splits == 2 && static_cast<int64_t>(p.groups) * p.kvh <= facts.sms) {
+    p.splits = 1;
+    p.capacity = facts.sms;
+    return LaunchSplit<T, D, G, kWarpsWhole>(p, programmatic, stream);
+  }
+  p.capacity = (8 / kWarpsSplit) * facts.sms;
+  if (cudaError_t e = LaunchSplit<T, D, G, kWarpsSplit>(p, programmatic, stream); e != cudaSuccess)
     return e;
   if (p.splits == 1) return cudaSuccess;
   return LaunchDependent(DecodeMergeKernel<T, D, G>, dim3(p.groups, p.kvh), dim3(32 * G), 0,

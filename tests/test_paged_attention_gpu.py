@@ -195,22 +195,23 @@ def test_decode_calls_back_to_back_with_changing_pieces(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize(
-    ("rows", "live", "hq", "kvh", "d"),
+    ("rows", "live", "hq", "kvh", "d", "bs"),
     [
-        (16, 16, 32, 8, 128),
-        (16, 11, 32, 8, 128),
-        (32, 32, 32, 8, 128),
-        (12, 12, 64, 8, 64),
-        (24, 20, 16, 8, 128),
+        (16, 16, 32, 8, 128, 16),
+        (16, 11, 32, 8, 128, 16),
+        (16, 13, 32, 8, 128, 8),  # past the 256 table entries read with the row's position
+        (32, 32, 32, 8, 128, 16),
+        (12, 12, 64, 8, 64, 16),
+        (24, 20, 16, 8, 128, 16),
     ],
 )
-def test_decode_rows_on_the_tight_grid(rng, dtype, rows, live, hq, kvh, d):
-    """The engine's decode-only grids of 12-32 rows (12-16 rows: 2 pieces per row in one wave,
-    then the merge kernel; 24-32: one piece each). Ragged contexts from one key to several
-    thousand, padding rows (position -1) get zeros, blocks in random order, calls back to
-    back."""
+def test_decode_rows_on_the_tight_grid(rng, dtype, rows, live, hq, kvh, d, bs):
+    """The engine's decode-only grids of 12-32 rows (12-16 rows: two pieces per row fill one
+    wave, so each row runs whole in a block of 8 warps; 24-32: one piece each). Ragged
+    contexts from one key to several thousand, padding rows (position -1) get zeros, blocks
+    in random order, calls back to back."""
     assert 1 <= attention_kernel.decode_splits(rows, kvh, tight=True) <= 8
-    bs, calls = 16, 3
+    calls = 3
     contexts = rng.integers(1, 3000, (calls, live))
     contexts[:, :3] = [1, 65, 2999]
     width = ceil_div(3000, bs)
