@@ -371,3 +371,32 @@ def test_an_xla_cpu_program_from_jax_persistent_cache_is_not_stored(tmp_path):
     np.testing.assert_allclose(np.asarray(compiled(x)), np.asarray(fn(x)))
     jax.clear_caches()
     assert ec.compile_to_store(fn.lower(x), "gpu")[1] is None  # GPU programs round-trip
+
+
+def test_large_decode_steps_compile_with_split_k_off(model, tmp_path, monkeypatch):
+    """Decode-only steps of at least ``UNSPLIT_K_MIN_ROWS`` rows compile with XLA's split-K
+    rewrite off (and their key says so); steps with prompt chunks and smaller decode steps keep
+    XLA's defaults. Either way the engine makes the same tokens."""
+    from jax_tokenweave.serving import runner as runner_module
+    from jax_tokenweave.serving import step
+
+    assert step.xla_knows(step.UNSPLIT_K_OPTION)
+    assert not step.xla_knows("xla_gpu_no_such_option")
+    engine = LLMEngine(model, dataclasses.replace(CFG, compilation_cache_dir=None))
+    want = tokens(engine)
+    runner = engine.runner
+    layouts = runner.layouts()
+    keys = {lay: runner.program_key(lay, runner.padding_args(lay)) for lay in layouts}
+    assert all(step.UNSPLIT_K_OPTION not in runner._forward(lay)[1] for lay in layouts)
+
+    monkeypatch.setattr(runner_module, "UNSPLIT_K_MIN_ROWS", 4)
+    decode_only = [lay for lay in layouts if lay.rows == lay.decode_rows]
+    big = [lay for lay in decode_only if lay.rows >= 4]
+    assert big and len(big) < len(layouts)
+    for lay in layouts:
+        options = runner._forward(lay)[1]
+        assert (options.get(step.UNSPLIT_K_OPTION) == 1) == (lay in big), lay
+        changed = runner.program_key(lay, runner.padding_args(lay)) != keys[lay]
+        assert changed == (lay in big), lay
+    engine = LLMEngine(model, dataclasses.replace(CFG, compilation_cache_dir=None))
+    assert tokens(engine) == want

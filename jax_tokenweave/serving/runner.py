@@ -35,14 +35,13 @@ from jax_tokenweave.serving.paged_attention import resolve_for
 from jax_tokenweave.serving.paged_cache import init_paged_cache
 from jax_tokenweave.serving.scheduler import ScheduledStep
 from jax_tokenweave.serving.step import (
-    REPLAY_COMPILER_OPTIONS,
     SAMPLERS,
-    STEP_COMPILER_OPTIONS,
+    UNSPLIT_K_MIN_ROWS,
     DeviceOutputs,
     HostOutputs,
     StepOutputs,
+    forward_program,
     jitted_forward,
-    jitted_forward_replayed,
     jitted_sampler,
     sampling_arrays,
 )
@@ -100,8 +99,16 @@ class ModelRunner:
         ``EngineConfig.command_buffers`` is on."""
         return self.config.command_buffers and layout.rows == layout.decode_rows
 
+    def _forward(self, layout: batch_lib.StepLayout) -> tuple[Any, dict[str, Any]]:
+        """``layout``'s jitted forward and its XLA options (``step.forward_program``): split-K
+        off for decode-only steps of at least ``step.UNSPLIT_K_MIN_ROWS`` rows."""
+        decode_only = layout.rows == layout.decode_rows
+        return forward_program(
+            self.replayed(layout), decode_only and layout.rows >= UNSPLIT_K_MIN_ROWS
+        )
+
     def _jitted(self, layout: batch_lib.StepLayout) -> Any:
-        return jitted_forward_replayed if self.replayed(layout) else jitted_forward
+        return self._forward(layout)[0]
 
     def io(self, layout: batch_lib.StepLayout) -> StepIO | None:
         """``layout``'s :class:`~jax_tokenweave.serving.step_io.StepIO` where its forward
@@ -357,7 +364,7 @@ class ModelRunner:
         program (the static arguments, the model, the inputs' tree, shapes, dtypes and
         shardings, the compiler options) and the environment."""
         static = {k: repr(v) for k, v in self._static(layout).items() if k != "graphdef"}
-        options = REPLAY_COMPILER_OPTIONS if self.replayed(layout) else STEP_COMPILER_OPTIONS
+        options = self._forward(layout)[1]
         return exe_cache.program_key(
             {
                 **self._model_key,

@@ -11,6 +11,7 @@ traced. Schedules and replay: docs/SERVING.md#servingstep.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -336,21 +337,53 @@ def forward(
     return give_back(io, flat, logits), cache
 
 
-jitted_forward = jax.jit(
-    forward,
-    static_argnames=_FORWARD_STATICS,
-    donate_argnames=("cache", "io"),
-    compiler_options=STEP_COMPILER_OPTIONS,
-)
+def _jit_forward(options: dict[str, Any]) -> Any:
+    return jax.jit(
+        forward,
+        static_argnames=_FORWARD_STATICS,
+        donate_argnames=("cache", "io"),
+        compiler_options=options,
+    )
+
+
+jitted_forward = _jit_forward(STEP_COMPILER_OPTIONS)
 """:func:`forward` without command buffers (steps with prompt chunks)."""
 
-jitted_forward_replayed = jax.jit(
-    forward,
-    static_argnames=_FORWARD_STATICS,
-    donate_argnames=("cache", "io"),
-    compiler_options=REPLAY_COMPILER_OPTIONS,
-)
+jitted_forward_replayed = _jit_forward(REPLAY_COMPILER_OPTIONS)
 """:func:`forward` replayed from command buffers (decode-only steps)."""
+
+UNSPLIT_K_MIN_ROWS = 64
+"""Decode-only steps of at least this many rows compile with XLA's split-K rewrite off
+(``xla_gpu_experimental_force_split_k=1``): there it cut the K of the QKV, O and down GEMMs in
+two, wrote float32 partials and summed them in separate fusions, and cuBLAS's own kernels
+without that rewrite are faster. One H200, Llama-3-8B shapes, 32 layers, GPU busy per step
+(``benchmarks/results/2026-11-26-h200x1/fourth_session``): batch 64 6.68 ms against 7.00,
+batch 256 15.85 against 15.89; at batch 1 the rewrite wins (4.41 ms against 4.65 without)."""
+
+UNSPLIT_K_OPTION = "xla_gpu_experimental_force_split_k"
+
+
+@functools.cache
+def xla_knows(option: str) -> bool:
+    """Whether this jaxlib's XLA takes the compile option ``option`` (an int)."""
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={option: 1}).lower(np.int32(0)).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "No such compile option" in str(err):
+            return False
+        raise
+    return True
+
+
+@functools.cache
+def forward_program(replayed: bool, unsplit_k: bool) -> tuple[Any, dict[str, Any]]:
+    """The jitted :func:`forward` of a step and its XLA options: replayed from command buffers
+    or not, and (where this XLA knows the option) with split-K off (:data:`UNSPLIT_K_MIN_ROWS`)."""
+    options: dict[str, Any] = dict(REPLAY_COMPILER_OPTIONS if replayed else STEP_COMPILER_OPTIONS)
+    if not unsplit_k or not xla_knows(UNSPLIT_K_OPTION):
+        return (jitted_forward_replayed if replayed else jitted_forward), options
+    options[UNSPLIT_K_OPTION] = 1
+    return _jit_forward(options), options
 
 
 jitted_sampler = jax.jit(sample_step, static_argnames=("sampler", "num_logprobs", "mesh"))
