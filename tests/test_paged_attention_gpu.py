@@ -200,6 +200,8 @@ def test_decode_calls_back_to_back_with_changing_pieces(rng):
         (16, 16, 32, 8, 128, 16),
         (16, 11, 32, 8, 128, 16),
         (16, 13, 32, 8, 128, 8),  # past the 256 table entries read with the row's position
+        (16, 16, 8, 8, 128, 16),  # whole rows, one head per kv head
+        (16, 14, 16, 8, 128, 16),  # whole rows, two heads per kv head
         (32, 32, 32, 8, 128, 16),
         (12, 12, 64, 8, 64, 16),
         (24, 20, 16, 8, 128, 16),
