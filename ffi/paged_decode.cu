@@ -286,7 +286,8 @@ cudaError_t LaunchSplit(const AttentionParams& p, bool programmatic, cudaStream_
 // The split kernel, then (where a row may take more than one piece) the merge. A grid of two
 // pieces a row whose (row, kv head) pairs fit one block per SM (the engine's decode-only steps
 // of 12-16 rows at 8 kv heads) runs each row whole in blocks of 8 warps instead: the same SMs
-// stream the same bytes with as many warps, and no partial sums or merge kernel follow (16 rows
+// stream the same bytes with as many warps, and no partial sums or merge kernel follow (where
+// the device lets a block have the 193 KiB of shared memory: sm_90, not sm_80; 16 rows
 // x 1024 keys on an H200: 20.5 us against 22.6 for two pieces and the merge; 16 x 8192: 127
 // against 133).
 template <typename T, int D, int G>
@@ -295,7 +296,8 @@ cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   AttentionParams p = params;
   const bool programmatic = facts.major >= 9;
-  if (p.splits == 2 && static_cast<int64_t>(p.groups) * p.kvh <= facts.sms) {
+  const bool whole_fits = SmemBytes<kWarpsWhole>() + kWarpsWhole * 32 * 4 <= facts.smem_optin;
+  if (whole_fits && p.splits == 2 && static_cast<int64_t>(p.groups) * p.kvh <= facts.sms) {
     p.splits = 1;
     p.capacity = facts.sms;
     return LaunchSplit<T, D, G, kWarpsWhole>(p, programmatic, stream);
