@@ -67,8 +67,7 @@ def decode_splits(rows: int, kv_heads: int, tight: bool = False) -> int:
     :data:`TAIL_SPLITS` against a short last wave. Else the rows may be mostly padding (a
     mixed step pads its decode segment to a prompt tile) and a lone request must still spread
     over the GPU: a grid of up to :data:`GRID_BLOCKS`. At most :data:`MAX_SPLITS`. A grid of
-    2 whose pairs fit one block per SM runs each row whole in a block of 8 warps (on GPUs that
-    allow it the shared memory: ``ffi/paged_decode.cu``'s ``LaunchDecode``)."""
+    2 within one block per SM runs rows whole in 8-warp blocks (docs/SERVING.md)."""
     pairs = rows * kv_heads
     if not tight:
         need = math.ceil(TARGET_BLOCKS / pairs)
