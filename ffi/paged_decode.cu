@@ -39,9 +39,17 @@ template <int W>
 __host__ __device__ constexpr int SmemBytes() {  // the split kernel's dynamic shared memory
   return kStages * kWarpTileBytes * W;
 }
+template <int W>
+__host__ __device__ constexpr int BlocksPerSm() {  // what that shared memory lets an SM hold
+  return 8 / W;
+}
+template <int W>  // its static shared memory: the row's first 32 W block-table entries
+__host__ __device__ constexpr int TableSmemBytes() {
+  return 32 * W * static_cast<int>(sizeof(int32_t));
+}
 
 template <typename T, int D, int G, int W>
-__global__ void __launch_bounds__(32 * W, 8 / W) DecodeSplitKernel(AttentionParams p) {
+__global__ void __launch_bounds__(32 * W, BlocksPerSm<W>()) DecodeSplitKernel(AttentionParams p) {
   constexpr int kWarps = W, kThreads = 32 * W;
   constexpr int kTileBytes = kWarpTileBytes * W;  // K and V of one tile
   constexpr int kSmemBytes = SmemBytes<W>();
@@ -62,7 +70,7 @@ __global__ void __launch_bounds__(32 * W, 8 / W) DecodeSplitKernel(AttentionPara
   const int split = blockIdx.x, h = blockIdx.y, row = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, quad = lane % 4;
-  __shared__ int32_t first_ids[kThreads];  // the row's block-table entries 0..kThreads - 1
+  __shared__ int32_t first_ids[TableSmemBytes<W>() / sizeof(int32_t)];  // entries 0..kThreads-1
   WaitForPrerequisite();
   // One round trip for what needs no position: the row's first kThreads table entries (every
   // page of a context up to kThreads * block_size keys) and Q^T, the B operand of S^T = K Q^T
@@ -296,13 +304,15 @@ cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   AttentionParams p = params;
   const bool programmatic = facts.major >= 9;
-  const bool whole_fits = SmemBytes<kWarpsWhole>() + kWarpsWhole * 32 * 4 <= facts.smem_optin;
-  if (whole_fits && p.splits == 2 && static_cast<int64_t>(p.groups) * p.kvh <= facts.sms) {
+  constexpr int kWholeSmem = SmemBytes<kWarpsWhole>() + TableSmemBytes<kWarpsWhole>();
+  const int whole_capacity = BlocksPerSm<kWarpsWhole>() * facts.sms;
+  if (kWholeSmem <= facts.smem_optin && p.splits == 2 &&
+      static_cast<int64_t>(p.groups) * p.kvh <= whole_capacity) {
     p.splits = 1;
-    p.capacity = facts.sms;
+    p.capacity = whole_capacity;
     return LaunchSplit<T, D, G, kWarpsWhole>(p, programmatic, stream);
   }
-  p.capacity = (8 / kWarpsSplit) * facts.sms;
+  p.capacity = BlocksPerSm<kWarpsSplit>() * facts.sms;
   if (cudaError_t e = LaunchSplit<T, D, G, kWarpsSplit>(p, programmatic, stream); e != cudaSuccess)
     return e;
   if (p.splits == 1) return cudaSuccess;

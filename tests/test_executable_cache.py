@@ -390,7 +390,7 @@ def test_large_decode_steps_compile_with_split_k_off(model, tmp_path, monkeypatc
     assert all(step.UNSPLIT_K_OPTION not in runner._forward(lay)[1] for lay in layouts)
 
     monkeypatch.setattr(runner_module, "UNSPLIT_K_MIN_ROWS", 4)
-    decode_only = [lay for lay in layouts if lay.rows == lay.decode_rows]
+    decode_only = [lay for lay in layouts if lay.decode_only]
     big = [lay for lay in decode_only if lay.rows >= 4]
     assert big and len(big) < len(layouts)
     for lay in layouts:

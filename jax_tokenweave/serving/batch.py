@@ -40,6 +40,11 @@ class StepLayout:
         """Attention groups: decode rows plus chunk tiles."""
         return self.decode_rows + (self.rows - self.decode_rows) // self.tile
 
+    @property
+    def decode_only(self) -> bool:
+        """Whether every row is a decode row (no prompt chunk)."""
+        return self.rows == self.decode_rows
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

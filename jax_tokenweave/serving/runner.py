@@ -97,14 +97,13 @@ class ModelRunner:
     def replayed(self, layout: batch_lib.StepLayout) -> bool:
         """Whether ``layout``'s forward replays from command buffers: a decode-only step, where
         ``EngineConfig.command_buffers`` is on."""
-        return self.config.command_buffers and layout.rows == layout.decode_rows
+        return self.config.command_buffers and layout.decode_only
 
     def _forward(self, layout: batch_lib.StepLayout) -> tuple[Any, dict[str, Any]]:
         """``layout``'s jitted forward and its XLA options (``step.forward_program``): split-K
         off for decode-only steps of at least ``step.UNSPLIT_K_MIN_ROWS`` rows."""
-        decode_only = layout.rows == layout.decode_rows
         return forward_program(
-            self.replayed(layout), decode_only and layout.rows >= UNSPLIT_K_MIN_ROWS
+            self.replayed(layout), layout.decode_only and layout.rows >= UNSPLIT_K_MIN_ROWS
         )
 
     def _jitted(self, layout: batch_lib.StepLayout) -> Any:
