@@ -20,6 +20,22 @@ __device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool full)
                "r"(full ? 16 : 0));
 }
 
+// L2 policy for bytes a kernel reads once (decode K/V): evicted first, so a step's stream of
+// K/V does not push out what is read again (block tables, queries, weights).
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// CpAsync16 under an L2 policy (EvictFirstPolicy).
+__device__ __forceinline__ void CpAsync16Hinted(void* dst, const void* src, bool full,
+                                                uint64_t policy) {
+  asm volatile(
+      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(SmemAddr(dst)),
+      "l"(src), "r"(full ? 16 : 0), "l"(policy));
+}
+
 __device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
