@@ -1,6 +1,7 @@
 // Rows cut across a thread-block cluster (sm_90): the cluster barrier, stores into another CTA's
-// shared memory, a cluster launch, and how many CTAs a decode-size row is cut across. Shared by
-// the one-rank kernel (local_rows.cu) and the decode one-shot kernel (oneshot_rows.cu).
+// shared memory, and how many CTAs a decode-size row is cut across (launch.cuh launches the
+// clusters). Shared by the one-rank kernel (local_rows.cu) and the decode one-shot kernel
+// (oneshot_rows.cu).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -31,24 +32,6 @@ inline int RowCtas(int tokens, int vpr, int compute_major, int max_ctas) {
   for (int c = kMaxRowCtas; c >= 2; c /= 2)
     if (c <= cap && c * tokens <= max_ctas && vpr % c == 0 && vpr / c <= kMaxCutBlock) return c;
   return 1;
-}
-
-// Launches kernel<<<grid, block>>>(args...) in clusters of `cluster` CTAs along x.
-template <typename... Args>
-cudaError_t LaunchClusters(void (*kernel)(Args...), dim3 grid, int block, int cluster,
-                           cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(block);
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = cluster;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 // The device side: PTX of sm_90. Before sm_90 a CTA is a cluster of one (the launchers never

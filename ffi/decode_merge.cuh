@@ -1,11 +1,12 @@
 // Decode attention's pieces (paged_decode.cu): how a row's context is cut (SplitRow, which the
-// split and merge kernels call alike), the merge of a row's pieces, and the programmatic
-// (dependent) launches both kernels use on sm_90.
+// split and merge kernels call alike) and the merge of a row's pieces (a programmatic launch on
+// sm_90, launch.cuh).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include "attention_common.cuh"
+#include "launch.cuh"
 
 namespace tokenweave {
 namespace attn {
@@ -13,19 +14,6 @@ namespace {
 
 constexpr int kMergeBatch = 16;      // pieces whose partial sums the merge loads at once
 constexpr int kTailPieceKeys = 256;  // piece length where the last wave is under half full
-
-// Waits for the kernel this one depends on (programmatic launch); a no-op before sm_90.
-__device__ __forceinline__ void WaitForPrerequisite() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-// Lets the dependent kernel's blocks launch (they wait for this grid's end before reading).
-__device__ __forceinline__ void AllowDependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // A row's context and how it is cut: `n` pieces of `chunk` keys (the last may be shorter).
 // The split and merge kernels call this alike, so they agree on the pieces.
@@ -109,23 +97,6 @@ __global__ void __launch_bounds__(32 * G) DecodeMergeKernel(AttentionParams p) {
   T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.hq + h * G + g) * D;
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) out[lane + 32 * i] = Vec<T>::FromFloat(sum[i] * inv);
-}
-
-// Launches `kernel` on `stream` as a programmatic dependent of the work before it (sm_90 on).
-template <typename... Args>
-cudaError_t LaunchDependent(void (*kernel)(Args...), dim3 grid, dim3 block, size_t smem,
-                            bool programmatic, cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 // takes this path (a closed comm still leaves NaN, below).
 #include "cluster.cuh"
 #include "device_facts.h"
+#include "launch.cuh"
 #include "rowops.cuh"
 
 namespace tokenweave {
@@ -106,6 +107,8 @@ template <typename T, int kBlock, int kU, bool kFull, bool kInRegisters, int kMi
 __global__ void __launch_bounds__(kBlock, kMinBlocks)
     LocalRowsKernel(const __grid_constant__ KernelParams p) {
   __shared__ float red[kBlock / 32];
+  WaitForPrerequisite();  // programmatic launch (launch.cuh): nothing is read before this
+  AllowDependents();      // nothing here waits on another grid
   const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
   const int vpr = p.hidden / Vec<T>::kN;
   const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
@@ -147,6 +150,8 @@ __global__ void __launch_bounds__(kBlock)
   __shared__ float red[kBlock / 32];
   __shared__ float sums[kMaxRowCtas];
   ClusterArriveRelaxed();
+  WaitForPrerequisite();
+  AllowDependents();
   const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
   const int ctas = gridDim.x, cta = blockIdx.x;
   const int nv = p.hidden / Vec<T>::kN / ctas, v0 = cta * nv;
@@ -175,22 +180,23 @@ cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   DeviceFacts facts{};
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   const int vpr = p.hidden / Vec<T>::kN;
+  const bool programmatic = facts.major >= 9;  // launch.cuh
   if (const int ctas = RowCtas(p.tokens, vpr, facts.major, kMaxRowCtas * p.tokens); ctas > 1) {
     const dim3 grid(ctas, p.tokens);
+    const LaunchOptions o{0, ctas, programmatic};
     switch (CutBlock(vpr / ctas)) {
-      case 128: return LaunchClusters(LocalRowsCutKernel<T, 128>, grid, 128, ctas, stream, p);
-      case 256: return LaunchClusters(LocalRowsCutKernel<T, 256>, grid, 256, ctas, stream, p);
-      default: return LaunchClusters(LocalRowsCutKernel<T, 512>, grid, 512, ctas, stream, p);
+      case 128: return LaunchKernel(LocalRowsCutKernel<T, 128>, grid, dim3(128), o, stream, p);
+      case 256: return LaunchKernel(LocalRowsCutKernel<T, 256>, grid, dim3(256), o, stream, p);
+      default: return LaunchKernel(LocalRowsCutKernel<T, 512>, grid, dim3(512), o, stream, p);
     }
   }
-  const int grid = p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid;
+  const dim3 grid(p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid), block(kLocalBlock);
+  const LaunchOptions o{0, 1, programmatic};
   if (vpr > kLocalBlock * kLocalU)
-    kLocalKernel<T, false, 1><<<grid, kLocalBlock, 0, stream>>>(p);
-  else if (grid > facts.sms)
-    kLocalKernel<T, true, 2><<<grid, kLocalBlock, 0, stream>>>(p);
-  else
-    kLocalKernel<T, true, 1><<<grid, kLocalBlock, 0, stream>>>(p);
-  return cudaGetLastError();
+    return LaunchKernel(kLocalKernel<T, false, 1>, grid, block, o, stream, p);
+  if (static_cast<int>(grid.x) > facts.sms)
+    return LaunchKernel(kLocalKernel<T, true, 2>, grid, block, o, stream, p);
+  return LaunchKernel(kLocalKernel<T, true, 1>, grid, block, o, stream, p);
 }
 
 template <typename T>

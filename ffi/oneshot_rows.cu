@@ -12,11 +12,15 @@
 //   - the slot advances at the end (the general kernels advance it at once);
 //   - one bounded poll loop for all of a step's sources, no per-source copies of it, no stack;
 //   - a failure poisons only this block's rows (it alone writes them; a cut row's CTAs share
-//     one verdict).
+//     one verdict);
+//   - on sm_90 it is a programmatic launch (launch.cuh): back to back, the next call's blocks
+//     launch once every block of this one has its peers' rows, and wait for its end (loopback,
+//     N = 2, T = 1, free-running: 3.96 us per call against 4.98).
 // Partials are summed in rank order, then the residual, in float32, from their one-shot
 // encodings (own partial included), so every rank's rows are bitwise identical.
 #include "cluster.cuh"
 #include "device_facts.h"
+#include "launch.cuh"
 #include "rowops.cuh"
 
 namespace tokenweave {
@@ -60,6 +64,7 @@ __global__ void __launch_bounds__(kThreads)
   const char* residual = static_cast<const char*>(p.residual);
   const auto vec = [&](int u) { return v0 + static_cast<int>(threadIdx.x) + u * kThreads; };
   if (kCut && has_row) ClusterArriveRelaxed();  // a whole cluster has a row or none
+  WaitForPrerequisite();  // the call before may have written this one's inputs
 
   // (1) Loads that need no call state, in flight with the state's.
   uint4 own[kU], res_own[kU], res_send[kU];
@@ -157,6 +162,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (has_row) {
     ok = __syncthreads_and(ok) != 0;  // every thread polled (or gave up): one verdict
+    AllowDependents();                // no peer waits on this block any more (launch.cuh)
     // (5) Round, write the residual (owner only), RMSNorm (the cluster's verdict and sum of
     // squares where the row is cut), write the normed row.
     float ss = 0.f;
@@ -205,11 +211,12 @@ template <typename T, int kMaxN>
 cudaError_t LaunchFor(const KernelParams& p, int num_ctas, cudaStream_t stream) {
   DeviceFacts facts{};
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
+  const bool programmatic = facts.major >= 9;
   if (const int ctas = RowCtas(p.tokens, p.hidden / Vec<T>::kN, facts.major, num_ctas); ctas > 1)
-    return LaunchClusters(OneShotRowsKernel<T, kMaxN, true>, dim3(ctas * p.tokens), kThreads, ctas,
-                          stream, p);
-  OneShotRowsKernel<T, kMaxN, false><<<num_ctas, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+    return LaunchKernel(OneShotRowsKernel<T, kMaxN, true>, dim3(ctas * p.tokens), dim3(kThreads),
+                        {0, ctas, programmatic}, stream, p);
+  return LaunchKernel(OneShotRowsKernel<T, kMaxN, false>, dim3(num_ctas), dim3(kThreads),
+                      {0, 1, programmatic}, stream, p);
 }
 
 template <typename T>

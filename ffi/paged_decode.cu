@@ -290,8 +290,8 @@ cudaError_t LaunchSplit(const AttentionParams& p, bool programmatic, cudaStream_
                                cudaFuncAttributeMaxDynamicSharedMemorySize, SmemBytes<W>());
       e != cudaSuccess)
     return e;
-  return LaunchDependent(DecodeSplitKernel<T, D, G, W>, dim3(p.splits, p.kvh, p.groups),
-                         dim3(32 * W), SmemBytes<W>(), programmatic, stream, p);
+  return LaunchKernel(DecodeSplitKernel<T, D, G, W>, dim3(p.splits, p.kvh, p.groups), dim3(32 * W),
+                      {SmemBytes<W>(), 1, programmatic}, stream, p);
 }
 
 // The split kernel, then (where a row may take more than one piece) the merge. A grid of two
@@ -319,8 +319,8 @@ cudaError_t LaunchDecode(const AttentionParams& params, cudaStream_t stream) {
   if (cudaError_t e = LaunchSplit<T, D, G, kWarpsSplit>(p, programmatic, stream); e != cudaSuccess)
     return e;
   if (p.splits == 1) return cudaSuccess;
-  return LaunchDependent(DecodeMergeKernel<T, D, G>, dim3(p.groups, p.kvh), dim3(32 * G), 0,
-                         programmatic, stream, p);
+  return LaunchKernel(DecodeMergeKernel<T, D, G>, dim3(p.groups, p.kvh), dim3(32 * G),
+                      {0, 1, programmatic}, stream, p);
 }
 
 template <typename T, int D>
