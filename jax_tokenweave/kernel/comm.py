@@ -207,7 +207,8 @@ class Communicator:
             raise CommFailed(why)
 
     def launches(self) -> int:
-        """Kernel launches the FFI handlers issued (a command-buffer replay issues none)."""
+        """Kernel launches the FFI handlers issued, over all of the comm's GPUs (one per GPU
+        per call; a command-buffer replay issues none)."""
         return 0 if self._id is None else _extension.get().launches(self._id)
 
 
