@@ -8,12 +8,13 @@ R repetitions after a warm-up, and the median time divided by K is reported as t
 per call (one dispatch per K calls, so dispatch is amortised; the same method for every impl).
 Each ffi configuration (variant and CTA count) is checked against ``xla_rsag`` on fresh random
 inputs before timing. With ``--device-time`` each configuration is also profiled
-(torch.profiler: every kernel of the chain, per GPU, median over GPUs; see
-``profile_kernels.py``), and bandwidth uses that time. Bandwidth: ``busbw = 2 (N-1)/N *
-T*H*bytes / time`` (the all-reduce convention), and ``algbw = T*H*bytes / time``.
-``--write-policy PATH`` writes the size table ``auto`` reads (``jax_tokenweave/kernel/policy.json``
-format) from the fastest ffi variant and CTA count at each measured size, keeping the TP degrees
-it did not measure (``policy_table.py`` does the same from saved results).
+(torch.profiler: the GPU's busy time over the chain, the union of its kernels' intervals, per
+GPU, median over GPUs; see ``profile_kernels.py``), and bandwidth uses that time. Bandwidth:
+``busbw = 2 (N-1)/N * T*H*bytes / time`` (the all-reduce convention), and
+``algbw = T*H*bytes / time``. ``--write-policy PATH`` writes the size table ``auto`` reads
+(``jax_tokenweave/kernel/policy.json`` format) from the fastest ffi variant and CTA count at each
+measured size, keeping the TP degrees it did not measure (``policy_table.py`` does the same from
+saved results).
 
     python benchmarks/kernel_bench.py --out benchmarks/results/kernel --tokens 1 128 4096
 

@@ -88,12 +88,13 @@ def profile(fn, args, iters: int, busy: dict[int, float] | None = None) -> dict[
 
 
 def device_us_per_call(fn, args, iters: int, calls_per_run: int) -> float:
-    """Device time of one call: every kernel of ``iters`` runs of ``fn`` (``calls_per_run``
-    calls each), summed per GPU, median over GPUs."""
-    per_dev: dict[int, float] = collections.defaultdict(float)
-    for (dev, _), us in profile(fn, args, iters).items():
-        per_dev[dev] += us / (iters * calls_per_run)
-    return statistics.median(per_dev.values()) if per_dev else float("nan")
+    """Device time of one call: each GPU's busy time over ``iters`` runs of ``fn``
+    (``calls_per_run`` calls each; the union of its kernels' intervals, so kernels that
+    overlap, as programmatic launches do, count once), median over GPUs."""
+    busy: dict[int, float] = {}
+    profile(fn, args, iters, busy)
+    per_dev = [us / (iters * calls_per_run) for us in busy.values()]
+    return statistics.median(per_dev) if per_dev else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
