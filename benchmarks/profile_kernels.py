@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,10 +63,16 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile(fn, args, iters: int, busy: dict[int, float] | None = None) -> dict[str, list[float]]:
-    """(device, kernel name) -> device time (us) summed over every launch in `iters` runs of
-    fn. ``busy``, if given, gets each device's busy time: the union of its kernels' intervals
-    (kernels that overlap, as programmatic launches do, count once)."""
+class Profile(NamedTuple):
+    """What the profiler saw in ``iters`` runs of a function."""
+
+    kernels: dict[tuple[int, str], float]  # (device, kernel name) -> us, summed over launches
+    busy: dict[int, float]  # device -> us: the union of its kernels' intervals
+
+
+def profile(fn, args, iters: int) -> Profile:
+    """Profiles ``iters`` runs of fn after two warm runs. In ``busy`` kernels that overlap, as
+    programmatic launches do, count once."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
@@ -82,18 +89,14 @@ def profile(fn, args, iters: int, busy: dict[int, float] | None = None) -> dict[
         if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
             out[(e.device_index, e.name)] += e.device_time_total
             spans[e.device_index].append((e.time_range.start, e.time_range.end))
-    if busy is not None:
-        busy.update({dev: _union_us(s) for dev, s in spans.items()})
-    return out
+    return Profile(dict(out), {dev: _union_us(s) for dev, s in spans.items()})
 
 
 def device_us_per_call(fn, args, iters: int, calls_per_run: int) -> float:
     """Device time of one call: each GPU's busy time over ``iters`` runs of ``fn``
     (``calls_per_run`` calls each; the union of its kernels' intervals, so kernels that
     overlap, as programmatic launches do, count once), median over GPUs."""
-    busy: dict[int, float] = {}
-    profile(fn, args, iters, busy)
-    per_dev = [us / (iters * calls_per_run) for us in busy.values()]
+    per_dev = [us / (iters * calls_per_run) for us in profile(fn, args, iters).busy.values()]
     return statistics.median(per_dev) if per_dev else float("nan")
 
 
@@ -138,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             rows_res = tokens if impl == "xla" else ops.rows_per_rank(tokens, n)
             res = jnp.asarray(rng.standard_normal((n * rows_res, h)), jnp.bfloat16)
             fn = _chain(mesh, impl, args.calls, args.algo, ctas or None)
-            busy: dict[int, float] = {}
-            per = profile(fn, (part, res, w), args.iters, busy)
+            per, busy = profile(fn, (part, res, w), args.iters)
             calls = args.iters * args.calls
             by_dev = collections.defaultdict(float)
             by_name = collections.defaultdict(float)

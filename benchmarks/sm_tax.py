@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(*ins))
                 times.append(time.perf_counter() - t0)
-            per = profile(fn, ins, args.reps)
+            per = profile(fn, ins, args.reps).kernels
             gemm = kernel = 0.0
             for (dev, name), us in per.items():
                 if dev != mesh.devices.flat[0].local_hardware_id:
