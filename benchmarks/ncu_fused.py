@@ -1,5 +1,6 @@
 """Runs the fused kernel alone, for Nsight Compute: a jitted chain of fused calls on one GPU
-(N = 1: the kernel's fixed cost, with nothing to communicate) or on --tp GPUs, at one size.
+(N = 1: the kernel's fixed cost, with nothing to communicate) or on --tp GPUs, at one size;
+`--impl xla` runs XLA's chain of the same calls instead, for the same report.
 No torch profiler here (it would hold CUPTI, which ncu needs). gpu_session.sh's `ncu` stage
 runs it as
 
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="GPUs in the axis")
     ap.add_argument("--tokens", type=int, default=16, help="tokens T")
     ap.add_argument("--hidden", type=int, default=8192, help="hidden size H (bf16)")
+    ap.add_argument("--impl", choices=("ffi", "xla"), default="ffi", help="whose calls")
+    ap.add_argument("--weight-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--algo", default="auto", help="fused kernel variant")
     ap.add_argument("--ctas", type=int, default=0, help="CTAs (0: the policy table's)")
     ap.add_argument("--calls", type=int, default=4, help="calls per jitted chain")
@@ -40,13 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     n, t, h = args.tp, args.tokens, args.hidden
     part = jnp.asarray(rng.standard_normal((n * t, h)), jnp.bfloat16)
-    res = jnp.asarray(rng.standard_normal((n * ceil_div(t, n), h)), jnp.bfloat16)
-    w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), jnp.float32)
-    fn = _chain(mesh, "ffi", args.calls, args.algo, args.ctas or None)
+    rows = ceil_div(t, n) if args.impl == "ffi" else t  # the residual: token-sharded or whole
+    res = jnp.asarray(rng.standard_normal((n * rows, h)), jnp.bfloat16)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), jnp.dtype(args.weight_dtype))
+    fn = _chain(mesh, args.impl, args.calls, args.algo, args.ctas or None)
     for _ in range(args.runs):
         out = fn(part, res, w)
     jax.block_until_ready(out)
-    print("ran", args.runs * args.calls, "fused calls at T =", t)
+    print("ran", args.runs * args.calls, args.impl, "calls at T =", t)
     return 0
 
 
