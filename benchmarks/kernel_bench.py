@@ -2,10 +2,12 @@
 
 Method: for each configuration one jitted ``shard_map`` function runs the op K times in a
 fully unrolled ``lax.fori_loop`` (no per-iteration host sync; both outputs feed the next call,
-``normed`` as its ``partial`` and ``residual_out`` as its residual, so no call can be skipped,
-hoisted out of the loop or merged with another by XLA); it is timed with ``block_until_ready`` over
-R repetitions after a warm-up, and the median time divided by K is reported as the device time
-per call (one dispatch per K calls, so dispatch is amortised; the same method for every impl).
+``normed`` as its ``partial`` and ``residual_out`` as its residual, through an optimization
+barrier, so no call can be skipped, hoisted out of the loop or merged with another by XLA: at
+N = 1, where psum is a no-op, XLA otherwise fuses several calls' add + norm into one kernel);
+it is timed with ``block_until_ready`` over R repetitions after a warm-up, and the median time
+divided by K is reported as the device time per call (one dispatch per K calls, so dispatch
+is amortised; the same method for every impl).
 Each ffi configuration (variant and CTA count) is checked against ``xla_rsag`` on fresh random
 inputs before timing. With ``--device-time`` each configuration is also profiled
 (torch.profiler: the GPU's busy time over the chain, the union of its kernels' intervals, per
@@ -55,10 +57,12 @@ def _fn(mesh, impl, iters, num_ctas, algo):
     def body(p, r, w):
         def step(_, c):
             if impl == "ffi":
-                return _ffi.allreduce_rmsnorm(
+                out = _ffi.allreduce_rmsnorm(
                     c[0], c[1], w, axis_name="tp", mesh=mesh, num_ctas=num_ctas, algo=algo
                 )
-            return ops.allreduce_rmsnorm(c[0], c[1], w, axis_name="tp", impl=impl)
+            else:
+                out = ops.allreduce_rmsnorm(c[0], c[1], w, axis_name="tp", impl=impl)
+            return jax.lax.optimization_barrier(out)  # no fusion across calls (N = 1)
 
         return jax.lax.fori_loop(0, iters, step, (p, r), unroll=True)
 

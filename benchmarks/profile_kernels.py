@@ -1,6 +1,7 @@
 """Device time per all-reduce + residual + RMSNorm call, profiled (torch.profiler sees every
 CUDA kernel of the process, JAX's included): XLA's psum + add/norm fusions against the fused
-kernel, at decode sizes, inside one jitted chain of calls (outputs feed the next call).
+kernel, at decode sizes, inside one jitted chain of calls (outputs feed the next call, through
+an optimization barrier, so XLA cannot merge calls).
 
   python benchmarks/profile_kernels.py --tp 2 --tokens 1 16 64 256 --out DIR
 
@@ -40,6 +41,9 @@ def _chain(mesh: Mesh, impl: str, calls: int, algo: str, num_ctas: int | None):
                 )
             else:
                 x, res = ops.allreduce_rmsnorm(x, res, w, axis_name="tp", impl=impl)
+            # In a model GEMMs sit between calls: without this, XLA at N = 1 (psum a no-op)
+            # fuses several calls' add + norm into one kernel and the per-call time shrinks.
+            x, res = jax.lax.optimization_barrier((x, res))
         return x, res
 
     return jax.jit(
