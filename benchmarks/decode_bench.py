@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
         "on an idle GPU (the profiler's start outlasts the step in flight), which shows as one "
         "gap of several ms: over 2-5 steps that reads as a host gap that steady steps lack",
     )
+    p.add_argument(
+        "--no-host-profile",
+        action="store_true",
+        help="profile the steps without cProfile (it slows the host, so the GPU may idle more)",
+    )
     return p
 
 
@@ -261,7 +266,9 @@ def run_point(
             if len(gained) != batch:
                 raise RuntimeError(f"a timed step gave {len(gained)} tokens for {batch} requests")
     profile = (
-        sibling("step_profile").profile_steps(engine.step, a.profile_steps)
+        sibling("step_profile").profile_steps(
+            engine.step, a.profile_steps, host_profile=not a.no_host_profile
+        )
         if a.profile_steps
         else {"status": "skipped", "reason": "--profile-steps 0"}
     )
