@@ -24,10 +24,13 @@ constexpr int kMaxCutRows = 32;    // rows up to which a row is cut (see RowCtas
 // 3.10. A positive JAX_TOKENWEAVE_ROW_CTAS caps it (1: a block per row), read at each
 // launch, for measurements side by side.
 // At most max_ctas CTAs in all (the caller's CTA budget: the fused kernel runs beside GEMMs).
-inline int RowCtas(int tokens, int vpr, int compute_major, int max_ctas) {
-  int cap = kMaxRowCtas;
+inline int RowCtasCap() {
   if (const char* s = std::getenv("JAX_TOKENWEAVE_ROW_CTAS"); s != nullptr && *s != 0)
-    cap = std::max(1, std::atoi(s));
+    return std::max(1, std::atoi(s));
+  return kMaxRowCtas;
+}
+inline int RowCtas(int tokens, int vpr, int compute_major, int max_ctas) {
+  const int cap = RowCtasCap();
   if (compute_major < 9 || tokens > kMaxCutRows) return 1;
   for (int c = kMaxRowCtas; c >= 2; c /= 2)
     if (c <= cap && c * tokens <= max_ctas && vpr % c == 0 && vpr / c <= kMaxCutBlock) return c;

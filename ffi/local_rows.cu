@@ -43,14 +43,16 @@ __device__ __forceinline__ float BlockSum(float v, float* red) {
 // Vectors v0 .. v0 + nv - 1 of one row held in registers (nv <= kBlock * kU; the pointers are
 // the row's starts): the sources' loads are issued first (they may miss to HBM; the weights
 // hit L2), then row_total(this thread's sum of squares) gives the whole row's, and the normed
-// vectors are written. kFull: nv == kBlock * kU, no bounds checks.
+// vectors are written. kFull: nv == kBlock * kU, no bounds checks. only >= 0: every vector
+// counts in the norm, but only step u == only is stored (and its weights loaded).
 template <typename T, int kBlock, int kU, bool kFull, typename RowTotal>
 __device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* partial,
                                             const char* residual, char* normed, char* residual_out,
-                                            int v0, int nv, RowTotal row_total) {
+                                            int v0, int nv, RowTotal row_total, int only = -1) {
   constexpr int kN = Vec<T>::kN;
   const int tid = threadIdx.x;
   const auto live = [&](int u) { return kFull || tid + u * kBlock < nv; };
+  const auto kept = [&](int u) { return live(u) && (only < 0 || u == only); };
   const auto at = [&](int u) { return v0 + tid + u * kBlock; };
   uint4 a[kU], b[kU];
   float4 w[kU][kN / 4];
@@ -62,7 +64,7 @@ __device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* p
     }
 #pragma unroll
   for (int u = 0; u < kU; ++u)
-    if (live(u)) LoadWeights<T>(p, at(u), w[u]);
+    if (kept(u)) LoadWeights<T>(p, at(u), w[u]);
   float acc[kU][kN];
   float ss = 0.f;
 #pragma unroll
@@ -72,7 +74,8 @@ __device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* p
     for (int i = 0; i < kN; ++i) acc[u][i] = 0.f;
     AddVec<T>(acc[u], a[u]);
     AddVec<T>(acc[u], b[u]);
-    St(residual_out + at(u) * 16, PackRound<T>(acc[u]));
+    const uint4 rounded = PackRound<T>(acc[u]);
+    if (kept(u)) St(residual_out + at(u) * 16, rounded);
 #pragma unroll
     for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
   }
@@ -80,7 +83,7 @@ __device__ __forceinline__ void RegisterRow(const KernelParams& p, const char* p
   auto emit = [&](int v, uint4 o) { St(normed + v * 16, o); };
 #pragma unroll
   for (int u = 0; u < kU; ++u)
-    if (live(u)) EmitNormed<T>(acc[u], w[u], inv, at(u), emit);
+    if (kept(u)) EmitNormed<T>(acc[u], w[u], inv, at(u), emit);
 }
 
 // NaN over vectors v0 .. v0 + nv - 1 of a row's outputs (a failed or closed comm), after the
@@ -168,6 +171,38 @@ __global__ void __launch_bounds__(kBlock)
 
 constexpr int kLocalBlock = kThreads, kLocalU = 2;  // rows of 8192 bf16 in registers
 
+// Row g (blockIdx.y) held by two CTAs of kLocalBlock threads, no cluster: each loads the whole
+// row and computes its norm exactly as a block per row does (thread t: vectors t and t +
+// kLocalBlock, the same order), and CTA c (blockIdx.x) stores step c only, loading only its
+// weights. Half the stores and weights per SM and twice the SMs of a block per row, with no
+// cross-CTA step; the rows are bitwise those of a block per row. Where rows are not cut across
+// clusters (past kMaxCutRows rows, or before sm_90) and two CTAs a row fit in one wave.
+template <typename T>
+__global__ void __launch_bounds__(kLocalBlock)
+    LocalRowsPairKernel(const __grid_constant__ KernelParams p) {
+  __shared__ float red[kLocalBlock / 32];
+  WaitForPrerequisite();
+  AllowDependents();
+  const uint32_t failed = LdVolatile(&p.rank_ctl[0]->failed);
+  const int vpr = p.hidden / Vec<T>::kN, half = blockIdx.x;
+  const int64_t at = static_cast<int64_t>(blockIdx.y) * p.hidden * sizeof(T);
+  char* normed = static_cast<char*>(p.normed) + at;
+  char* residual_out = static_cast<char*>(p.residual_out) + at;
+  RegisterRow<T, kLocalBlock, kLocalU, false>(
+      p, static_cast<const char*>(p.partial) + at, static_cast<const char*>(p.residual) + at,
+      normed, residual_out, 0, vpr, [&](float ss) { return BlockSum<kLocalBlock>(ss, red); }, half);
+  const int v0 = half * kLocalBlock, v1 = min(vpr, v0 + kLocalBlock);
+  if (failed != 0) PoisonRow<T, kLocalBlock>(normed, residual_out, v0, v1 - v0);
+}
+
+// Whether rows of vpr vectors take LocalRowsPairKernel: a row longer than one CTA's step that
+// fits the registers, 2 x tokens CTAs in one wave, rows cut across at most two CTAs
+// (JAX_TOKENWEAVE_ROW_CTAS, cluster.cuh; 1: a block per row).
+bool PairRows(int tokens, int vpr, int sms) {
+  return RowCtasCap() >= 2 && vpr > kLocalBlock && vpr <= kLocalBlock * kLocalU &&
+         2 * tokens <= sms;
+}
+
 template <typename T, bool kInRegisters, int kMinBlocks>
 constexpr auto kLocalKernel =
     LocalRowsKernel<T, kLocalBlock, kLocalU, false, kInRegisters, kMinBlocks>;
@@ -190,8 +225,10 @@ cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
       default: return LaunchKernel(LocalRowsCutKernel<T, 512>, grid, dim3(512), o, stream, p);
     }
   }
-  const dim3 grid(p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid), block(kLocalBlock);
   const LaunchOptions o{0, 1, programmatic};
+  if (PairRows(p.tokens, vpr, facts.sms))
+    return LaunchKernel(LocalRowsPairKernel<T>, dim3(2, p.tokens), dim3(kLocalBlock), o, stream, p);
+  const dim3 grid(p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid), block(kLocalBlock);
   if (vpr > kLocalBlock * kLocalU)
     return LaunchKernel(kLocalKernel<T, false, 1>, grid, block, o, stream, p);
   if (static_cast<int>(grid.x) > facts.sms)
@@ -207,7 +244,8 @@ cudaError_t PreloadFor() {
                         reinterpret_cast<const void*>(kLocalKernel<T, true, 2>),
                         reinterpret_cast<const void*>(LocalRowsCutKernel<T, 128>),
                         reinterpret_cast<const void*>(LocalRowsCutKernel<T, 256>),
-                        reinterpret_cast<const void*>(LocalRowsCutKernel<T, 512>)})
+                        reinterpret_cast<const void*>(LocalRowsCutKernel<T, 512>),
+                        reinterpret_cast<const void*>(LocalRowsPairKernel<T>)})
     if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   return cudaSuccess;
 }
