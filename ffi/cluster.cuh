@@ -22,7 +22,8 @@ constexpr int kMaxCutRows = 32;    // rows up to which a row is cut (see RowCtas
 // (benchmarks/results/2026-11-25-h200x1): a block per row 2.52 / 2.62 / 2.70 / 2.84,
 // clusters of 8 2.02 / 2.18 / 2.50 / 2.85, of 4 2.10 / 2.23 / 2.58, of 2 2.45 / 2.60 / - /
 // 3.10. A positive JAX_TOKENWEAVE_ROW_CTAS caps it (1: a block per row), read at each
-// launch, for measurements side by side.
+// launch, for measurements side by side. The one-rank kernel cuts only up to 16 rows: past
+// that its pair of CTAs a row, with no cluster, is faster (local_rows.cu).
 // At most max_ctas CTAs in all (the caller's CTA budget: the fused kernel runs beside GEMMs).
 inline int RowCtasCap() {
   if (const char* s = std::getenv("JAX_TOKENWEAVE_ROW_CTAS"); s != nullptr && *s != 0)

@@ -2,9 +2,10 @@
 // receive buffers, no waits: residual_out = partial + residual (rounded to T), normed =
 // RMSNorm(residual_out) * weight, the row in registers while it fits (H x itemsize <= 16 KiB).
 // Same arithmetic as every other variant: the sum in float32 in the order partial, residual.
-// At decode sizes (T <= kMaxCutRows, sm_90) a row is cut across a cluster of 2-8 CTAs, one
-// 16-byte vector per thread, that swap their sums of squares through distributed shared
-// memory; otherwise one 512-thread block per row (grid-stride over rows).
+// Up to 16 rows (sm_90) a row is cut across a cluster of 2-8 CTAs, one 16-byte vector per
+// thread, that swap their sums of squares through distributed shared memory; past that, while
+// two CTAs a row fit in one wave, a pair of CTAs holds a row (each loads it whole, stores
+// half); otherwise one 512-thread block per row (grid-stride over rows).
 //
 // Why clusters: a block per row moves the whole row through one SM (at T = 1, H = 8192 bf16:
 // 48 KiB in and 32 KiB out) with two vectors per thread; cut across eight CTAs with one vector
@@ -175,8 +176,11 @@ constexpr int kLocalBlock = kThreads, kLocalU = 2;  // rows of 8192 bf16 in regi
 // row and computes its norm exactly as a block per row does (thread t: vectors t and t +
 // kLocalBlock, the same order), and CTA c (blockIdx.x) stores step c only, loading only its
 // weights. Half the stores and weights per SM and twice the SMs of a block per row, with no
-// cross-CTA step; the rows are bitwise those of a block per row. Where rows are not cut across
-// clusters (past kMaxCutRows rows, or before sm_90) and two CTAs a row fit in one wave.
+// cross-CTA step; the rows are bitwise those of a block per row. Taken past kPairMinRows rows
+// while two CTAs a row fit in one wave. One H200, H = 8192 bf16, us at T = 16 / 24 / 32 / 48 /
+// 64 (benchmarks/results/2026-11-26-h200x1/sixth_session): 2.21 / 2.25 / 2.35 / 2.55 / 2.67,
+// against clusters of 8 2.18 / 2.34 / 2.53 and a block per row 2.63 / - / - / 2.81 / 2.84.
+constexpr int kPairMinRows = 16;
 template <typename T>
 __global__ void __launch_bounds__(kLocalBlock)
     LocalRowsPairKernel(const __grid_constant__ KernelParams p) {
@@ -216,17 +220,19 @@ cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   const int vpr = p.hidden / Vec<T>::kN;
   const bool programmatic = facts.major >= 9;  // launch.cuh
+  const LaunchOptions o{0, 1, programmatic};
+  if (p.tokens > kPairMinRows && PairRows(p.tokens, vpr, facts.sms))
+    return LaunchKernel(LocalRowsPairKernel<T>, dim3(2, p.tokens), dim3(kLocalBlock), o, stream, p);
   if (const int ctas = RowCtas(p.tokens, vpr, facts.major, kMaxRowCtas * p.tokens); ctas > 1) {
     const dim3 grid(ctas, p.tokens);
-    const LaunchOptions o{0, ctas, programmatic};
+    const LaunchOptions oc{0, ctas, programmatic};
     switch (CutBlock(vpr / ctas)) {
-      case 128: return LaunchKernel(LocalRowsCutKernel<T, 128>, grid, dim3(128), o, stream, p);
-      case 256: return LaunchKernel(LocalRowsCutKernel<T, 256>, grid, dim3(256), o, stream, p);
-      default: return LaunchKernel(LocalRowsCutKernel<T, 512>, grid, dim3(512), o, stream, p);
+      case 128: return LaunchKernel(LocalRowsCutKernel<T, 128>, grid, dim3(128), oc, stream, p);
+      case 256: return LaunchKernel(LocalRowsCutKernel<T, 256>, grid, dim3(256), oc, stream, p);
+      default: return LaunchKernel(LocalRowsCutKernel<T, 512>, grid, dim3(512), oc, stream, p);
     }
   }
-  const LaunchOptions o{0, 1, programmatic};
-  if (PairRows(p.tokens, vpr, facts.sms))
+  if (PairRows(p.tokens, vpr, facts.sms))  // before sm_90, or rows of another size
     return LaunchKernel(LocalRowsPairKernel<T>, dim3(2, p.tokens), dim3(kLocalBlock), o, stream, p);
   const dim3 grid(p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid), block(kLocalBlock);
   if (vpr > kLocalBlock * kLocalU)
