@@ -178,8 +178,9 @@ constexpr int kLocalBlock = kThreads, kLocalU = 2;  // rows of 8192 bf16 in regi
 // weights. Half the stores and weights per SM and twice the SMs of a block per row, with no
 // cross-CTA step; the rows are bitwise those of a block per row. Taken past kPairMinRows rows
 // while two CTAs a row fit in one wave. One H200, H = 8192 bf16, us at T = 16 / 24 / 32 / 48 /
-// 64 (benchmarks/results/2026-11-26-h200x1/sixth_session): 2.21 / 2.25 / 2.35 / 2.55 / 2.67,
-// against clusters of 8 2.18 / 2.34 / 2.53 and a block per row 2.63 / - / - / 2.81 / 2.84.
+// 64 (benchmarks/results/2026-11-26-h200x1/sixth_session, four machines): 2.21 / 2.25-2.29 /
+// 2.31-2.36 / 2.47-2.55 / 2.67-2.79, against clusters of 8 2.18 / 2.34 / 2.53 and a block per
+// row 2.63 / 2.69 / 2.67 / 2.72-2.81 / 2.80-2.84.
 constexpr int kPairMinRows = 16;
 template <typename T>
 __global__ void __launch_bounds__(kLocalBlock)

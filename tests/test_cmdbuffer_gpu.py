@@ -25,9 +25,10 @@ _STEP = textwrap.dedent("""
 
     n, seed, algo, path, kind = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                  sys.argv[5])
+    tokens, hidden = int(sys.argv[6]), int(sys.argv[7])
     mesh = Mesh(np.array(jax.devices("gpu")[:n]), ("tp",))
     comm = Communicator(mesh, "tp", CommSettings(workspace_mib=64, oneshot_mib=4, num_slots=2))
-    layers, tokens, hidden, iters = 4, 8, 4096, 20
+    layers, iters = 4, 20
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
     res = jnp.asarray(rng.standard_normal((n * ceil_div(tokens, n), hidden)), jnp.bfloat16)
@@ -68,7 +69,7 @@ _STEP = textwrap.dedent("""
 """)
 
 
-def _run(tmp_path, n, algo, command_buffers: bool, kind: str = "gemm"):
+def _run(tmp_path, n, algo, command_buffers: bool, kind: str, tokens: int, hidden: int):
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
     if not command_buffers:
@@ -76,7 +77,18 @@ def _run(tmp_path, n, algo, command_buffers: bool, kind: str = "gemm"):
     env["XLA_FLAGS"] = flags.strip()
     path = tmp_path / f"{'on' if command_buffers else 'off'}.npz"
     out = subprocess.run(
-        [sys.executable, "-c", _STEP, str(n), "1234", algo, str(path), kind],
+        [
+            sys.executable,
+            "-c",
+            _STEP,
+            str(n),
+            "1234",
+            algo,
+            str(path),
+            kind,
+            str(tokens),
+            str(hidden),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -87,13 +99,22 @@ def _run(tmp_path, n, algo, command_buffers: bool, kind: str = "gemm"):
 
 
 @pytest.mark.parametrize("kind", ["gemm", "elementwise"])
-@pytest.mark.parametrize(("n", "algo"), [(1, "one_shot"), (2, "one_shot"), (2, "direct")])
-def test_fused_call_replays_from_command_buffers(tmp_path, n, algo, kind):
+@pytest.mark.parametrize(
+    ("n", "algo", "tokens", "hidden"),
+    [
+        (1, "one_shot", 8, 4096),
+        (1, "one_shot", 24, 8192),
+        (2, "one_shot", 8, 4096),
+        (2, "direct", 8, 4096),
+    ],
+)
+def test_fused_call_replays_from_command_buffers(tmp_path, n, algo, tokens, hidden, kind):
     """``kind``: what produces each layer's partial sum: a GEMM (a real decode step), or an
     elementwise fusion, whose bits do not depend on a per-process choice. XLA autotunes GEMM
     algorithms in each process, so two processes may round a GEMM differently (seen: the
     eager and the captured process disagreed in 2 of ~10 runs); the cross-process bitwise
-    check is made on the elementwise step."""
+    check is made on the elementwise step. At N = 1, 8 rows of 4096 take the rows cut across
+    clusters (sm_90) and 24 rows of 8192 the pair of CTAs a row."""
     from conftest import gpu_devices
 
     from jax_tokenweave.kernel import _extension
@@ -102,8 +123,8 @@ def test_fused_call_replays_from_command_buffers(tmp_path, n, algo, kind):
         pytest.skip(f"needs {n} GPUs")
     if _extension.import_error() is not None:
         pytest.skip(f"extension not built: {_extension.import_error()}")
-    off, off_out = _run(tmp_path, n, algo, command_buffers=False, kind=kind)
-    on, on_out = _run(tmp_path, n, algo, command_buffers=True, kind=kind)
+    off, off_out = _run(tmp_path, n, algo, False, kind, tokens, hidden)
+    on, on_out = _run(tmp_path, n, algo, True, kind, tokens, hidden)
     print(
         f"n={n} {algo} {kind}: handler launches over {on['calls']} fused calls: "
         f"{off['launches']} without command buffers, {on['launches']} with"
