@@ -26,7 +26,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel import ops
+
+_step_profile = bm.sibling_module(__file__, "step_profile")  # busy_us (found under -P)
 
 
 def _chain(mesh: Mesh, impl: str, calls: int, algo: str, num_ctas: int | None):
@@ -57,16 +60,6 @@ def _chain(mesh: Mesh, impl: str, calls: int, algo: str, num_ctas: int | None):
     )
 
 
-def _union_us(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals (us)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
 class Profile(NamedTuple):
     """What the profiler saw in ``iters`` runs of a function."""
 
@@ -93,7 +86,7 @@ def profile(fn, args, iters: int) -> Profile:
         if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
             out[(e.device_index, e.name)] += e.device_time_total
             spans[e.device_index].append((e.time_range.start, e.time_range.end))
-    return Profile(dict(out), {dev: _union_us(s) for dev, s in spans.items()})
+    return Profile(dict(out), {dev: _step_profile.busy_us(s) for dev, s in spans.items()})
 
 
 def device_us_per_call(fn, args, iters: int, calls_per_run: int) -> float:

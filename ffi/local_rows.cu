@@ -222,9 +222,13 @@ cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   const int vpr = p.hidden / Vec<T>::kN;
   const bool programmatic = facts.major >= 9;  // launch.cuh
   const LaunchOptions o{0, 1, programmatic};
-  if (p.tokens > kPairMinRows && PairRows(p.tokens, vpr, facts.sms))
-    return LaunchKernel(LocalRowsPairKernel<T>, dim3(2, p.tokens), dim3(kLocalBlock), o, stream, p);
-  if (const int ctas = RowCtas(p.tokens, vpr, facts.major, kMaxRowCtas * p.tokens); ctas > 1) {
+  // Past kPairMinRows rows the pair beats clusters; up to it, the pair only where rows are
+  // not cut (before sm_90, or rows of another size).
+  const bool pair = PairRows(p.tokens, vpr, facts.sms);
+  const int ctas = pair && p.tokens > kPairMinRows
+                       ? 1
+                       : RowCtas(p.tokens, vpr, facts.major, kMaxRowCtas * p.tokens);
+  if (ctas > 1) {
     const dim3 grid(ctas, p.tokens);
     const LaunchOptions oc{0, ctas, programmatic};
     switch (CutBlock(vpr / ctas)) {
@@ -233,7 +237,7 @@ cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
       default: return LaunchKernel(LocalRowsCutKernel<T, 512>, grid, dim3(512), oc, stream, p);
     }
   }
-  if (PairRows(p.tokens, vpr, facts.sms))  // before sm_90, or rows of another size
+  if (pair)
     return LaunchKernel(LocalRowsPairKernel<T>, dim3(2, p.tokens), dim3(kLocalBlock), o, stream, p);
   const dim3 grid(p.tokens < kMaxLocalGrid ? p.tokens : kMaxLocalGrid), block(kLocalBlock);
   if (vpr > kLocalBlock * kLocalU)

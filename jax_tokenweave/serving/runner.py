@@ -294,7 +294,7 @@ class ModelRunner:
         if self.attention() != "cudnn":
             return
         for layout in layouts:
-            if layout.rows > layout.decode_rows:
+            if not layout.decode_only:
                 self.run(layout, batch_lib.pack_padding(layout, self.config))
         jax.block_until_ready(self.cache)
 
