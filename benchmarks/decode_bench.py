@@ -7,7 +7,9 @@ it gets ``batch`` requests of ``context`` random prompt tokens, steps until ever
 the cache (each step layout met on the way compiles once), runs ``--warm-steps`` decode steps
 (the decode layout compiles in the first), then times ``--steps`` consecutive ``engine.step()``
 calls, each a pure decode step of all requests (wall clock: scheduling, packing, the jitted step
-and reading its tokens back). Compilations in the timed window are counted (``serving.
+and reading its tokens back). Over those and the profiled steps, ``nvidia-smi`` samples the SM
+clock and power every 50 ms (``gpu_clocks.py``: a step held to the GPU's power limit runs at a
+lower clock). Compilations in the timed window are counted (``serving.
 count_compilations``) and must be zero.
 
 Roofline: a decode step must read every weight once (the embedding table is a few gathered rows;
@@ -254,24 +256,27 @@ def run_point(
         engine.step()
         prefill_steps += 1
     prefill_s = time.perf_counter() - start
-    for _ in range(a.warm_steps):
-        engine.step()
     times, keys = [], []
-    with count_compilations() as compiles:
-        for _ in range(a.steps):
-            keys.append(sum(s.num_computed + 1 for s in sched.running))
-            t0 = time.perf_counter()
-            gained = engine.step()
-            times.append(time.perf_counter() - t0)
-            if len(gained) != batch:
-                raise RuntimeError(f"a timed step gave {len(gained)} tokens for {batch} requests")
-    profile = (
-        sibling("step_profile").profile_steps(
-            engine.step, a.profile_steps, host_profile=not a.no_host_profile
+    with sibling("gpu_clocks").ClockSampler() as clocks:
+        for _ in range(a.warm_steps):
+            engine.step()
+        window = clocks.mark()
+        with count_compilations() as compiles:
+            for _ in range(a.steps):
+                keys.append(sum(s.num_computed + 1 for s in sched.running))
+                t0 = time.perf_counter()
+                gained = engine.step()
+                times.append(time.perf_counter() - t0)
+                if len(gained) != batch:
+                    raise RuntimeError(f"a timed step gave {len(gained)} tokens for {batch} rows")
+        profile = (
+            sibling("step_profile").profile_steps(
+                engine.step, a.profile_steps, host_profile=not a.no_host_profile
+            )
+            if a.profile_steps
+            else {"status": "skipped", "reason": "--profile-steps 0"}
         )
-        if a.profile_steps
-        else {"status": "skipped", "reason": "--profile-steps 0"}
-    )
+        gpu = clocks.summary(window, clocks.mark())
     layout = batch_layout(engine, batch)
     del engine
     gc.collect()
@@ -292,6 +297,7 @@ def run_point(
         "prefill_s": prefill_s,
         "layout": layout,
         "profile": profile,
+        "gpu_clocks": gpu,
     }
 
 

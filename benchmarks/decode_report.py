@@ -21,19 +21,23 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"{report['weight_bytes'] / 1e9:.2f} GB per GPU, copy bandwidth {bw['gb_s']:.0f} "
         "GB/s (read + write). Ratio = step p50 / roofline.",
         "",
-        "| batch | context | step p50 ms | step p90 ms | roofline ms | ratio | tok/s | compiles |",
-        "|---" * 8 + "|",
+        "SM clock: nvidia-smi's samples over the timed and profiled steps (median MHz; the "
+        "share held down by the power cap).",
+        "",
+        "| batch | context | step p50 ms | step p90 ms | roofline ms | ratio | tok/s | compiles "
+        "| SM clock |",
+        "|---" * 9 + "|",
     ]
     for r in report["records"]:
         if r["status"] != "ok":
             lines.append(
-                f"| {r['batch']} | {r['context']} | {r['status']}: {r['reason']} |" + " - |" * 5
+                f"| {r['batch']} | {r['context']} | {r['status']}: {r['reason']} |" + " - |" * 6
             )
             continue
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['step_p50_ms']:.3f} | "
             f"{r['step_p90_ms']:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | "
-            f"{r['tok_s']:.0f} | {r['compilations']} |"
+            f"{r['tok_s']:.0f} | {r['compilations']} | {clock_cell(r.get('gpu_clocks', {}))} |"
         )
     profiled = [r for r in report["records"] if r.get("profile", {}).get("status") == "ok"]
     if profiled:
@@ -54,6 +58,16 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"{prof['busy_ms']:.3f} | {prof['gap_ms']:.3f} | {top} |"
             )
     return "\n".join(lines)
+
+
+def clock_cell(clocks: dict[str, Any]) -> str:
+    """``1530 MHz, 700 W, 100% power-capped`` (``gpu_clocks.summarize``), or ``-``."""
+    if clocks.get("status") != "ok":
+        return "-"
+    return (
+        f"{clocks['sm_mhz_min_p50_max'][1]:.0f} MHz, {clocks['power_w_p50']:.0f} W, "
+        f"{clocks['power_capped']:.0%} power-capped"
+    )
 
 
 def write_plot(report: dict[str, Any], path: Path) -> bool:

@@ -67,6 +67,8 @@ def test_decode_bench_times_pure_decode_steps(bench, tmp_path, capsys):
     assert r["roofline_ms"] == pytest.approx(r["bytes"] / report["bandwidth"]["gb_s"] / 1e6)
     assert r["ratio"] == pytest.approx(r["step_p50_ms"] / r["roofline_ms"])
     assert r["layout"] == {"rows": 8, "split": False, "attention": "xla"}
+    clocks = r["gpu_clocks"]  # nvidia-smi's samples, or why there are none
+    assert (clocks["status"] == "ok" and clocks["samples"] > 0) or clocks["reason"]
     assert "| 2 | 20 |" in (tmp_path / "decode.md").read_text()
     assert plot or (tmp_path / "decode.png").stat().st_size > 0
     assert "roofline" in capsys.readouterr().out

@@ -1,0 +1,122 @@
+"""The SM clock, power draw and clock-limit reasons of a GPU while a benchmark runs.
+
+An H200 held to its 700 W power limit lowers its SM clock: the engine's batch-256 decode step
+(attention streaming K/V at ~4.1 TB/s, then GEMMs near their compute peak) ran at 1450-1600 MHz
+where the same GEMMs alone ran at 1750-1850 (max 1980), every sample flagged "SW power cap"
+(``benchmarks/results/2026-11-27-h200x1``). A step time then depends on the GPU's power
+headroom, which a roofline of bytes does not see; the benchmarks record it beside their times.
+
+:class:`ClockSampler` runs ``nvidia-smi --query-gpu ... -lms`` in the background for the length
+of a ``with`` block; :meth:`ClockSampler.summary` sums up the samples between two
+:meth:`ClockSampler.mark` calls. Without ``nvidia-smi`` the summary says so.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+import subprocess
+import threading
+from typing import Any
+
+FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
+POWER_CAP = 0x4  # "SW power cap": the clock is lowered to hold the power limit
+SLOWDOWNS = 0x8 | 0x20 | 0x40 | 0x80  # HW slowdown, SW / HW thermal, HW power brake
+_STAMP = "%Y/%m/%d %H:%M:%S.%f"
+
+
+def parse_line(line: str) -> tuple[dt.datetime, float, float, int] | None:
+    """``(time, SM MHz, watts, reasons bit mask)`` of one CSV line, or None (a line that is not
+    a sample: nvidia-smi's errors, ``[N/A]`` fields)."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != 4:
+        return None
+    try:
+        return (
+            dt.datetime.strptime(parts[0], _STAMP),
+            float(parts[1].split()[0]),
+            float(parts[2].split()[0]),
+            int(parts[3], 16),
+        )
+    except (ValueError, IndexError):
+        return None
+
+
+def summarize(samples: list[tuple[dt.datetime, float, float, int]]) -> dict[str, Any]:
+    """SM clock (min / median / max MHz), median power (W) and the share of samples whose
+    clock was held down by the power cap or by a slowdown."""
+    if not samples:
+        return {"status": "skipped", "reason": "no samples in the window"}
+    mhz = sorted(s[1] for s in samples)
+    watts = sorted(s[2] for s in samples)
+    n = len(samples)
+    return {
+        "status": "ok",
+        "samples": n,
+        "sm_mhz_min_p50_max": [mhz[0], mhz[n // 2], mhz[-1]],
+        "power_w_p50": watts[n // 2],
+        "power_capped": sum(1 for s in samples if s[3] & POWER_CAP) / n,
+        "slowed": sum(1 for s in samples if s[3] & SLOWDOWNS) / n,
+    }
+
+
+def _visible_gpu() -> str:
+    """nvidia-smi's index of the process's first visible GPU (``CUDA_VISIBLE_DEVICES``)."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return first or "0"
+
+
+class ClockSampler:
+    """``with ClockSampler() as s: t0 = s.mark(); ...; s.summary(t0, s.mark())``."""
+
+    def __init__(self, interval_ms: int = 50, gpu: str | None = None) -> None:
+        self.interval_ms = interval_ms
+        self.gpu = _visible_gpu() if gpu is None else gpu
+        self.samples: list[tuple[dt.datetime, float, float, int]] = []
+        self.reason = ""
+        self._proc: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> ClockSampler:
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            self.reason = "nvidia-smi is not on PATH"
+            return self
+        cmd = [smi, f"--query-gpu={FIELDS}", "--format=csv,noheader", f"-lms={self.interval_ms}"]
+        self._proc = subprocess.Popen(
+            [*cmd, "-i", self.gpu], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            sample = parse_line(line)
+            if sample is not None:
+                self.samples.append(sample)
+            elif not self.samples and not self.reason:
+                self.reason = f"nvidia-smi: {line.strip()[:200]}"
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+
+    @staticmethod
+    def mark() -> dt.datetime:
+        """Now, on nvidia-smi's clock (local time)."""
+        return dt.datetime.now()
+
+    def summary(self, start: dt.datetime, end: dt.datetime) -> dict[str, Any]:
+        """:func:`summarize` of the samples taken from ``start`` to ``end``."""
+        if self._proc is None:
+            return {"status": "skipped", "reason": self.reason}
+        found = summarize([s for s in list(self.samples) if start <= s[0] <= end])
+        if found["status"] != "ok" and self.reason:
+            found["reason"] = self.reason
+        return found
