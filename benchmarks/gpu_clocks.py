@@ -20,7 +20,11 @@ import subprocess
 import threading
 from typing import Any
 
-FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
+FIELDS = "timestamp,clocks.sm,{power},clocks_event_reasons.active"
+# ``power.draw`` is a one-second average on recent drivers (a window of a few decode steps read
+# 130-260 W on an H200 while its clock was held by the 700 W cap); the instant reading where
+# nvidia-smi has it.
+POWER_FIELDS = ("power.draw.instant", "power.draw")
 POWER_CAP = 0x4  # "SW power cap": the clock is lowered to hold the power limit
 SLOWDOWNS = 0x8 | 0x20 | 0x40 | 0x80  # HW slowdown, SW / HW thermal, HW power brake
 _STAMP = "%Y/%m/%d %H:%M:%S.%f"
@@ -67,6 +71,23 @@ def _visible_gpu() -> str:
     return first or "0"
 
 
+def _power_field(smi: str, gpu: str) -> str:
+    """The first of :data:`POWER_FIELDS` that this nvidia-smi reads as watts."""
+    for field in POWER_FIELDS[:-1]:
+        try:
+            out = subprocess.run(
+                [smi, f"--query-gpu={field}", "--format=csv,noheader", "-i", gpu],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.strip().endswith("W"):
+            return field
+    return POWER_FIELDS[-1]
+
+
 class ClockSampler:
     """``with ClockSampler() as s: t0 = s.mark(); ...; s.summary(t0, s.mark())``."""
 
@@ -75,6 +96,7 @@ class ClockSampler:
         self.gpu = _visible_gpu() if gpu is None else gpu
         self.samples: list[tuple[dt.datetime, float, float, int]] = []
         self.reason = ""
+        self.power_field = ""
         self._proc: subprocess.Popen[str] | None = None
         self._reader: threading.Thread | None = None
 
@@ -83,7 +105,9 @@ class ClockSampler:
         if smi is None:
             self.reason = "nvidia-smi is not on PATH"
             return self
-        cmd = [smi, f"--query-gpu={FIELDS}", "--format=csv,noheader", f"-lms={self.interval_ms}"]
+        self.power_field = _power_field(smi, self.gpu)
+        query = FIELDS.format(power=self.power_field)
+        cmd = [smi, f"--query-gpu={query}", "--format=csv,noheader", f"-lms={self.interval_ms}"]
         self._proc = subprocess.Popen(
             [*cmd, "-i", self.gpu], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -117,6 +141,7 @@ class ClockSampler:
         if self._proc is None:
             return {"status": "skipped", "reason": self.reason}
         found = summarize([s for s in list(self.samples) if start <= s[0] <= end])
+        found["power_field"] = self.power_field
         if found["status"] != "ok" and self.reason:
             found["reason"] = self.reason
         return found

@@ -53,30 +53,6 @@ _table = bm.sibling_module(__file__, "policy_table")  # time_of, ran, write (fou
 # in one process driving several GPUs can hold back a launch while a fused kernel spins for it
 # (ffi/README.md, "One process, several GPUs").
 @functools.cache  # one jitted function per configuration, kept for the whole run
-def _fn(mesh, impl, iters, num_ctas, algo):
-    def body(p, r, w):
-        def step(_, c):
-            if impl == "ffi":
-                out = _ffi.allreduce_rmsnorm(
-                    c[0], c[1], w, axis_name="tp", mesh=mesh, num_ctas=num_ctas, algo=algo
-                )
-            else:
-                out = ops.allreduce_rmsnorm(c[0], c[1], w, axis_name="tp", impl=impl)
-            return jax.lax.optimization_barrier(out)  # no fusion across calls (N = 1)
-
-        return jax.lax.fori_loop(0, iters, step, (p, r), unroll=True)
-
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(P("tp"), P("tp"), P()),
-            out_specs=(P("tp"), P("tp")),
-            check_vma=False,
-        )
-    )
-
-
 def _ctas(text: str) -> int | None:
     """A ``--ctas`` value: a positive count, or ``policy`` (None: the policy table's)."""
     if text == "policy":
@@ -189,8 +165,8 @@ def main():
         res = bm.global_array(mesh, rng.standard_normal((tp * res_rows, h)).astype(dtype), P("tp"))
         w = bm.global_array(mesh, (1 + 0.1 * rng.standard_normal(h)).astype(dtype), P())
         if impl == "ffi" and (tp, h, t, algo, ctas) not in checked:  # each against xla_rsag
-            got = _fn(mesh, "ffi", 1, ctas, algo)(part, res, w)
-            want = _fn(mesh, "xla_rsag", 1, None, None)(part, res, w)
+            got = profiling.chain(mesh, "ffi", 1, algo, ctas)(part, res, w)
+            want = profiling.chain(mesh, "xla_rsag", 1, None, None)(part, res, w)
             for g, x in zip(got, want, strict=True):
                 g, x = bm.local_data(g), bm.local_data(x)
                 err = np.linalg.norm(g - x) / np.linalg.norm(x)
@@ -200,7 +176,7 @@ def main():
             checked.add((tp, h, t, algo, ctas))
         nbytes = t * h * dtype.itemsize
         iters = 50 if nbytes <= 4 << 20 else 10
-        fn = _fn(mesh, impl, iters, ctas, algo)
+        fn = profiling.chain(mesh, impl, iters, algo, ctas)
         sec = _time(fn, (part, res, w), args.reps) / iters
         row = dict(
             tp=tp,

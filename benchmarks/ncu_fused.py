@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jax_tokenweave.kernel._util import ceil_div
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_kernels import _chain
+from profile_kernels import chain
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = ceil_div(t, n) if args.impl == "ffi" else t  # the residual: token-sharded or whole
     res = jnp.asarray(rng.standard_normal((n * rows, h)), jnp.bfloat16)
     w = jnp.asarray(1 + 0.1 * rng.standard_normal(h), jnp.dtype(args.weight_dtype))
-    fn = _chain(mesh, args.impl, args.calls, args.algo, args.ctas or None)
+    fn = chain(mesh, args.impl, args.calls, args.algo, args.ctas or None)
     for _ in range(args.runs):
         out = fn(part, res, w)
     jax.block_until_ready(out)

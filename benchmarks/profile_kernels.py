@@ -32,7 +32,11 @@ from jax_tokenweave.kernel import ops
 _step_profile = bm.sibling_module(__file__, "step_profile")  # busy_us (found under -P)
 
 
-def _chain(mesh: Mesh, impl: str, calls: int, algo: str, num_ctas: int | None):
+def chain(mesh: Mesh, impl: str, calls: int, algo: str | None, num_ctas: int | None):
+    """``calls`` calls of ``impl`` in one jitted program over ``mesh`` (axis ``tp``), each
+    call's outputs the next one's inputs: ``(partial [tp*T, H], residual [tp*rows, H], weight
+    [H]) -> (normed, residual)``, both ``P("tp")``. Shared by kernel_bench and ncu_fused."""
+
     def body(p, r, w):
         x, res = p, r
         for _ in range(calls):  # each call's normed output is the next call's partial
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         for impl, ctas in [("xla", 0)] + [("ffi", c) for c in args.ctas]:
             rows_res = tokens if impl == "xla" else ops.rows_per_rank(tokens, n)
             res = jnp.asarray(rng.standard_normal((n * rows_res, h)), jnp.bfloat16)
-            fn = _chain(mesh, impl, args.calls, args.algo, ctas or None)
+            fn = chain(mesh, impl, args.calls, args.algo, ctas or None)
             per, busy = profile(fn, (part, res, w), args.iters)
             calls = args.iters * args.calls
             by_dev = collections.defaultdict(float)

@@ -51,8 +51,8 @@ def test_sampler_keeps_only_the_window(clocks, tmp_path, monkeypatch):
     # Samples stamped now, every 20 ms, as nvidia-smi -lms prints them.
     _fake_smi(
         tmp_path,
-        'while true; do echo "$(date +"%Y/%m/%d %H:%M:%S.%3N"), 1500 MHz, 699.50 W, 0x4"; '
-        "sleep 0.02; done\n",
+        'case "$*" in *-lms*) while true; do echo "$(date +"%Y/%m/%d %H:%M:%S.%3N"), 1500 MHz, '
+        '699.50 W, 0x4"; sleep 0.02; done ;; *power.draw.instant*) echo "699.50 W" ;; esac\n',
     )
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     with clocks.ClockSampler(interval_ms=20) as sampler:
@@ -65,6 +65,7 @@ def test_sampler_keeps_only_the_window(clocks, tmp_path, monkeypatch):
     assert got["status"] == "ok", got
     assert got["sm_mhz_min_p50_max"] == [1500.0] * 3 and got["power_capped"] == 1.0
     assert 3 <= got["samples"] < len(sampler.samples)
+    assert got["power_field"] == "power.draw.instant"
     assert (
         sampler.summary(end + dt.timedelta(hours=1), end + dt.timedelta(hours=2))["status"]
         == "skipped"
@@ -84,3 +85,4 @@ def test_sampler_says_why_without_samples(clocks, tmp_path, monkeypatch):
         time.sleep(0.2)
     got = sampler.summary(dt.datetime.min, dt.datetime.max)
     assert got["status"] == "skipped" and "could not talk to the driver" in got["reason"]
+    assert got["power_field"] == "power.draw"  # what an nvidia-smi without the instant one reads
