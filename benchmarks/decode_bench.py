@@ -17,6 +17,11 @@ a tied LM head counts it once) and every request's K/V of every layer: ``weights
 requests of keys x KVH/TP x D x bytes x 2 (K, V) x layers`` per GPU, ``keys`` the request's
 cached positions at that step. Bandwidth: a device-to-device copy in the same run (bytes read +
 written / time). Roofline time = bytes / bandwidth; ratio = step time (median) / roofline time.
+Serial floor (``roofline.serial_floor_ms``): the layer's parts one after another, each GEMM at
+the slower of its weight bytes and its FLOPs at a matmul rate measured in the same run (an
+8192-cube product), plus the K/V bytes. At large batches the GEMMs are bound by FLOPs, and a
+step's dependences (attention waits for QKV, the MLP for attention) keep them from overlapping
+the K/V reads: the floor then sits above the bytes roofline.
 
 Writes ``decode.json``, ``decode.md`` and ``decode.png`` into ``--out``. With no GPU it runs the
 tiny config and small batches (under a minute; CPU timings say nothing about GPUs).
@@ -312,8 +317,11 @@ def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
     return {"rows": rows, "split": layout.plan.is_split, "attention": engine.runner.attention()}
 
 
-def add_roofline(record: dict[str, Any], model: Any, weights: int, gb_s: float) -> None:
-    """The record's bytes per step, roofline time and ratio (module docstring)."""
+def add_roofline(
+    record: dict[str, Any], model: Any, weights: int, gb_s: float, tflop_s: float
+) -> None:
+    """The record's bytes per step, roofline time and ratio, and its serial floor (module
+    docstring)."""
     rf, c = roofline(), model.config
     itemsize = np.dtype(model.embed.get_value().dtype).itemsize
     kv = rf.kv_bytes(
@@ -330,6 +338,9 @@ def add_roofline(record: dict[str, Any], model: Any, weights: int, gb_s: float) 
         roofline_ms=(weights + kv) / (gb_s * rf.GB) * 1e3,
     )
     record["ratio"] = record["step_p50_ms"] / record["roofline_ms"]
+    floor = rf.serial_floor_ms(c, model.mesh.size, record["batch"], kv, itemsize, gb_s, tflop_s)
+    record["floor_ms"] = floor
+    record["floor_ratio"] = None if floor is None else record["step_p50_ms"] / floor
 
 
 def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
@@ -340,13 +351,15 @@ def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
     bandwidth = rf.copy_bandwidth(devices[0], int(a.copy_gb * rf.GB))
     print(f"copy bandwidth: {bandwidth['gb_s']:.0f} GB/s", file=sys.stderr)
     model = build_model(a, devices)
+    matmul = rf.matmul_rate(devices[0], model.embed.get_value().dtype)
+    print(f"matmul rate: {matmul['tflop_s']:.0f} TFLOP/s", file=sys.stderr)
     weights = rf.weight_bytes(model, devices[0])
     rng = np.random.default_rng(a.seed)
     records = []
     for batch, context in tqdm([(b, c) for b in a.batch for c in a.context], desc="decode"):
         try:
             record = run_point(model, a, batch, context, rng)
-            add_roofline(record, model, weights, bandwidth["gb_s"])
+            add_roofline(record, model, weights, bandwidth["gb_s"], matmul["tflop_s"])
         except Exception as err:  # one failing point must not end the sweep
             record = {
                 "batch": batch,
@@ -364,6 +377,7 @@ def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
         "layers": model.config.num_layers,
         "tp": a.tp,
         "bandwidth": bandwidth,
+        "matmul": matmul,
         "weight_bytes": weights,
         "records": records,
     }

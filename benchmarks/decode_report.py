@@ -19,24 +19,27 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; weights "
         f"{report['weight_bytes'] / 1e9:.2f} GB per GPU, copy bandwidth {bw['gb_s']:.0f} "
-        "GB/s (read + write). Ratio = step p50 / roofline.",
+        f"GB/s (read + write), matmul {report.get('matmul', {}).get('tflop_s', 0):.0f} TFLOP/s. "
+        "Ratio = step p50 / roofline; serial floor: each GEMM at the slower of its weight bytes "
+        "and its FLOPs, then the K/V bytes (decode_bench.py).",
         "",
         "SM clock: nvidia-smi's samples over the timed and profiled steps (median MHz; the "
         "share held down by the power cap).",
         "",
-        "| batch | context | step p50 ms | step p90 ms | roofline ms | ratio | tok/s | compiles "
-        "| SM clock |",
-        "|---" * 9 + "|",
+        "| batch | context | step p50 ms | step p90 ms | roofline ms | ratio | serial floor ms "
+        "| step / floor | tok/s | compiles | SM clock |",
+        "|---" * 11 + "|",
     ]
     for r in report["records"]:
         if r["status"] != "ok":
             lines.append(
-                f"| {r['batch']} | {r['context']} | {r['status']}: {r['reason']} |" + " - |" * 6
+                f"| {r['batch']} | {r['context']} | {r['status']}: {r['reason']} |" + " - |" * 8
             )
             continue
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['step_p50_ms']:.3f} | "
             f"{r['step_p90_ms']:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | "
+            f"{_num(r.get('floor_ms'), 3)} | {_num(r.get('floor_ratio'), 2)} | "
             f"{r['tok_s']:.0f} | {r['compilations']} | {clock_cell(r.get('gpu_clocks', {}))} |"
         )
     profiled = [r for r in report["records"] if r.get("profile", {}).get("status") == "ok"]
@@ -58,6 +61,10 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"{prof['busy_ms']:.3f} | {prof['gap_ms']:.3f} | {top} |"
             )
     return "\n".join(lines)
+
+
+def _num(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def clock_cell(clocks: dict[str, Any]) -> str:

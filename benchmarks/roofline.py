@@ -75,6 +75,88 @@ def _torch_copy_ms(device: Any, n: int, warmup: int, iters: int) -> float | None
     return float(sorted(times)[len(times) // 2])
 
 
+def matmul_rate(
+    device: Any, dtype: Any, n: int = 8192, *, warmup: int = 3, iters: int = 10
+) -> dict[str, Any]:
+    """Dense matmul throughput of ``device``: an ``n x n x n`` product of ``dtype`` (through
+    PyTorch with CUDA events where it can, else a jitted ``jnp.dot`` on the wall clock, with
+    ``n`` cut to 1024). Median of ``iters`` after ``warmup``. Returns ``{"n", "median_ms",
+    "tflop_s", "method"}``. On a GPU held to its power limit this is the capped rate, as the
+    decode step's GEMMs get it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    ms, method = _torch_matmul_ms(device, np.dtype(dtype).name, n, warmup, iters), "torch matmul"
+    if ms is None:
+        from jax_tokenweave.bench import timing
+
+        n = min(n, 1024)
+        place = jax.sharding.SingleDeviceSharding(device)
+        a = jax.jit(lambda: jnp.ones((n, n), dtype), out_shardings=place)()
+        dot = jax.jit(jnp.dot)
+        ms = timing.benchmark({"dot": lambda: dot(a, a)}, warmup=warmup, iters=iters)[
+            "dot"
+        ].median_ms
+        method = "jitted jnp.dot (wall clock)"
+    return {"n": n, "median_ms": ms, "tflop_s": 2 * n**3 / (ms * 1e-3) / 1e12, "method": method}
+
+
+def _torch_matmul_ms(device: Any, dtype: str, n: int, warmup: int, iters: int) -> float | None:
+    """Median ms of an ``n``-cube matmul through PyTorch on ``device``'s GPU, or None."""
+    if getattr(device, "platform", None) not in ("gpu", "cuda"):
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or not hasattr(torch, dtype):
+        return None
+    with torch.cuda.device(getattr(device, "local_hardware_id", None) or 0):
+        a = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+        b = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
+        times = []
+        for i in range(warmup + iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b)
+            end.record()
+            end.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end))
+        del a, b
+        torch.cuda.empty_cache()
+    return float(sorted(times)[len(times) // 2])
+
+
+def projections(config: Any, tp: int) -> list[tuple[int, int]]:
+    """``(K, N)`` of a decoder layer's GEMMs on one rank: QKV, O, gate/up, down (the fused
+    layout, ``nn.decoder_layer``)."""
+    h, d, f = config.hidden_size, config.head_dim, config.intermediate_size
+    nq, nkv = config.num_heads * d, config.num_kv_heads * d
+    return [(h, (nq + 2 * nkv) // tp), (nq // tp, h), (h, 2 * f // tp), (f // tp, h)]
+
+
+def serial_floor_ms(
+    config: Any, tp: int, rows: int, kv: int, itemsize: int, gb_s: float, tflop_s: float
+) -> float | None:
+    """A decode step's floor with its parts one after another, as a layer's data dependences
+    run them (QKV, then attention, then O, gate/up and down): every GEMM at the slower of
+    reading its weights at ``gb_s`` and its ``2 * rows * K * N`` FLOPs at ``tflop_s``, the LM
+    head likewise, and ``kv`` bytes of K/V at ``gb_s``. At batch 1 it is the bytes roofline
+    (less norms and biases); at batch 256 the GEMMs are bound by FLOPs, not bytes. None for
+    experts (their GEMMs depend on the routing)."""
+    if config.num_experts:
+        return None
+
+    def gemm_s(k: int, n: int) -> float:
+        return max(k * n * itemsize / (gb_s * GB), 2 * rows * k * n / (tflop_s * 1e12))
+
+    layer = sum(gemm_s(k, n) for k, n in projections(config, tp))
+    head = gemm_s(config.hidden_size, config.vocab_size // tp)
+    return (config.num_layers * layer + head + kv / (gb_s * GB)) * 1e3
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One measurement: ``decode`` (``batch`` rows at position ``context - 1``) or ``prefill``

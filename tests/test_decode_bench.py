@@ -4,6 +4,7 @@ timed, and the roofline's bytes by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -67,6 +68,8 @@ def test_decode_bench_times_pure_decode_steps(bench, tmp_path, capsys):
     assert r["roofline_ms"] == pytest.approx(r["bytes"] / report["bandwidth"]["gb_s"] / 1e6)
     assert r["ratio"] == pytest.approx(r["step_p50_ms"] / r["roofline_ms"])
     assert r["layout"] == {"rows": 8, "split": False, "attention": "xla"}
+    assert r["floor_ms"] > 0 and r["floor_ratio"] == pytest.approx(r["step_p50_ms"] / r["floor_ms"])
+    assert report["matmul"]["tflop_s"] > 0
     clocks = r["gpu_clocks"]  # nvidia-smi's samples, or why there are none
     assert (clocks["status"] == "ok" and clocks["samples"] > 0) or clocks["reason"]
     assert "| 2 | 20 |" in (tmp_path / "decode.md").read_text()
@@ -149,3 +152,19 @@ def test_decode_bench_sync_engine_reads_one_key_less(bench, tmp_path):
     assert bench.main(["--out", str(tmp_path), *DECODE, "--sync", "--no-plot"]) == 0
     (r,) = json.loads((tmp_path / "decode.json").read_text())["records"]
     assert r["status"] == "ok" and r["mean_keys"] == 2 * 23
+
+
+def test_serial_floor_by_hand(bench):
+    """tiny: GEMMs (K, N) (64, 256), (128, 64), (64, 256), (128, 64) and the head (64, 256):
+    65536 weights, 4 bytes each. At 1 GB/s and 1 GFLOP/s (1e-3 TFLOP/s) a GEMM reads its
+    weights in 4 KN ns and multiplies R rows in 2 R KN ns: bytes bound at R = 1, FLOPs at R = 4."""
+    from jax_tokenweave.bench import benchmarking as bm
+
+    rf, config = bench.roofline(), bm.load_config("tiny", 1)
+    assert rf.projections(config, 1) == [(64, 256), (128, 64), (64, 256), (128, 64)]
+    kv = 10**6  # 1 ms at 1 GB/s
+    assert rf.serial_floor_ms(config, 1, 1, kv, 4, 1.0, 1e-3) == pytest.approx(1 + 0.262144)
+    assert rf.serial_floor_ms(config, 1, 4, kv, 4, 1.0, 1e-3) == pytest.approx(1 + 0.524288)
+    assert rf.serial_floor_ms(config, 2, 1, 0, 4, 1.0, 1e-3) == pytest.approx(0.131072)
+    moe = dataclasses.replace(config, num_experts=4)
+    assert rf.serial_floor_ms(moe, 1, 1, kv, 4, 1.0, 1e-3) is None
