@@ -7,15 +7,14 @@ order) in two jitted chains of ``--calls`` calls: ``attention`` (each call's out
 next call's query) and ``mixed`` (an MLP of the model's shapes, M = 256, between the calls;
 its output feeds the next query). Per chain: the attention kernel's profiled device time per
 call (PyTorch's CUDA profiler), and the SM clock and power sampled by nvidia-smi while the chain
-repeats for ``--seconds``. Run: ``python3 -P benchmarks/probes/attention_interleave_probe.py``.
+repeats for ``--seconds`` (``benchmarks/gpu_clocks.py``).
+Run: ``python3 -P benchmarks/probes/attention_interleave_probe.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -27,43 +26,9 @@ from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.serving import attention_kernel
 
 BENCH = Path(__file__).resolve().parents[1]
+_gpu_clocks = bm.sibling_module(str(BENCH / "gpu_clocks.py"), "gpu_clocks")
 
 ROWS, HQ, KVH, D, BS, HIDDEN, FFN = 256, 32, 8, 128, 16, 4096, 14336
-
-
-def _clock_sampler() -> subprocess.Popen | None:
-    """nvidia-smi printing "SM MHz, W" every 20 ms (None where it is missing)."""
-    try:
-        return subprocess.Popen(
-            [
-                "nvidia-smi",
-                "--query-gpu=clocks.sm,power.draw",
-                "--format=csv,noheader,nounits",
-                "-i",
-                "0",
-                "-lms",
-                "20",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-    except OSError:
-        return None
-
-
-def _read_samples(proc: subprocess.Popen | None) -> list[tuple[int, float]]:
-    if proc is None:
-        return []
-    proc.terminate()
-    text, _ = proc.communicate()
-    out = []
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        try:
-            out.append((int(float(parts[0])), float(parts[1])))
-        except (ValueError, IndexError):
-            continue
-    return out
 
 
 def _chains(context: int, calls: int, seed: int):
@@ -129,21 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, (fn, fargs) in _chains(args.context, args.calls, seed).items():
         kernels = _kernel_us(fn, fargs, args.reps)
         attention = {k: us for k, us in kernels.items() if "Decode" in k}
-        sampler = _clock_sampler()
-        t0, runs = time.perf_counter(), 0
-        while time.perf_counter() - t0 < args.seconds:
-            jax.block_until_ready(fn(*fargs))
-            runs += 1
-        wall_ms = (time.perf_counter() - t0) / runs * 1e3
-        samples = _read_samples(sampler)
-        clocks = sorted(s[0] for s in samples)
+        with _gpu_clocks.ClockSampler(interval_ms=20) as sampler:
+            time.sleep(0.3)  # nvidia-smi's first sample
+            start, t0, runs = sampler.mark(), time.perf_counter(), 0
+            while time.perf_counter() - t0 < args.seconds:
+                jax.block_until_ready(fn(*fargs))
+                runs += 1
+            wall_ms = (time.perf_counter() - t0) / runs * 1e3
+            clocks = sampler.summary(start, sampler.mark())
         result["chains"][name] = {
             "attention_us_per_call": attention,
             "wall_ms_per_run": wall_ms,
-            "sm_mhz_p10_p50_p90": [clocks[len(clocks) * q // 10] for q in (1, 5, 9)]
-            if clocks
-            else None,
-            "power_w_p50": statistics.median(s[1] for s in samples) if samples else None,
+            "gpu_clocks": clocks,
             "top_kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:6]),
         }
         print(name, json.dumps(result["chains"][name], indent=1), flush=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from typing import Any
 
 H, F, QKV, VOCAB = 4096, 14336, 6144, 128256
@@ -98,9 +97,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from step_profile import profile_steps
+    from jax_tokenweave.bench import benchmarking as bm
 
+    bench = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    step_profile = bm.sibling_module(os.path.join(bench, "step_profile.py"), "step_profile")
     if args.mode == "torch":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         step = _torch_step(args.rows, args.layers)
@@ -108,7 +108,7 @@ def main() -> None:
         step = _jax_step(args.rows, args.layers, MODES[args.mode])
     for _ in range(3):
         step()
-    prof = profile_steps(step, args.steps, top=12, host_profile=False)
+    prof = step_profile.profile_steps(step, args.steps, top=12, host_profile=False)
     if prof["status"] != "ok":
         raise SystemExit(f"== {args.mode}: {prof['reason']}")
     record = {"mode": args.mode, "rows": args.rows, "layers": args.layers, "profile": prof}
