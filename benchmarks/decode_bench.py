@@ -317,32 +317,6 @@ def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
     return {"rows": rows, "split": layout.plan.is_split, "attention": engine.runner.attention()}
 
 
-def add_roofline(
-    record: dict[str, Any], model: Any, weights: int, gb_s: float, tflop_s: float
-) -> None:
-    """The record's bytes per step, roofline time and ratio, and its serial floor (module
-    docstring)."""
-    rf, c = roofline(), model.config
-    itemsize = np.dtype(model.embed.get_value().dtype).itemsize
-    kv = rf.kv_bytes(
-        round(record["mean_keys"]),
-        c.num_kv_heads // model.mesh.size,
-        c.head_dim,
-        itemsize,
-        c.num_layers,
-    )
-    record.update(
-        weight_bytes=weights,
-        kv_bytes=kv,
-        bytes=weights + kv,
-        roofline_ms=(weights + kv) / (gb_s * rf.GB) * 1e3,
-    )
-    record["ratio"] = record["step_p50_ms"] / record["roofline_ms"]
-    floor = rf.serial_floor_ms(c, model.mesh.size, record["batch"], kv, itemsize, gb_s, tflop_s)
-    record["floor_ms"] = floor
-    record["floor_ratio"] = None if floor is None else record["step_p50_ms"] / floor
-
-
 def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
     """The bandwidth, the model, every (batch, context) point."""
     from jax_tokenweave.bench.modes import one_line
@@ -359,7 +333,7 @@ def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
     for batch, context in tqdm([(b, c) for b in a.batch for c in a.context], desc="decode"):
         try:
             record = run_point(model, a, batch, context, rng)
-            add_roofline(record, model, weights, bandwidth["gb_s"], matmul["tflop_s"])
+            rf.add_decode_roofline(record, model, weights, bandwidth["gb_s"], matmul["tflop_s"])
         except Exception as err:  # one failing point must not end the sweep
             record = {
                 "batch": batch,

@@ -240,3 +240,31 @@ def jax_leaves(tree: Any) -> list[Any]:
     import jax
 
     return [leaf for leaf in jax.tree_util.tree_leaves(tree) if hasattr(leaf, "addressable_shards")]
+
+
+def add_decode_roofline(
+    record: dict[str, Any], model: Any, weights: int, gb_s: float, tflop_s: float
+) -> None:
+    """A ``decode_bench`` record's bytes per step (``weights`` + the K/V of its ``mean_keys``),
+    its roofline time at ``gb_s`` and ratio, and its serial floor (:func:`serial_floor_ms`)."""
+    import numpy as np
+
+    c = model.config
+    itemsize = np.dtype(model.embed.get_value().dtype).itemsize
+    kv = kv_bytes(
+        round(record["mean_keys"]),
+        c.num_kv_heads // model.mesh.size,
+        c.head_dim,
+        itemsize,
+        c.num_layers,
+    )
+    record.update(
+        weight_bytes=weights,
+        kv_bytes=kv,
+        bytes=weights + kv,
+        roofline_ms=(weights + kv) / (gb_s * GB) * 1e3,
+    )
+    record["ratio"] = record["step_p50_ms"] / record["roofline_ms"]
+    floor = serial_floor_ms(c, model.mesh.size, record["batch"], kv, itemsize, gb_s, tflop_s)
+    record["floor_ms"] = floor
+    record["floor_ratio"] = None if floor is None else record["step_p50_ms"] / floor
