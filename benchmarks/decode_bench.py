@@ -83,7 +83,8 @@ def add_model_options(
         "--schedule",
         choices=("auto", "weave", "baseline"),
         default="auto",
-        help="the engine's schedule (auto: baseline at TP 1, weave above)",
+        help="the engine's schedule (auto: EngineConfig's default, weave, at every TP: at TP 1 "
+        "it runs each add + RMSNorm as the fused one-rank kernel where the extension is built)",
     )
     bm.add_collective_option(p, "auto", "weave's reductions")
     p.add_argument(
@@ -200,7 +201,9 @@ def resolve(args: argparse.Namespace, platform: str) -> argparse.Namespace:
         if getattr(a, name, None) is None:
             setattr(a, name, value)
     if a.schedule == "auto":
-        a.schedule = "baseline" if a.tp == 1 else "weave"
+        from jax_tokenweave.serving import EngineConfig
+
+        a.schedule = EngineConfig.schedule  # what a user's engine runs
     return a
 
 

@@ -124,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule",
         choices=("weave", "baseline"),
-        default="baseline",
-        help="the engine's schedule (baseline at TP 1)",
+        default="weave",
+        help="the engine's schedule (default: the engine's, weave)",
     )
     for name in ENGINE_OPTIONS:
         p.add_argument(

@@ -100,7 +100,8 @@ def test_prefill_bench_compares_engine_and_bare_stack(tmp_path):
     assert [r["engine_steps"] for r in records] == [1, 1, 2]  # 40 tokens: chunks of 24
     for r in records:
         assert r["status"] == "ok" and r["compilations"] == 0
-        assert r["bare"]["mode"] == "baseline" and r["bare"]["status"] == "ok"
+        # --schedule auto: the engine's default (weave), the bare stack in the same mode
+        assert r["bare"]["mode"] == "weave-auto" and r["bare"]["status"] == "ok"
         assert r["ratio"] == pytest.approx(r["engine_ms"] / r["bare_ms"])
     assert "| 2 x 8 | 1 |" in (tmp_path / "prefill.md").read_text()
 
