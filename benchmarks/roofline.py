@@ -47,9 +47,10 @@ def copy_bandwidth(
     return {"bytes": 4 * n, "median_ms": ms, "gb_s": 2 * 4 * n / (ms * 1e-3) / GB, "method": method}
 
 
-def _torch_copy_ms(device: Any, n: int, warmup: int, iters: int) -> float | None:
-    """Median ms of ``n``-float32 device-to-device copies through PyTorch on ``device``'s GPU;
-    None where PyTorch or its CUDA is missing, or the device is not a CUDA GPU."""
+def _torch_event_ms(device: Any, make_run: Any, warmup: int, iters: int) -> float | None:
+    """Median ms of ``run()``, ``run = make_run(torch)`` (None: not here), timed with CUDA
+    events on ``device``'s GPU after ``warmup`` runs; None where PyTorch or its CUDA is missing
+    or the device is not a CUDA GPU."""
     if getattr(device, "platform", None) not in ("gpu", "cuda"):
         return None
     try:
@@ -59,20 +60,32 @@ def _torch_copy_ms(device: Any, n: int, warmup: int, iters: int) -> float | None
     if not torch.cuda.is_available():
         return None
     with torch.cuda.device(getattr(device, "local_hardware_id", None) or 0):
-        src = torch.rand(n, device="cuda")
-        dst = torch.empty_like(src)
+        run = make_run(torch)
+        if run is None:
+            return None
         times = []
         for i in range(warmup + iters):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            dst.copy_(src)
+            run()
             end.record()
             end.synchronize()
             if i >= warmup:
                 times.append(start.elapsed_time(end))
-        del src, dst
+        del run
         torch.cuda.empty_cache()
     return float(sorted(times)[len(times) // 2])
+
+
+def _torch_copy_ms(device: Any, n: int, warmup: int, iters: int) -> float | None:
+    """Median ms of ``n``-float32 device-to-device copies through PyTorch (or None)."""
+
+    def make_run(torch: Any) -> Any:
+        src = torch.rand(n, device="cuda")
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+
+    return _torch_event_ms(device, make_run, warmup, iters)
 
 
 def matmul_rate(
@@ -103,30 +116,16 @@ def matmul_rate(
 
 
 def _torch_matmul_ms(device: Any, dtype: str, n: int, warmup: int, iters: int) -> float | None:
-    """Median ms of an ``n``-cube matmul through PyTorch on ``device``'s GPU, or None."""
-    if getattr(device, "platform", None) not in ("gpu", "cuda"):
-        return None
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available() or not hasattr(torch, dtype):
-        return None
-    with torch.cuda.device(getattr(device, "local_hardware_id", None) or 0):
+    """Median ms of an ``n``-cube matmul of ``dtype`` through PyTorch (or None)."""
+
+    def make_run(torch: Any) -> Any:
+        if not hasattr(torch, dtype):
+            return None
         a = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
         b = torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype))
-        times = []
-        for i in range(warmup + iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.matmul(a, b)
-            end.record()
-            end.synchronize()
-            if i >= warmup:
-                times.append(start.elapsed_time(end))
-        del a, b
-        torch.cuda.empty_cache()
-    return float(sorted(times)[len(times) // 2])
+        return lambda: torch.matmul(a, b)
+
+    return _torch_event_ms(device, make_run, warmup, iters)
 
 
 def projections(config: Any, tp: int) -> list[tuple[int, int]]:
