@@ -276,7 +276,8 @@ def run_point(
                 gained = engine.step()
                 times.append(time.perf_counter() - t0)
                 if len(gained) != batch:
-                    raise RuntimeError(f"a timed step gave {len(gained)} tokens for {batch} rows")
+                    got = f"a timed step gave {len(gained)} tokens"
+                    raise RuntimeError(f"{got} for {batch} requests")
         profile = (
             sibling("step_profile").profile_steps(
                 engine.step, a.profile_steps, host_profile=not a.no_host_profile

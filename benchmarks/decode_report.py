@@ -91,11 +91,15 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 3.8), squeeze=False)
     for ax, context in zip(axes[0], contexts, strict=True):
         pts = sorted(
-            (r["batch"], r["step_p50_ms"], r["roofline_ms"]) for r in ok if r["context"] == context
+            (r["batch"], r["step_p50_ms"], r["roofline_ms"], r.get("floor_ms"))
+            for r in ok
+            if r["context"] == context
         )
-        xs, step, roof = zip(*pts, strict=True)
+        xs, step, roof, floor = zip(*pts, strict=True)
         ax.plot(xs, step, marker="o", label="step p50")
-        ax.plot(xs, roof, marker="x", ls="--", label="roofline")
+        ax.plot(xs, roof, marker="x", ls="--", label="roofline (bytes)")
+        if None not in floor:
+            ax.plot(xs, floor, marker="+", ls=":", label="serial floor (bytes or FLOPs)")
         ax.set_xscale("log", base=2)
         ax.set(title=f"context {context}", xlabel="batch (requests)", ylabel="ms per step")
         ax.legend(fontsize=8)
