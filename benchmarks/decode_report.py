@@ -103,9 +103,10 @@ def write_plot(report: dict[str, Any], path: Path) -> bool:
         ax.set_xscale("log", base=2)
         ax.set(title=f"context {context}", xlabel="batch (requests)", ylabel="ms per step")
         ax.legend(fontsize=8)
-    fig.suptitle(
-        f"decode step, {report['model']} x{report['layers']}, TP {report['tp']} "
-        f"({report['environment']['device_kind']})"
+    fig.suptitle(  # two lines: one panel is narrower than the title on one line
+        f"decode step, {report['model']} x{report['layers']}, TP {report['tp']}\n"
+        f"{report['environment']['device_kind']}",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
