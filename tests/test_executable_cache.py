@@ -7,10 +7,7 @@ writes, checksums, a backend that cannot serialize) is tested with a fake serial
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -20,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from testutil import fresh_process_jax_cache
+from testutil import engine_in_new_process, fresh_process_jax_cache
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
@@ -140,6 +137,11 @@ def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monk
     monkeypatch.undo()
     monkeypatch.setattr(executable_key, "source_hash", lambda: "edited")
     assert key() != base
+    monkeypatch.undo()
+    # The fused kernel's communicators by id (a program names its communicator by id).
+    monkeypatch.setattr(ec, "known_communicators", lambda: {"1": "tp over devices 0, 1"})
+    assert key() != base
+    assert runner.program_key(layout, runner.padding_args(layout), {}) == base
     monkeypatch.undo()
     precision = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "bfloat16")
@@ -308,47 +310,11 @@ def test_a_cpu_program_with_a_sort_that_ran_is_not_stored(tmp_path):
     assert cache.enabled
 
 
-_SECOND_PROCESS = """
-import json, sys
-import jax, jax.numpy as jnp, numpy as np
-from flax import nnx
-from jax.sharding import Mesh
-from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
-
-mesh = Mesh(np.array(jax.devices("cpu")[2:4]), ("tp",))
-model = LlamaModel(get_config("tiny"), mesh, dtype=jnp.float32, rngs=nnx.Rngs(1))
-engine = LLMEngine(model, EngineConfig(
-    max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=16, block_size=4, num_blocks=48,
-    max_model_len=64, key_chunk=8, compilation_cache_dir=sys.argv[1]))
-with count_compilations() as compiles:
-    report = engine.warmup()
-    outs = engine.run_to_completion([[1, 2, 3], [4, 5, 6, 7]], [
-        SamplingParams(max_tokens=4, temperature=0.0),
-        SamplingParams(max_tokens=4, temperature=1.0, seed=5)])
-print(json.dumps({"loaded": report.loaded, "compiled": report.compiled,
-                  "seconds": report.seconds, "compilations": compiles.count,
-                  "tokens": [o.token_ids for o in outs]}))
-"""
-
-
 @pytest.mark.slow
 def test_a_new_process_loads_every_layout_from_disk(tmp_path):
     """The real use: a restart. JAX's in-memory caches cannot help a new process."""
 
-    def run() -> dict:
-        proc = subprocess.run(
-            [sys.executable, "-c", _SECOND_PROCESS, str(tmp_path)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    first, second = run(), run()
+    first, second = engine_in_new_process(tmp_path), engine_in_new_process(tmp_path)
     n = first["compiled"]
     assert first["loaded"] == 0 and n >= 4 and first["compilations"] >= n
     assert (second["loaded"], second["compiled"], second["compilations"]) == (n, 0, 0)
@@ -400,3 +366,49 @@ def test_large_decode_steps_compile_with_split_k_off(model, tmp_path, monkeypatc
         assert changed == (lay in big), lay
     engine = LLMEngine(model, dataclasses.replace(CFG, compilation_cache_dir=None))
     assert tokens(engine) == want
+
+
+class _Compiled:
+    """A compiled program as ``unknown_communicators`` reads it: its HLO text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def as_text(self) -> str:
+        return self.text
+
+
+def test_a_fused_kernel_program_is_stored_only_with_its_communicators_in_the_key(monkeypatch):
+    from jax_tokenweave.kernel import _extension
+
+    monkeypatch.setattr(_extension, "import_error", lambda: None)  # as where it is built
+    call = (
+        'custom-call(p, r, w), custom_call_target="tokenweave_allreduce_rmsnorm", '
+        "api_version=API_VERSION_TYPED_FFI, backend_config={algo = 0 : i32, comm_id = 3 : i64, "
+        "eps = 9.99999997E-7 : f32, num_ctas = 16 : i32, slot = 0 : i32}"
+    )
+    known = {"3": "tp over devices 0, 1"}
+    assert ec.unknown_communicators(_Compiled(call), known) is None
+    assert "['3']" in ec.unknown_communicators(_Compiled(call), {"1": "another"})
+    two = call + "\n" + call.replace("comm_id = 3", "comm_id = 12")
+    assert "['12']" in ec.unknown_communicators(_Compiled(two), known)
+    unnamed = call.replace("comm_id = 3 : i64, ", "")
+    assert "names no communicator" in ec.unknown_communicators(_Compiled(unnamed), known)
+    assert ec.unknown_communicators(_Compiled("dot(a, b)"), {}) is None  # no fused call
+
+
+def test_registered_communicators_describe_what_each_id_connects(cpu_mesh, monkeypatch):
+    from jax_tokenweave.kernel import comm as comm_lib
+
+    mesh = cpu_mesh(2)
+    communicator = comm_lib.Communicator(mesh, "tp")
+    monkeypatch.setattr(comm_lib, "_cache", {(mesh, "tp", communicator.settings): communicator})
+    assert comm_lib.registered_communicators() == {}  # no workspace yet: no id
+    communicator._id = 7  # what comm_id sets once the extension registered the workspace
+    (description,) = comm_lib.registered_communicators().values()
+    assert list(comm_lib.registered_communicators()) == [7]
+    assert repr([d.id for d in mesh.devices.flat]) in description and "'tp'" in description
+    assert ec.known_communicators() == {"7": description}
+    # On CPUs (or with collective="xla", or baseline) priming registers nothing.
+    ec.prime_communicators(mesh, "tp", dataclasses.replace(CFG, collective="auto"))
+    assert list(comm_lib.registered_communicators()) == [7]

@@ -5,6 +5,9 @@ settings of a fresh process, a benchmark script loaded as a module."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +118,55 @@ def fresh_process_jax_cache(monkeypatch) -> Iterator[None]:
         for name, value in saved.items():
             jax.config.update(name, value)
         cc.reset_cache()
+
+
+_ENGINE_PROCESS = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from jax_tokenweave.models.configs import get_config
+from jax_tokenweave.models.llama import LlamaModel
+from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
+
+platform, first, extra = sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+mesh = Mesh(np.array(jax.devices(platform)[first:first + 2 - (platform == "gpu")]), ("tp",))
+model = LlamaModel(get_config("tiny"), mesh, dtype=jnp.float32, rngs=nnx.Rngs(1))
+engine = LLMEngine(model, EngineConfig(
+    max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=16, block_size=4, num_blocks=48,
+    max_model_len=64, key_chunk=8, compilation_cache_dir=sys.argv[1], **extra))
+with count_compilations() as compiles:
+    report = engine.warmup()
+    outs = engine.run_to_completion([[1, 2, 3], [4, 5, 6, 7]], [
+        SamplingParams(max_tokens=4, temperature=0.0),
+        SamplingParams(max_tokens=4, temperature=1.0, seed=5)])
+print(json.dumps({"loaded": report.loaded, "compiled": report.compiled,
+                  "seconds": report.seconds, "compilations": compiles.count,
+                  "tokens": [o.token_ids for o in outs]}))
+"""
+
+
+def engine_in_new_process(
+    cache_dir: Path, platform: str = "cpu", first: int = 2, **config: object
+) -> dict:
+    """A tiny model's engine in a new Python process, with its executable cache in
+    ``cache_dir``: warm-up, then two requests (greedy and sampled). On CPUs a mesh of devices
+    ``first`` and ``first + 1``, on GPUs of device ``first``; ``config``: more
+    ``EngineConfig`` fields. Returns ``{"loaded", "compiled", "seconds", "compilations",
+    "tokens"}``."""
+    argv = [str(cache_dir), platform, str(first), json.dumps(config)]
+    # On a GPU this process may hold most of its memory: the new one takes what it uses.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENGINE_PROCESS, *argv],
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def load_benchmark(name: str) -> ModuleType:

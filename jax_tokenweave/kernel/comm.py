@@ -226,6 +226,27 @@ def get_communicator(mesh: Mesh, axis_name: str = "tp") -> Communicator:
         return _cache[key]
 
 
+def registered_communicators() -> dict[int, str]:
+    """The shared communicators (:func:`get_communicator`) that have a workspace in this process:
+    id -> what it connects (the mesh's axes and device ids, the axis, the settings, this
+    process's index). A compiled call of the fused kernel names its communicator by this id,
+    which counts up from 1 in each process: ``serving.executable_cache`` keys stored programs
+    by this map, so a later process loads them only where the same ids name the same
+    communicators."""
+    with _cache_lock:
+        comms = list(_cache.values())
+    found: dict[int, str] = {}
+    for c in comms:
+        with c._lock:
+            comm_id = c._id
+        if comm_id is not None:
+            devices = [d.id for d in c.mesh.devices.flat]
+            found[comm_id] = repr(
+                (c.mesh.axis_names, devices, c.axis_name, c.settings, jax.process_index())
+            )
+    return found
+
+
 def reset_communicators() -> int:
     """Closes and forgets every shared communicator (:func:`get_communicator`) and clears JAX's
     compilation caches, so the next traced call builds fresh ones: the way back after

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import os
 import pickle
+import re
 import tempfile
 import threading
 import warnings
@@ -290,15 +291,51 @@ def compile_to_store(lowered: Any, platform: str) -> tuple[Any, str | None]:
     return compiled, None
 
 
-def process_local_reason(compiled: Any) -> str | None:
-    """Why ``compiled`` must not be stored (None: it may): the fused all-reduce kernel's calls
-    carry the id of this process's communicator workspace, which a later process does not
-    have."""
+_COMM_ID = re.compile(r"comm_id\s*=\s*(-?\d+)")
+
+
+def prime_communicators(mesh: Any, axis_name: str, config: Any) -> None:
+    """Registers the communicator that the engine's step programs will name, so its id is
+    fixed before their keys are made (``known_communicators``): where the engine weaves with
+    the fused kernel (``config.schedule`` weave, ``collective`` auto or ffi, the extension
+    built, GPUs), the shared communicator of ``mesh``'s ``axis_name``, the one the weave
+    path's calls take. Where the kernel cannot run there, nothing: no program names it."""
+    from jax_tokenweave.kernel import _extension
+    from jax_tokenweave.kernel.comm import get_communicator
+
+    if (
+        config.schedule != "weave"
+        or config.collective not in ("auto", "ffi")
+        or _extension.import_error() is not None
+        or mesh.devices.flat[0].platform != "gpu"
+    ):
+        return
+    with contextlib.suppress(RuntimeError):  # the kernel cannot run here
+        get_communicator(mesh, axis_name).comm_id  # noqa: B018 (registers the workspace)
+
+
+def known_communicators() -> dict[str, str]:
+    """``kernel.comm.registered_communicators()`` as a program key records it (id as text)."""
+    from jax_tokenweave.kernel.comm import registered_communicators
+
+    return {str(k): v for k, v in sorted(registered_communicators().items())}
+
+
+def unknown_communicators(compiled: Any, known: dict[str, str]) -> str | None:
+    """Why ``compiled`` must not be stored (None: it may). Its calls of the fused kernel name
+    their communicator by this process's id: it is stored only where every id it names is in
+    ``known`` (the communicators its key records), so a later process loads it under the same
+    key only where the same ids name the same communicators."""
     from jax_tokenweave.kernel import _extension, _ffi
 
     if _extension.import_error() is not None:
         return None
     text = compiled.as_text() or ""
-    if any(target in text for target in _ffi.TARGETS.values()):
-        return "it calls the fused all-reduce kernel, whose communicator id is per process"
+    if not any(target in text for target in _ffi.TARGETS.values()):
+        return None
+    ids = set(_COMM_ID.findall(text))
+    if not ids:
+        return "it calls the fused kernel, and its text names no communicator id"
+    if missing := sorted(ids - set(known), key=int):
+        return f"it names communicator ids {missing}, which its key does not record"
     return None

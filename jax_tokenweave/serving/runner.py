@@ -222,12 +222,11 @@ class ModelRunner:
         start = time.perf_counter()
         layouts = self.layouts()
         args = {layout: self.padding_args(layout) for layout in layouts}
-        cache = self.executable_cache
-        keys = (
-            {layout: self.program_key(layout, args[layout]) for layout in layouts}
-            if cache.enabled
-            else {}
-        )
+        cache, comms, keys = self.executable_cache, {}, {}
+        if cache.enabled:  # the fused kernel's communicator first: keys record its id
+            exe_cache.prime_communicators(self.mesh, self.axis_name, self.config)
+            comms = exe_cache.known_communicators()
+            keys = {layout: self.program_key(layout, args[layout], comms) for layout in layouts}
         out_tree = jax.tree_util.tree_structure((StepIO(0, 0), self.cache))  # type: ignore[arg-type]
         bar = tqdm(total=len(layouts), desc="warm-up", unit="layout", disable=not progress)
         counts = {"loaded": 0, "compiled": 0}
@@ -250,7 +249,7 @@ class ModelRunner:
             elif (
                 layout in keys
                 and unstorable is None
-                and exe_cache.process_local_reason(program) is None
+                and exe_cache.unknown_communicators(program, comms) is None
             ):
                 cache.store(keys[layout], program)
             done(layout, program, "compiled")
@@ -357,17 +356,27 @@ class ModelRunner:
         padding = batch_lib.pack_padding(layout, self.config)
         return (self._leaves, self.cache, self.io(layout), pack_inputs(padding), self.no_tokens)
 
-    def program_key(self, layout: batch_lib.StepLayout, args: tuple[Any, ...]) -> str:
+    def program_key(
+        self,
+        layout: batch_lib.StepLayout,
+        args: tuple[Any, ...],
+        communicators: dict[str, str] | None = None,
+    ) -> str:
         """The executable cache's key of ``layout``'s program on ``args`` (state, cache,
         arrays, prev_tokens): ``executable_cache.program_key`` of everything that makes the
         program (the static arguments, the model, the inputs' tree, shapes, dtypes and
-        shardings, the compiler options) and the environment."""
+        shardings, the compiler options, the fused kernel's communicators by id:
+        ``communicators``, None: ``executable_cache.known_communicators()``) and the
+        environment."""
         static = {k: repr(v) for k, v in self._static(layout).items() if k != "graphdef"}
         options = self._forward(layout)[1]
         return exe_cache.program_key(
             {
                 **self._model_key,
                 "compiler_options": options,
+                "communicators": (
+                    exe_cache.known_communicators() if communicators is None else communicators
+                ),
                 "static": static,
                 "inputs": exe_cache.describe_args(args),
             },
