@@ -138,11 +138,11 @@ def test_anything_that_changes_the_program_changes_the_key(model, tmp_path, monk
     monkeypatch.setattr(executable_key, "source_hash", lambda: "edited")
     assert key() != base
     monkeypatch.undo()
-    # The fused kernel's communicators by id (a program names its communicator by id).
-    monkeypatch.setattr(ec, "known_communicators", lambda: {"1": "tp over devices 0, 1"})
-    assert key() != base
-    assert runner.program_key(layout, runner.padding_args(layout), {}) == base
-    monkeypatch.undo()
+    # The fused kernel's communicator by id and identity (a program names it by id).
+    args = runner.padding_args(layout)
+    assert runner.program_key(layout, args, {"1": "tp over devices 0, 1"}) != base
+    assert runner.program_key(layout, args, {"2": "tp over devices 0, 1"}) != base
+    assert runner.program_key(layout, args, {}) == base
     precision = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "bfloat16")
     try:
@@ -397,18 +397,14 @@ def test_a_fused_kernel_program_is_stored_only_with_its_communicators_in_the_key
     assert ec.unknown_communicators(_Compiled("dot(a, b)"), {}) is None  # no fused call
 
 
-def test_registered_communicators_describe_what_each_id_connects(cpu_mesh, monkeypatch):
-    from jax_tokenweave.kernel import comm as comm_lib
+def test_a_communicator_identity_names_what_it_connects(cpu_mesh):
+    from jax_tokenweave.kernel.comm import Communicator
 
     mesh = cpu_mesh(2)
-    communicator = comm_lib.Communicator(mesh, "tp")
-    monkeypatch.setattr(comm_lib, "_cache", {(mesh, "tp", communicator.settings): communicator})
-    assert comm_lib.registered_communicators() == {}  # no workspace yet: no id
-    communicator._id = 7  # what comm_id sets once the extension registered the workspace
-    (description,) = comm_lib.registered_communicators().values()
-    assert list(comm_lib.registered_communicators()) == [7]
-    assert repr([d.id for d in mesh.devices.flat]) in description and "'tp'" in description
-    assert ec.known_communicators() == {"7": description}
-    # On CPUs (or with collective="xla", or baseline) priming registers nothing.
-    ec.prime_communicators(mesh, "tp", dataclasses.replace(CFG, collective="auto"))
-    assert list(comm_lib.registered_communicators()) == [7]
+    identity = Communicator(mesh, "tp").identity()
+    assert repr([d.id for d in mesh.devices.flat]) in identity and "'tp'" in identity
+    assert Communicator(mesh, "tp").identity() == identity
+    assert Communicator(cpu_mesh(1), "tp").identity() != identity
+    # No fused kernel on CPUs (nor with collective="xla", nor baseline): no communicator.
+    weave = dataclasses.replace(CFG, schedule="weave", collective="auto")
+    assert ec.step_communicators(mesh, "tp", weave) == {}

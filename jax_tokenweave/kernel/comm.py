@@ -186,6 +186,17 @@ class Communicator:
                 self._id = comm_id
             return self._id
 
+    def identity(self) -> str:
+        """What this communicator connects: the mesh's axes and device ids, the axis, the
+        settings, this process's index. A compiled call of the fused kernel names its
+        communicator by :attr:`comm_id`, which counts up from 1 in each process:
+        ``serving.executable_cache`` keys stored programs by id and identity, so a later
+        process loads them only where the same id names the same communicator."""
+        devices = [d.id for d in self.mesh.devices.flat]
+        return repr(
+            (self.mesh.axis_names, devices, self.axis_name, self.settings, jax.process_index())
+        )
+
     def close(self) -> None:
         """Retires the workspace (after its GPUs finish): launches with it are refused, a
         command-buffer replay of a call compiled with it aborts and writes NaN, and its large
@@ -224,27 +235,6 @@ def get_communicator(mesh: Mesh, axis_name: str = "tp") -> Communicator:
         if key not in _cache:
             _cache[key] = Communicator(mesh, axis_name, key[2])
         return _cache[key]
-
-
-def registered_communicators() -> dict[int, str]:
-    """The shared communicators (:func:`get_communicator`) that have a workspace in this process:
-    id -> what it connects (the mesh's axes and device ids, the axis, the settings, this
-    process's index). A compiled call of the fused kernel names its communicator by this id,
-    which counts up from 1 in each process: ``serving.executable_cache`` keys stored programs
-    by this map, so a later process loads them only where the same ids name the same
-    communicators."""
-    with _cache_lock:
-        comms = list(_cache.values())
-    found: dict[int, str] = {}
-    for c in comms:
-        with c._lock:
-            comm_id = c._id
-        if comm_id is not None:
-            devices = [d.id for d in c.mesh.devices.flat]
-            found[comm_id] = repr(
-                (c.mesh.axis_names, devices, c.axis_name, c.settings, jax.process_index())
-            )
-    return found
 
 
 def reset_communicators() -> int:

@@ -294,12 +294,13 @@ def compile_to_store(lowered: Any, platform: str) -> tuple[Any, str | None]:
 _COMM_ID = re.compile(r"comm_id\s*=\s*(-?\d+)")
 
 
-def prime_communicators(mesh: Any, axis_name: str, config: Any) -> None:
-    """Registers the communicator that the engine's step programs will name, so its id is
-    fixed before their keys are made (``known_communicators``): where the engine weaves with
-    the fused kernel (``config.schedule`` weave, ``collective`` auto or ffi, the extension
-    built, GPUs), the shared communicator of ``mesh``'s ``axis_name``, the one the weave
-    path's calls take. Where the kernel cannot run there, nothing: no program names it."""
+def step_communicators(mesh: Any, axis_name: str, config: Any) -> dict[str, str]:
+    """The communicator the engine's step programs will name, registered now so that its id
+    is fixed before their keys are made, as ``{id: identity}`` (``kernel.comm.Communicator``;
+    the id as text): where the engine weaves with the fused kernel (``config.schedule`` weave,
+    ``collective`` auto or ffi, the extension built, GPUs), the shared communicator of
+    ``mesh``'s ``axis_name``, the one the weave path's calls take. Else, or where the kernel
+    cannot run there, ``{}``: no program names one."""
     from jax_tokenweave.kernel import _extension
     from jax_tokenweave.kernel.comm import get_communicator
 
@@ -309,16 +310,13 @@ def prime_communicators(mesh: Any, axis_name: str, config: Any) -> None:
         or _extension.import_error() is not None
         or mesh.devices.flat[0].platform != "gpu"
     ):
-        return
-    with contextlib.suppress(RuntimeError):  # the kernel cannot run here
-        get_communicator(mesh, axis_name).comm_id  # noqa: B018 (registers the workspace)
-
-
-def known_communicators() -> dict[str, str]:
-    """``kernel.comm.registered_communicators()`` as a program key records it (id as text)."""
-    from jax_tokenweave.kernel.comm import registered_communicators
-
-    return {str(k): v for k, v in sorted(registered_communicators().items())}
+        return {}
+    comm = get_communicator(mesh, axis_name)
+    try:
+        comm_id = comm.comm_id  # registers the workspace
+    except RuntimeError:  # the kernel cannot run here
+        return {}
+    return {str(comm_id): comm.identity()}
 
 
 def unknown_communicators(compiled: Any, known: dict[str, str]) -> str | None:

@@ -224,8 +224,7 @@ class ModelRunner:
         args = {layout: self.padding_args(layout) for layout in layouts}
         cache, comms, keys = self.executable_cache, {}, {}
         if cache.enabled:  # the fused kernel's communicator first: keys record its id
-            exe_cache.prime_communicators(self.mesh, self.axis_name, self.config)
-            comms = exe_cache.known_communicators()
+            comms = exe_cache.step_communicators(self.mesh, self.axis_name, self.config)
             keys = {layout: self.program_key(layout, args[layout], comms) for layout in layouts}
         out_tree = jax.tree_util.tree_structure((StepIO(0, 0), self.cache))  # type: ignore[arg-type]
         bar = tqdm(total=len(layouts), desc="warm-up", unit="layout", disable=not progress)
@@ -365,18 +364,15 @@ class ModelRunner:
         """The executable cache's key of ``layout``'s program on ``args`` (state, cache,
         arrays, prev_tokens): ``executable_cache.program_key`` of everything that makes the
         program (the static arguments, the model, the inputs' tree, shapes, dtypes and
-        shardings, the compiler options, the fused kernel's communicators by id:
-        ``communicators``, None: ``executable_cache.known_communicators()``) and the
-        environment."""
+        shardings, the compiler options, the fused kernel's communicator by id and identity:
+        ``communicators``, ``executable_cache.step_communicators``) and the environment."""
         static = {k: repr(v) for k, v in self._static(layout).items() if k != "graphdef"}
         options = self._forward(layout)[1]
         return exe_cache.program_key(
             {
                 **self._model_key,
                 "compiler_options": options,
-                "communicators": (
-                    exe_cache.known_communicators() if communicators is None else communicators
-                ),
+                "communicators": communicators or {},
                 "static": static,
                 "inputs": exe_cache.describe_args(args),
             },
