@@ -91,6 +91,8 @@ def _power_field(smi: str, gpu: str) -> str:
 class ClockSampler:
     """``with ClockSampler() as s: t0 = s.mark(); ...; s.summary(t0, s.mark())``."""
 
+    stop_timeout_s = 5.0  # at the block's end, nvidia-smi is killed if it outlasts this
+
     def __init__(self, interval_ms: int = 50, gpu: str | None = None) -> None:
         self.interval_ms = interval_ms
         self.gpu = _visible_gpu() if gpu is None else gpu
@@ -127,7 +129,11 @@ class ClockSampler:
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None:
             self._proc.terminate()
-            self._proc.wait(timeout=10)
+            try:
+                self._proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:  # an nvidia-smi stuck in the driver
+                self._proc.kill()
+                self._proc.wait()
         if self._reader is not None:
             self._reader.join(timeout=10)
 

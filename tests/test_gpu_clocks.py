@@ -86,3 +86,18 @@ def test_sampler_says_why_without_samples(clocks, tmp_path, monkeypatch):
     got = sampler.summary(dt.datetime.min, dt.datetime.max)
     assert got["status"] == "skipped" and "could not talk to the driver" in got["reason"]
     assert got["power_field"] == "power.draw"  # what an nvidia-smi without the instant one reads
+
+
+def test_an_nvidia_smi_that_ignores_sigterm_is_killed(clocks, tmp_path, monkeypatch):
+    _fake_smi(
+        tmp_path,
+        "case \"$*\" in *-lms*) trap '' TERM; while true; do sleep 0.05; done ;; "
+        '*) echo "1.00 W" ;; esac\n',
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(clocks.ClockSampler, "stop_timeout_s", 0.2)
+    start = time.monotonic()
+    with clocks.ClockSampler() as sampler:
+        time.sleep(0.1)
+    assert time.monotonic() - start < 5
+    assert sampler._proc.returncode is not None  # it ended: killed
