@@ -321,7 +321,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     if warm:
         lines += [
             "",
-            "Warm-up: "
+            "Warm-up, in run order (a later schedule reuses what this process compiled "
+            "before it, so only the first is a cold start): "
             + "; ".join(
                 f"{s} {w['layouts']} layouts ({w.get('loaded', 0)} loaded, "
                 f"{w.get('compiled', w['layouts'])} compiled) in "
