@@ -130,7 +130,8 @@ from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
 
 platform, first, extra = sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-mesh = Mesh(np.array(jax.devices(platform)[first:first + 2 - (platform == "gpu")]), ("tp",))
+count = 1 if platform == "gpu" else 2  # TP 1 on a GPU, TP 2 over two CPU devices
+mesh = Mesh(np.array(jax.devices(platform)[first:first + count]), ("tp",))
 model = LlamaModel(get_config("tiny"), mesh, dtype=jnp.float32, rngs=nnx.Rngs(1))
 engine = LLMEngine(model, EngineConfig(
     max_num_batched_tokens=32, max_num_seqs=4, prefill_tile=16, block_size=4, num_blocks=48,
