@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jax_tokenweave.bench import benchmarking as bm
+
 
 def to_markdown(report: dict[str, Any]) -> str:
     """One table: a row per (batch, context)."""
@@ -39,7 +41,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['step_p50_ms']:.3f} | "
             f"{r['step_p90_ms']:.3f} | {r['roofline_ms']:.3f} | {r['ratio']:.2f} | "
-            f"{_num(r.get('floor_ms'), 3)} | {_num(r.get('floor_ratio'), 2)} | "
+            f"{bm.number_or_dash(r.get('floor_ms'), 3)} | "
+            f"{bm.number_or_dash(r.get('floor_ratio'), 2)} | "
             f"{r['tok_s']:.0f} | {r['compilations']} | {clock_cell(r.get('gpu_clocks', {}))} |"
         )
     profiled = [r for r in report["records"] if r.get("profile", {}).get("status") == "ok"]
@@ -61,10 +64,6 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"{prof['busy_ms']:.3f} | {prof['gap_ms']:.3f} | {top} |"
             )
     return "\n".join(lines)
-
-
-def _num(x: float | None, digits: int) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def clock_cell(clocks: dict[str, Any]) -> str:

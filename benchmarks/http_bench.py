@@ -290,7 +290,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         "| run | output tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms |",
         "|---" * 6 + "|",
     ]
-    fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"
+    fmt = bm.number_or_dash
     for name, r in report["runs"].items():
         rows.append(
             f"| {name} | {fmt(r['output_tok_s'])} | {fmt(r['total_tok_s'])} | "

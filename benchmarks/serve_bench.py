@@ -295,7 +295,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         "TPOT p50 / p99 ms | steps (woven) | compiles |",
         "|---" * 8 + "|",
     ]
-    fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"
+    fmt = bm.number_or_dash
     for workload, per in report["runs"].items():
         for schedule, r in per.items():
             rows.append(

@@ -93,6 +93,11 @@ def is_lead() -> bool:
     return jax.process_index() == 0
 
 
+def number_or_dash(x: float | None, digits: int = 1) -> str:
+    """``x`` with ``digits`` decimals for a report's table, ``-`` where it is None."""
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
 def matplotlib_missing() -> str | None:
     """:data:`PLOT_HINT` where matplotlib cannot be imported, else None."""
     try:
