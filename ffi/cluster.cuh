@@ -38,6 +38,12 @@ inline int RowCtas(int tokens, int vpr, int compute_major, int max_ctas) {
   return 1;
 }
 
+// Threads of a CTA that holds nv vectors of a cut row, one each: 128, 256 or kMaxCutBlock. A
+// CTA of idle threads costs its warps' launch and barriers: the decode one-shot kernel's cut
+// rows on 512-thread CTAs, loopback N = 2, T = 1 / 16 at 64 CTAs, took 3.95 / 5.00 us per
+// free-running call against 3.56 / 4.18 on these (benchmarks/results/2026-11-27-h200x1).
+constexpr int CutThreads(int nv) { return nv <= 128 ? 128 : (nv <= 256 ? 256 : kMaxCutBlock); }
+
 // The device side: PTX of sm_90. Before sm_90 a CTA is a cluster of one (the launchers never
 // cut rows there), and these reduce to that.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900

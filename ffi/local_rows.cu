@@ -212,9 +212,6 @@ template <typename T, bool kInRegisters, int kMinBlocks>
 constexpr auto kLocalKernel =
     LocalRowsKernel<T, kLocalBlock, kLocalU, false, kInRegisters, kMinBlocks>;
 
-// Threads of a CTA that holds nv vectors of a row.
-constexpr int CutBlock(int nv) { return nv <= 128 ? 128 : (nv <= 256 ? 256 : 512); }
-
 template <typename T>
 cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   DeviceFacts facts{};
@@ -231,7 +228,7 @@ cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   if (ctas > 1) {
     const dim3 grid(ctas, p.tokens);
     const LaunchOptions oc{0, ctas, programmatic};
-    switch (CutBlock(vpr / ctas)) {
+    switch (CutThreads(vpr / ctas)) {
       case 128: return LaunchKernel(LocalRowsCutKernel<T, 128>, grid, dim3(128), oc, stream, p);
       case 256: return LaunchKernel(LocalRowsCutKernel<T, 256>, grid, dim3(256), oc, stream, p);
       default: return LaunchKernel(LocalRowsCutKernel<T, 512>, grid, dim3(512), oc, stream, p);

@@ -1,6 +1,7 @@
 // The decode-size one-shot kernel: a token row per 512-thread block (T <= grid), held in
 // registers (H <= 2 x 512 vectors), or, up to kMaxCutRows rows on sm_90, a row cut across a
-// cluster of 2-8 CTAs (cluster.cuh) that swap their sums of squares and verdicts. Same protocol,
+// cluster of 2-8 CTAs of a thread per vector (cluster.cuh: RowCtas, CutThreads) that swap
+// their sums of squares and verdicts. Same protocol,
 // buffers and state as the general one-shot kernel (oneshot.cu), so calls of either kind may follow
 // each other on a slot. It is shorter on the critical path of a decode call (loopback, 16 CTAs, T =
 // 16: 6.3 / 10.0 / 21.5 us at N = 2 / 4 / 8 against 14.7 / 18.0 / 39.2 for the general kernel;
@@ -28,19 +29,19 @@ namespace {
 
 constexpr int kRowV = 2;  // 16-byte vectors per thread per row (a row per block)
 
-// NaN over vectors [v, end) of a row, v advancing by the block.
+// NaN over vectors [v, end) of a row, v advancing by the block (`threads`).
 template <typename T>
-__device__ __forceinline__ void FillNan(char* row, int v, int end) {
+__device__ __forceinline__ void FillNan(char* row, int v, int end, int threads) {
 #pragma unroll 1
-  for (; v < end; v += kThreads) St(row + v * 16, NanVec<T>());
+  for (; v < end; v += threads) St(row + v * 16, NanVec<T>());
 }
 
 // The decode one-shot kernel. kCut (sm_90, T <= kMaxCutRows): a row is cut across a cluster of
 // CTAs (cluster.cuh: RowCtas), CTA c of row g pushing, polling and norming vectors
-// [c * nv, (c + 1) * nv), one per thread; the cluster adds the CTAs' sums of squares and their
-// failures (ClusterSum2), so a row's CTAs share one norm and one verdict; the grid is the cut
-// rows' CTAs, at most the call's CTA count (RowCtas). Else block g holds row g, kRowV vectors
-// per thread.
+// [c * nv, (c + 1) * nv), one per thread (CutThreads(nv) threads); the cluster adds the CTAs' sums
+// of squares and their failures (ClusterSum2), so a row's CTAs share one norm and one verdict; the
+// grid is the cut rows' CTAs, at most the call's CTA count (RowCtas). Else block g holds row g,
+// kRowV vectors per thread.
 template <typename T, int kMaxN, bool kCut>
 __global__ void __launch_bounds__(kThreads)
     OneShotRowsKernel(const __grid_constant__ KernelParams p) {
@@ -62,7 +63,8 @@ __global__ void __launch_bounds__(kThreads)
   const int owner = g / q, orow = g % q;
   const char* partial = static_cast<const char*>(p.partial) + g * rb;
   const char* residual = static_cast<const char*>(p.residual);
-  const auto vec = [&](int u) { return v0 + static_cast<int>(threadIdx.x) + u * kThreads; };
+  const int threads = kCut ? static_cast<int>(blockDim.x) : kThreads;  // CutThreads when cut
+  const auto vec = [&](int u) { return v0 + static_cast<int>(threadIdx.x) + u * threads; };
   if (kCut && has_row) ClusterArriveRelaxed();  // a whole cluster has a row or none
   WaitForPrerequisite();  // the call before may have written this one's inputs
 
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
     }
-    float total = GroupSum<kThreads>(ss, red, 0);
+    float total = kCut ? BlockSumOf(ss, red, threads) : GroupSum<kThreads>(ss, red, 0);
     if (kCut) {
       const float2 both =
           ClusterSum2(make_float2(total, ok ? 0.f : 1.f), sums, failures, ctas, cta);
@@ -193,16 +195,17 @@ __global__ void __launch_bounds__(kThreads)
   }
   // (6) Own padding row g (q > own real rows) is carried through.
   if (g >= own_real && g < q)
-    for (int v = vec(0); v < v1; v += kThreads)
+    for (int v = vec(0); v < v1; v += threads)
       St(static_cast<char*>(p.residual_out) + g * rb + v * 16, Ldg(residual + g * rb + v * 16));
 
   // Only this block writes its rows' vectors: a failed wait (or an earlier failure) leaves
   // them NaN.
   if (__syncthreads_or(!ok)) {
-    if (has_row) FillNan<T>(static_cast<char*>(p.normed) + g * rb, vec(0), v1);
+    if (has_row) FillNan<T>(static_cast<char*>(p.normed) + g * rb, vec(0), v1, threads);
     if (has_row && owner == r)
-      FillNan<T>(static_cast<char*>(p.residual_out) + orow * rb, vec(0), v1);
-    if (g >= own_real && g < q) FillNan<T>(static_cast<char*>(p.residual_out) + g * rb, vec(0), v1);
+      FillNan<T>(static_cast<char*>(p.residual_out) + orow * rb, vec(0), v1, threads);
+    if (g >= own_real && g < q)
+      FillNan<T>(static_cast<char*>(p.residual_out) + g * rb, vec(0), v1, threads);
   }
   AdvanceIfLast(p, call, used);
 }
@@ -212,9 +215,10 @@ cudaError_t LaunchFor(const KernelParams& p, int num_ctas, cudaStream_t stream) 
   DeviceFacts facts{};
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   const bool programmatic = facts.major >= 9;
-  if (const int ctas = RowCtas(p.tokens, p.hidden / Vec<T>::kN, facts.major, num_ctas); ctas > 1)
-    return LaunchKernel(OneShotRowsKernel<T, kMaxN, true>, dim3(ctas * p.tokens), dim3(kThreads),
-                        {0, ctas, programmatic}, stream, p);
+  const int vpr = p.hidden / Vec<T>::kN;
+  if (const int ctas = RowCtas(p.tokens, vpr, facts.major, num_ctas); ctas > 1)
+    return LaunchKernel(OneShotRowsKernel<T, kMaxN, true>, dim3(ctas * p.tokens),
+                        dim3(CutThreads(vpr / ctas)), {0, ctas, programmatic}, stream, p);
   return LaunchKernel(OneShotRowsKernel<T, kMaxN, false>, dim3(num_ctas), dim3(kThreads),
                       {0, 1, programmatic}, stream, p);
 }
