@@ -8,7 +8,8 @@ headroom, which a roofline of bytes does not see; the benchmarks record it besid
 
 :class:`ClockSampler` runs ``nvidia-smi --query-gpu ... -lms`` in the background for the length
 of a ``with`` block; :meth:`ClockSampler.summary` sums up the samples between two
-:meth:`ClockSampler.mark` calls. Without ``nvidia-smi`` the summary says so.
+:meth:`ClockSampler.mark` calls; :func:`sampled_loop` repeats a call under one. Without
+``nvidia-smi`` the summary says so.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import shutil
 import subprocess
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 FIELDS = "timestamp,clocks.sm,{power},clocks_event_reasons.active"
@@ -151,3 +154,19 @@ class ClockSampler:
         if found["status"] != "ok" and self.reason:
             found["reason"] = self.reason
         return found
+
+
+def sampled_loop(
+    step: Callable[[], object], seconds: float, calls_per_step: int = 1, interval_ms: int = 20
+) -> tuple[float, dict[str, Any]]:
+    """Repeats ``step`` (which runs ``calls_per_step`` calls and waits for them) for
+    ``seconds`` under a :class:`ClockSampler`, from nvidia-smi's first sample on. Returns the
+    wall seconds per call and the :meth:`ClockSampler.summary` of the loop."""
+    with ClockSampler(interval_ms=interval_ms) as sampler:
+        time.sleep(0.3)  # nvidia-smi's first sample
+        start, t0, steps = sampler.mark(), time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            step()
+            steps += 1
+        wall = (time.perf_counter() - t0) / (steps * calls_per_step)
+        return wall, sampler.summary(start, sampler.mark())

@@ -101,3 +101,17 @@ def test_an_nvidia_smi_that_ignores_sigterm_is_killed(clocks, tmp_path, monkeypa
         time.sleep(0.1)
     assert time.monotonic() - start < 5
     assert sampler._proc.returncode is not None  # it ended: killed
+
+
+def test_sampled_loop_times_calls_and_sums_their_samples(clocks, tmp_path, monkeypatch):
+    _fake_smi(
+        tmp_path,
+        'case "$*" in *-lms*) while true; do echo "$(date +"%Y/%m/%d %H:%M:%S.%3N"), 1600 MHz, '
+        '650.00 W, 0x0"; sleep 0.02; done ;; *power.draw.instant*) echo "650.00 W" ;; esac\n',
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    steps = []
+    wall, got = clocks.sampled_loop(lambda: steps.append(time.sleep(0.05)), 0.5, calls_per_step=5)
+    assert wall >= 0.05 / 5  # a step of five calls takes at least its sleep
+    assert 0.5 <= wall * 5 * len(steps) < 1.0  # the loop ran its 0.5 s, and about no longer
+    assert got["status"] == "ok" and got["power_w_p50"] == 650.0 and got["samples"] >= 10

@@ -31,25 +31,40 @@ _gpu_clocks = bm.sibling_module(str(BENCH / "gpu_clocks.py"), "gpu_clocks")
 ROWS, HQ, KVH, D, BS, HIDDEN, FFN = 256, 32, 8, 128, 16, 4096, 14336
 
 
-def _chains(context: int, calls: int, seed: int):
-    rng = np.random.default_rng(seed)
+def paged_decode(context: int, rng: np.random.Generator):
+    """``attend(q, k, v) -> (out, k, v)``, the engine's paged decode attention over ``ROWS``
+    rows of ``context`` keys (blocks in random order, caches aliased through), and fresh bf16
+    ``q [ROWS, HQ, D]``, ``k``, ``v [blocks, BS, KVH, D]``."""
     width = -(-context // BS)
     num_blocks = ROWS * width + 7
     tables = rng.permutation(num_blocks)[: ROWS * width].reshape(ROWS, width).astype(np.int32)
     bf = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
     k, v = bf(num_blocks, BS, KVH, D), bf(num_blocks, BS, KVH, D)
     q = bf(ROWS, HQ, D)
-    x = bf(ROWS, HIDDEN)
-    w_up = bf(HIDDEN, 2 * FFN) * 0.02
-    w_down = bf(FFN, HIDDEN) * 0.02
     positions = jnp.full((ROWS,), context - 1, jnp.int32)
     tables = jnp.asarray(tables)
 
     def attend(q, k, v):
-        out, k, v = attention_kernel.paged_attention(
+        return attention_kernel.paged_attention(
             q, k, v, tables, positions, tile=1, scale=D**-0.5, tight=True
         )
-        return out, k, v
+
+    return attend, q, k, v
+
+
+def mlp(h, w_up, w_down):
+    """The model's MLP on ``h [rows, HIDDEN]``: ``(silu(gate) * up) @ w_down``."""
+    u = h @ w_up
+    return (jax.nn.silu(u[:, :FFN]) * u[:, FFN:]) @ w_down
+
+
+def _chains(context: int, calls: int, seed: int):
+    rng = np.random.default_rng(seed)
+    attend, q, k, v = paged_decode(context, rng)
+    bf = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    x = bf(ROWS, HIDDEN)
+    w_up = bf(HIDDEN, 2 * FFN) * 0.02
+    w_down = bf(FFN, HIDDEN) * 0.02
 
     def attention_only(q, k, v, x, w_up, w_down):
         for _ in range(calls):
@@ -59,9 +74,7 @@ def _chains(context: int, calls: int, seed: int):
     def mixed(q, k, v, x, w_up, w_down):
         for _ in range(calls):
             q, k, v = attend(q, k, v)
-            h = (q.reshape(ROWS, HIDDEN) + x) @ w_up
-            h = jax.nn.silu(h[:, :FFN]) * h[:, FFN:]
-            q = (h @ w_down).reshape(ROWS, HQ, D)
+            q = mlp(q.reshape(ROWS, HIDDEN) + x, w_up, w_down).reshape(ROWS, HQ, D)
         return q
 
     args = (q, k, v, x, w_up, w_down)
@@ -94,14 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, (fn, fargs) in _chains(args.context, args.calls, seed).items():
         kernels = _kernel_us(fn, fargs, args.reps)
         attention = {k: us for k, us in kernels.items() if "Decode" in k}
-        with _gpu_clocks.ClockSampler(interval_ms=20) as sampler:
-            time.sleep(0.3)  # nvidia-smi's first sample
-            start, t0, runs = sampler.mark(), time.perf_counter(), 0
-            while time.perf_counter() - t0 < args.seconds:
-                jax.block_until_ready(fn(*fargs))
-                runs += 1
-            wall_ms = (time.perf_counter() - t0) / runs * 1e3
-            clocks = sampler.summary(start, sampler.mark())
+        run_once = lambda fn=fn, fargs=fargs: jax.block_until_ready(fn(*fargs))
+        seconds_per_run, clocks = _gpu_clocks.sampled_loop(run_once, args.seconds)
+        wall_ms = seconds_per_run * 1e3
         result["chains"][name] = {
             "attention_us_per_call": attention,
             "wall_ms_per_run": wall_ms,

@@ -32,8 +32,10 @@ from jax_tokenweave.bench import benchmarking as bm
 
 BENCH = Path(__file__).resolve().parents[1]
 _gpu_clocks = bm.sibling_module(str(BENCH / "gpu_clocks.py"), "gpu_clocks")
-
-ROWS, HQ, KVH, D, BS, HIDDEN, FFN = 256, 32, 8, 128, 16, 4096, 14336
+# the step's shapes (ROWS, KVH, D, HIDDEN, FFN), paged_decode and mlp
+shapes = bm.sibling_module(
+    str(BENCH / "probes" / "attention_interleave_probe.py"), "attention_interleave_probe"
+)
 INNER = 8  # iterations per jitted call
 QUEUED = 8  # jitted calls in flight before the host waits
 
@@ -68,49 +70,30 @@ def _copy_loop(gib: float) -> tuple[Callable[[], Any], float, str]:
 
 
 def _attention_loop(context: int, seed: int) -> tuple[Callable[[], Any], float, str]:
-    from jax_tokenweave.serving import attention_kernel
-
-    rng = np.random.default_rng(seed)
-    width = -(-context // BS)
-    num_blocks = ROWS * width + 7
-    tables = rng.permutation(num_blocks)[: ROWS * width].reshape(ROWS, width).astype(np.int32)
-    bf = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
-    state = {"q": bf(ROWS, HQ, D), "k": bf(num_blocks, BS, KVH, D), "v": bf(num_blocks, BS, KVH, D)}
-    positions = jnp.full((ROWS,), context - 1, jnp.int32)
-    tables_d = jnp.asarray(tables)
-
-    def body(i: Any, carry: Any) -> Any:
-        q, k, v = carry
-        return attention_kernel.paged_attention(
-            q, k, v, tables_d, positions, tile=1, scale=D**-0.5, tight=True
-        )
-
-    run = jax.jit(
-        lambda q, k, v: jax.lax.fori_loop(0, INNER, body, (q, k, v)), donate_argnums=(1, 2)
-    )
+    attend, q, k, v = shapes.paged_decode(context, np.random.default_rng(seed))
+    state = {"q": q, "k": k, "v": v}
+    loop = lambda q, k, v: jax.lax.fori_loop(0, INNER, lambda i, c: attend(*c), (q, k, v))
+    run = jax.jit(loop, donate_argnums=(1, 2))
 
     def step() -> Any:
         state["q"], state["k"], state["v"] = run(state["q"], state["k"], state["v"])
         return state["q"]
 
-    kv_bytes = 2.0 * ROWS * context * KVH * D * 2
+    kv_bytes = 2.0 * shapes.ROWS * context * shapes.KVH * shapes.D * 2
     return step, INNER * kv_bytes / 1e9, "GB"
 
 
 def _gemm_loop(seed: int) -> tuple[Callable[[], Any], float, str]:
     rng = np.random.default_rng(seed)
     bf = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, jnp.bfloat16)
-    x, w_up, w_down = bf(ROWS, HIDDEN) * 50, bf(HIDDEN, 2 * FFN), bf(FFN, HIDDEN)
+    rows, hidden, ffn = shapes.ROWS, shapes.HIDDEN, shapes.FFN
+    x, w_up, w_down = bf(rows, hidden) * 50, bf(hidden, 2 * ffn), bf(ffn, hidden)
 
     @jax.jit
     def run(x: Any, w_up: Any, w_down: Any) -> Any:
-        def body(i: Any, h: Any) -> Any:
-            u = h @ w_up
-            return (jax.nn.silu(u[:, :FFN]) * u[:, FFN:]) @ w_down
+        return jax.lax.fori_loop(0, INNER, lambda i, h: shapes.mlp(h, w_up, w_down), x)
 
-        return jax.lax.fori_loop(0, INNER, body, x)
-
-    flops = 2.0 * ROWS * HIDDEN * (2 * FFN) + 2.0 * ROWS * FFN * HIDDEN
+    flops = 2.0 * rows * hidden * (2 * ffn) + 2.0 * rows * ffn * hidden
     return (lambda: run(x, w_up, w_down)), INNER * flops / 1e12, "TFLOP"
 
 
@@ -119,16 +102,13 @@ def measure(step: Callable[[], Any], work: float, unit: str, seconds: float) -> 
     are dispatched ``QUEUED`` at a time before the host waits, so the GPU never idles."""
     for _ in range(2):
         jax.block_until_ready(step())
-    with _gpu_clocks.ClockSampler(interval_ms=20) as sampler:
-        time.sleep(0.3)  # nvidia-smi's first sample
-        start, t0, calls = sampler.mark(), time.perf_counter(), 0
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(QUEUED):
-                out = step()  # a donated loop's earlier outputs are gone: wait on the last
-            jax.block_until_ready(out)
-            calls += QUEUED
-        wall = (time.perf_counter() - t0) / calls
-        clocks = sampler.summary(start, sampler.mark())
+
+    def queued() -> None:
+        for _ in range(QUEUED):
+            out = step()  # a donated loop's earlier outputs are gone: wait on the last
+        jax.block_until_ready(out)
+
+    wall, clocks = _gpu_clocks.sampled_loop(queued, seconds, calls_per_step=QUEUED)
     rate = work / wall
     found: dict[str, Any] = {"unit": unit, "per_s": rate, "ms_per_call": wall * 1e3}
     found["gpu_clocks"] = clocks
