@@ -47,14 +47,19 @@ def _fake_smi(directory, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def test_sampler_keeps_only_the_window(clocks, tmp_path, monkeypatch):
-    # Samples stamped now, every 20 ms, as nvidia-smi -lms prints them.
+def _sampling_smi(directory, monkeypatch, sample: str) -> None:
+    """A fake nvidia-smi on PATH that prints ``<now>, sample`` every 20 ms under ``-lms``, as
+    the real one does, and reads the instant power field."""
     _fake_smi(
-        tmp_path,
-        'case "$*" in *-lms*) while true; do echo "$(date +"%Y/%m/%d %H:%M:%S.%3N"), 1500 MHz, '
-        '699.50 W, 0x4"; sleep 0.02; done ;; *power.draw.instant*) echo "699.50 W" ;; esac\n',
+        directory,
+        f'case "$*" in *-lms*) while true; do echo "$(date +"%Y/%m/%d %H:%M:%S.%3N"), {sample}"; '
+        'sleep 0.02; done ;; *power.draw.instant*) echo "1.00 W" ;; esac\n',
     )
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_sampler_keeps_only_the_window(clocks, tmp_path, monkeypatch):
+    _sampling_smi(tmp_path, monkeypatch, "1500 MHz, 699.50 W, 0x4")
     with clocks.ClockSampler(interval_ms=20) as sampler:
         time.sleep(0.3)
         start = sampler.mark()
@@ -104,12 +109,7 @@ def test_an_nvidia_smi_that_ignores_sigterm_is_killed(clocks, tmp_path, monkeypa
 
 
 def test_sampled_loop_times_calls_and_sums_their_samples(clocks, tmp_path, monkeypatch):
-    _fake_smi(
-        tmp_path,
-        'case "$*" in *-lms*) while true; do echo "$(date +"%Y/%m/%d %H:%M:%S.%3N"), 1600 MHz, '
-        '650.00 W, 0x0"; sleep 0.02; done ;; *power.draw.instant*) echo "650.00 W" ;; esac\n',
-    )
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    _sampling_smi(tmp_path, monkeypatch, "1600 MHz, 650.00 W, 0x0")
     steps = []
     wall, got = clocks.sampled_loop(lambda: steps.append(time.sleep(0.05)), 0.5, calls_per_step=5)
     assert wall >= 0.05 / 5  # a step of five calls takes at least its sleep
