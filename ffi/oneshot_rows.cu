@@ -41,17 +41,21 @@ __device__ __forceinline__ void FillNan(char* row, int v, int end, int threads) 
 // [c * nv, (c + 1) * nv), one per thread (CutThreads(nv) threads); the cluster adds the CTAs' sums
 // of squares and their failures (ClusterSum2), so a row's CTAs share one norm and one verdict; the
 // grid is the cut rows' CTAs, at most the call's CTA count (RowCtas). Else block g holds row g,
-// kRowV vectors per thread.
-template <typename T, int kMaxN, bool kCut>
-__global__ void __launch_bounds__(kThreads)
+// kRowV vectors per thread. kCutBlock: the cut CTA's threads (CutThreads: 128, 256 or 512), 0
+// for a row per block. An instance per thread count: one instance reading blockDim took 0.1 /
+// 0.35 / 0.15 us more at T = 1, N = 2 / 4 / 8 (loopback, benchmarks/results/2026-11-27-h200x1).
+template <typename T, int kMaxN, int kCutBlock>
+__global__ void __launch_bounds__(kCutBlock > 0 ? kCutBlock : kThreads)
     OneShotRowsKernel(const __grid_constant__ KernelParams p) {
+  constexpr bool kCut = kCutBlock > 0;
+  constexpr int threads = kCut ? kCutBlock : kThreads;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   if constexpr (kCut) return;  // never launched before sm_90 (RowCtas)
 #endif
   constexpr int kN = Vec<T>::kN;
   constexpr int kU = kCut ? 1 : kRowV;
   constexpr int kStep = kMaxN <= 4 ? kU : 1;  // vectors polled at once (registers)
-  __shared__ float red[kThreads / 32];
+  __shared__ float red[threads / 32];
   __shared__ float sums[kMaxRowCtas], failures[kMaxRowCtas];
   const int ctas = kCut ? ClusterCtas() : 1, cta = kCut ? ClusterRank() : 0;
   const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens, g = blockIdx.x / ctas;
@@ -63,7 +67,6 @@ __global__ void __launch_bounds__(kThreads)
   const int owner = g / q, orow = g % q;
   const char* partial = static_cast<const char*>(p.partial) + g * rb;
   const char* residual = static_cast<const char*>(p.residual);
-  const int threads = kCut ? static_cast<int>(blockDim.x) : kThreads;  // CutThreads when cut
   const auto vec = [&](int u) { return v0 + static_cast<int>(threadIdx.x) + u * threads; };
   if (kCut && has_row) ClusterArriveRelaxed();  // a whole cluster has a row or none
   WaitForPrerequisite();  // the call before may have written this one's inputs
@@ -177,7 +180,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < kN; ++i) ss += acc[u][i] * acc[u][i];
     }
-    float total = kCut ? BlockSumOf(ss, red, threads) : GroupSum<kThreads>(ss, red, 0);
+    float total = GroupSum<threads>(ss, red, 0);
     if (kCut) {
       const float2 both =
           ClusterSum2(make_float2(total, ok ? 0.f : 1.f), sums, failures, ctas, cta);
@@ -216,10 +219,20 @@ cudaError_t LaunchFor(const KernelParams& p, int num_ctas, cudaStream_t stream) 
   if (cudaError_t e = CurrentDeviceFacts(&facts); e != cudaSuccess) return e;
   const bool programmatic = facts.major >= 9;
   const int vpr = p.hidden / Vec<T>::kN;
-  if (const int ctas = RowCtas(p.tokens, vpr, facts.major, num_ctas); ctas > 1)
-    return LaunchKernel(OneShotRowsKernel<T, kMaxN, true>, dim3(ctas * p.tokens),
-                        dim3(CutThreads(vpr / ctas)), {0, ctas, programmatic}, stream, p);
-  return LaunchKernel(OneShotRowsKernel<T, kMaxN, false>, dim3(num_ctas), dim3(kThreads),
+  if (const int ctas = RowCtas(p.tokens, vpr, facts.major, num_ctas); ctas > 1) {
+    const dim3 grid(ctas * p.tokens);
+    const LaunchOptions cut{0, ctas, programmatic};
+    switch (CutThreads(vpr / ctas)) {
+      case 128:
+        return LaunchKernel(OneShotRowsKernel<T, kMaxN, 128>, grid, dim3(128), cut, stream, p);
+      case 256:
+        return LaunchKernel(OneShotRowsKernel<T, kMaxN, 256>, grid, dim3(256), cut, stream, p);
+      default:
+        return LaunchKernel(OneShotRowsKernel<T, kMaxN, kMaxCutBlock>, grid, dim3(kMaxCutBlock),
+                            cut, stream, p);
+    }
+  }
+  return LaunchKernel(OneShotRowsKernel<T, kMaxN, 0>, dim3(num_ctas), dim3(kThreads),
                       {0, 1, programmatic}, stream, p);
 }
 
@@ -230,16 +243,21 @@ cudaError_t LaunchRows(const KernelParams& p, int num_ctas, cudaStream_t stream)
   return LaunchFor<T, 8>(p, num_ctas, stream);
 }
 
+template <typename T, int kMaxN>
+cudaError_t PreloadRowsOf() {
+  cudaFuncAttributes a;
+  for (const void* k : {reinterpret_cast<const void*>(OneShotRowsKernel<T, kMaxN, 0>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, kMaxN, 128>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, kMaxN, 256>),
+                        reinterpret_cast<const void*>(OneShotRowsKernel<T, kMaxN, kMaxCutBlock>)})
+    if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
 template <typename T>
 cudaError_t PreloadRowsFor() {
-  cudaFuncAttributes a;
-  for (const void* k : {reinterpret_cast<const void*>(OneShotRowsKernel<T, 2, false>),
-                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 4, false>),
-                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 8, false>),
-                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 2, true>),
-                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 4, true>),
-                        reinterpret_cast<const void*>(OneShotRowsKernel<T, 8, true>)})
-    if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
+  for (cudaError_t e : {PreloadRowsOf<T, 2>(), PreloadRowsOf<T, 4>(), PreloadRowsOf<T, 8>()})
+    if (e != cudaSuccess) return e;
   return cudaSuccess;
 }
 

@@ -38,19 +38,6 @@ __device__ __forceinline__ float GroupSum(float v, float* red, int group) {
   return s;
 }
 
-// Sum over a block of `threads` threads (a multiple of 32, at most kThreads; all get it), the
-// warps' sums added in warp order as GroupSum adds them. red: threads / 32 floats.
-__device__ __forceinline__ float BlockSumOf(float v, float* red, int threads) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();  // earlier reads of red are done
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  float s = 0.f;
-  for (int i = 0; i < threads / 32; ++i) s += red[i];
-  return s;
-}
-
 // One step of pass 1: acc = the sources of vectors v0 + u*kGroup (u < kU) via load_sum,
 // rounded to T (acc keeps the rounded values), written to res_out and stage (each if not
 // null). Returns the step's sum of squares.
