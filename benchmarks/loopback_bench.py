@@ -2,7 +2,9 @@
 (jax_tokenweave.kernel.loopback): device time of one call, from timed replays of a CUDA graph of
 calls. Peer traffic is local memory here, so this says nothing about NVLink; it compares the
 variants' protocol and launch costs (one-shot: no barrier; two-shot/direct: two barriers).
-``--profile R``: also each call's kernel time (torch.profiler, free-running ranks, R replays).
+``--profile R``: also each call's kernel time (torch.profiler, free-running ranks, R replays),
+profiled once every point is timed: timings taken after a profiler session ran 0.1-0.5 us slower
+(benchmarks/results/2026-11-27-h200x1, third session).
 
   python benchmarks/loopback_bench.py --ranks 2 4 8 --tokens 1 16 64 256 --out DIR
 """
@@ -44,6 +46,17 @@ def _kernel_us(run) -> float:
     return statistics.fmean(times) if times else float("nan")
 
 
+def _point_run(args: argparse.Namespace, comm: LoopbackComm, inputs: tuple, algo: str):
+    """``comm.run`` of one point's inputs, with the command line's CTAs and graph size."""
+    return functools.partial(
+        comm.run, *inputs, algo=algo, num_ctas=args.ctas, graph_calls=args.graph_calls
+    )
+
+
+def _new_comm(n: int) -> LoopbackComm:
+    return LoopbackComm(n, CommSettings(workspace_mib=512, oneshot_mib=32, num_slots=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -71,29 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     rows = []
     points = [(n, t, a) for n in args.ranks for t in args.tokens for a in args.algos]
+    inputs = {}
     for n, tokens, algo in tqdm(points, desc="loopback_bench"):
         q = ceil_div(tokens, n)
         partial = rng.standard_normal((n, tokens, args.hidden)).astype(ml_dtypes.bfloat16)
         residual = rng.standard_normal((n, q, args.hidden)).astype(ml_dtypes.bfloat16)
         weight = rng.standard_normal(args.hidden).astype(np.float32)
-        comm = LoopbackComm(n, CommSettings(workspace_mib=512, oneshot_mib=32, num_slots=1))
-        runs, kernel_us = {}, float("nan")
-        run = functools.partial(
-            comm.run,
-            partial,
-            residual,
-            weight,
-            algo=algo,
-            num_ctas=args.ctas,
-            graph_calls=args.graph_calls,
-        )
+        inputs[n, tokens, algo] = (partial, residual, weight)
+        comm, runs = _new_comm(n), {}
         try:
+            run = _point_run(args, comm, inputs[n, tokens, algo], algo)
             for free in (False, True):
                 runs[free] = run(graph_replays=args.replays, free_running=free)
-            if args.profile:
-                kernel_us = _kernel_us(
-                    functools.partial(run, graph_replays=args.profile, free_running=True)
-                )
         finally:
             comm.close()
         for free, r in runs.items():
@@ -115,10 +117,20 @@ def main(argv: list[str] | None = None) -> int:
                 us=statistics.median(res.call_us),
                 us_min=min(res.call_us),
                 us_free=statistics.median(runs[True].call_us),
-                kernel_us=kernel_us,
+                kernel_us=float("nan"),
                 rel_err=err,
             )
         )
+    if args.profile:  # after every timing: a profiler session slows the timings after it
+        for row, point in zip(rows, tqdm(points, desc="profile"), strict=True):
+            comm = _new_comm(point[0])
+            try:
+                run = _point_run(args, comm, inputs[point], point[2])
+                row["kernel_us"] = _kernel_us(
+                    functools.partial(run, graph_replays=args.profile, free_running=True)
+                )
+            finally:
+                comm.close()
     lines = [
         "| N | T | algo | us/call (median) | min | free-running us/call "
         "| kernel us/call (profiled) | rel err |",
@@ -141,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             "forks the ranks' streams and joins them; us_free: each rank's calls back to "
             "back, forked and joined once per graph (as on GPUs of their own); kernel_us: "
             "torch.profiler, the mean duration of the fused kernels of --profile free-running "
-            "replays (one kernel per rank per call; NaN without --profile)",
+            "replays, profiled after every point was timed (one kernel per rank per call; "
+            "NaN without --profile)",
         )
         (args.out / "loopback_bench.json").write_text(
             json.dumps(dict(meta=meta, rows=rows), indent=1)
