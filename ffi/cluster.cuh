@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 namespace tokenweave {
 
@@ -43,6 +44,17 @@ inline int RowCtas(int tokens, int vpr, int compute_major, int max_ctas) {
 // rows on 512-thread CTAs, loopback N = 2, T = 1 / 16 at 64 CTAs, took 3.95 / 5.00 us per
 // free-running call against 3.56 / 4.18 on these (benchmarks/results/2026-11-27-h200x1).
 constexpr int CutThreads(int nv) { return nv <= 128 ? 128 : (nv <= 256 ? 256 : kMaxCutBlock); }
+
+// launch(std::integral_constant<int, CutThreads(nv)>{}): the launchers keep a kernel instance
+// per thread count (one reading blockDim was slower: oneshot_rows.cu).
+template <typename Launch>
+cudaError_t WithCutThreads(int nv, Launch launch) {
+  switch (CutThreads(nv)) {
+    case 128: return launch(std::integral_constant<int, 128>{});
+    case 256: return launch(std::integral_constant<int, 256>{});
+    default: return launch(std::integral_constant<int, kMaxCutBlock>{});
+  }
+}
 
 // The device side: PTX of sm_90. Before sm_90 a CTA is a cluster of one (the launchers never
 // cut rows there), and these reduce to that.

@@ -228,11 +228,9 @@ cudaError_t LaunchFor(const KernelParams& p, cudaStream_t stream) {
   if (ctas > 1) {
     const dim3 grid(ctas, p.tokens);
     const LaunchOptions oc{0, ctas, programmatic};
-    switch (CutThreads(vpr / ctas)) {
-      case 128: return LaunchKernel(LocalRowsCutKernel<T, 128>, grid, dim3(128), oc, stream, p);
-      case 256: return LaunchKernel(LocalRowsCutKernel<T, 256>, grid, dim3(256), oc, stream, p);
-      default: return LaunchKernel(LocalRowsCutKernel<T, 512>, grid, dim3(512), oc, stream, p);
-    }
+    return WithCutThreads(vpr / ctas, [&](auto threads) {
+      return LaunchKernel(LocalRowsCutKernel<T, threads>, grid, dim3(threads), oc, stream, p);
+    });
   }
   if (pair)
     return LaunchKernel(LocalRowsPairKernel<T>, dim3(2, p.tokens), dim3(kLocalBlock), o, stream, p);

@@ -1,11 +1,10 @@
 // The decode-size one-shot kernel: a token row per 512-thread block (T <= grid), held in
 // registers (H <= 2 x 512 vectors), or, up to kMaxCutRows rows on sm_90, a row cut across a
 // cluster of 2-8 CTAs of a thread per vector (cluster.cuh: RowCtas, CutThreads) that swap
-// their sums of squares and verdicts. Same protocol,
-// buffers and state as the general one-shot kernel (oneshot.cu), so calls of either kind may follow
-// each other on a slot. It is shorter on the critical path of a decode call (loopback, 16 CTAs, T =
-// 16: 6.3 / 10.0 / 21.5 us at N = 2 / 4 / 8 against 14.7 / 18.0 / 39.2 for the general kernel;
-// benchmarks/results):
+// their sums of squares and verdicts. Same protocol, buffers and state as the general one-shot
+// kernel (oneshot.cu), so calls of either kind may follow each other on a slot. It is shorter on
+// the critical path of a decode call (loopback, 16 CTAs, T = 16: 6.3 / 10.0 / 21.5 us at N = 2 / 4
+// / 8 against 14.7 / 18.0 / 39.2 for the general kernel; benchmarks/results):
 //   - the row's own inputs (partial, residual, weights) are loaded before the call state is
 //     read, so both round trips overlap;
 //   - the block that reduces row g is the block that pushes row g, from the registers it
@@ -222,15 +221,10 @@ cudaError_t LaunchFor(const KernelParams& p, int num_ctas, cudaStream_t stream) 
   if (const int ctas = RowCtas(p.tokens, vpr, facts.major, num_ctas); ctas > 1) {
     const dim3 grid(ctas * p.tokens);
     const LaunchOptions cut{0, ctas, programmatic};
-    switch (CutThreads(vpr / ctas)) {
-      case 128:
-        return LaunchKernel(OneShotRowsKernel<T, kMaxN, 128>, grid, dim3(128), cut, stream, p);
-      case 256:
-        return LaunchKernel(OneShotRowsKernel<T, kMaxN, 256>, grid, dim3(256), cut, stream, p);
-      default:
-        return LaunchKernel(OneShotRowsKernel<T, kMaxN, kMaxCutBlock>, grid, dim3(kMaxCutBlock),
-                            cut, stream, p);
-    }
+    return WithCutThreads(vpr / ctas, [&](auto threads) {
+      return LaunchKernel(OneShotRowsKernel<T, kMaxN, threads>, grid, dim3(threads), cut, stream,
+                          p);
+    });
   }
   return LaunchKernel(OneShotRowsKernel<T, kMaxN, 0>, dim3(num_ctas), dim3(kThreads),
                       {0, 1, programmatic}, stream, p);
