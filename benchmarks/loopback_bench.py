@@ -3,8 +3,8 @@
 calls. Peer traffic is local memory here, so this says nothing about NVLink; it compares the
 variants' protocol and launch costs (one-shot: no barrier; two-shot/direct: two barriers).
 ``--profile R``: also each call's kernel time (torch.profiler, free-running ranks, R replays),
-profiled once every point is timed: timings taken after a profiler session ran 0.1-0.5 us slower
-(benchmarks/results/2026-11-27-h200x1, third session).
+profiled once every point is timed: timings taken after a profiler session ran 0.8-0.9 us slower
+(N = 2, T = 2-16; benchmarks/results/2026-11-27-h200x1, third session).
 
   python benchmarks/loopback_bench.py --ranks 2 4 8 --tokens 1 16 64 256 --out DIR
 """
@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.profile:  # after every timing: a profiler session slows the timings after it
-        for row, point in zip(rows, tqdm(points, desc="profile"), strict=True):
-            comm = _new_comm(point[0])
+        for row, (n, tokens, algo) in zip(rows, tqdm(points, desc="profile"), strict=True):
+            comm = _new_comm(n)
             try:
-                run = _point_run(args, comm, inputs[point], point[2])
+                run = _point_run(args, comm, inputs[n, tokens, algo], algo)
                 row["kernel_us"] = _kernel_us(
                     functools.partial(run, graph_replays=args.profile, free_running=True)
                 )
