@@ -46,6 +46,7 @@ from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel import _ffi, ops
 from jax_tokenweave.kernel.comm import get_communicator
 
+FUSED = ("ffi", "ffi_replicated")  # the fused kernel's impls: token-sharded, replicated residual
 _table = bm.sibling_module(__file__, "policy_table")  # time_of, ran, write (found under -P)
 
 
@@ -87,7 +88,13 @@ def main():
         help="CTA counts of the ffi rows; 'policy': the count auto takes (policy.json)",
     )
     ap.add_argument("--algos", nargs="+", default=["auto"])
-    ap.add_argument("--impls", nargs="+", default=["ffi", "xla", "xla_rsag"])
+    ap.add_argument(
+        "--impls",
+        nargs="+",
+        default=["ffi", "xla", "xla_rsag"],
+        choices=[*FUSED, "xla", "xla_rsag"],
+        help="ffi_replicated: the fused kernel with the residual replicated (decode sizes)",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument(
@@ -129,7 +136,7 @@ def main():
         for h in args.hidden:
             for t in args.tokens:
                 for impl in args.impls:
-                    if impl == "ffi":
+                    if impl in FUSED:
                         configs += [(tp, h, t, impl, c, a) for c in args.ctas for a in args.algos]
                     else:
                         configs.append((tp, h, t, impl, None, None))
@@ -152,28 +159,29 @@ def main():
             break
         mesh = Mesh(np.array(gpus[:tp]), ("tp",))
         why = None
-        if impl == "ffi":  # (e.g. more CTAs than the asked variant's grid holds)
-            why = _ffi.unavailable_reason(mesh, "tp", dtype, (t, h), num_ctas=ctas, algo=algo)
+        if impl in FUSED:  # (e.g. more CTAs than the asked variant's grid holds)
+            why = _fused_reason(mesh, impl, dtype, (t, h), ctas, algo)
         if why is not None:
-            tqdm.write(f"skip ffi tp={tp} H={h} T={t} CTAs={ctas} algo={algo}: {why}")
+            tqdm.write(f"skip {impl} tp={tp} H={h} T={t} CTAs={ctas} algo={algo}: {why}")
             continue
         q = ops.rows_per_rank(t, tp)
-        res_rows = t if impl == "xla" else q
+        res_rows = t if impl in ("xla", "ffi_replicated") else q
         part = bm.global_array(
             mesh, (rng.standard_normal((tp * t, h)) * 0.01).astype(dtype), P("tp")
         )
         res = bm.global_array(mesh, rng.standard_normal((tp * res_rows, h)).astype(dtype), P("tp"))
         w = bm.global_array(mesh, (1 + 0.1 * rng.standard_normal(h)).astype(dtype), P())
-        if impl == "ffi" and (tp, h, t, algo, ctas) not in checked:  # each against xla_rsag
-            got = profiling.chain(mesh, "ffi", 1, algo, ctas)(part, res, w)
-            want = profiling.chain(mesh, "xla_rsag", 1, None, None)(part, res, w)
+        if impl in FUSED and (impl, tp, h, t, algo, ctas) not in checked:  # vs XLA's, same layout
+            got = profiling.chain(mesh, impl, 1, algo, ctas)(part, res, w)
+            ref = "xla" if impl == "ffi_replicated" else "xla_rsag"
+            want = profiling.chain(mesh, ref, 1, None, None)(part, res, w)
             for g, x in zip(got, want, strict=True):
                 g, x = bm.local_data(g), bm.local_data(x)
                 err = np.linalg.norm(g - x) / np.linalg.norm(x)
                 assert err < 2e-2, (
-                    f"ffi mismatch tp={tp} H={h} T={t} algo={algo} CTAs={ctas}: rel err {err}"
+                    f"{impl} mismatch tp={tp} H={h} T={t} algo={algo} CTAs={ctas}: rel err {err}"
                 )
-            checked.add((tp, h, t, algo, ctas))
+            checked.add((impl, tp, h, t, algo, ctas))
         nbytes = t * h * dtype.itemsize
         iters = 50 if nbytes <= 4 << 20 else 10
         fn = profiling.chain(mesh, impl, iters, algo, ctas)
@@ -188,9 +196,8 @@ def main():
             dtype=str(dtype),
             us=sec * 1e6,
         )
-        if impl == "ffi":  # what ran: auto's variant, the policy's count
-            comm = get_communicator(mesh, "tp")
-            row["ran_algo"], row["ran_ctas"] = comm.choose(dtype, (t, h), algo=algo, num_ctas=ctas)
+        if impl in FUSED:  # what ran: auto's variant, the policy's count
+            row["ran_algo"], row["ran_ctas"] = _fused_choice(mesh, impl, dtype, (t, h), ctas, algo)
         if args.device_time:
             row["device_us"] = profiling.device_us_per_call(fn, (part, res, w), args.reps, iters)
             sec = row["device_us"] / 1e6
@@ -210,9 +217,31 @@ def main():
         print(f"policy table written to {args.write_policy}")
 
 
+def _fused_choice(mesh, impl, dtype, shape, ctas, algo) -> tuple[str, int]:
+    """(variant, CTAs) that a fused call of ``impl`` runs for these arguments."""
+    comm = get_communicator(mesh, "tp")
+    if impl == "ffi_replicated":
+        return _ffi._replicated_choice(comm, jax.ShapeDtypeStruct(shape, dtype), algo, ctas)
+    return comm.choose(dtype, shape, algo=algo, num_ctas=ctas)
+
+
+def _fused_reason(mesh, impl, dtype, shape, ctas, algo) -> str | None:
+    """None where the fused call of ``impl`` can run these arguments, else why not."""
+    replicated = impl == "ffi_replicated"
+    why = _ffi.unavailable_reason(
+        mesh, "tp", dtype, shape, num_ctas=ctas, algo="one_shot" if replicated else algo
+    )
+    if why is None and replicated:
+        try:
+            _fused_choice(mesh, impl, dtype, shape, ctas, algo)
+        except ValueError as e:
+            why = str(e)
+    return why
+
+
 def _label(r):
     """impl, with the kernel variant for ffi rows (``ffi:direct``)."""
-    return f"{r['impl']}:{r['algo']}" if r["impl"] == "ffi" and r["algo"] else r["impl"]
+    return f"{r['impl']}:{r['algo']}" if r["impl"] in FUSED and r["algo"] else r["impl"]
 
 
 def _best_ffi(rows):
@@ -260,7 +289,7 @@ def _markdown(out, meta, rows):
 def _shown(r) -> tuple[str, str]:
     """The CTAs and algo cells of a row: as asked, with what ran where it differs
     (``policy (64)``, ``auto (one_shot)``)."""
-    if r["impl"] != "ffi":
+    if r["impl"] not in FUSED:
         return "", ""
     ran_algo, ran_ctas = _table.ran(r)
     ctas = "policy" if r["num_ctas"] is None else str(r["num_ctas"])

@@ -47,9 +47,15 @@ def _kernel_us(run) -> float:
 
 
 def _point_run(args: argparse.Namespace, comm: LoopbackComm, inputs: tuple, algo: str):
-    """``comm.run`` of one point's inputs, with the command line's CTAs and graph size."""
+    """``comm.run`` of one point's inputs, with the command line's CTAs, graph size and
+    residual layout."""
     return functools.partial(
-        comm.run, *inputs, algo=algo, num_ctas=args.ctas, graph_calls=args.graph_calls
+        comm.run,
+        *inputs,
+        algo=algo,
+        num_ctas=args.ctas,
+        graph_calls=args.graph_calls,
+        residual_replicated=args.residual == "replicated",
     )
 
 
@@ -78,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="graph replays profiled for each call's kernel time (0: none)",
     )
+    ap.add_argument(
+        "--residual",
+        choices=["sharded", "replicated"],
+        default="sharded",
+        help="residual layout: token-sharded [q, H], or [T, H] on every rank (the decode "
+        "one-shot kernel only: T <= --ctas)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="folder for JSON + markdown")
     args = ap.parse_args(argv)
 
@@ -86,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     points = [(n, t, a) for n in args.ranks for t in args.tokens for a in args.algos]
     inputs = {}
     for n, tokens, algo in tqdm(points, desc="loopback_bench"):
-        q = ceil_div(tokens, n)
+        replicated = args.residual == "replicated"
+        q = tokens if replicated else ceil_div(tokens, n)
         partial = rng.standard_normal((n, tokens, args.hidden)).astype(ml_dtypes.bfloat16)
         residual = rng.standard_normal((n, q, args.hidden)).astype(ml_dtypes.bfloat16)
+        if replicated:  # every rank's copy the same
+            residual[1:] = residual[0]
         weight = rng.standard_normal(args.hidden).astype(np.float32)
         inputs[n, tokens, algo] = (partial, residual, weight)
         comm, runs = _new_comm(n), {}
@@ -104,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"N={n} T={tokens} {algo} ({mode}): FAILED ({r.error}, {r.mismatches})")
                 return 1
         res = runs[False]
-        want, _ = reference(partial, residual, weight)
+        want, _ = reference(partial, residual, weight, residual_replicated=replicated)
         got = res.normed[0].astype(np.float64)
         err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         rows.append(
@@ -114,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 hidden=args.hidden,
                 algo=algo,
                 ctas=args.ctas,
+                residual=args.residual,
                 us=statistics.median(res.call_us),
                 us_min=min(res.call_us),
                 us_free=statistics.median(runs[True].call_us),

@@ -35,16 +35,24 @@ _step_profile = bm.sibling_module(__file__, "step_profile")  # busy_us (found un
 def chain(mesh: Mesh, impl: str, calls: int, algo: str | None, num_ctas: int | None):
     """``calls`` calls of ``impl`` in one jitted program over ``mesh`` (axis ``tp``), each
     call's outputs the next one's inputs: ``(partial [tp*T, H], residual [tp*rows, H], weight
-    [H]) -> (normed, residual)``, both ``P("tp")``. Shared by kernel_bench and ncu_fused."""
+    [H]) -> (normed, residual)``, both ``P("tp")``; rows: T for ``xla`` and ``ffi_replicated``,
+    else ceil(T / tp). Shared by kernel_bench and ncu_fused."""
 
     def body(p, r, w):
         x, res = p, r
         for _ in range(calls):  # each call's normed output is the next call's partial
-            if impl == "ffi":
+            if impl in ("ffi", "ffi_replicated"):
                 from jax_tokenweave.kernel import _ffi
 
                 x, res = _ffi.allreduce_rmsnorm(
-                    x, res, w, axis_name="tp", mesh=mesh, algo=algo, num_ctas=num_ctas
+                    x,
+                    res,
+                    w,
+                    axis_name="tp",
+                    mesh=mesh,
+                    algo=algo,
+                    num_ctas=num_ctas,
+                    residual_replicated=impl == "ffi_replicated",
                 )
             else:
                 x, res = ops.allreduce_rmsnorm(x, res, w, axis_name="tp", impl=impl)

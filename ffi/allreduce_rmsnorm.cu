@@ -211,6 +211,9 @@ cudaError_t PreloadKernels() {
 
 cudaError_t LaunchAllreduceRmsnorm(const KernelParams& p, DType dtype, Algo algo, bool multimem,
                                    int num_ctas, cudaStream_t stream) {
+  if (p.residual_replicated != 0 &&
+      !ResidualReplicatedFits(p.nranks, p.tokens, p.hidden, dtype, algo, multimem, num_ctas))
+    return cudaErrorInvalidValue;  // the handlers refuse it first, with the reason
   if (p.nranks == 1 && !multimem) return LaunchLocalRows(p, dtype, stream);
   if (algo == Algo::kOneShot && !multimem) return LaunchOneShot(p, dtype, num_ctas, stream);
   switch (dtype) {

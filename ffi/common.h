@@ -66,10 +66,10 @@ struct ErrorRecord {
 // Everything one launch needs; passed by value. Pointers by rank index.
 struct KernelParams {
   const void* partial;         // [T, H], local
-  const void* residual;        // [q, H], local
+  const void* residual;        // [q, H], local ([T, H] where residual_replicated)
   const void* weight;          // [H], local: float32, or the rows' dtype (weight_in_dtype)
   void* normed;                // [T, H], local output
-  void* residual_out;          // [q, H], local output
+  void* residual_out;          // [q, H], local output ([T, H] where residual_replicated)
   char* data[kMaxRanks];       // this slot's two-shot/direct area (2 parities) on every rank
   char* oneshot[kMaxRanks];    // this slot's kLamportBuffers one-shot buffers on every rank
   uint32_t* flags[kMaxRanks];  // this slot's barrier flags on every rank
@@ -82,6 +82,9 @@ struct KernelParams {
   int32_t rank, nranks, tokens, hidden, rows;  // rows = q = ceil(T / N)
   int32_t device, slot;
   int32_t weight_in_dtype;  // 1: weight has the rows' dtype (bf16/f16); 0: float32
+  // 1: every rank holds the whole residual (rows = T) and writes all of residual_out, so no
+  // residual rows are exchanged; only the decode one-shot kernel (ResidualReplicatedFits).
+  int32_t residual_replicated;
   float eps;
   uint64_t timeout_ns;
 };
@@ -113,6 +116,13 @@ bool OneShotRowsFits(int tokens, int hidden, DType dtype, int num_ctas);
 cudaError_t LaunchOneShotRows(const KernelParams& p, DType dtype, int num_ctas,
                               cudaStream_t stream);
 cudaError_t PreloadOneShotRowsKernels();
+// Whether a call may keep its residual replicated (KernelParams::residual_replicated), on a P2P
+// comm: one rank (nothing is exchanged), or the decode one-shot kernel.
+inline bool ResidualReplicatedFits(int nranks, int tokens, int hidden, DType dtype, Algo algo,
+                                   bool multimem, int num_ctas) {
+  return !multimem && (nranks == 1 || (algo == Algo::kOneShot &&
+                                       OneShotRowsFits(tokens, hidden, dtype, num_ctas)));
+}
 // The call of a one-rank group (local_rows.cu): add + RMSNorm, no sync state. Every call of a
 // comm of one rank takes it, whatever the algo and CTA count asked for.
 cudaError_t LaunchLocalRows(const KernelParams& p, DType dtype, cudaStream_t stream);

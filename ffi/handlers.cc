@@ -54,20 +54,21 @@ ffi::Error Lookup(int64_t comm_id, int32_t ordinal, Comm** comm, DeviceState** d
 // One fused call's operands and attributes, as the handlers receive them.
 struct CallArgs {
   ffi::AnyBuffer partial;       // [T, H]
-  ffi::AnyBuffer residual;      // [ceil(T/N), H]
+  ffi::AnyBuffer residual;      // [ceil(T/N), H]; [T, H] where residual_replicated
   ffi::AnyBuffer weight;        // [H], f32 or the partial's dtype
   ffi::AnyBuffer normed;        // [T, H], output
-  ffi::AnyBuffer residual_out;  // [ceil(T/N), H], output
+  ffi::AnyBuffer residual_out;  // residual's shape, output
   int64_t comm_id;
   int32_t slot;
   float eps;
   int32_t num_ctas;
   int32_t algo;
+  int32_t residual_replicated;  // 1: residual and residual_out are [T, H] on every rank
 };
 
 ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
-  const auto& [partial, residual, weight, normed, residual_out, comm_id, slot, eps, num_ctas,
-               algo] = args;
+  const auto& [partial, residual, weight, normed, residual_out, comm_id, slot, eps, num_ctas, algo,
+               residual_replicated] = args;
   if (ffi::Error e = Lookup(comm_id, ordinal, &call->comm, &call->dev); e.failure()) return e;
   const Comm& comm = *call->comm;
   const CommOptions& opt = comm.options();
@@ -81,14 +82,16 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
   const auto pd = partial.dimensions();
   if (pd.size() != 2 || pd[0] < 1 || pd[1] < 1)
     return Invalid("partial must be [T, H], got " + Shape(pd));
-  const int64_t tokens = pd[0], hidden = pd[1], rows = (tokens + n - 1) / n;
+  const bool replicated = residual_replicated != 0;
+  const int64_t tokens = pd[0], hidden = pd[1], rows = replicated ? tokens : (tokens + n - 1) / n;
   if (hidden % kHiddenMultiple != 0 || hidden > kMaxHidden)
     return Invalid("hidden size must be a multiple of " + std::to_string(kHiddenMultiple) +
                    " and at most " + std::to_string(kMaxHidden) + ", got " +
                    std::to_string(hidden));
   const auto rd = residual.dimensions(), nd = normed.dimensions(), od = residual_out.dimensions();
   if (rd.size() != 2 || rd[0] != rows || rd[1] != hidden)
-    return Invalid("residual must be [" + std::to_string(rows) + ", " + std::to_string(hidden) +
+    return Invalid(std::string(replicated ? "a replicated" : "a token-sharded") +
+                   " residual must be [" + std::to_string(rows) + ", " + std::to_string(hidden) +
                    "], got " + Shape(rd));
   if (nd.size() != 2 || nd[0] != tokens || nd[1] != hidden || od.size() != 2 || od[0] != rows ||
       od[1] != hidden)
@@ -117,6 +120,14 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
   if (num_ctas < kMinCtas || num_ctas > max_ctas)
     return Invalid("num_ctas must be in [" + std::to_string(kMinCtas) + ", " +
                    std::to_string(max_ctas) + "] for this algo, got " + std::to_string(num_ctas));
+  if (replicated &&
+      !ResidualReplicatedFits(n, static_cast<int>(tokens), static_cast<int>(hidden), call->dtype,
+                              static_cast<Algo>(algo), opt.multimem, num_ctas))
+    return Invalid(
+        "a replicated residual needs one rank or the decode one-shot kernel: algo one_shot, "
+        "T <= num_ctas (T = " +
+        std::to_string(tokens) + ", num_ctas = " + std::to_string(num_ctas) +
+        "), rows of at most 16 KiB, no multimem");
   for (const void* p : {partial.untyped_data(), residual.untyped_data(), weight.untyped_data(),
                         normed.untyped_data(), residual_out.untyped_data()})
     if (!Aligned(p)) return Invalid("buffers must be 16-byte aligned");
@@ -127,7 +138,7 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
   if (opt.multimem) {
     need = MultimemBytes(n, tokens, hidden, es), have = opt.area_bytes;
   } else if (a == Algo::kOneShot) {
-    need = OneShotBytes(n, tokens, rows, hidden, es), have = opt.oneshot_bytes;
+    need = OneShotBytes(n, tokens, replicated ? 0 : rows, hidden, es), have = opt.oneshot_bytes;
   } else {
     need = a == Algo::kDirect ? kDirectBytes : TwoShotBytes(n, rows, hidden, es);
     have = opt.area_bytes;
@@ -152,6 +163,7 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
   p.hidden = static_cast<int32_t>(hidden);
   p.rows = static_cast<int32_t>(rows);
   p.eps = eps;
+  p.residual_replicated = replicated ? 1 : 0;
   return ffi::Error::Success();
 }
 
@@ -165,12 +177,13 @@ ffi::Error Launch(Call& c, cudaStream_t stream) {
 ffi::Error RunImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
                    ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                    ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> residual_out,
-                   int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo) {
+                   int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo,
+                   int32_t residual_replicated) {
   Call call;
-  if (ffi::Error e = Prepare(
-          ordinal,
-          {partial, residual, weight, *normed, *residual_out, comm_id, slot, eps, num_ctas, algo},
-          &call);
+  if (ffi::Error e = Prepare(ordinal,
+                             {partial, residual, weight, *normed, *residual_out, comm_id, slot, eps,
+                              num_ctas, algo, residual_replicated},
+                             &call);
       e.failure())
     return e;
   return Launch(call, stream);
@@ -182,12 +195,13 @@ ffi::Error RunImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
 ffi::Error StartImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
                      ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                      ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> residual_out,
-                     int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo) {
+                     int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo,
+                     int32_t residual_replicated) {
   Call call;
-  if (ffi::Error e = Prepare(
-          ordinal,
-          {partial, residual, weight, *normed, *residual_out, comm_id, slot, eps, num_ctas, algo},
-          &call);
+  if (ffi::Error e = Prepare(ordinal,
+                             {partial, residual, weight, *normed, *residual_out, comm_id, slot, eps,
+                              num_ctas, algo, residual_replicated},
+                             &call);
       e.failure())
     return e;
   DeviceState& d = *call.dev;
@@ -230,20 +244,21 @@ using tokenweave::StartImpl;
 
 // The buffers and attributes of the fused call and of its start (named: the typed API binds
 // them by position).
-#define TW_BIND_MAIN()                                                             \
-  ffi::Ffi::Bind()                                                                 \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>() /* XLA's stream */                 \
-      .Ctx<ffi::DeviceOrdinal>()                /* this device */                  \
-      .Arg<ffi::AnyBuffer>()                    /* partial [T, H] */               \
-      .Arg<ffi::AnyBuffer>()                    /* residual [ceil(T/N), H] */      \
-      .Arg<ffi::AnyBuffer>()                    /* weight [H], f32 or partial's */ \
-      .Ret<ffi::AnyBuffer>()                    /* normed [T, H] */                \
-      .Ret<ffi::AnyBuffer>()                    /* residual_out [ceil(T/N), H] */  \
-      .Attr<int64_t>("comm_id")                                                    \
-      .Attr<int32_t>("slot")                                                       \
-      .Attr<float>("eps")                                                          \
-      .Attr<int32_t>("num_ctas")                                                   \
-      .Attr<int32_t>("algo")
+#define TW_BIND_MAIN()                                                               \
+  ffi::Ffi::Bind()                                                                   \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>() /* XLA's stream */                   \
+      .Ctx<ffi::DeviceOrdinal>()                /* this device */                    \
+      .Arg<ffi::AnyBuffer>()                    /* partial [T, H] */                 \
+      .Arg<ffi::AnyBuffer>()                    /* residual [ceil(T/N) or T, H] */   \
+      .Arg<ffi::AnyBuffer>()                    /* weight [H], f32 or partial's */   \
+      .Ret<ffi::AnyBuffer>()                    /* normed [T, H] */                  \
+      .Ret<ffi::AnyBuffer>()                    /* residual_out, residual's shape */ \
+      .Attr<int64_t>("comm_id")                                                      \
+      .Attr<int32_t>("slot")                                                         \
+      .Attr<float>("eps")                                                            \
+      .Attr<int32_t>("num_ctas")                                                     \
+      .Attr<int32_t>("algo")                                                         \
+      .Attr<int32_t>("residual_replicated")
 
 // The synchronous call keeps no per-call host state (the kernels advance the device-resident
 // sync state), so XLA may record it into a command buffer and replay it.

@@ -65,7 +65,7 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
   if (comm == nullptr || !comm->options().loopback)
     throw std::runtime_error("jax-tokenweave loopback: not a loopback comm");
   const int n = comm->group_size(), t = req.tokens, h = req.hidden;
-  const int q = (t + n - 1) / n;
+  const int q = req.residual_replicated ? t : (t + n - 1) / n;  // residual rows per rank
   const int64_t es = req.dtype == DType::kF32 ? 4 : 2, rb = h * es;
   const int top = req.algo == Algo::kOneShot ? kMaxOneShotCtas : kMaxLoopbackCtas;
   if (req.num_ctas < kMinCtas || req.num_ctas > top)
@@ -80,7 +80,13 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
       static_cast<int64_t>(req.residual.size()) != n * q * rb ||
       static_cast<int64_t>(req.weight.size()) != h * 4)
     throw std::runtime_error("jax-tokenweave loopback: input sizes do not match [N, T, H]");
-  const int64_t need = req.algo == Algo::kOneShot  ? OneShotBytes(n, t, q, h, es)
+  if (req.residual_replicated &&
+      !ResidualReplicatedFits(n, t, h, req.dtype, req.algo, false, req.num_ctas))
+    throw std::runtime_error(
+        "jax-tokenweave loopback: a replicated residual needs the decode one-shot kernel "
+        "(one_shot, T <= num_ctas, rows of at most 16 KiB)");
+  const int64_t need = req.algo == Algo::kOneShot
+                           ? OneShotBytes(n, t, req.residual_replicated ? 0 : q, h, es)
                        : req.algo == Algo::kDirect ? kDirectBytes
                                                    : TwoShotBytes(n, q, h, es);
   const int64_t have =
@@ -130,6 +136,7 @@ LoopbackResult RunLoopback(const LoopbackRequest& req) {
     p.hidden = h;
     p.rows = q;
     p.eps = req.eps;
+    p.residual_replicated = req.residual_replicated ? 1 : 0;
     Check(LaunchAllreduceRmsnorm(p, req.dtype, req.algo, false, req.num_ctas, st.s[r]), "launch");
   };
   // The ranks' streams fork from stream 0 (join: back into it).

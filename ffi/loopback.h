@@ -20,7 +20,8 @@ struct LoopbackRequest {
   int num_ctas = 8;
   int tokens = 1, hidden = 0;
   float eps = 1e-6f;
-  // Host bytes, rank-major: partial [N, T, H], residual [N, q, H] (dtype), weight [H] float32.
+  // Host bytes, rank-major: partial [N, T, H], residual [N, q, H] (dtype; [N, T, H] where
+  // residual_replicated), weight [H] float32.
   std::vector<uint8_t> partial, residual, weight;
   int calls = 1;  // back-to-back calls (same inputs), slot = call % slots
   int slots = 1;
@@ -32,6 +33,8 @@ struct LoopbackRequest {
   // on GPUs of their own; the protocol keeps a rank at most one call ahead). Else every call
   // forks and joins, so a call starts when every rank has ended the one before.
   bool free_running = false;
+  // Residual [N, T, H] (every rank's whole copy, KernelParams::residual_replicated), not [N, q, H].
+  bool residual_replicated = false;
 };
 
 struct LoopbackResult {

@@ -142,19 +142,31 @@ NB_MODULE(_tokenweave_ffi, m) {
   m.def(
       "needed_bytes",
       [](const std::string& algo, int64_t n, int64_t tokens, int64_t hidden, int64_t itemsize,
-         bool multimem) {
+         bool multimem, bool residual_replicated) {
         const int64_t rows = (tokens + n - 1) / n;
         if (multimem) return MultimemBytes(n, tokens, hidden, itemsize);
         switch (ParseAlgo(algo)) {
-          case Algo::kOneShot: return OneShotBytes(n, tokens, rows, hidden, itemsize);
+          case Algo::kOneShot:
+            return OneShotBytes(n, tokens, residual_replicated ? 0 : rows, hidden, itemsize);
           case Algo::kDirect: return kDirectBytes;
           default: return TwoShotBytes(n, rows, hidden, itemsize);
         }
       },
       nb::arg("algo"), nb::arg("n"), nb::arg("tokens"), nb::arg("hidden"), nb::arg("itemsize"),
-      nb::arg("multimem") = false,
+      nb::arg("multimem") = false, nb::arg("residual_replicated") = false,
       "Bytes of the per-slot working memory a call needs: the one-shot buffer for 'one_shot', "
       "the data area otherwise.");
+  m.def(
+      "residual_replicated_fits",
+      [](int n, int tokens, int hidden, const std::string& dtype, const std::string& algo,
+         bool multimem, int num_ctas) {
+        return ResidualReplicatedFits(n, tokens, hidden, ParseDType(dtype), ParseAlgo(algo),
+                                      multimem, num_ctas);
+      },
+      nb::arg("n"), nb::arg("tokens"), nb::arg("hidden"), nb::arg("dtype"), nb::arg("algo"),
+      nb::arg("multimem"), nb::arg("num_ctas"),
+      "Whether a call may keep its residual replicated ([T, H] on every rank): one rank, or the "
+      "decode one-shot kernel (algo 'one_shot', T <= num_ctas, rows of at most 16 KiB).");
   m.def("limits", [] {
     nb::dict d;
     d["max_ranks"] = kMaxRanks;
@@ -178,7 +190,7 @@ NB_MODULE(_tokenweave_ffi, m) {
       [](int64_t comm_id, const std::string& dtype, const std::string& algo, int num_ctas,
          int tokens, int hidden, float eps, nb::bytes partial, nb::bytes residual, nb::bytes weight,
          int calls, int slots, int skip_call, int skip_rank, int graph_calls, int graph_replays,
-         bool free_running) {
+         bool free_running, bool residual_replicated) {
         LoopbackRequest req;
         req.comm_id = comm_id;
         req.dtype = ParseDType(dtype);
@@ -197,6 +209,7 @@ NB_MODULE(_tokenweave_ffi, m) {
         req.graph_calls = graph_calls;
         req.graph_replays = graph_replays;
         req.free_running = free_running;
+        req.residual_replicated = residual_replicated;
         LoopbackResult res;
         {
           nb::gil_scoped_release release;
@@ -214,7 +227,7 @@ NB_MODULE(_tokenweave_ffi, m) {
       nb::arg("hidden"), nb::arg("eps"), nb::arg("partial"), nb::arg("residual"), nb::arg("weight"),
       nb::arg("calls") = 1, nb::arg("slots") = 1, nb::arg("skip_call") = -1,
       nb::arg("skip_rank") = 0, nb::arg("graph_calls") = 0, nb::arg("graph_replays") = 0,
-      nb::arg("free_running") = false,
+      nb::arg("free_running") = false, nb::arg("residual_replicated") = false,
       "Runs every rank of a loopback comm on its one device (see ffi/loopback.h).");
   m.def(
       "oneshot_encode",

@@ -60,10 +60,12 @@ __global__ void __launch_bounds__(kCutBlock > 0 ? kCutBlock : kThreads)
   const int n = p.nranks, r = p.rank, q = p.rows, tokens = p.tokens, g = blockIdx.x / ctas;
   const int vpr = p.hidden / kN, v0 = cta * (vpr / ctas), v1 = v0 + vpr / ctas;
   const int64_t rb = static_cast<int64_t>(p.hidden) * sizeof(T);
-  const int64_t seg = static_cast<int64_t>(tokens + q) * rb;
-  const int own_real = max(0, min(q, tokens - r * q));  // own residual rows below T
-  const bool has_row = g < tokens, sends_residual = g < own_real;
-  const int owner = g / q, orow = g % q;
+  // A replicated residual (q = T): this rank owns every row, and no residual rows travel.
+  const bool replicated = p.residual_replicated != 0;
+  const int64_t seg = static_cast<int64_t>(replicated ? tokens : tokens + q) * rb;
+  const int own_real = replicated ? tokens : max(0, min(q, tokens - r * q));  // own rows < T
+  const bool has_row = g < tokens, sends_residual = !replicated && g < own_real;
+  const int owner = replicated ? r : g / q, orow = replicated ? g : g % q;
   const char* partial = static_cast<const char*>(p.partial) + g * rb;
   const char* residual = static_cast<const char*>(p.residual);
   const auto vec = [&](int u) { return v0 + static_cast<int>(threadIdx.x) + u * threads; };

@@ -27,6 +27,20 @@ def gpu_devices() -> list[jax.Device]:
         return []
 
 
+@pytest.fixture(scope="module")
+def loopback():
+    """The loopback module (every rank of a group on one GPU), where a GPU and the extension
+    are present (else skip)."""
+    from jax_tokenweave.kernel import _extension
+    from jax_tokenweave.kernel import loopback as lb
+
+    if not gpu_devices():
+        pytest.skip("needs a CUDA GPU")
+    if _extension.import_error() is not None:
+        pytest.skip(f"extension not built: {_extension.import_error()}")
+    return lb
+
+
 @pytest.fixture
 def cpu_mesh():
     """``cpu_mesh(tp)``: a 1-D ``Mesh`` named ``"tp"`` over the first ``tp`` CPU devices."""

@@ -75,8 +75,24 @@ def test_needed_bytes_per_algo(n):
     # two-shot: reduce-scatter + all-gather staging of q rows per peer
     assert ext.needed_bytes("two_shot", n, tokens, hidden, 4) == 2 * (n - 1) * q * hidden * 4
     assert ext.needed_bytes("direct", n, 10**6, hidden, 2) == 16  # a mailbox, any size
+    # a replicated residual: partial rows only
+    got = ext.needed_bytes("one_shot", n, tokens, hidden, 2, residual_replicated=True)
+    assert got == (n - 1) * tokens * hidden * 2
     with pytest.raises(ValueError, match="unknown algo"):
         ext.needed_bytes("three_shot", n, tokens, hidden, 2)
+
+
+@needs_ext
+def test_residual_replicated_fits_only_the_decode_one_shot_kernel():
+    """One rank, or one-shot with a CTA per row and rows of at most 16 KiB, no multimem."""
+    fits = _extension.get().residual_replicated_fits
+    assert fits(1, 300, 8192, "bfloat16", "two_shot", False, 8)  # one rank: nothing exchanged
+    assert fits(2, 16, 8192, "bfloat16", "one_shot", False, 16)
+    assert fits(8, 1, 4096, "float32", "one_shot", False, 1)
+    assert not fits(2, 17, 8192, "bfloat16", "one_shot", False, 16)  # T > CTAs
+    assert not fits(2, 16, 8192, "float32", "one_shot", False, 16)  # 32 KiB rows
+    assert not fits(2, 16, 8192, "bfloat16", "two_shot", False, 16)
+    assert not fits(2, 16, 8192, "bfloat16", "one_shot", True, 16)  # multimem
 
 
 def test_settings_from_env_and_validation(monkeypatch):

@@ -27,21 +27,6 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 NP = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
-@pytest.fixture(scope="module")
-def loopback():
-    """The loopback module, where a GPU and the extension are present (else skip)."""
-    from conftest import gpu_devices
-
-    from jax_tokenweave.kernel import _extension
-    from jax_tokenweave.kernel import loopback as lb
-
-    if not gpu_devices():
-        pytest.skip("needs a CUDA GPU")
-    if _extension.import_error() is not None:
-        pytest.skip(f"extension not built: {_extension.import_error()}")
-    return lb
-
-
 def _inputs(rng, n, tokens, hidden, dtype):
     q = ceil_div(tokens, n)
     t = NP[dtype]

@@ -18,7 +18,7 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 def run(mesh, partials, residual, weight, impl, eps=EPS, **kwargs):
     """partials: [N, T, H] (rank r's partial = partials[r]); residual: global (replicated for
     ``xla``, [N*q, H] token-sharded otherwise)."""
-    res_spec = P() if impl == "xla" else P("tp")
+    res_spec = P() if impl in ("xla", "ffi_replicated") else P("tp")
 
     def f(p, r, w):
         return ops.allreduce_rmsnorm(
@@ -51,7 +51,8 @@ def make_inputs(rng, n, t, h, dtype, impl):
     partials = jnp.asarray(rng.standard_normal((n, t, h)), dtype)
     weight = jnp.asarray(1 + 0.1 * rng.standard_normal(h), dtype)
     rows = ops.residual_rows(t, n, impl)
-    residual = jnp.asarray(rng.standard_normal((rows * (1 if impl == "xla" else n), h)), dtype)
+    copies = 1 if impl in ("xla", "ffi_replicated") else n
+    residual = jnp.asarray(rng.standard_normal((rows * copies, h)), dtype)
     return partials, residual, weight
 
 
@@ -78,17 +79,19 @@ def test_residual_rows():
     assert ops.residual_rows(13, 8, "xla") == 13
     assert ops.residual_rows(13, 8, "xla_rsag") == 2
     assert ops.residual_rows(16, 4, "auto") == 4
+    assert ops.residual_rows(13, 8, "ffi_replicated") == 13
     with pytest.raises(ValueError):
         ops.rows_per_rank(0, 4)
     with pytest.raises(ValueError, match="impl"):
         ops.residual_rows(4, 2, "nccl")
 
 
-def test_ffi_unavailable_on_cpu(cpu_mesh, rng):
+@pytest.mark.parametrize("impl", ["ffi", "ffi_replicated"])
+def test_ffi_unavailable_on_cpu(cpu_mesh, rng, impl):
     mesh = cpu_mesh(2)
-    partials, residual, weight = make_inputs(rng, 2, 4, 16, jnp.float32, "ffi")
-    with pytest.raises(RuntimeError, match="unavailable"):
-        run(mesh, partials, residual, weight, "ffi")
+    partials, residual, weight = make_inputs(rng, 2, 4, 16, jnp.float32, impl)
+    with pytest.raises(RuntimeError, match=rf"impl='{impl}'\) is unavailable"):
+        run(mesh, partials, residual, weight, impl)
 
 
 def test_auto_falls_back_to_xla_rsag(cpu_mesh, rng):

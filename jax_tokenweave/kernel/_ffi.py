@@ -78,29 +78,61 @@ def unavailable_reason(
     )
 
 
-def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo):
+def _replicated_choice(comm: Communicator, partial, algo: str, num_ctas) -> tuple[str, int]:
+    """``(algo, num_ctas)`` of a call whose residual is replicated: the decode one-shot kernel,
+    on at least T CTAs (one per row); ValueError where it cannot take the call."""
+    if algo not in ("auto", "one_shot"):
+        raise ValueError(f"a replicated residual needs algo 'one_shot' (or 'auto'), got {algo!r}")
+    tokens, hidden = partial.shape
+    _, ctas = comm.choose(partial.dtype, partial.shape, algo="one_shot", num_ctas=num_ctas)
+    if num_ctas is None:
+        ctas = max(ctas, min(tokens, _extension.limits()["max_oneshot_ctas"]))
+    ext = _extension.get()
+    dtype = jnp.dtype(partial.dtype).name
+    multimem = comm.settings.multimem
+    if not ext.residual_replicated_fits(
+        comm.axis_size, tokens, hidden, dtype, "one_shot", multimem, ctas
+    ):
+        raise ValueError(
+            f"a replicated residual needs one device or the decode one-shot kernel (T <= "
+            f"num_ctas, rows of at most 16 KiB, no multimem); got [{tokens}, {hidden}] {dtype} "
+            f"on {ctas} CTAs over {comm.axis_size} devices"
+        )
+    return "one_shot", ctas
+
+
+def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo, replicated=False):
     if num_ctas is not None:
         lim = _extension.limits()
         top = max(lim["max_ctas"], lim["max_oneshot_ctas"])
         if not lim["min_ctas"] <= int(num_ctas) <= top:
             raise ValueError(f"num_ctas must be in [{lim['min_ctas']}, {top}], got {num_ctas}")
-    reason = comm.unavailable_reason(
-        partial.dtype, partial.shape, num_ctas=num_ctas, slot=slot, algo=algo
+    reason = comm.unavailable_reason(  # a replicated residual runs one-shot (buffer bytes)
+        partial.dtype,
+        partial.shape,
+        num_ctas=num_ctas,
+        slot=slot,
+        algo="one_shot" if replicated and algo == "auto" else algo,
     )
     if reason is not None:
         raise RuntimeError(f"the fused allreduce_rmsnorm kernel is unavailable: {reason}")
     register_targets()
-    rows = ceil_div(partial.shape[0], comm.axis_size)
+    rows = partial.shape[0] if replicated else ceil_div(partial.shape[0], comm.axis_size)
     if residual.shape != (rows, partial.shape[1]):
+        layout = "replicated" if replicated else "token-sharded"
         raise ValueError(
-            f"residual must be token-sharded {(rows, partial.shape[1])}, got {residual.shape}"
+            f"residual must be {layout} {(rows, partial.shape[1])}, got {residual.shape}"
         )
-    algo, num_ctas = comm.choose(partial.dtype, partial.shape, algo=algo, num_ctas=num_ctas)
+    if replicated:
+        algo, num_ctas = _replicated_choice(comm, partial, algo, num_ctas)
+    else:
+        algo, num_ctas = comm.choose(partial.dtype, partial.shape, algo=algo, num_ctas=num_ctas)
     attrs = dict(
         comm_id=np.int64(comm.comm_id),
         slot=np.int32(slot),
         num_ctas=np.int32(num_ctas),
         algo=np.int32(_extension.limits()["algos"][algo]),  # the extension's own ids
+        residual_replicated=np.int32(replicated),
     )
     outs = (
         jax.ShapeDtypeStruct(partial.shape, partial.dtype),
@@ -124,13 +156,18 @@ def allreduce_rmsnorm(
     slot: int = 0,
     algo: str = "auto",
     comm: Communicator | None = None,
+    residual_replicated: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The fused kernel, inside ``shard_map``: same contract as ``ops.allreduce_rmsnorm``
     (partial [T, H], token-sharded residual [ceil(T/N), H], weight [H]) -> (normed [T, H]
     replicated, residual_out). ``algo``: "auto" (the communicator's policy), "one_shot",
-    "two_shot" or "direct" (see ffi/README.md); ``num_ctas`` None: the policy's."""
+    "two_shot" or "direct" (see ffi/README.md); ``num_ctas`` None: the policy's.
+    ``residual_replicated``: residual and residual_out are [T, H] on every rank and no residual
+    rows are exchanged (the decode one-shot kernel: T <= num_ctas, rows of at most 16 KiB)."""
     comm = _communicator(comm, mesh, axis_name)
-    w, attrs, outs = _prepare(comm, partial, residual, weight, num_ctas, slot, algo)
+    w, attrs, outs = _prepare(
+        comm, partial, residual, weight, num_ctas, slot, algo, residual_replicated
+    )
     call = jax.ffi.ffi_call(TARGETS["allreduce_rmsnorm"], outs)
     return call(partial, residual, w, eps=np.float32(eps), **attrs)
 
@@ -158,19 +195,22 @@ def allreduce_rmsnorm_start(
     slot: int = 0,
     algo: str = "auto",
     comm: Communicator | None = None,
+    residual_replicated: bool = False,
 ) -> Pending:
-    """Starts the fused kernel on the device's high-priority side stream, after everything XLA
-    queued before it, and returns a ``Pending`` whose outputs are NOT valid yet.
-
-    Ordering requirements: read the outputs only through ``allreduce_rmsnorm_done(pending)``;
-    do not modify or donate anything in ``pending``; at most one start per slot may be
-    outstanding (``done`` before the next ``start`` on that slot); calls in flight together use
-    different slots. XLA orders by data only: to overlap compute with the kernel, pass the
-    compute's input through ``jax.lax.optimization_barrier`` together with ``pending`` (so it
-    runs after ``start``), and pass ``pending`` and the compute's output through another
-    ``optimization_barrier`` before ``done`` (so ``done`` waits after it)."""
+    """Starts the fused kernel (arguments as ``allreduce_rmsnorm``) on the device's
+    high-priority side stream, after everything XLA queued before it, and returns a ``Pending``
+    whose outputs are NOT valid yet. Ordering requirements: read the outputs only through
+    ``allreduce_rmsnorm_done(pending)``; do not modify or donate anything in ``pending``; at
+    most one start per slot may be outstanding (``done`` before the next ``start`` on that
+    slot); calls in flight together use different slots. XLA orders by data only: to overlap
+    compute with the kernel, pass the compute's input through ``jax.lax.optimization_barrier``
+    together with ``pending`` (so it runs after ``start``), and pass ``pending`` and the
+    compute's output through another ``optimization_barrier`` before ``done`` (so ``done``
+    waits after it)."""
     comm = _communicator(comm, mesh, axis_name)
-    w, attrs, outs = _prepare(comm, partial, residual, weight, num_ctas, slot, algo)
+    w, attrs, outs = _prepare(
+        comm, partial, residual, weight, num_ctas, slot, algo, residual_replicated
+    )
     call = jax.ffi.ffi_call(TARGETS["allreduce_rmsnorm_start"], outs)
     normed, residual_out = call(partial, residual, w, eps=np.float32(eps), **attrs)
     return Pending(normed, residual_out, partial, residual, w)

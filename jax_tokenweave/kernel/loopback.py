@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_tokenweave.kernel import _extension
+from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.kernel.comm import CommSettings
 
 _NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
@@ -20,7 +21,8 @@ _NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.f
 
 @dataclasses.dataclass
 class LoopbackResult:
-    """Outputs after the last call: normed [N, T, H] and residual_out [N, q, H] (the dtype's
+    """Outputs after the last call: normed [N, T, H] and residual_out [N, q, H] ([N, T, H] for
+    a replicated residual) (the dtype's
     NumPy type), output vectors of later calls/replays that differed from call 0, per-replay
     device time of one call (us), and the communicator's failure message (or None)."""
 
@@ -64,17 +66,25 @@ class LoopbackComm:
         graph_calls: int = 0,
         graph_replays: int = 0,
         free_running: bool = False,
+        residual_replicated: bool = False,
     ) -> LoopbackResult:
         """``calls`` back-to-back fused calls of every rank on ``partial`` [N, T, H] and the
         token-sharded ``residual`` [N, q, H] (bf16/fp16/fp32 NumPy arrays) with float32
         ``weight`` [H]; then, optionally, ``graph_replays`` timed replays of a CUDA graph of
         ``graph_calls`` calls (``free_running``: each rank's calls back to back, forked and
         joined once, not per call). ``skip_call``: the call at which rank ``skip_rank`` is
-        absent."""
+        absent. ``residual_replicated``: ``residual`` is every rank's whole copy [N, T, H] (the
+        decode one-shot kernel only; ``reference`` wants each rank's copy the same)."""
         n, tokens, hidden = partial.shape
         dtype = jnp.dtype(partial.dtype).name
         if n != self.num_ranks or residual.dtype != partial.dtype:
             raise ValueError("partial must be [N, T, H] for this comm's N, residual its dtype")
+        rows = tokens if residual_replicated else ceil_div(tokens, n)
+        if residual.shape != (n, rows, hidden):
+            layout = "replicated" if residual_replicated else "token-sharded"
+            raise ValueError(
+                f"a {layout} residual must be {(n, rows, hidden)}, got {residual.shape}"
+            )
         out = _extension.get().loopback_run(
             self.comm_id,
             dtype,
@@ -93,6 +103,7 @@ class LoopbackComm:
             graph_calls,
             graph_replays,
             free_running,
+            residual_replicated,
         )
         np_dtype = _NUMPY[dtype]
         return LoopbackResult(
@@ -112,14 +123,25 @@ class LoopbackComm:
 
 
 def reference(
-    partial: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float = 1e-6
+    partial: np.ndarray,
+    residual: np.ndarray,
+    weight: np.ndarray,
+    eps: float = 1e-6,
+    *,
+    residual_replicated: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Float64 ``(normed [T, H], residual_out [N, q, H])`` of the fused op for loopback inputs
-    (padding rows past T carry the residual through)."""
+    (padding rows past T carry the residual through). ``residual_replicated``: ``residual`` is
+    [N, T, H] with every rank's copy the same; residual_out is then [N, T, H]."""
     n, tokens, hidden = partial.shape
+    total = partial.astype(np.float64).sum(0)
+    if residual_replicated:
+        x = residual[0].astype(np.float64) + total
+        normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight.astype(np.float64)
+        return normed, np.repeat(x[None], n, axis=0)
     q = residual.shape[1]
     summed = np.zeros((n * q, hidden))
-    summed[:tokens] = partial.astype(np.float64).sum(0)
+    summed[:tokens] = total
     res_out = residual.astype(np.float64).reshape(n * q, hidden) + summed
     x = res_out[:tokens]
     normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight.astype(np.float64)

@@ -1,9 +1,11 @@
 """``allreduce_rmsnorm``: sum partials over a mesh axis, add the residual, apply RMSNorm.
 
-Runs inside ``jax.shard_map`` over a 1-D TP axis of size N; shapes are per rank. ``impl``: ``xla``
-(residual replicated [T, H]), ``xla_rsag``, ``ffi``, ``auto`` (residual token-sharded [q, H], ``q =
-rows_per_rank(T, N) = ceil(T / N)``). ``normed`` is always [T, H] replicated; RMSNorm math is
-float32, outputs in the input dtype. The impls and padding rows: docs/KERNEL.md#kernelops.
+Runs inside ``jax.shard_map`` over a 1-D TP axis of size N; shapes are per rank. ``impl``: ``xla``,
+``ffi_replicated`` (residual replicated [T, H]), ``xla_rsag``, ``ffi``, ``auto`` (residual
+token-sharded [q, H], ``q = rows_per_rank(T, N) = ceil(T / N)``). ``ffi_replicated`` is the fused
+kernel exchanging no residual rows, for decode sizes (T <= its CTAs, rows of at most 16 KiB).
+``normed`` is always [T, H] replicated; RMSNorm math is float32, outputs in the input dtype. The
+impls and padding rows: docs/KERNEL.md#kernelops.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from jax.sharding import Mesh
 
 from jax_tokenweave.kernel._util import ceil_div
 
-Impl = Literal["auto", "xla", "xla_rsag", "ffi"]
+Impl = Literal["auto", "xla", "xla_rsag", "ffi", "ffi_replicated"]
 IMPLS: tuple[str, ...] = get_args(Impl)
 SHARDED_RESIDUAL_IMPLS = ("auto", "xla_rsag", "ffi")
 
@@ -63,10 +65,11 @@ def allreduce_rmsnorm(
 ) -> tuple[jax.Array, jax.Array]:
     """RMSNorm(sum over ``axis_name`` of ``partial`` + ``residual``) and the new residual.
 
-    ``partial`` [T, H]: this rank's partial sum; ``residual`` [T, H] for ``impl="xla"``, else
-    [ceil(T/N), H] token-sharded; ``weight`` [H] replicated; ``eps``: RMSNorm epsilon;
-    ``axis_name``: the TP axis (inside ``shard_map``); ``impl``: module docstring. ``mesh``: needed
-    by ``ffi`` (and by ``auto`` to consider it). ``num_ctas``: the fused kernel's thread blocks
+    ``partial`` [T, H]: this rank's partial sum; ``residual`` [T, H] for ``impl="xla"`` and
+    ``"ffi_replicated"``, else [ceil(T/N), H] token-sharded; ``weight`` [H] replicated;
+    ``eps``: RMSNorm epsilon; ``axis_name``: the TP axis (inside ``shard_map``); ``impl``: module
+    docstring. ``mesh``: needed by ``ffi`` and ``ffi_replicated`` (and by ``auto`` to consider
+    it). ``num_ctas``: the fused kernel's thread blocks
     (``ffi``; None: tuned). ``slot``: its workspace slot (``ffi``); calls that may be in flight at
     once need different slots. Returns ``(normed [T, H] replicated, residual_out)``.
     """
@@ -83,7 +86,7 @@ def allreduce_rmsnorm(
         return _xla_rsag(partial, residual, weight, axis_name, axis_size, eps)
     reason = _unavailable_reason(partial, axis_name, mesh)
     if reason is not None:
-        raise RuntimeError(f"allreduce_rmsnorm(impl='ffi') is unavailable: {reason}")
+        raise RuntimeError(f"allreduce_rmsnorm(impl={impl!r}) is unavailable: {reason}")
     from jax_tokenweave.kernel import _ffi
 
     return _ffi.allreduce_rmsnorm(
@@ -95,6 +98,7 @@ def allreduce_rmsnorm(
         eps=eps,
         num_ctas=num_ctas,
         slot=slot,
+        residual_replicated=impl == "ffi_replicated",
     )
 
 
