@@ -14,13 +14,14 @@ The weave modes split where the shipped tuning table says (at TP=2 from 4096 tok
 ``jax_tokenweave.weave.tuning``) and use its CTA counts: what the library does by default. To see
 the split's own costs at every size, ``benchmarks/breakdown.py`` forces the split.
 
-Decode batches (``DECODE_MODES``: ``baseline``, ``weave-ffi``, ``weave-xla``, ``nocomm``) are
-``n`` requests of one token each (below the split threshold, so never split): the layer stack
-without a KV cache, i.e. the GEMMs and the communication of one decode step (attention over past
-tokens is not included). Modes that cannot run here (no CUDA extension, too few devices) are
-reported as skipped with the reason. ``--time-budget`` bounds the run: work not started by then
-is reported as skipped. With no GPU it runs on 8 virtual CPU devices, whose timings say nothing
-about GPU overlap.
+Decode batches (``DECODE_MODES``: ``baseline``, ``weave-ffi``, ``weave-ffi-sync``, ``weave-xla``,
+``nocomm``) are ``n`` requests of one token each (below the split threshold, so never split;
+``weave-ffi`` runs the fused kernel with the residual replicated where it fits, ``weave-ffi-sync``
+with it token-sharded): the layer stack without a KV cache, i.e. the GEMMs and the communication of
+one decode step (attention over past tokens is not included). Modes that cannot run here (no CUDA
+extension, too few devices) are reported as skipped with the reason. ``--time-budget`` bounds the
+run: work not started by then is reported as skipped. With no GPU it runs on 8 virtual CPU
+devices, whose timings say nothing about GPU overlap.
 
 Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` (unless ``--no-plot``) into ``--out``.
 Example (4 GPUs)::
@@ -58,7 +59,13 @@ MODES: dict[str, Mode] = {
 }
 DECODE_MODES: dict[str, Mode] = {
     m.name: m
-    for m in (Mode("baseline"), Mode("weave", "ffi"), Mode("weave", "xla"), Mode("nocomm"))
+    for m in (
+        Mode("baseline"),
+        Mode("weave", "ffi"),
+        Mode("weave", "ffi-sync"),
+        Mode("weave", "xla"),
+        Mode("nocomm"),
+    )
 }
 MODELS = ("llama3-70b", "qwen2.5-72b", "mixtral-8x22b")
 TOKENS = (1024, 2048, 4096, 8192, 16384)

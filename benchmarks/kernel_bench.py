@@ -227,16 +227,11 @@ def _fused_choice(mesh, impl, dtype, shape, ctas, algo) -> tuple[str, int]:
 
 def _fused_reason(mesh, impl, dtype, shape, ctas, algo) -> str | None:
     """None where the fused call of ``impl`` can run these arguments, else why not."""
-    replicated = impl == "ffi_replicated"
-    why = _ffi.unavailable_reason(
-        mesh, "tp", dtype, shape, num_ctas=ctas, algo="one_shot" if replicated else algo
-    )
-    if why is None and replicated:
-        try:
-            _fused_choice(mesh, impl, dtype, shape, ctas, algo)
-        except ValueError as e:
-            why = str(e)
-    return why
+    if impl == "ffi_replicated":
+        if algo not in ("auto", "one_shot"):
+            return f"a replicated residual runs one-shot only, not {algo!r}"
+        return _ffi.replicated_reason(mesh, "tp", dtype, shape, num_ctas=ctas)
+    return _ffi.unavailable_reason(mesh, "tp", dtype, shape, num_ctas=ctas, algo=algo)
 
 
 def _label(r):

@@ -360,19 +360,19 @@ def test_every_option_has_help_and_required_ones_no_default():
 
 def test_modes_use_one_vocabulary():
     """The benchmarks name modes with the main job's words: schedule, then weave's comm."""
+    from jax_tokenweave.weave.schedules import ALL_COLLECTIVES
+
     e2e = _load_script("e2e_bench")
     assert {a.dest: a.choices for a in job.build_parser()._actions}["collective"] == bm.COLLECTIVES
-    for table in (e2e.MODES, e2e.DECODE_MODES):
+    # prefill modes in the main job's words; decode adds the token-sharded ablation ffi-sync
+    for table, words in ((e2e.MODES, bm.COLLECTIVES), (e2e.DECODE_MODES, ALL_COLLECTIVES)):
         for name, mode in table.items():
             assert (
-                name == mode.name
-                and mode.schedule in bm.SCHEDULES
-                and mode.collective in bm.COLLECTIVES
+                name == mode.name and mode.schedule in bm.SCHEDULES and mode.collective in words
             )
             schedule, *rest = name.split("-")
             assert schedule in bm.SCHEDULES and (not rest or rest[0] in bm.COLLECTIVES)
     assert set(e2e.MODES) == {"baseline", "weave-ffi-nosplit", "weave-xla", "weave-ffi", "nocomm"}
-    from jax_tokenweave.weave.schedules import ALL_COLLECTIVES
 
     breakdown = _load_script("breakdown")
     for name, mode in breakdown.MODES.items():
@@ -390,7 +390,13 @@ def test_modes_use_one_vocabulary():
         "weave-ffi",
         "weave-auto",
     }
-    assert set(e2e.DECODE_MODES) == {"baseline", "weave-ffi", "weave-xla", "nocomm"}
+    assert set(e2e.DECODE_MODES) == {
+        "baseline",
+        "weave-ffi",
+        "weave-ffi-sync",
+        "weave-xla",
+        "nocomm",
+    }
 
 
 def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys, tmp_path):

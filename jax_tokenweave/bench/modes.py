@@ -45,7 +45,7 @@ class Mode:
     @property
     def needs_ffi(self) -> bool:
         """Whether the mode runs the fused kernel whatever happens (``auto`` may fall back)."""
-        return self.schedule == "weave" and self.collective in ("ffi", "ffi-sync")
+        return self.schedule == "weave" and self.collective.startswith("ffi")
 
     @property
     def reference(self) -> bool:

@@ -78,6 +78,31 @@ def unavailable_reason(
     )
 
 
+def replicated_reason(
+    mesh: Mesh | None,
+    axis_name: str,
+    dtype,
+    shape,
+    *,
+    num_ctas: int | None = None,
+    slot: int = 0,
+) -> str | None:
+    """None where the fused call can take per-rank ``shape`` [T, H] of ``dtype`` with its
+    residual replicated ([T, H] on every rank, ``residual_replicated=True``); otherwise why not."""
+    why = unavailable_reason(
+        mesh, axis_name, dtype, shape, num_ctas=num_ctas, slot=slot, algo="one_shot"
+    )
+    if why is not None:
+        return why
+    try:
+        struct = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+        comm = _communicator(None, mesh, axis_name)  # mesh checked by unavailable_reason
+        _replicated_choice(comm, struct, "auto", num_ctas)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _replicated_choice(comm: Communicator, partial, algo: str, num_ctas) -> tuple[str, int]:
     """``(algo, num_ctas)`` of a call whose residual is replicated: the decode one-shot kernel,
     on at least T CTAs (one per row); ValueError where it cannot take the call."""

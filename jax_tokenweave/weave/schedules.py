@@ -3,8 +3,9 @@ one layer loop (:mod:`jax_tokenweave.nn.stack`): which halves, which reducer.
 
 ``schedule``: ``baseline`` (psum, replicated residual), ``weave`` (the plan's halves, token-sharded
 residual) or ``nocomm`` (a timing floor, NOT the model's output). ``collective`` (for ``weave``):
-``xla``, ``ffi``, ``auto`` (``ffi`` where :func:`unavailable_reason` is None), ``ffi-sync`` and
-``local`` (breakdown only). See docs/WEAVE.md#weaveschedules.
+``xla``, ``ffi``, ``auto`` (``ffi`` where :func:`unavailable_reason` is None), and the ablations
+``ffi-sync`` (token-sharded), ``ffi-replicated`` and ``local``. ``ffi`` on a whole decode-size batch
+runs as ``ffi-replicated`` (:func:`resolve_collective`). See docs/WEAVE.md#weaveschedules.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from jax_tokenweave.weave.plan import BatchPlan, Half
 from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 Schedule = Literal["baseline", "weave", "nocomm"]
-Collective = Literal["auto", "xla", "ffi", "ffi-sync", "local"]
+Collective = Literal["auto", "xla", "ffi", "ffi-sync", "ffi-replicated", "local"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 COLLECTIVES: tuple[str, ...] = ("auto", "xla", "ffi")
 """The collectives that compute the model with the overlap where it can (serving, the main
 job)."""
 ALL_COLLECTIVES: tuple[str, ...] = get_args(Collective)
-"""``COLLECTIVES`` plus the breakdown's ablations ``ffi-sync`` and ``local``."""
+"""``COLLECTIVES`` plus the ablations ``ffi-sync``, ``ffi-replicated`` and ``local``."""
 
 # Old names, for one release (``comm`` is also the kernel's Communicator, ``comm=`` in _ffi).
 _RENAMED = {
@@ -132,22 +133,58 @@ def resolve_collective(
     hidden_size: int,
     tuning: TuneEntry | None = None,
 ) -> str:
-    """The weave schedule's collective for this call: ``xla``, ``ffi``, ``ffi-sync`` or
-    ``local``. ``auto`` is ``ffi`` where :func:`unavailable_reason` gives no reason, else
-    ``xla``; ``ffi`` and ``ffi-sync`` raise ``RuntimeError`` saying why where the kernel cannot
-    run."""
+    """The weave schedule's collective for this call: ``xla``, ``ffi``, ``ffi-sync``,
+    ``ffi-replicated`` or ``local``. ``auto`` is ``ffi`` where :func:`unavailable_reason` gives no
+    reason, else ``xla``. ``ffi`` (and ``auto``) on a whole batch is ``ffi-replicated`` where
+    :func:`replicated_fits`. An asked ``ffi*`` raises ``RuntimeError`` saying why where the
+    kernel cannot run it."""
     if collective not in ALL_COLLECTIVES:
         raise ValueError(f"collective must be one of {ALL_COLLECTIVES}, got {collective!r}")
     if collective in ("xla", "local"):
         return collective
     why = unavailable_reason(mesh, axis_name, dtype, batch, hidden_size, tuning)
+    if why is None and collective == "ffi-replicated":
+        why = replicated_reason(mesh, axis_name, dtype, batch, hidden_size)
     if why is None:
+        if collective in ("auto", "ffi") and replicated_fits(
+            mesh, axis_name, dtype, batch, hidden_size
+        ):
+            return "ffi-replicated"
         return "ffi" if collective == "auto" else collective
     if collective == "auto":
         return "xla"
     raise RuntimeError(
         f"collective={collective!r} is unavailable: {why} (use collective='auto' or 'xla')"
     )
+
+
+def replicated_reason(
+    mesh: Mesh, axis_name: str, dtype: Any, batch: BatchPlan, hidden_size: int
+) -> str | None:
+    """Why the fused kernel cannot run this batch with a replicated residual (None where it
+    can): the batch must be whole (one half) and its ``[T, H]`` call must fit the decode
+    one-shot kernel (``_ffi.replicated_reason``)."""
+    from jax_tokenweave.kernel import _ffi
+
+    if batch.is_split:
+        return "a replicated residual needs a whole batch, this one is split in two halves"
+    shape = (batch.num_tokens, hidden_size)
+    return _ffi.replicated_reason(mesh, axis_name, jnp.dtype(dtype), shape)
+
+
+def replicated_fits(
+    mesh: Mesh, axis_name: str, dtype: Any, batch: BatchPlan, hidden_size: int
+) -> bool:
+    """Whether ``ffi`` runs this batch as ``ffi-replicated``: the batch is whole, the kernel
+    policy picks one-shot for its token-sharded call (so the replicated call is the same kernel
+    moving fewer bytes) and :func:`replicated_reason` gives no reason."""
+    from jax_tokenweave.kernel.comm import get_communicator
+
+    if batch.is_split or replicated_reason(mesh, axis_name, dtype, batch, hidden_size):
+        return False
+    comm = get_communicator(mesh, axis_name)
+    algo, _ = comm.choose(jnp.dtype(dtype), (batch.num_tokens, hidden_size))
+    return algo == "one_shot"
 
 
 def configure(
@@ -164,8 +201,11 @@ def configure(
         "xla": reducers.sharded("xla_rsag"),
         "ffi": reducers.Overlap if batch.is_split else reducers.sharded("ffi"),
         "ffi-sync": reducers.sharded("ffi"),
+        "ffi-replicated": reducers.Replicated,
         "local": reducers.LocalSharded,
     }
+    if collective == "ffi-replicated" and batch.is_split:
+        raise ValueError("collective 'ffi-replicated' needs a whole batch, this one is split")
     if collective not in factories:
         raise ValueError(
             f"collective must be resolved to one of {tuple(factories)}, got {collective!r}"
