@@ -18,8 +18,11 @@ Decode batches (``DECODE_MODES``: ``baseline``, ``weave-ffi``, ``weave-ffi-sync`
 ``nocomm``) are ``n`` requests of one token each (below the split threshold, so never split;
 ``weave-ffi`` runs the fused kernel with the residual replicated where it fits, ``weave-ffi-sync``
 with it token-sharded): the layer stack without a KV cache, i.e. the GEMMs and the communication of
-one decode step (attention over past tokens is not included). Modes that cannot run here (no CUDA
-extension, too few devices) are reported as skipped with the reason. ``--time-budget`` bounds the
+one decode step (attention over past tokens is not included). Modes that compute the model are
+checked against baseline (the dtype's tolerance); for MoE models against a float32 copy of the
+weights instead (``bench.modes.float32_copy``: a router's top-k flips on bf16 near ties, so two
+valid bf16 runs differ by more than rounding). Modes that cannot run here (no CUDA extension, too
+few devices) are reported as skipped with the reason. ``--time-budget`` bounds the
 run: work not started by then is reported as skipped. With no GPU it runs on 8 virtual CPU
 devices, whose timings say nothing about GPU overlap.
 
@@ -44,7 +47,7 @@ from typing import Any
 import jax
 
 from jax_tokenweave.bench import benchmarking as bm
-from jax_tokenweave.bench.modes import Mode, measure
+from jax_tokenweave.bench.modes import Mode, float32_copy, measure
 from jax_tokenweave.kernel import unavailable_reason
 
 MODES: dict[str, Mode] = {
@@ -207,15 +210,19 @@ class Runner:
         mesh = bm.make_mesh(self.devices, tp)
         print(f"== {model} x{config.num_layers} layers, TP={tp}", flush=True)
         decoder = bm.build_decoder(config, mesh, self.dtype, self.seed)
+        # MoE: the router's top-k flips on bf16 near ties, so check against float32 weights
+        reference = float32_copy(decoder) if config.num_experts and self.tol > 1e-4 else None
         try:
             for i, (kind, tokens, table, modes, request_len) in enumerate(work):
                 base = _base(kind, model, tp, tokens)
                 if self.out_of_time():
                     self.skip(base, modes, "time budget exhausted")
                     continue
-                self.run_point(base, config, mesh, decoder, table, modes, request_len, i)
+                self.run_point(
+                    base, config, mesh, (decoder, reference), table, modes, request_len, i
+                )
         finally:
-            del decoder
+            del decoder, reference
             gc.collect()
             jax.clear_caches()
 
@@ -224,13 +231,15 @@ class Runner:
         base: dict[str, Any],
         config: Any,
         mesh: Any,
-        decoder: Any,
+        decoders: tuple[Any, Any],
         table: dict[str, Mode],
         modes: Sequence[str],
         request_len: int,
         index: int,
     ) -> None:
-        """Compile, check against baseline and time every mode for one batch."""
+        """Compile, check against baseline (or float32: ``decoders`` = the model and its float32
+        copy or None) and time every mode for one batch."""
+        decoder, reference = decoders
         tokens, tp = base["tokens"], base["tp"]
         lengths = bm.request_lengths(tokens, request_len)
         hidden = bm.random_hidden(
@@ -250,6 +259,7 @@ class Runner:
             warmup=self.args.warmup,
             iters=self.args.iters,
             ffi_reason=unavailable_reason(mesh, "tp", self.dtype, (tokens, config.hidden_size)),
+            reference=reference,
         )
         for name in modes:
             self.records.append({**base, "mode": name, **info[name]})

@@ -367,9 +367,7 @@ def test_modes_use_one_vocabulary():
     # prefill modes in the main job's words; decode adds the token-sharded ablation ffi-sync
     for table, words in ((e2e.MODES, bm.COLLECTIVES), (e2e.DECODE_MODES, ALL_COLLECTIVES)):
         for name, mode in table.items():
-            assert (
-                name == mode.name and mode.schedule in bm.SCHEDULES and mode.collective in words
-            )
+            assert name == mode.name and mode.schedule in bm.SCHEDULES and mode.collective in words
             schedule, *rest = name.split("-")
             assert schedule in bm.SCHEDULES and (not rest or rest[0] in bm.COLLECTIVES)
     assert set(e2e.MODES) == {"baseline", "weave-ffi-nosplit", "weave-xla", "weave-ffi", "nocomm"}
@@ -580,3 +578,37 @@ def test_breakdown_derived_columns():
     assert d["gap_recovered"] == pytest.approx((99.12 - 95.63) / (99.12 - 90.27))
     assert d["weave_ffi_over_nocomm"] == pytest.approx(95.63 / 90.27)
     assert breakdown.derived({"baseline": ok(1.0)})["gap_recovered"] is None
+
+
+def test_moe_modes_are_checked_against_float32_not_bf16_baseline(rng):
+    """With a float32 reference a mode may be as far from it as bf16 baseline is (times the
+    margin); without one, the plain tolerance against baseline holds; a broken mode fails both."""
+    from jax_tokenweave.bench import modes as modes_lib
+
+    ref32 = rng.standard_normal((64, 32))
+
+    def noise(scale):  # ref32 plus noise of relative norm ``scale``
+        e = rng.standard_normal(ref32.shape)
+        return ref32 + scale * np.linalg.norm(ref32) / np.linalg.norm(e) * e
+
+    base = noise(0.06)  # bf16 baseline, 6% from float32 (an MoE's router flips)
+    table = {
+        "baseline": modes_lib.Mode("baseline"),
+        "weave-xla": modes_lib.Mode("weave", "xla"),
+        "weave-ffi": modes_lib.Mode("weave", "ffi"),
+    }
+    outs = {"baseline": base, "weave-xla": noise(0.07), "weave-ffi": noise(0.5)}
+
+    def check(ref):
+        fns = {n: (lambda o=o: o) for n, o in outs.items()}
+        info = {n: {"status": "ok"} for n in outs}
+        modes_lib._check(fns, info, table, 3e-2, ref)
+        return info
+
+    plain = check(None)  # both differ from bf16 baseline by > 3%
+    assert [plain[n]["status"] for n in ("weave-xla", "weave-ffi")] == ["mismatch"] * 2
+    info = check(ref32)
+    assert 0.05 < info["baseline"]["rel_err_f32"] < 0.07
+    assert info["weave-xla"]["status"] == "ok" and info["weave-xla"]["rel_err"] > 3e-2
+    assert info["weave-ffi"]["status"] == "mismatch"
+    assert "vs float32 (baseline's 0.0" in info["weave-ffi"]["reason"]
