@@ -47,7 +47,7 @@ from typing import Any
 import jax
 
 from jax_tokenweave.bench import benchmarking as bm
-from jax_tokenweave.bench.modes import Mode, float32_copy, measure
+from jax_tokenweave.bench.modes import Mode, float32_copy, float32_output, measure
 from jax_tokenweave.kernel import unavailable_reason
 
 MODES: dict[str, Mode] = {
@@ -210,59 +210,62 @@ class Runner:
         mesh = bm.make_mesh(self.devices, tp)
         print(f"== {model} x{config.num_layers} layers, TP={tp}", flush=True)
         decoder = bm.build_decoder(config, mesh, self.dtype, self.seed)
-        # MoE: the router's top-k flips on bf16 near ties, so check against float32 weights
-        reference = float32_copy(decoder) if config.num_experts and self.tol > 1e-4 else None
         try:
+            references = self.float32_outputs(model, config, mesh, decoder, work)
             for i, (kind, tokens, table, modes, request_len) in enumerate(work):
                 base = _base(kind, model, tp, tokens)
                 if self.out_of_time():
                     self.skip(base, modes, "time budget exhausted")
                     continue
-                self.run_point(
-                    base, config, mesh, (decoder, reference), table, modes, request_len, i
+                print(f"   {kind} {model} TP={tp} T={tokens}: {', '.join(modes)}", flush=True)
+                lengths, hidden = self.batch(config, mesh, tokens, request_len, i)
+                info = measure(
+                    decoder,
+                    config,
+                    model,
+                    lengths,
+                    hidden,
+                    {name: table[name] for name in modes},
+                    tol=self.tol,
+                    warmup=self.args.warmup,
+                    iters=self.args.iters,
+                    ffi_reason=unavailable_reason(
+                        mesh, "tp", self.dtype, (tokens, config.hidden_size)
+                    ),
+                    reference=references.get(i),
                 )
+                self.records += [{**base, "mode": name, **info[name]} for name in modes]
         finally:
-            del decoder, reference
+            del decoder
             gc.collect()
             jax.clear_caches()
 
-    def run_point(
-        self,
-        base: dict[str, Any],
-        config: Any,
-        mesh: Any,
-        decoders: tuple[Any, Any],
-        table: dict[str, Mode],
-        modes: Sequence[str],
-        request_len: int,
-        index: int,
-    ) -> None:
-        """Compile, check against baseline (or float32: ``decoders`` = the model and its float32
-        copy or None) and time every mode for one batch."""
-        decoder, reference = decoders
-        tokens, tp = base["tokens"], base["tp"]
-        lengths = bm.request_lengths(tokens, request_len)
+    def batch(self, config: Any, mesh: Any, tokens: int, request_len: int, index: int) -> tuple:
+        """The request lengths and the random hidden [T, H] of point ``index``."""
         hidden = bm.random_hidden(
             tokens, config.hidden_size, self.dtype, mesh, self.seed + 1 + index
         )
-        print(
-            f"   {base['kind']} {base['model']} TP={tp} T={tokens}: {', '.join(modes)}", flush=True
-        )
-        info = measure(
-            decoder,
-            config,
-            base["model"],
-            lengths,
-            hidden,
-            {name: table[name] for name in modes},
-            tol=self.tol,
-            warmup=self.args.warmup,
-            iters=self.args.iters,
-            ffi_reason=unavailable_reason(mesh, "tp", self.dtype, (tokens, config.hidden_size)),
-            reference=reference,
-        )
-        for name in modes:
-            self.records.append({**base, "mode": name, **info[name]})
+        return bm.request_lengths(tokens, request_len), hidden
+
+    def float32_outputs(
+        self, model: str, config: Any, mesh: Any, decoder: Any, work: list[tuple]
+    ) -> dict:
+        """MoE models (a router's top-k flips on bf16 near ties): each point's float32 baseline
+        output, from a float32 copy of the weights dropped before any timing; else none."""
+        if not config.num_experts or self.tol <= 1e-4:
+            return {}
+        print("   float32 references (MoE)", flush=True)
+        reference, outputs = float32_copy(decoder), {}
+        try:
+            for i, (_, tokens, _, _, request_len) in enumerate(work):
+                if not self.out_of_time():
+                    lengths, hidden = self.batch(config, mesh, tokens, request_len, i)
+                    outputs[i] = float32_output(reference, config, model, lengths, hidden)
+        finally:
+            del reference
+            gc.collect()
+            jax.clear_caches()
+        return outputs
 
 
 def _base(kind: str, model: str, tp: int, tokens: int) -> dict[str, Any]:

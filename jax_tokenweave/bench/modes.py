@@ -134,15 +134,15 @@ def float32_copy(decoder: Any) -> Any:
     return ref
 
 
-def _float32_run(reference, config, model, lengths, hidden, tp) -> jax.Array | None:
-    """``reference``'s baseline output on ``hidden`` (None without a reference)."""
-    if reference is None:
-        return None
+def float32_output(reference: Any, config: Any, model: str, lengths, hidden) -> jax.Array:
+    """The baseline output of ``reference`` (:func:`float32_copy`) on the batch of ``lengths``
+    and ``hidden`` [T, H], for :func:`measure`. Compute every batch's before timing anything,
+    then drop the copy: it holds twice the bf16 weights' memory."""
     import jax.numpy as jnp
 
-    plan = make_plan(config, model, lengths, tp, split=False)
+    plan = make_plan(config, model, lengths, reference.tp, split=False)
     run, _, _ = compile_forward(reference, plan, hidden.astype(jnp.float32), schedule="baseline")
-    return run()
+    return jax.block_until_ready(run())
 
 
 def _check(fns, info, table, tol: float, ref32: jax.Array | None) -> None:
@@ -184,7 +184,7 @@ def measure(
     warmup: int,
     iters: int,
     ffi_reason: str | None = None,
-    reference: Any = None,
+    reference: jax.Array | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Compile, check and time ``modes`` on one batch; ``{name: info}`` for each mode.
 
@@ -192,10 +192,10 @@ def measure(
     ``ffi_reason``: why the fused kernel cannot run here (modes that need it are skipped). A
     ``baseline`` run is compiled whether asked for or not: the modes that compute the model are
     compared with it (``rel_err`` above ``tol``: status ``mismatch``, not timed). ``reference``:
-    a float32 copy of ``decoder`` (:func:`float32_copy`); then each mode's ``rel_err_f32``
-    against its baseline output must stay within ``max(tol, F32_MARGIN x baseline's own)``
-    instead. ``info``: ``status`` (``ok``, ``skipped``, ``error``, ``mismatch``), ``reason``,
-    ``compile_s``, ``split``, ``half_lengths``, ``tuning``, the errors and ``timing.Stats.summary``.
+    the batch's :func:`float32_output`; then each mode's ``rel_err_f32`` against it must stay
+    within ``max(tol, F32_MARGIN x baseline's own)`` instead. ``info``: ``status`` (``ok``,
+    ``skipped``, ``error``, ``mismatch``), ``reason``, ``compile_s``, ``split``,
+    ``half_lengths``, ``tuning``, the errors and ``timing.Stats.summary``.
     """
     tp = decoder.tp
     fns: dict[str, Any] = {}
@@ -226,7 +226,7 @@ def measure(
         except Exception as err:  # a mode that fails must not end the sweep
             info[name] = {"status": "error", "reason": one_line(err)}
             traceback.print_exc(limit=3)
-    _check(fns, info, table, tol, _float32_run(reference, config, model, lengths, hidden, tp))
+    _check(fns, info, table, tol, reference)
     timed = {n: fns[n] for n in modes if n in fns}
     if timed:
         for name, stats in timing.benchmark(timed, warmup=warmup, iters=iters).items():
