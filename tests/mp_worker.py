@@ -6,7 +6,8 @@ Every process calls ``jax.distributed.initialize`` with its own GPU (DEVICE; the
 every process is allowed, to test on one GPU), builds the 1-D "tp" mesh of all processes'
 devices, and runs the fused kernel through ``shard_map``. Scenarios:
   ``correct``: each algo at a few sizes against float64, every process's rows bitwise equal
-               (written to OUT_JSON for the parent to compare);
+               (written to OUT_JSON for the parent to compare); ``replicated`` is one-shot with
+               the residual replicated ([T, H] on every process);
   ``stall``:   after one good call the last rank stops calling; the others' next call must
                fail within the bound with an error naming it;
   ``kill``:    like ``stall`` but the last rank exits abruptly.
@@ -33,9 +34,13 @@ from jax_tokenweave.kernel.loopback import reference
 
 def _run(mesh, partial, residual, weight, algo):
     n, tokens, hidden = partial.shape
+    replicated = algo == "replicated"
+    kernel = "one_shot" if replicated else algo
     fn = jax.jit(
         jax.shard_map(
-            lambda p, r, w: _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", mesh=mesh, algo=algo),
+            lambda p, r, w: _ffi.allreduce_rmsnorm(
+                p, r, w, axis_name="tp", mesh=mesh, algo=kernel, residual_replicated=replicated
+            ),
             mesh=mesh,
             in_specs=(P("tp"), P("tp"), P()),
             out_specs=(P("tp"), P("tp")),
@@ -68,19 +73,26 @@ def main() -> int:
             ("one_shot", 13, 4096),
             ("two_shot", 64, 4096),
             ("two_shot", 5, 2048),
+            ("replicated", 1, 8192),
+            ("replicated", 13, 4096),
         ]
         if scenario == "correct"
         else [("one_shot", 4, 4096)]
     )
     for algo, tokens, hidden in cases:
-        q = ceil_div(tokens, nproc)
+        replicated = algo == "replicated"
+        q = tokens if replicated else ceil_div(tokens, nproc)
         partial = rng.standard_normal((nproc, tokens, hidden)).astype(ml_dtypes.bfloat16)
         residual = rng.standard_normal((nproc, q, hidden)).astype(ml_dtypes.bfloat16)
         weight = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
-        reason = comm.unavailable_reason(jax.numpy.bfloat16, (tokens, hidden), algo=algo)
+        if replicated:  # every process's copy the same rows
+            residual[:] = residual[0]
+            reason = _ffi.replicated_reason(mesh, "tp", jax.numpy.bfloat16, (tokens, hidden))
+        else:
+            reason = comm.unavailable_reason(jax.numpy.bfloat16, (tokens, hidden), algo=algo)
         assert reason is None, reason
         normed, res_out = _run(mesh, partial, residual, weight, algo)
-        want_n, want_r = reference(partial, residual, weight)
+        want_n, want_r = reference(partial, residual, weight, residual_replicated=replicated)
         err = float(np.linalg.norm(normed - want_n) / np.linalg.norm(want_n))
         err_r = float(np.linalg.norm(res_out - want_r[rank]) / np.linalg.norm(want_r[rank]))
         result[f"{algo}/{tokens}/{hidden}"] = {
