@@ -126,22 +126,15 @@ class Sharded(Reducer):
         )
 
 
-class Replicated(Reducer):
+class Replicated(Sharded):
     """The synchronous fused kernel with the residual replicated (``impl="ffi_replicated"``, slot
     ``j``, the kernel policy's CTAs, at least T): a whole decode-size batch, where no rank then
     needs another's residual rows (measured faster than the token-sharded call at TP 2 and 4)."""
 
-    def combine(self, j, partial, residual, weight):
-        return ops.allreduce_rmsnorm(
-            partial,
-            residual,
-            weight,
-            axis_name=self.ctx.axis_name,
-            eps=self.ctx.eps,
-            impl="ffi_replicated",
-            mesh=self.ctx.mesh,
-            slot=j,
-        )
+    sharded = False
+
+    def __init__(self, ctx: ReduceContext) -> None:
+        super().__init__(ctx, "ffi_replicated")
 
 
 def sharded(impl: str) -> Callable[[ReduceContext], Sharded]:
