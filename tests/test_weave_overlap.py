@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from testutil import FakeKernel, build_decoder, rel_err
+from testutil import GPU_CONFIG, FakeKernel, build_decoder, rel_err, run_calls
 
 from jax_tokenweave.bench import hlo_check
 from jax_tokenweave.kernel import _ffi
@@ -124,17 +124,6 @@ def test_overlap_report_errors():
 # ------------------------------------------------------------------ the schedule on CPU ---
 
 
-def _run(dec, batch, hidden, calls, jit_opts=True):
-    graphdef, state = nnx.split(dec)
-
-    def run(state, hidden):
-        model = nnx.merge(graphdef, state)
-        return [model(hidden, batch, **kw) for kw in calls]
-
-    opts = {"xla_backend_optimization_level": 0} if jit_opts else {}
-    return jax.jit(run).lower(state, hidden).compile(compiler_options=opts)(state, hidden)
-
-
 def test_ffi_refused_on_cpu_and_auto_falls_back(cpu_mesh, rng):
     config, mesh = get_config("tiny"), cpu_mesh(2)
     batch = plan_batch((5, 9, 3), tp=2, split=True)
@@ -169,7 +158,7 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, lengths, offset, tp
     dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
     entry = TuneEntry(None, 12, 4)
-    ffi, xla, base = _run(
+    ffi, xla, base = run_calls(
         dec,
         batch,
         hidden,
@@ -194,7 +183,7 @@ def test_overlapped_schedule_matches_baseline(cpu_mesh, rng, lengths, offset, tp
     assert ctas == [4] + [12] * (4 * n - 1)
     # without tuning=, the default entry's CTA counts
     fake.log.clear()
-    (again,) = _run(
+    (again,) = run_calls(
         dec, batch, hidden, [dict(schedule="weave", collective="ffi", reducer=fake.overlap)]
     )
     np.testing.assert_allclose(np.asarray(again), np.asarray(ffi), rtol=1e-6, atol=1e-6)
@@ -232,46 +221,13 @@ def test_comm_resolution_and_configuration(cpu_mesh, monkeypatch):
     assert resolve_collective("ffi-sync", mesh, "tp", jnp.float32, split, hidden) == "ffi-sync"
 
 
-def test_whole_decode_batches_take_the_replicated_residual(cpu_mesh, monkeypatch):
-    """``ffi`` and ``auto`` on a whole batch resolve to ``ffi-replicated`` where the kernel takes
-    the replicated layout and its policy runs one-shot for the size; otherwise token-sharded."""
-    mesh, hidden = cpu_mesh(2), get_config("tiny").hidden_size
-    split, whole = plan_batch((5, 9), split=True), plan_batch((5, 9), split=False)
-    ctx = reducers.ReduceContext("tp", mesh, 1e-6)
-    assert type(configure("weave", "ffi-replicated", whole)[1](ctx)) is reducers.Replicated
-    with pytest.raises(ValueError, match="whole batch"):
-        configure("weave", "ffi-replicated", split)
-    with pytest.raises(RuntimeError, match="collective='ffi-replicated' is unavailable"):
-        resolve_collective("ffi-replicated", mesh, "tp", jnp.float32, whole, hidden)  # CPU
-    monkeypatch.setattr(_ffi, "unavailable_reason", lambda *a, **k: None)
-    monkeypatch.setattr(_ffi, "replicated_reason", lambda *a, **k: None)
-    resolve = lambda c, b: resolve_collective(c, mesh, "tp", jnp.float32, b, hidden)
-    assert [resolve(c, whole) for c in ("auto", "ffi", "ffi-sync", "ffi-replicated")] == [
-        "ffi-replicated",
-        "ffi-replicated",
-        "ffi-sync",
-        "ffi-replicated",
-    ]
-    assert resolve("ffi", split) == "ffi"
-    with pytest.raises(RuntimeError, match="needs a whole batch"):
-        resolve("ffi-replicated", split)
-    # where the policy runs another variant for the size, the token-sharded call stays
-    monkeypatch.setattr(Communicator, "choose", lambda self, *a, **k: ("direct", 32))
-    assert resolve("auto", whole) == "ffi" and resolve("ffi-replicated", whole) == "ffi-replicated"
-    # and where the kernel refuses the replicated layout
-    monkeypatch.setattr(_ffi, "replicated_reason", lambda *a, **k: "rows over 16 KiB")
-    assert resolve("ffi", whole) == "ffi"
-    with pytest.raises(RuntimeError, match="rows over 16 KiB"):
-        resolve("ffi-replicated", whole)
-
-
 def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
     fake = FakeKernel()
     config, mesh = get_config("tiny"), cpu_mesh(2)
     batch = plan_batch((5, 4), tp=2, split=False)
     dec = build_decoder(config, mesh, jnp.float32, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.float32)
-    ffi, base = _run(
+    ffi, base = run_calls(
         dec,
         batch,
         hidden,
@@ -289,7 +245,7 @@ def test_unsplit_ffi_is_synchronous(cpu_mesh, rng):
     batch = plan_batch((5, 4), tp=2, split=False, table=table)
     assert batch.tuning == tuning.POLICY_ENTRY
     fake.log.clear()
-    _run(dec, batch, hidden, [dict(schedule="weave", collective="ffi", reducer=fake.sync)])
+    run_calls(dec, batch, hidden, [dict(schedule="weave", collective="ffi", reducer=fake.sync)])
     assert fake.log == [("sync", 0, None)] * calls
 
 
@@ -397,15 +353,6 @@ def test_ordering_by_data_in_jaxpr(cpu_mesh, rng, monkeypatch):
 
 # ------------------------------------------------------------------------------------ GPU ---
 
-GPU_CONFIG = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=128,
-    num_layers=2,
-)
-
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
@@ -416,7 +363,7 @@ def test_gpu_weave_ffi_matches_baseline(ffi_mesh2, rng):
     assert batch.half_lengths == (432, 580) and batch.cut_request == 1
     dec = build_decoder(config, mesh, jnp.bfloat16, rng)
     hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, config.hidden_size)), jnp.bfloat16)
-    ffi, xla, base = _run(
+    ffi, xla, base = run_calls(
         dec,
         batch,
         hidden,
@@ -432,37 +379,9 @@ def test_gpu_weave_ffi_matches_baseline(ffi_mesh2, rng):
     assert rel_err(ffi, xla) < 2e-2
     # unsplit: the synchronous kernel
     whole = plan_batch(batch.request_lengths, tp=2, split=False)
-    (sync,) = _run(dec, whole, hidden, [dict(schedule="weave", collective="ffi")], jit_opts=False)
+    calls = [dict(schedule="weave", collective="ffi")]
+    (sync,) = run_calls(dec, whole, hidden, calls, jit_opts=False)
     assert rel_err(sync, base) < 2e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.multigpu
-def test_gpu_decode_batch_with_a_replicated_residual(ffi_mesh2, rng):
-    """A whole decode batch: ``ffi`` runs the replicated-residual kernel, and agrees with the
-    token-sharded call (``ffi-sync``) and with baseline."""
-    mesh = ffi_mesh2
-    config = get_config("tiny", **GPU_CONFIG)
-    batch = plan_batch((1,) * 16, tp=2, split=False)
-    hidden_size = config.hidden_size
-    assert resolve_collective("ffi", mesh, "tp", jnp.bfloat16, batch, hidden_size) == (
-        "ffi-replicated"
-    )
-    dec = build_decoder(config, mesh, jnp.bfloat16, rng)
-    hidden = jnp.asarray(rng.standard_normal((batch.num_tokens, hidden_size)), jnp.bfloat16)
-    rep, sharded, base = _run(
-        dec,
-        batch,
-        hidden,
-        [
-            dict(schedule="weave", collective="ffi"),
-            dict(schedule="weave", collective="ffi-sync"),
-            dict(schedule="baseline"),
-        ],
-        jit_opts=False,
-    )
-    assert np.isfinite(np.asarray(rep, np.float32)).all()
-    assert rel_err(rep, base) < 2e-2 and rel_err(rep, sharded) < 2e-2
 
 
 @pytest.mark.gpu

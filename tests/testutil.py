@@ -23,6 +23,16 @@ from jax_tokenweave.nn.decoder import WeaveDecoder
 from jax_tokenweave.nn.params import named_params
 from jax_tokenweave.weave import reducers
 
+GPU_CONFIG = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=128,
+    num_layers=2,
+)
+"""Overrides of the ``tiny`` config for the GPU tests of the decoder stack: bf16-sized rows."""
+
 
 def build_decoder(config, mesh, dtype, rng: np.random.Generator) -> WeaveDecoder:
     """A decoder with random weights, norm weights randomised too (so a swapped norm shows)."""
@@ -46,6 +56,19 @@ def rel_err(got, want) -> float:
     """``||got - want|| / ||want||`` in float64 (JAX arrays of any float dtype, or NumPy)."""
     got, want = _f64(got), _f64(want)
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def run_calls(dec, batch, hidden, calls, jit_opts=True):
+    """``dec(hidden, batch, **kw)`` for each ``kw`` in ``calls``, compiled as one program
+    (``jit_opts``: XLA's backend optimizations off, for speed on CPU)."""
+    graphdef, state = nnx.split(dec)
+
+    def run(state, hidden):
+        model = nnx.merge(graphdef, state)
+        return [model(hidden, batch, **kw) for kw in calls]
+
+    opts = {"xla_backend_optimization_level": 0} if jit_opts else {}
+    return jax.jit(run).lower(state, hidden).compile(compiler_options=opts)(state, hidden)
 
 
 class FakeKernel:
