@@ -22,9 +22,9 @@ one decode step (attention over past tokens is not included). Modes that compute
 checked against baseline (the dtype's tolerance); for MoE models against a float32 copy of the
 weights instead (``bench.modes.float32_copy``: a router's top-k flips on bf16 near ties, so two
 valid bf16 runs differ by more than rounding). Modes that cannot run here (no CUDA extension, too
-few devices) are reported as skipped with the reason. ``--time-budget`` bounds the
-run: work not started by then is reported as skipped. With no GPU it runs on 8 virtual CPU
-devices, whose timings say nothing about GPU overlap.
+few devices) are reported as skipped with the reason. ``--time-budget`` bounds the run: work not
+started by then is reported as skipped. With no GPU it runs on 8 virtual CPU devices, whose
+timings say nothing about GPU overlap.
 
 Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` (unless ``--no-plot``) into ``--out``.
 Example (4 GPUs)::

@@ -228,9 +228,7 @@ def _fused_choice(mesh, impl, dtype, shape, ctas, algo) -> tuple[str, int]:
 def _fused_reason(mesh, impl, dtype, shape, ctas, algo) -> str | None:
     """None where the fused call of ``impl`` can run these arguments, else why not."""
     if impl == "ffi_replicated":
-        if algo not in ("auto", "one_shot"):
-            return f"a replicated residual runs one-shot only, not {algo!r}"
-        return _ffi.replicated_reason(mesh, "tp", dtype, shape, num_ctas=ctas)
+        return _ffi.replicated_reason(mesh, "tp", dtype, shape, num_ctas=ctas, algo=algo)
     return _ffi.unavailable_reason(mesh, "tp", dtype, shape, num_ctas=ctas, algo=algo)
 
 

@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     points = [(n, t, a) for n in args.ranks for t in args.tokens for a in args.algos]
     inputs = {}
+    replicated = args.residual == "replicated"
     for n, tokens, algo in tqdm(points, desc="loopback_bench"):
-        replicated = args.residual == "replicated"
         q = tokens if replicated else ceil_div(tokens, n)
         partial = rng.standard_normal((n, tokens, args.hidden)).astype(ml_dtypes.bfloat16)
         residual = rng.standard_normal((n, q, args.hidden)).astype(ml_dtypes.bfloat16)

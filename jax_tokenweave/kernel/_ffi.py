@@ -86,6 +86,7 @@ def replicated_reason(
     *,
     num_ctas: int | None = None,
     slot: int = 0,
+    algo: str = "auto",
 ) -> str | None:
     """None where the fused call can take per-rank ``shape`` [T, H] of ``dtype`` with its
     residual replicated ([T, H] on every rank, ``residual_replicated=True``); otherwise why not."""
@@ -97,7 +98,7 @@ def replicated_reason(
     try:
         struct = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
         comm = _communicator(None, mesh, axis_name)  # mesh checked by unavailable_reason
-        _replicated_choice(comm, struct, "auto", num_ctas)
+        _replicated_choice(comm, struct, algo, num_ctas)
     except ValueError as e:
         return str(e)
     return None

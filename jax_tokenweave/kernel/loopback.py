@@ -22,9 +22,9 @@ _NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.f
 @dataclasses.dataclass
 class LoopbackResult:
     """Outputs after the last call: normed [N, T, H] and residual_out [N, q, H] ([N, T, H] for
-    a replicated residual) (the dtype's
-    NumPy type), output vectors of later calls/replays that differed from call 0, per-replay
-    device time of one call (us), and the communicator's failure message (or None)."""
+    a replicated residual), in the dtype's NumPy type; output vectors of later calls/replays
+    that differed from call 0, per-replay device time of one call (us), and the communicator's
+    failure message (or None)."""
 
     normed: np.ndarray
     residual_out: np.ndarray
@@ -137,12 +137,13 @@ def reference(
     total = partial.astype(np.float64).sum(0)
     if residual_replicated:
         x = residual[0].astype(np.float64) + total
-        normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight.astype(np.float64)
-        return normed, np.repeat(x[None], n, axis=0)
-    q = residual.shape[1]
-    summed = np.zeros((n * q, hidden))
-    summed[:tokens] = total
-    res_out = residual.astype(np.float64).reshape(n * q, hidden) + summed
-    x = res_out[:tokens]
+        res_out = np.repeat(x[None], n, axis=0)
+    else:
+        q = residual.shape[1]
+        summed = np.zeros((n * q, hidden))
+        summed[:tokens] = total
+        res_out = residual.astype(np.float64).reshape(n * q, hidden) + summed
+        x = res_out[:tokens]
+        res_out = res_out.reshape(n, q, hidden)
     normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight.astype(np.float64)
-    return normed, res_out.reshape(n, q, hidden)
+    return normed, res_out

@@ -180,7 +180,7 @@ def replicated_fits(
     moving fewer bytes) and :func:`replicated_reason` gives no reason."""
     from jax_tokenweave.kernel.comm import get_communicator
 
-    if batch.is_split or replicated_reason(mesh, axis_name, dtype, batch, hidden_size):
+    if replicated_reason(mesh, axis_name, dtype, batch, hidden_size) is not None:
         return False
     comm = get_communicator(mesh, axis_name)
     algo, _ = comm.choose(jnp.dtype(dtype), (batch.num_tokens, hidden_size))
