@@ -209,6 +209,19 @@ def test_shape_reasons(monkeypatch):
     assert "cuda_async" in reason(2, jnp.bfloat16, (128, 8192), s, algo="direct")
 
 
+@needs_ext
+def test_a_replicated_residual_needs_no_buffer_for_residual_rows():
+    """[64, 8192] bf16 at N = 2, one-shot: 1.5 MiB of the buffer token-sharded (64 partial rows
+    and 32 residual rows), 1 MiB with the residual replicated (no residual rows travel)."""
+    s = CommSettings(workspace_mib=64, oneshot_mib=1.25)
+    reason = comm.shape_reason
+    why = reason(2, jnp.bfloat16, (64, 8192), s, algo="one_shot")
+    assert "oneshot_mib" in why and f"needs {3 << 19} bytes" in why
+    assert reason(2, jnp.bfloat16, (64, 8192), s, algo="one_shot", residual_replicated=True) is None
+    why = reason(2, jnp.bfloat16, (96, 8192), s, algo="one_shot", residual_replicated=True)
+    assert f"needs {96 * 8192 * 2} bytes" in why
+
+
 def test_missing_extension_reason(monkeypatch, cpu_mesh):
     monkeypatch.setattr(_extension, "_module", None)
     monkeypatch.setattr(_extension, "_IMPORT_ERROR", "ImportError: no module named _tokenweave_ffi")

@@ -66,6 +66,7 @@ def unavailable_reason(
     num_ctas: int | None = None,
     slot: int = 0,
     algo: str = "auto",
+    residual_replicated: bool = False,
 ) -> str | None:
     """None where the fused kernel can run on ``mesh``'s ``axis_name`` for per-rank ``shape``
     [T, H] of ``dtype``; otherwise one sentence saying why (the shared communicator's view)."""
@@ -74,7 +75,12 @@ def unavailable_reason(
     if axis_name not in mesh.axis_names:
         return f"axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}"
     return get_communicator(mesh, axis_name).unavailable_reason(
-        dtype, shape, num_ctas=num_ctas, slot=slot, algo=algo
+        dtype,
+        shape,
+        num_ctas=num_ctas,
+        slot=slot,
+        algo=algo,
+        residual_replicated=residual_replicated,
     )
 
 
@@ -91,7 +97,14 @@ def replicated_reason(
     """None where the fused call can take per-rank ``shape`` [T, H] of ``dtype`` with its
     residual replicated ([T, H] on every rank, ``residual_replicated=True``); otherwise why not."""
     why = unavailable_reason(
-        mesh, axis_name, dtype, shape, num_ctas=num_ctas, slot=slot, algo="one_shot"
+        mesh,
+        axis_name,
+        dtype,
+        shape,
+        num_ctas=num_ctas,
+        slot=slot,
+        algo="one_shot",
+        residual_replicated=True,
     )
     if why is not None:
         return why
@@ -139,6 +152,7 @@ def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo
         num_ctas=num_ctas,
         slot=slot,
         algo="one_shot" if replicated and algo == "auto" else algo,
+        residual_replicated=replicated,
     )
     if reason is not None:
         raise RuntimeError(f"the fused allreduce_rmsnorm kernel is unavailable: {reason}")

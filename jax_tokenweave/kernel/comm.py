@@ -117,8 +117,10 @@ class Communicator:
         num_ctas: int | None = None,
         slot: int = 0,
         algo: str = "auto",
+        residual_replicated: bool = False,
     ) -> str | None:
-        """None where a call of per-rank ``shape`` [T, H] can run; else one sentence why."""
+        """None where a call of per-rank ``shape`` [T, H] can run; else one sentence why.
+        ``residual_replicated``: [T, H] on every rank, no residual rows travel."""
         if self._device_reason is not None:
             return self._device_reason
         return shape_reason(
@@ -131,6 +133,7 @@ class Communicator:
             algo=algo,
             policy=self.policy,
             cross_process=self.cross_process,
+            residual_replicated=residual_replicated,
         )
 
     def choose(

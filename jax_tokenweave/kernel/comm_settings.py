@@ -160,10 +160,11 @@ def shape_reason(
     algo: str = "auto",
     policy: KernelPolicy | None = None,
     cross_process: bool = False,
+    residual_replicated: bool = False,
 ) -> str | None:
     """The part of :meth:`~jax_tokenweave.kernel.comm.Communicator.unavailable_reason` that
     depends only on sizes and settings (no devices needed); limits and byte counts come from
-    the extension."""
+    the extension. ``residual_replicated``: no residual rows travel (fewer one-shot bytes)."""
     lim = _extension.limits()
     if axis_size > lim["max_ranks"]:
         return (
@@ -194,7 +195,13 @@ def shape_reason(
     if num_ctas is not None and not lim["min_ctas"] <= num_ctas <= top:
         return f"num_ctas={num_ctas} is outside [{lim['min_ctas']}, {top}] for algo={algo}"
     need = _extension.get().needed_bytes(
-        algo, axis_size, tokens, hidden, jnp.dtype(dtype).itemsize, settings.multimem
+        algo,
+        axis_size,
+        tokens,
+        hidden,
+        jnp.dtype(dtype).itemsize,
+        settings.multimem,
+        residual_replicated and algo == "one_shot",
     )
     have, what = (
         (settings.oneshot_bytes, "one-shot buffer (oneshot_mib)")
