@@ -3,8 +3,9 @@
 The decode batches of ``e2e_bench.py`` (one token per request, Llama-3.3-70B shapes,
 ``--layers`` layers) in ``--modes`` (default baseline, nocomm, weave-ffi, weave-ffi-sync). Per
 mode and batch, ``--iters`` steps run under PyTorch's profiler after three warm ones; per GPU:
-busy time (the union of its kernels), the span from its first kernel's start to its last one's
-end less that busy time (idle inside the steps), and device time by kernel class (``gemm``,
+busy time (the union of its kernels), idle time between kernels by the gap's length (short
+gaps are launch latency, long ones the host between steps), kernels launched, and device time
+by kernel class (``gemm``,
 ``fused`` collective, ``nccl``, ``other``). Each column shows the median over GPUs; busy time also
 shows its min and max. The wall time is the host's per step.
 Run: ``python3 -P benchmarks/probes/decode_tp_profile_probe.py --tp 4 --out DIR``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -46,7 +48,8 @@ def kernel_class(name: str) -> str:
 
 
 def per_gpu(run: Any, iters: int) -> tuple[float, dict[int, dict[str, float]]]:
-    """Host ms per step and, per device, ``busy``, ``idle`` and each class's us per step."""
+    """Host ms per step and, per device: ``busy``, ``idle_<gap class>`` and each kernel class's
+    us per step, and ``launches`` per step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -58,17 +61,17 @@ def per_gpu(run: Any, iters: int) -> tuple[float, dict[int, dict[str, float]]]:
             jax.block_until_ready(run())
         wall_ms = (time.perf_counter() - start) * 1e3 / iters
         torch.cuda.synchronize()
-    spans: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    spans: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
     out: dict[int, dict[str, float]] = collections.defaultdict(lambda: collections.Counter())
     for e in prof.events():
         if "CUDA" in str(getattr(e, "device_type", "")):
-            spans[e.device_index].append((e.time_range.start, e.time_range.end))
+            spans[e.device_index].append((e.time_range.start, e.time_range.end, e.name[:60]))
             out[e.device_index][kernel_class(e.name)] += e.device_time_total / iters
     for dev, s in spans.items():
-        busy = _step_profile.busy_us(s)
-        whole = max(b for _, b in s) - min(a for a, _ in s)
-        out[dev]["busy"] = busy / iters
-        out[dev]["idle"] = (whole - busy) / iters  # between the first and last kernel
+        out[dev]["busy"] = _step_profile.busy_us([(a, b) for a, b, _ in s]) / iters
+        for size, us in _step_profile.idle_gaps(s)["classes_us"].items():
+            out[dev][f"idle_{size}"] = us / iters  # between kernels, by the gap's length
+        out[dev]["launches"] = len(s) / iters
     return wall_ms, {d: dict(v) for d, v in out.items()}
 
 
@@ -98,15 +101,18 @@ def main() -> None:
                 decoder, plan, hidden, schedule=mode.schedule, collective=mode.collective
             )
             wall, gpus = per_gpu(run, args.iters)
+            keys = ("busy", "idle_lt_2us", "idle_2_20us", "idle_ge_20us", "launches")
             med = {
                 k: statistics.median(g.get(k, 0.0) for g in gpus.values())
-                for k in ("busy", "idle", "gemm", "fused", "nccl", "other")
+                for k in (*keys, "gemm", "fused", "nccl", "other")
             }
             busy = sorted(g["busy"] for g in gpus.values())
             rows.append(dict(batch=batch, mode=name, wall_ms=wall, per_gpu=gpus, median=med))
             lines.append(
                 f"| {batch} | {name} | {wall:.3f} | {med['busy']:.1f} ({busy[0]:.1f}-"
-                f"{busy[-1]:.1f}) | {med['idle']:.1f} | {med['gemm']:.1f} | {med['fused']:.1f} | "
+                f"{busy[-1]:.1f}) | {med['idle_lt_2us']:.0f} / {med['idle_2_20us']:.0f} / "
+                f"{med['idle_ge_20us']:.0f} | {med['launches']:.0f} | {med['gemm']:.1f} | "
+                f"{med['fused']:.1f} | "
                 f"{med['nccl']:.1f} | {med['other']:.1f} |"
             )
             print(lines[-1], flush=True)
@@ -116,14 +122,15 @@ def main() -> None:
         tp=args.tp,
         layers=args.layers,
         iters=args.iters,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
         devices=[str(d) for d in jax.devices()[: args.tp]],
     )
     (args.out / "decode_tp_profile.json").write_text(
         json.dumps(dict(meta=meta, rows=rows), indent=1)
     )
     head = (
-        "| batch | mode | wall ms | busy us (min-max) | idle us | gemm | fused | nccl | "
-        "other |\n|---|---|---|---|---|---|---|---|---|\n"
+        "| batch | mode | wall ms | busy us (min-max) | idle us, gaps < 2 / 2-20 / >= 20 us | "
+        "launches | gemm | fused | nccl | other |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
     (args.out / "decode_tp_profile.md").write_text(
         f"{args.model} x{args.layers} layers, TP {args.tp}, us per step per GPU (median over "
