@@ -50,6 +50,8 @@ from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.bench.modes import Mode, float32_copy, float32_output, measure
 from jax_tokenweave.kernel import unavailable_reason
 
+_step_profile = bm.sibling_module(__file__, "step_profile")  # busy_ms (found under -P)
+
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
@@ -132,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefill", action="store_true", help="skip the prefill sweep")
     p.add_argument("--no-decode", action="store_true", help="skip the decode sweep")
     bm.add_run_options(p, warmup=2, iters=10, unit="mode and batch")
+    p.add_argument(
+        "--device-time",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N runs per mode and batch for device-busy ms (PyTorch's CUDA "
+        "profiler, median over GPUs), beside the wall ms, which include the host's dispatch "
+        "(0: off)",
+    )
     bm.add_sweep_options(p, plot="e2e.png")
     p.add_argument(
         "--replot",
@@ -153,6 +164,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             get_config(model)
         except ValueError as err:
             p.error(f"--models: unknown model {model!r}: {err}")
+    if args.device_time < 0:
+        p.error(f"--device-time must be >= 0, got {args.device_time}")
     if not args.no_plot and (hint := bm.matplotlib_missing()):
         p.error(f"the plot {hint} (or pass --no-plot)")
     return args
@@ -168,6 +181,8 @@ class Runner:
         self.seed = args.seed if args.seed is not None else bm.resolve_seed()
         self.start = time.perf_counter()
         self.records: list[dict[str, Any]] = []
+        n = args.device_time
+        self.device_time = (lambda run: _step_profile.busy_ms(run, n)) if n > 0 else None
 
     def out_of_time(self) -> bool:
         budget = self.args.time_budget
@@ -233,6 +248,7 @@ class Runner:
                         mesh, "tp", self.dtype, (tokens, config.hidden_size)
                     ),
                     reference=references.get(i),
+                    device_time=self.device_time,
                 )
                 self.records += [{**base, "mode": name, **info[name]} for name in modes]
         finally:

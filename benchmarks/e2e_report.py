@@ -1,6 +1,7 @@
 """``e2e_bench.py``'s report: the markdown tables (median ms and speedup over baseline per
-mode, one per kind, model and TP), the plot (speedup against tokens, a panel each) and the writer
-of ``e2e.json`` / ``e2e.md`` / ``e2e.png``."""
+mode, one per kind, model and TP; device-busy ms beside them where profiled), the plot
+(speedup against tokens, a panel each) and the writer of ``e2e.json`` / ``e2e.md`` /
+``e2e.png``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def _groups(records: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[di
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    """One table per (kind, model, TP): median ms per mode, and speedups over baseline."""
+    """One table per (kind, model, TP): median ms per mode, and speedups over baseline; where
+    the run profiled device time (``--device-time``), a second table of device-busy ms."""
     env, cfg = report["environment"], report["config"]
     lines = [
         f"# End-to-end latency ({env['num_devices']} x {env['device_kind']})",
@@ -31,42 +33,56 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     for (kind, model, tp), recs in _groups(report["records"]).items():
-        modes = list(dict.fromkeys(r["mode"] for r in recs))
-        tokens = list(dict.fromkeys(r["tokens"] for r in recs))
-        cell = {(r["tokens"], r["mode"]): r for r in recs}
-        speed = [m for m in modes if m != "baseline"]
-        lines += [
-            f"## {kind}: {model}, TP={tp}",
-            "",
-            "| tokens | "
-            + " | ".join(f"{m} ms" for m in modes)
-            + " | "
-            + " | ".join(f"speedup {m}" for m in speed)
-            + " |",
-            "|---" * (1 + len(modes) + len(speed)) + "|",
-        ]
-        notes: dict[str, int] = {}
-        for t in tokens:
-            row = [str(t)]
-            for m in modes:
-                r = cell.get((t, m), {})
-                if r.get("status") == "ok":
-                    row.append(f"{r['median_ms']:.2f}")
-                else:
-                    reason = r.get("reason", "missing")
-                    notes.setdefault(reason, len(notes) + 1)
-                    row.append(f"{r.get('status', '-')} [{notes[reason]}]")
-            base = cell.get((t, "baseline"), {})
-            for m in speed:
-                r = cell.get((t, m), {})
-                ok = r.get("status") == "ok" and base.get("status") == "ok"
-                row.append(f"{base['median_ms'] / r['median_ms']:.3f}" if ok else "-")
-            lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
-        lines += [f"[{n}] {reason}" for reason, n in notes.items()]
-        if notes:
-            lines.append("")
+        lines += [f"## {kind}: {model}, TP={tp}", ""]
+        lines += _table(recs, "median_ms", "wall ms per run (host clock, dispatch included)")
+        if any("device_ms" in r or "device_reason" in r for r in recs):
+            lines += _table(
+                recs,
+                "device_ms",
+                f"device-busy ms per run (PyTorch's CUDA profiler, {cfg.get('device_time')} "
+                "runs, median over GPUs)",
+            )
     return "\n".join(lines)
+
+
+def _table(recs: list[dict[str, Any]], key: str, title: str) -> list[str]:
+    """The markdown lines of one table: ``key`` per mode and tokens, and baseline / mode."""
+    modes = list(dict.fromkeys(r["mode"] for r in recs))
+    tokens = list(dict.fromkeys(r["tokens"] for r in recs))
+    cell = {(r["tokens"], r["mode"]): r for r in recs}
+    speed = [m for m in modes if m != "baseline"]
+    lines = [
+        f"{title}:",
+        "",
+        "| tokens | "
+        + " | ".join(f"{m} ms" for m in modes)
+        + " | "
+        + " | ".join(f"speedup {m}" for m in speed)
+        + " |",
+        "|---" * (1 + len(modes) + len(speed)) + "|",
+    ]
+    notes: dict[str, int] = {}
+    for t in tokens:
+        row = [str(t)]
+        for m in modes:
+            r = cell.get((t, m), {})
+            if r.get("status") == "ok" and key in r:
+                row.append(f"{r[key]:.2f}")
+            else:
+                reason = r.get("device_reason" if r.get("status") == "ok" else "reason", "missing")
+                notes.setdefault(reason, len(notes) + 1)
+                row.append(f"{r.get('status', '-')} [{notes[reason]}]")
+        base = cell.get((t, "baseline"), {})
+        for m in speed:
+            r = cell.get((t, m), {})
+            ok = key in r and key in base and r.get("status") == base.get("status") == "ok"
+            row.append(f"{base[key] / r[key]:.3f}" if ok else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines += [f"[{n}] {reason}" for reason, n in notes.items()]
+    if notes:
+        lines.append("")
+    return lines
 
 
 def write_plot(report: dict[str, Any], path: Path) -> bool:

@@ -8,7 +8,9 @@ results back), the kernels that took the most device time, and the host's own pr
 same steps (``cProfile``, the functions with the most time of their own). Without PyTorch or a
 CUDA GPU it returns a record that says so. With steps pipelined (the engine's async scheduling),
 the first profiled step starts on an idle GPU (the profiler's start outlasts the step in flight):
-profile 20 steps or more before reading the host gap as the steady state's.
+profile 20 steps or more before reading the host gap as the steady state's. Per GPU (several
+in one process): :func:`record_kernels`, :func:`per_device` (busy time, launches, time by kernel
+class) and :func:`busy_ms` (the median over GPUs, ``e2e_bench.py --device-time``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,25 @@ import collections
 import cProfile
 import io
 import pstats
+import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+FUSED = ("OneShot", "LocalRows", "TwoShot", "Direct", "Fused")
+"""Name parts of this library's fused collective kernels."""
+GEMM = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_dot")
+"""Name parts (lower case) of matrix-multiply kernels."""
+
+
+class Kernel(NamedTuple):
+    """One kernel launch the profiler saw (times in us)."""
+
+    device: int
+    start: float
+    end: float
+    name: str
+    device_us: float
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -31,6 +49,78 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
         total += b - max(a, end)
         end = b
     return total
+
+
+def kernel_class(name: str) -> str:
+    """``fused`` (this library's collective), ``nccl``, ``gemm`` or ``other``."""
+    if "tokenweave" in name and any(k in name for k in FUSED):
+        return "fused"
+    if "nccl" in name.lower():
+        return "nccl"
+    return "gemm" if any(k in name.lower() for k in GEMM) else "other"
+
+
+def unavailable_reason() -> str | None:
+    """None where PyTorch's CUDA profiler can run here; else why not."""
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed (its CUDA profiler gives the device time)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU for PyTorch's profiler"
+    return None
+
+
+def record_kernels(run: Callable[[], Any], iters: int, warm: int = 3) -> tuple[float, list[Kernel]]:
+    """``warm`` runs of ``run`` (each waited for), then ``iters`` under the profiler: the host
+    ms per run and every kernel launched in them."""
+    import jax
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    for _ in range(warm):
+        jax.block_until_ready(run())
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(iters):
+            jax.block_until_ready(run())
+        wall_ms = (time.perf_counter() - start) * 1e3 / iters
+        torch.cuda.synchronize()
+    kernels = [
+        Kernel(e.device_index, e.time_range.start, e.time_range.end, e.name, e.device_time_total)
+        for e in prof.events()
+        if "CUDA" in str(getattr(e, "device_type", ""))
+    ]
+    return wall_ms, kernels
+
+
+def per_device(kernels: list[Kernel], iters: int) -> dict[int, dict[str, float]]:
+    """Per device, per run: ``busy`` us (kernels that overlap count once), ``launches``, and the
+    summed device us of each :func:`kernel_class`."""
+    by_dev: dict[int, list[Kernel]] = collections.defaultdict(list)
+    for k in kernels:
+        by_dev[k.device].append(k)
+    out: dict[int, dict[str, float]] = {}
+    for dev, ks in sorted(by_dev.items()):
+        row = {"busy": busy_us([(k.start, k.end) for k in ks]) / iters, "launches": len(ks) / iters}
+        for k in ks:
+            cls = kernel_class(k.name)
+            row[cls] = row.get(cls, 0.0) + k.device_us / iters
+        out[dev] = row
+    return out
+
+
+def busy_ms(run: Callable[[], Any], iters: int) -> dict[str, Any]:
+    """Device-busy ms per run of ``run``: ``median`` over GPUs and their ``range`` [min, max];
+    ``reason`` instead where the profiler cannot run here."""
+    if (why := unavailable_reason()) is not None:
+        return {"reason": why}
+    _, kernels = record_kernels(run, iters)
+    busy = sorted(d["busy"] / 1e3 for d in per_device(kernels, iters).values())
+    if not busy:
+        return {"reason": "the profiler saw no kernel"}
+    return {"median": statistics.median(busy), "range": [busy[0], busy[-1]]}
 
 
 def idle_gaps(spans: list[tuple[float, float, str]], top: int = 6) -> dict[str, Any]:

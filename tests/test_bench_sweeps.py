@@ -38,6 +38,8 @@ def test_e2e_bench_runs_and_skips_unavailable_modes(tmp_path):
         "0",
         "--iters",
         "1",
+        "--device-time",
+        "1",
     ]
     assert e2e.main(argv) == 0
     report = json.loads((tmp_path / "e2e.json").read_text())
@@ -61,6 +63,9 @@ def test_e2e_bench_runs_and_skips_unavailable_modes(tmp_path):
     assert "needs 16 devices" in recs[("prefill", 16, 64, "baseline")]["reason"]
     markdown = (tmp_path / "e2e.md").read_text()
     assert "## prefill: tiny, TP=2" in markdown and "weave-xla ms" in markdown
+    # No CUDA GPU for the profiler here: the device table says so instead of staying silent.
+    why = recs[("decode", 2, 4, "baseline")].get("device_reason")
+    assert "device_ms" in recs[("decode", 2, 4, "baseline")] or why in markdown
     assert (tmp_path / "e2e.png").stat().st_size > 0
 
 

@@ -14,11 +14,9 @@ Run: ``python3 -P benchmarks/probes/decode_tp_profile_probe.py --tp 4 --out DIR`
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,45 +32,18 @@ MODES = {
     m.name: m
     for m in (Mode("baseline"), Mode("nocomm"), Mode("weave", "ffi"), Mode("weave", "ffi-sync"))
 }
-FUSED = ("OneShot", "LocalRows", "TwoShot", "Direct", "Fused")
-GEMM = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_dot")
-
-
-def kernel_class(name: str) -> str:
-    """``fused`` (this library's collective), ``nccl``, ``gemm`` or ``other``."""
-    if "tokenweave" in name and any(k in name for k in FUSED):
-        return "fused"
-    if "nccl" in name.lower():
-        return "nccl"
-    return "gemm" if any(k in name.lower() for k in GEMM) else "other"
 
 
 def per_gpu(run: Any, iters: int) -> tuple[float, dict[int, dict[str, float]]]:
-    """Host ms per step and, per device: ``busy``, ``idle_<gap class>`` and each kernel class's
-    us per step, and ``launches`` per step."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        jax.block_until_ready(run())
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(iters):
-            jax.block_until_ready(run())
-        wall_ms = (time.perf_counter() - start) * 1e3 / iters
-        torch.cuda.synchronize()
-    spans: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
-    out: dict[int, dict[str, float]] = collections.defaultdict(lambda: collections.Counter())
-    for e in prof.events():
-        if "CUDA" in str(getattr(e, "device_type", "")):
-            spans[e.device_index].append((e.time_range.start, e.time_range.end, e.name[:60]))
-            out[e.device_index][kernel_class(e.name)] += e.device_time_total / iters
-    for dev, s in spans.items():
-        out[dev]["busy"] = _step_profile.busy_us([(a, b) for a, b, _ in s]) / iters
-        for size, us in _step_profile.idle_gaps(s)["classes_us"].items():
-            out[dev][f"idle_{size}"] = us / iters  # between kernels, by the gap's length
-        out[dev]["launches"] = len(s) / iters
-    return wall_ms, {d: dict(v) for d, v in out.items()}
+    """Host ms per step and, per device: ``busy``, ``launches``, each kernel class's us and
+    ``idle_<gap class>`` (between kernels, by the gap's length) per step."""
+    wall_ms, kernels = _step_profile.record_kernels(run, iters)
+    out = _step_profile.per_device(kernels, iters)
+    for dev, row in out.items():
+        spans = [(k.start, k.end, k.name[:60]) for k in kernels if k.device == dev]
+        for size, us in _step_profile.idle_gaps(spans)["classes_us"].items():
+            row[f"idle_{size}"] = us / iters
+    return wall_ms, out
 
 
 def main() -> None:

@@ -185,18 +185,18 @@ def measure(
     iters: int,
     ffi_reason: str | None = None,
     reference: jax.Array | None = None,
+    device_time: Callable[[Callable[[], Any]], dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Compile, check and time ``modes`` on one batch; ``{name: info}`` for each mode.
 
-    ``lengths``: the batch's request lengths; ``hidden``: its [T, H] input (replicated);
-    ``ffi_reason``: why the fused kernel cannot run here (modes that need it are skipped). A
-    ``baseline`` run is compiled whether asked for or not: the modes that compute the model are
-    compared with it (``rel_err`` above ``tol``: status ``mismatch``, not timed). ``reference``:
-    the batch's :func:`float32_output`; then each mode's ``rel_err_f32`` against it must stay
-    within ``max(tol, F32_MARGIN x baseline's own)`` instead. ``info``: ``status`` (``ok``,
-    ``skipped``, ``error``, ``mismatch``), ``reason``, ``compile_s``, ``split``,
-    ``half_lengths``, ``tuning``, the errors and ``timing.Stats.summary``.
-    """
+    ``lengths``/``hidden``: the batch's request lengths and [T, H] input; ``ffi_reason``: why
+    the fused kernel cannot run (modes that need it are skipped). ``baseline`` is compiled
+    anyway: modes that compute the model over ``tol`` from it are ``mismatch``, not timed; with
+    ``reference`` (:func:`float32_output`) each ``rel_err_f32`` may be ``F32_MARGIN`` x
+    baseline's. ``device_time``: a timed run -> ``{"median", "range"}`` ms or ``{"reason"}``
+    (``step_profile.busy_ms``), kept as ``device_ms``/``device_ms_range``/``device_reason``.
+    ``info``: ``status``, ``reason``, ``compile_s``, ``split``, ``half_lengths``, ``tuning``,
+    errors and ``timing.Stats.summary``."""
     tp = decoder.tp
     fns: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
@@ -231,6 +231,13 @@ def measure(
     if timed:
         for name, stats in timing.benchmark(timed, warmup=warmup, iters=iters).items():
             info[name].update(stats.summary())
+        if device_time is not None:
+            for name, fn in timed.items():
+                dev = device_time(fn)
+                if "reason" in dev:
+                    info[name]["device_reason"] = dev["reason"]
+                else:
+                    info[name].update(device_ms=dev["median"], device_ms_range=dev["range"])
     return {name: info[name] for name in modes}
 
 
