@@ -4,10 +4,10 @@ The decode batches of ``e2e_bench.py`` (one token per request, Llama-3.3-70B sha
 ``--layers`` layers) in ``--modes`` (default baseline, nocomm, weave-ffi, weave-ffi-sync). Per
 mode and batch, ``--iters`` steps run under PyTorch's profiler after three warm ones; per GPU:
 busy time (the union of its kernels), idle time between kernels by the gap's length (short
-gaps are launch latency, long ones the host between steps), kernels launched, and device time
-by kernel class (``gemm``,
-``fused`` collective, ``nccl``, ``other``). Each column shows the median over GPUs; busy time also
-shows its min and max. The wall time is the host's per step.
+gaps are launch latency, long ones the host between steps), kernels launched, device time by
+kernel class (``gemm``, ``fused`` collective, ``nccl``, ``other``), and the fused call's median
+time as a step's first call and as the others (the first absorbs the GPUs' skew at a step's
+start). Columns show the median over GPUs (busy time also its min and max); wall is the host's.
 Run: ``python3 -P benchmarks/probes/decode_tp_profile_probe.py --tp 4 --out DIR``.
 """
 
@@ -43,6 +43,16 @@ def per_gpu(run: Any, iters: int) -> tuple[float, dict[int, dict[str, float]]]:
         spans = [(k.start, k.end, k.name[:60]) for k in kernels if k.device == dev]
         for size, us in _step_profile.idle_gaps(spans)["classes_us"].items():
             row[f"idle_{size}"] = us / iters
+        fused = sorted(
+            (k.start, k.device_us)
+            for k in kernels
+            if k.device == dev and _step_profile.kernel_class(k.name) == "fused"
+        )
+        per_step = len(fused) // iters
+        if per_step > 1 and len(fused) == per_step * iters:  # each step's first call apart
+            steps = [fused[i * per_step : (i + 1) * per_step] for i in range(iters)]
+            row["fused_first_us"] = statistics.median(s[0][1] for s in steps)
+            row["fused_rest_us"] = statistics.median(us for s in steps for _, us in s[1:])
     return wall_ms, out
 
 
@@ -86,6 +96,13 @@ def main() -> None:
                 f"{med['fused']:.1f} | "
                 f"{med['nccl']:.1f} | {med['other']:.1f} |"
             )
+            firsts = [g.get("fused_first_us") for _, g in sorted(gpus.items())]
+            if all(f is not None for f in firsts):
+                rests = [g["fused_rest_us"] for _, g in sorted(gpus.items())]
+                lines[-1] += (
+                    f" first call of a step {' / '.join(f'{f:.1f}' for f in firsts)} us, the"
+                    f" others {' / '.join(f'{r:.1f}' for r in rests)} (per GPU)"
+                )
             print(lines[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = dict(
