@@ -143,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
         "profiler, median over GPUs), beside the wall ms, which include the host's dispatch "
         "(0: off)",
     )
+    p.add_argument(
+        "--dispatch-ahead",
+        type=bm.positive_int,
+        default=1,
+        metavar="K",
+        help="runs dispatched back to back per timed sample, then waited for, as a server "
+        "dispatches steps (1: wait for each run; the device time is profiled the same way)",
+    )
     bm.add_sweep_options(p, plot="e2e.png")
     p.add_argument(
         "--replot",
@@ -181,8 +189,8 @@ class Runner:
         self.seed = args.seed if args.seed is not None else bm.resolve_seed()
         self.start = time.perf_counter()
         self.records: list[dict[str, Any]] = []
-        n = args.device_time
-        self.device_time = (lambda run: _step_profile.busy_ms(run, n)) if n > 0 else None
+        n, ahead = args.device_time, args.dispatch_ahead
+        self.device_time = (lambda run: _step_profile.busy_ms(run, n, ahead)) if n > 0 else None
 
     def out_of_time(self) -> bool:
         budget = self.args.time_budget
@@ -249,6 +257,7 @@ class Runner:
                     ),
                     reference=references.get(i),
                     device_time=self.device_time,
+                    ahead=self.args.dispatch_ahead,
                 )
                 self.records += [{**base, "mode": name, **info[name]} for name in modes]
         finally:

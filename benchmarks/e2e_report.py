@@ -29,7 +29,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"jax {env['jax_version']}, commit {env['git_commit']}, {env['date']}; "
         f"{cfg['layers']} layers, {cfg['dtype']}, prefill requests of "
         f"{cfg['request_len']} tokens; median of {cfg['iters']} runs "
-        f"(after {cfg['warmup']} warm-up). Speedup = baseline / mode.",
+        f"(after {cfg['warmup']} warm-up), {cfg.get('dispatch_ahead', 1)} run(s) dispatched "
+        "back to back per sample. Speedup = baseline / mode.",
         "",
     ]
     for (kind, model, tp), recs in _groups(report["records"]).items():

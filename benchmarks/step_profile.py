@@ -71,9 +71,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def record_kernels(run: Callable[[], Any], iters: int, warm: int = 3) -> tuple[float, list[Kernel]]:
-    """``warm`` runs of ``run`` (each waited for), then ``iters`` under the profiler: the host
-    ms per run and every kernel launched in them."""
+def record_kernels(
+    run: Callable[[], Any], iters: int, warm: int = 3, ahead: int = 1
+) -> tuple[float, list[Kernel]]:
+    """``warm`` runs of ``run`` (each waited for), then ``iters`` x ``ahead`` under the profiler
+    (``ahead`` runs dispatched back to back, then waited for): the host ms per run and every
+    kernel launched in them."""
     import jax
     import torch
     from torch.profiler import ProfilerActivity
@@ -84,8 +87,8 @@ def record_kernels(run: Callable[[], Any], iters: int, warm: int = 3) -> tuple[f
     with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(iters):
-            jax.block_until_ready(run())
-        wall_ms = (time.perf_counter() - start) * 1e3 / iters
+            jax.block_until_ready([run() for _ in range(ahead)])
+        wall_ms = (time.perf_counter() - start) * 1e3 / (iters * ahead)
         torch.cuda.synchronize()
     kernels = [
         Kernel(e.device_index, e.time_range.start, e.time_range.end, e.name, e.device_time_total)
@@ -111,13 +114,13 @@ def per_device(kernels: list[Kernel], iters: int) -> dict[int, dict[str, float]]
     return out
 
 
-def busy_ms(run: Callable[[], Any], iters: int) -> dict[str, Any]:
-    """Device-busy ms per run of ``run``: ``median`` over GPUs and their ``range`` [min, max];
-    ``reason`` instead where the profiler cannot run here."""
+def busy_ms(run: Callable[[], Any], iters: int, ahead: int = 1) -> dict[str, Any]:
+    """Device-busy ms per run of ``run`` (:func:`record_kernels`): ``median`` over GPUs and
+    their ``range`` [min, max]; ``reason`` instead where the profiler cannot run here."""
     if (why := unavailable_reason()) is not None:
         return {"reason": why}
-    _, kernels = record_kernels(run, iters)
-    busy = sorted(d["busy"] / 1e3 for d in per_device(kernels, iters).values())
+    _, kernels = record_kernels(run, iters, ahead=ahead)
+    busy = sorted(d["busy"] / 1e3 for d in per_device(kernels, iters * ahead).values())
     if not busy:
         return {"reason": "the profiler saw no kernel"}
     return {"median": statistics.median(busy), "range": [busy[0], busy[-1]]}

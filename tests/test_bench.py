@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,9 +63,24 @@ def test_benchmark_interleaves_and_counts_calls():
     calls.clear()
     timing.benchmark(fns, warmup=0, iters=2, interleave=False)
     assert calls == ["a", "a", "b", "b"]
+    calls.clear()  # ahead: each sample dispatches that many runs before it waits
+    stats = timing.benchmark(fns, warmup=0, iters=2, ahead=3)
+    assert calls == ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
+    assert all(len(s.samples_ms) == 2 for s in stats.values())
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"warmup": -1}, "warmup"), ({"iters": 0}, "iters")])
+def test_time_once_reports_ms_per_run_of_a_dispatched_group():
+    def slow():
+        time.sleep(0.004)
+        return np.zeros(1)
+
+    assert 4.0 <= timing.time_once(slow, ahead=3) < 12.0  # 12 ms for 3 runs, 4 ms a run
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"warmup": -1}, "warmup"), ({"iters": 0}, "iters"), ({"ahead": 0}, "ahead")],
+)
 def test_benchmark_rejects_bad_counts(kwargs, match):
     with pytest.raises(ValueError, match=match):
         timing.benchmark({"a": lambda: 0}, **kwargs)

@@ -186,6 +186,7 @@ def measure(
     ffi_reason: str | None = None,
     reference: jax.Array | None = None,
     device_time: Callable[[Callable[[], Any]], dict[str, Any]] | None = None,
+    ahead: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """Compile, check and time ``modes`` on one batch; ``{name: info}`` for each mode.
 
@@ -196,7 +197,7 @@ def measure(
     baseline's. ``device_time``: a timed run -> ``{"median", "range"}`` ms or ``{"reason"}``
     (``step_profile.busy_ms``), kept as ``device_ms``/``device_ms_range``/``device_reason``.
     ``info``: ``status``, ``reason``, ``compile_s``, ``split``, ``half_lengths``, ``tuning``,
-    errors and ``timing.Stats.summary``."""
+    errors and ``timing.Stats.summary`` (``ahead``: runs per sample, :func:`timing.time_once`)."""
     tp = decoder.tp
     fns: dict[str, Any] = {}
     info: dict[str, dict[str, Any]] = {}
@@ -229,7 +230,7 @@ def measure(
     _check(fns, info, table, tol, reference)
     timed = {n: fns[n] for n in modes if n in fns}
     if timed:
-        for name, stats in timing.benchmark(timed, warmup=warmup, iters=iters).items():
+        for name, stats in timing.benchmark(timed, warmup=warmup, iters=iters, ahead=ahead).items():
             info[name].update(stats.summary())
         if device_time is not None:
             for name, fn in timed.items():

@@ -1,7 +1,8 @@
 """Wall-clock timing of jitted JAX calls, shared by the main job and the benchmarks.
 
 Every function is timed the same way: a number of untimed warm-up calls, then ``iters`` timed
-calls, each ``fn()`` followed by ``jax.block_until_ready`` on its result. With several
+calls, each ``fn()`` followed by ``jax.block_until_ready`` on its result (or ``ahead`` calls
+dispatched back to back, then waited for). With several
 functions, the timed calls are interleaved round-robin so that clock or thermal drift during
 the run affects them all alike.
 """
@@ -65,13 +66,16 @@ class Stats:
         return out
 
 
-def time_once(fn: Callable[[], Any]) -> float:
-    """Run ``fn()`` once, wait for its result on the device, return the elapsed time in ms."""
+def time_once(fn: Callable[[], Any], ahead: int = 1) -> float:
+    """Run ``fn()`` ``ahead`` times back to back, wait for every result on the device, return
+    the elapsed ms per run. ``ahead`` > 1 dispatches each run while the ones before it execute,
+    as a server does, so the host's dispatch hides behind the devices' work where it is shorter.
+    """
     import jax
 
     start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return (time.perf_counter() - start) * 1e3
+    jax.block_until_ready([fn() for _ in range(ahead)])
+    return (time.perf_counter() - start) * 1e3 / ahead
 
 
 def benchmark(
@@ -81,35 +85,39 @@ def benchmark(
     iters: int = 20,
     interleave: bool = True,
     on_step: Callable[[], None] | None = None,
+    ahead: int = 1,
 ) -> dict[str, Stats]:
     """Time each zero-argument function of ``fns``; returns ``{name: Stats}``.
 
     ``fns``: name -> function returning JAX arrays (jitted; the warm-up calls may compile).
-    ``warmup`` (>= 0) untimed, then ``iters`` (>= 1) timed calls per function; ``interleave``:
-    round-robin (``a b c a b c``) rather than one after the other. ``on_step``: called after
-    every call, warm-up or timed, ``len(fns) * (warmup + iters)`` in all (e.g. a progress bar).
+    ``warmup`` (>= 0) untimed, then ``iters`` (>= 1) timed samples per function, each of
+    ``ahead`` runs dispatched back to back (:func:`time_once`); ``interleave``: round-robin
+    (``a b c a b c``) rather than one after the other. ``on_step``: called after every sample,
+    warm-up or timed, ``len(fns) * (warmup + iters)`` in all (e.g. a progress bar).
     """
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
+    if ahead < 1:
+        raise ValueError(f"ahead must be >= 1, got {ahead}")
     if not fns:
         raise ValueError("nothing to time: fns is empty")
     step = on_step or (lambda: None)
     for fn in fns.values():
         for _ in range(warmup):
-            time_once(fn)
+            time_once(fn, ahead)
             step()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     if interleave:
         for _ in range(iters):
             for name, fn in fns.items():
-                samples[name].append(time_once(fn))
+                samples[name].append(time_once(fn, ahead))
                 step()
     else:
         for name, fn in fns.items():
             for _ in range(iters):
-                samples[name].append(time_once(fn))
+                samples[name].append(time_once(fn, ahead))
                 step()
     return {name: Stats(tuple(values)) for name, values in samples.items()}
 
