@@ -2,7 +2,8 @@
 
 The decode batches of ``e2e_bench.py`` (one token per request, Llama-3.3-70B shapes,
 ``--layers`` layers) in ``--modes`` (default baseline, nocomm, weave-ffi, weave-ffi-sync). Per
-mode and batch, ``--iters`` steps run under PyTorch's profiler after three warm ones; per GPU:
+mode and batch, ``--iters`` x ``--ahead`` steps run under PyTorch's profiler after three warm
+ones (``--ahead`` dispatched back to back, then waited for, as a server does); per GPU:
 busy time (the union of its kernels), idle time between kernels by the gap's length (short
 gaps are launch latency, long ones the host between steps), kernels launched, device time by
 kernel class (``gemm``, ``fused`` collective, ``nccl``, ``other``), and the fused call's median
@@ -34,23 +35,24 @@ MODES = {
 }
 
 
-def per_gpu(run: Any, iters: int) -> tuple[float, dict[int, dict[str, float]]]:
+def per_gpu(run: Any, iters: int, ahead: int = 1) -> tuple[float, dict[int, dict[str, float]]]:
     """Host ms per step and, per device: ``busy``, ``launches``, each kernel class's us and
     ``idle_<gap class>`` (between kernels, by the gap's length) per step."""
-    wall_ms, kernels = _step_profile.record_kernels(run, iters)
-    out = _step_profile.per_device(kernels, iters)
+    wall_ms, kernels = _step_profile.record_kernels(run, iters, ahead=ahead)
+    runs = iters * ahead
+    out = _step_profile.per_device(kernels, runs)
     for dev, row in out.items():
         spans = [(k.start, k.end, k.name[:60]) for k in kernels if k.device == dev]
         for size, us in _step_profile.idle_gaps(spans)["classes_us"].items():
-            row[f"idle_{size}"] = us / iters
+            row[f"idle_{size}"] = us / runs
         fused = sorted(
             (k.start, k.device_us)
             for k in kernels
             if k.device == dev and _step_profile.kernel_class(k.name) == "fused"
         )
-        per_step = len(fused) // iters
-        if per_step > 1 and len(fused) == per_step * iters:  # each step's first call apart
-            steps = [fused[i * per_step : (i + 1) * per_step] for i in range(iters)]
+        per_step = len(fused) // runs
+        if per_step > 1 and len(fused) == per_step * runs:  # each step's first call apart
+            steps = [fused[i * per_step : (i + 1) * per_step] for i in range(runs)]
             row["fused_first_us"] = statistics.median(s[0][1] for s in steps)
             row["fused_rest_us"] = statistics.median(us for s in steps for _, us in s[1:])
     return wall_ms, out
@@ -63,7 +65,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="decoder layers")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="decode rows")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--iters", type=int, default=20, help="profiled steps per point")
+    ap.add_argument("--iters", type=int, default=20, help="profiled groups of steps per point")
+    ap.add_argument(
+        "--ahead", type=int, default=1, help="steps dispatched back to back per group (a server)"
+    )
     ap.add_argument("--out", type=Path, default=Path("decode_tp_profile"))
     args = ap.parse_args()
 
@@ -81,7 +86,7 @@ def main() -> None:
             run, _, _ = compile_forward(
                 decoder, plan, hidden, schedule=mode.schedule, collective=mode.collective
             )
-            wall, gpus = per_gpu(run, args.iters)
+            wall, gpus = per_gpu(run, args.iters, args.ahead)
             keys = ("busy", "idle_lt_2us", "idle_2_20us", "idle_ge_20us", "launches")
             med = {
                 k: statistics.median(g.get(k, 0.0) for g in gpus.values())
@@ -110,6 +115,7 @@ def main() -> None:
         tp=args.tp,
         layers=args.layers,
         iters=args.iters,
+        ahead=args.ahead,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         devices=[str(d) for d in jax.devices()[: args.tp]],
     )
