@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel import ops
 
-_step_profile = bm.sibling_module(__file__, "step_profile")  # busy_us (found under -P)
+_step_profile = bm.sibling_module(__file__, "step_profile")  # found under -P
 
 
 def chain(mesh: Mesh, impl: str, calls: int, algo: str | None, num_ctas: int | None):
@@ -80,24 +80,14 @@ class Profile(NamedTuple):
 
 
 def profile(fn, args, iters: int) -> Profile:
-    """Profiles ``iters`` runs of fn after two warm runs. In ``busy`` kernels that overlap, as
-    programmatic launches do, count once."""
-    import torch
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
-
-    jax.block_until_ready(fn(*args))  # compile + warm
-    jax.block_until_ready(fn(*args))
-    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            jax.block_until_ready(fn(*args))
-        torch.cuda.synchronize()
+    """Profiles ``iters`` runs of fn after two warm runs (``step_profile.record_kernels``). In
+    ``busy`` kernels that overlap, as programmatic launches do, count once."""
+    _, kernels = _step_profile.record_kernels(lambda: fn(*args), iters, warm=2)
     out: dict[tuple[int, str], float] = collections.defaultdict(float)
     spans: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
-    for e in prof.events():
-        if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
-            out[(e.device_index, e.name)] += e.device_time_total
-            spans[e.device_index].append((e.time_range.start, e.time_range.end))
+    for k in kernels:
+        out[(k.device, k.name)] += k.device_us
+        spans[k.device].append((k.start, k.end))
     return Profile(dict(out), {dev: _step_profile.busy_us(s) for dev, s in spans.items()})
 
 

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from jax_tokenweave.bench import timing
+
 FUSED = ("OneShot", "LocalRows", "TwoShot", "Direct", "Fused")
 """Name parts of this library's fused collective kernels."""
 GEMM = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_dot")
@@ -85,10 +87,7 @@ def record_kernels(
     for _ in range(warm):
         jax.block_until_ready(run())
     with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(iters):
-            jax.block_until_ready([run() for _ in range(ahead)])
-        wall_ms = (time.perf_counter() - start) * 1e3 / (iters * ahead)
+        wall_ms = statistics.mean(timing.time_once(run, ahead) for _ in range(iters))
         torch.cuda.synchronize()
     kernels = [
         Kernel(e.device_index, e.time_range.start, e.time_range.end, e.name, e.device_time_total)
@@ -160,13 +159,10 @@ def profile_steps(
     per step and the min / median / max device time of one launch; the idle stretches between
     kernels (:func:`idle_gaps`, classes per step). ``host_profile=False``: no cProfile (it
     slows the host, so the GPU may idle more)."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return {"status": "skipped", "reason": "PyTorch is not installed"}
-    if not torch.cuda.is_available():
-        return {"status": "skipped", "reason": "no CUDA GPU for PyTorch's profiler"}
+    if (why := unavailable_reason()) is not None:
+        return {"status": "skipped", "reason": why}
+    from torch.profiler import ProfilerActivity, profile
+
     host = cProfile.Profile() if host_profile else None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
