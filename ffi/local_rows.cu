@@ -180,7 +180,10 @@ constexpr int kLocalBlock = kThreads, kLocalU = 2;  // rows of 8192 bf16 in regi
 // while two CTAs a row fit in one wave. One H200, H = 8192 bf16, us at T = 16 / 24 / 32 / 48 /
 // 64 (benchmarks/results/2026-11-26-h200x1/sixth_session, four machines): 2.21 / 2.25-2.29 /
 // 2.31-2.36 / 2.47-2.55 / 2.67-2.79, against clusters of 8 2.18 / 2.34 / 2.53 and a block per
-// row 2.63 / 2.69 / 2.67 / 2.72-2.81 / 2.80-2.84.
+// row 2.63 / 2.69 / 2.67 / 2.72-2.81 / 2.80-2.84. The second read of the row costs 0.5 us at
+// T = 64, but each way measured to avoid it costs more (2026-11-27-h200x1, sixth session): a
+// cut across a cluster of two 3.1 us, a cluster-multicast bulk copy 2.9, halves that swap their
+// sums through global memory 3.0-3.1, bulk copies of the whole row 2.8.
 constexpr int kPairMinRows = 16;
 template <typename T>
 __global__ void __launch_bounds__(kLocalBlock)
