@@ -65,9 +65,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="decoder layers")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64], help="decode rows")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--iters", type=int, default=20, help="profiled groups of steps per point")
     ap.add_argument(
-        "--ahead", type=int, default=1, help="steps dispatched back to back per group (a server)"
+        "--iters", type=bm.positive_int, default=20, help="profiled groups of steps per point"
+    )
+    ap.add_argument(
+        "--ahead",
+        type=bm.positive_int,
+        default=1,
+        help="steps dispatched back to back per group (a server)",
     )
     ap.add_argument("--out", type=Path, default=Path("decode_tp_profile"))
     args = ap.parse_args()
