@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time weave-ffi with each of these CTA counts (weave-ffi@<n>; "
         "default: none, the tuning table's counts only)",
     )
+    p.add_argument(
+        "--algos",
+        nargs="+",
+        default=[],
+        choices=["one_shot", "two_shot", "direct", "ce"],
+        help="also time weave-ffi with each of these fused-call variants (weave-ffi[<algo>], "
+        "with each --ctas count if any; default: none, the tuning table's variant only)",
+    )
     bm.add_run_options(p, warmup=2, iters=7, unit="mode and batch")
     bm.add_sweep_options(p, plot="breakdown.png")
     return p
@@ -164,6 +172,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.parser.error(f"--tp {args.tp} does not fit --model {args.model}: {err}")
     modes = {n: MODES[n] for n in args.modes}
     modes.update({m.name: m for m in (Mode("weave", "ffi", split=True, ctas=c) for c in args.ctas)})
+    forced = [
+        Mode("weave", "ffi", split=True, ctas=c, algo=a)
+        for a in args.algos
+        for c in args.ctas or [None]
+    ]
+    modes.update({m.name: m for m in forced})
     seed = args.seed if args.seed is not None else bm.resolve_seed()
     dtype, tol = bm.DTYPES[args.dtype], bm.TOLERANCE[args.dtype]
     mesh = bm.make_mesh(devices, args.tp)

@@ -13,7 +13,10 @@ inputs before timing. With ``--device-time`` each configuration is also profiled
 (torch.profiler: the GPU's busy time over the chain, the union of its kernels' intervals, per
 GPU, median over GPUs; see ``profile_kernels.py``), and bandwidth uses that time. Bandwidth:
 ``busbw = 2 (N-1)/N * T*H*bytes / time`` (the all-reduce convention), and
-``algbw = T*H*bytes / time``. ``--write-policy PATH`` writes the size table ``auto`` reads
+``algbw = T*H*bytes / time``. ``ce`` rows (copy engines) keep wall time (the profiler does
+not see stream waits) and report their floor: the copies they need at the copy-engine
+bandwidth measured in the same run (``copy_floor_us``, ``over_copy_floor``).
+``--write-policy PATH`` writes the size table ``auto`` reads
 (``jax_tokenweave/kernel/policy.json`` format) from the fastest ffi variant and CTA count at each
 measured size, keeping the TP degrees it did not measure (``policy_table.py`` does the same from
 saved results).
@@ -198,7 +201,9 @@ def main():
         )
         if impl in FUSED:  # what ran: auto's variant, the policy's count
             row["ran_algo"], row["ran_ctas"] = _fused_choice(mesh, impl, dtype, (t, h), ctas, algo)
-        if args.device_time:
+        if row.get("ran_algo") == "ce":  # its floor: the copies it needs at the engines' rate
+            row.update(_copy_floor(mesh, q * h * dtype.itemsize, sec))
+        if args.device_time and row.get("ran_algo") != "ce":
             row["device_us"] = profiling.device_us_per_call(fn, (part, res, w), args.reps, iters)
             sec = row["device_us"] / 1e6
         row.update(algbw_gbs=nbytes / sec / 1e9, busbw_gbs=2 * (tp - 1) / tp * nbytes / sec / 1e9)
@@ -215,6 +220,25 @@ def main():
     if args.write_policy:
         _table.write(rows, meta, args.write_policy)
         print(f"policy table written to {args.write_policy}")
+
+
+@functools.cache
+def _copy_bandwidth(ordinals: tuple[int, ...], nbytes: int) -> float:
+    """GB/s of each GPU's copy-engine copy of ``nbytes`` into the next one, all at once."""
+    from jax_tokenweave.kernel import _extension
+
+    return _extension.get().copy_bandwidth(list(ordinals), nbytes, 10)
+
+
+def _copy_floor(mesh, slice_bytes: int, sec: float) -> dict:
+    """A ``ce`` row's floor: its reduce-scatter and all-gather each bring (N-1) slices of
+    ``slice_bytes`` into every GPU, at the copy bandwidth measured now for one slice. The
+    profiler does not see stream waits, so these rows keep wall time only."""
+    n = mesh.devices.size
+    ordinals = tuple(d.local_hardware_id for d in mesh.devices.flat)
+    gbs = _copy_bandwidth(ordinals, slice_bytes)
+    floor = 2 * (n - 1) * slice_bytes / (gbs * 1e9)
+    return dict(copy_gbs=gbs, copy_floor_us=floor * 1e6, over_copy_floor=sec / floor)
 
 
 def _fused_choice(mesh, impl, dtype, shape, ctas, algo) -> tuple[str, int]:
@@ -255,15 +279,17 @@ def _markdown(out, meta, rows):
         "",
         meta["method"],
         "",
-        "| TP | H | T | impl | CTAs | algo | us/call (wall) | us/call (device) | busbw GB/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| TP | H | T | impl | CTAs | algo | us/call (wall) | us/call (device) | busbw GB/s "
+        "| copy floor us (x) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         dev = f"{r['device_us']:.1f}" if "device_us" in r else "-"
+        floor = f"{r['copy_floor_us']:.1f} ({r['over_copy_floor']:.2f}x)" if "copy_gbs" in r else ""
         ctas, algo = _shown(r)
         lines.append(
             f"| {r['tp']} | {r['hidden']} | {r['tokens']} | {r['impl']} | {ctas} | {algo} | "
-            f"{r['us']:.1f} | {dev} | {r['busbw_gbs']:.1f} |"
+            f"{r['us']:.1f} | {dev} | {r['busbw_gbs']:.1f} | {floor} |"
         )
     lines += [
         "",

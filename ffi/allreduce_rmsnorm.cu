@@ -206,6 +206,7 @@ cudaError_t PreloadKernels() {
   for (cudaError_t e : {PreloadFor<float>(), PreloadFor<__half>(), PreloadFor<__nv_bfloat16>()})
     if (e != cudaSuccess) return e;
   if (cudaError_t e = PreloadLocalRowsKernels(); e != cudaSuccess) return e;
+  if (cudaError_t e = PreloadCeKernels(); e != cudaSuccess) return e;
   return PreloadOneShotKernels();
 }
 
@@ -215,6 +216,7 @@ cudaError_t LaunchAllreduceRmsnorm(const KernelParams& p, DType dtype, Algo algo
       !ResidualReplicatedFits(p.nranks, p.tokens, p.hidden, dtype, algo, multimem, num_ctas))
     return cudaErrorInvalidValue;  // the handlers refuse it first, with the reason
   if (p.nranks == 1 && !multimem) return LaunchLocalRows(p, dtype, stream);
+  if (algo == Algo::kCopyEngine) return cudaErrorInvalidValue;  // stream work: IssueCopyEngineCall
   if (algo == Algo::kOneShot && !multimem) return LaunchOneShot(p, dtype, num_ctas, stream);
   switch (dtype) {
     case DType::kF32: return Launch<float>(p, algo, multimem, num_ctas, stream);

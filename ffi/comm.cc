@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <stdexcept>
 
@@ -26,6 +27,7 @@ constexpr int64_t kAlign = 256;
 int64_t AlignUp(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 int64_t FlagsPerSlot() { return static_cast<int64_t>(kNumBarriers) * kMaxRanks * kMaxCtas; }
+int64_t CeFlagsPerSlot() { return 2 * kMaxRanks; }  // [phase][sender]
 
 // Never destroyed: a Comm's destructor calls CUDA, which must not run from static destructors
 // at process exit (the CUDA runtime may be gone by then; seen crashing). The driver frees
@@ -42,16 +44,28 @@ int64_t g_next_id = 1;
 std::string FailureMessage(const Comm& comm) {
   const ErrorRecord& e = *comm.error_record();
   if (!e.failed) return "";
-  static const char* kStages[] = {"barrier 0", "barrier 1", "one-shot data"};
-  const char* stage = e.stage >= 0 && e.stage < 3 ? kStages[e.stage] : "?";
+  static const char* kStages[] = {"barrier 0", "barrier 1", "one-shot data",
+                                  "copy-engine reduce-scatter", "copy-engine all-gather"};
+  const char* stage = e.stage >= 0 && e.stage < 5 ? kStages[e.stage] : "?";
+  const bool ce = e.stage == kStageCeScatter || e.stage == kStageCeGather;
   char bound[32];
   std::snprintf(bound, sizeof(bound), "%g", comm.options().timeout_s);
-  std::string s = "jax-tokenweave: a fused kernel's cross-GPU wait expired (bound " +
-                  std::string(bound) + " s) on device " + std::to_string(e.device) + " (rank " +
-                  std::to_string(e.rank) + ", slot " + std::to_string(e.slot) + ", " + stage +
-                  "): rank " + std::to_string(e.peer);
+  std::string s = std::string("jax-tokenweave: a fused ") + (ce ? "call" : "kernel") +
+                  "'s cross-GPU wait expired (bound " + std::string(bound) + " s) on device " +
+                  std::to_string(e.device) + " (rank " + std::to_string(e.rank) + ", slot " +
+                  std::to_string(e.slot) + ", " + stage + "): rank " + std::to_string(e.peer);
   if (e.block >= 0) s += " (block " + std::to_string(e.block) + ")";
-  s += " was missing at epoch " + std::to_string(e.epoch) + "; its kernel last began epoch " +
+  if (ce && e.seen == 1)
+    return "jax-tokenweave: another rank failed the group (its cross-GPU wait expired; that "
+           "process reports which) while device " +
+           std::to_string(e.device) + " (rank " + std::to_string(e.rank) + ", slot " +
+           std::to_string(e.slot) + ", " + stage + ") waited for rank " + std::to_string(e.peer) +
+           ". The communicator is unusable: outputs of later calls are NaN and every later "
+           "launch fails; jax_tokenweave.comm.reset_communicators() (in every process) frees it "
+           "and starts over";
+  s += " was missing at " + std::string(ce ? "copy-engine call " : "epoch ") +
+       std::to_string(e.epoch) + "; its " +
+       (ce ? "reduce kernel last began call " : "kernel last began epoch ") +
        std::to_string(e.peer_entered);
   s += static_cast<int32_t>(e.peer_entered - e.epoch) < 0
            ? " (it never started this call: its host did not issue it, or its stream was "
@@ -99,6 +113,11 @@ Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options
     throw std::runtime_error(
         "jax-tokenweave: need num_slots >= 1, a data area of >= 256 bytes and a one-shot buffer "
         "of at most 2 GiB, both multiples of 256");
+  if (options_.ce_bytes < 0 || options_.ce_bytes % kAlign != 0)
+    throw std::runtime_error(
+        "jax-tokenweave: the copy-engine staging area must be >= 0 bytes, a multiple of 256");
+  if (options_.ce_bytes > 0 && options_.loopback)
+    throw std::runtime_error("jax-tokenweave: a loopback comm has no copy-engine calls");
   if (!(options_.timeout_s > 0))
     throw std::runtime_error("jax-tokenweave: the wait bound (timeout_s) must be > 0");
   if (options_.loopback && (options_.multimem || n != group_size_))
@@ -189,8 +208,11 @@ void Comm::EnablePeerAccess() {
 // cross-process comm puts all three in one exportable allocation: [sync | data | oneshot].
 int64_t Comm::SyncBytes() const {
   return AlignUp(options_.num_slots * sizeof(SlotControl)) + AlignUp(sizeof(RankControl)) +
-         AlignUp(options_.num_slots * FlagsPerSlot() * sizeof(uint32_t));
+         AlignUp(options_.num_slots * FlagsPerSlot() * sizeof(uint32_t)) +
+         AlignUp(options_.num_slots * CeFlagsPerSlot() * sizeof(uint32_t));
 }
+
+int64_t Comm::CeTotal() const { return options_.num_slots * options_.ce_bytes; }
 
 int64_t Comm::DataBytes() const { return 2 * options_.num_slots * options_.area_bytes; }
 
@@ -203,20 +225,24 @@ void Comm::CarveSync(DeviceState& d, char* base) const {
   d.sync = base;
   d.ctl = reinterpret_cast<SlotControl*>(base);
   d.rank_ctl = reinterpret_cast<RankControl*>(base + ctl_bytes);
-  d.flags = reinterpret_cast<uint32_t*>(base + ctl_bytes + AlignUp(sizeof(RankControl)));
+  char* flags = base + ctl_bytes + AlignUp(sizeof(RankControl));
+  d.flags = reinterpret_cast<uint32_t*>(flags);
+  d.ce_flags = reinterpret_cast<uint32_t*>(
+      flags + AlignUp(options_.num_slots * FlagsPerSlot() * sizeof(uint32_t)));
 }
 
 void Comm::CarveShared(DeviceState& d, char* base) const {
   CarveSync(d, base);
   d.data = base + SyncBytes();
   d.oneshot = OneShotTotal() > 0 ? d.data + DataBytes() : nullptr;
+  d.ce = CeTotal() > 0 ? d.data + DataBytes() + OneShotTotal() : nullptr;
 }
 
 void Comm::Allocate(DeviceState& d) {
   TW_THROW_CHECK(cudaSetDevice(d.ordinal));
   TW_THROW_CHECK(PreloadKernels());
   if (HasRemote(d.group)) {  // peers in other processes map it: exportable memory
-    d.shared = AllocShared(d.ordinal, SyncBytes() + DataBytes() + OneShotTotal());
+    d.shared = AllocShared(d.ordinal, SyncBytes() + DataBytes() + OneShotTotal() + CeTotal());
     CarveShared(d, d.shared.ptr);
   } else {
     char* sync = nullptr;
@@ -226,8 +252,17 @@ void Comm::Allocate(DeviceState& d) {
       TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.data), DataBytes()));
     if (OneShotTotal() > 0)
       TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.oneshot), OneShotTotal()));
+    if (CeTotal() > 0) TW_THROW_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ce), CeTotal()));
   }
   TW_THROW_CHECK(cudaMemset(d.sync, 0, SyncBytes()));
+  const uint32_t one = 1;  // the copy-engine signals' source word
+  TW_THROW_CHECK(cudaMemcpy(&d.rank_ctl->one, &one, sizeof(one), cudaMemcpyHostToDevice));
+  if (CeTotal() > 0) {  // the watchdog's view of each slot (written by the GPU)
+    TW_THROW_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.watch),
+                                 options_.num_slots * sizeof(CeWatch),
+                                 cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(static_cast<void*>(d.watch), 0, options_.num_slots * sizeof(CeWatch));
+  }
   if (OneShotTotal() > 0) TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, OneShotTotal(), nullptr));
   TW_THROW_CHECK(cudaDeviceSynchronize());
 }
@@ -244,7 +279,7 @@ int Comm::ExportFd(int index, int64_t* bytes) {
 }
 
 void Comm::Import(int index, int fd, int64_t bytes) {
-  const int64_t need = SyncBytes() + DataBytes() + OneShotTotal();
+  const int64_t need = SyncBytes() + DataBytes() + OneShotTotal() + CeTotal();
   DeviceState* local = nullptr;
   if (cross_process_ && index >= 0 && index < num_devices() && devs_[index]->ordinal < 0)
     for (int r = 0; r < group_size_; ++r) {
@@ -299,7 +334,11 @@ void Comm::Fill(const DeviceState& d, int slot, KernelParams& p) const {
     p.flags[r] = peer.flags + slot * FlagsPerSlot();
     p.ctl[r] = peer.ctl + slot;
     p.rank_ctl[r] = peer.rank_ctl;
+    p.ce[r] = peer.ce != nullptr ? peer.ce + slot * options_.ce_bytes : nullptr;
+    p.ce_flags[r] = peer.ce_flags != nullptr ? peer.ce_flags + slot * CeFlagsPerSlot() : nullptr;
   }
+  p.watch = d.watch != nullptr ? d.watch + slot : nullptr;
+  p.ce_bytes = options_.ce_bytes;
   p.mc_data = d.mc_data != nullptr ? d.mc_data + data_off : nullptr;
   p.err = err_;
   p.area_bytes = options_.area_bytes;
@@ -355,7 +394,16 @@ bool ReleaseComm(int64_t id) {
   return true;
 }
 
+void Comm::EnsureWatchdog() {
+  std::lock_guard<std::mutex> lock(watchdog_mu_);
+  if (watchdog_ == nullptr) watchdog_ = std::make_unique<CeWatchdog>(*this);
+}
+
+// The copy-engine staging areas stay: a command-buffer replay of a copy-engine call copies into
+// them whatever the failure word says (its kernels only poison outputs). The watchdog keeps
+// releasing such a replay's waits at once.
 void Comm::Retire() {
+  retired_ = true;
   DeviceGuard guard;
   for (auto& d : devs_) {  // best effort: errors here have nowhere to go
     if (d->ordinal < 0 || cudaSetDevice(d->ordinal) != cudaSuccess) continue;

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "ce_watch.h"
 #include "common.h"
 #include "shared_alloc.h"
 
@@ -21,6 +22,7 @@ namespace tokenweave {
 struct CommOptions {
   int64_t area_bytes = 0;     // one parity of a slot's two-shot/direct data area
   int64_t oneshot_bytes = 0;  // one of a slot's kLamportBuffers one-shot receive buffers
+  int64_t ce_bytes = 0;       // a slot's copy-engine staging area (0: no copy-engine calls)
   int num_slots = 0;
   double timeout_s = 0;   // bound on every cross-rank wait
   bool multimem = false;  // opt-in; refused where NCCL_NVLS_ENABLE=0
@@ -34,10 +36,14 @@ struct DeviceState {
   SharedAlloc shared;          // cross-process comms: the workspace, [sync | data | oneshot]
   char* data = nullptr;        // num_slots * 2 parities * area_bytes
   char* oneshot = nullptr;     // num_slots * kLamportBuffers * oneshot_bytes
+  char* ce = nullptr;          // num_slots * ce_bytes: copy-engine staging (kept at Retire)
   char* sync = nullptr;        // SlotControl[num_slots], RankControl, flags
   SlotControl* ctl = nullptr;  // [num_slots]
   RankControl* rank_ctl = nullptr;
   uint32_t* flags = nullptr;             // num_slots * kNumBarriers * kMaxRanks * kMaxCtas
+  uint32_t* ce_flags = nullptr;          // num_slots * 2 phases * kMaxRanks (copy engine)
+  CeWatch* watch = nullptr;              // num_slots, host-mapped (local devices with ce)
+  cudaStream_t watch_stream = nullptr;   // the watchdog's stream on this device (lazy)
   char* mc_data = nullptr;               // multicast mapping of `data` (multimem comms only)
   std::mutex mu;                         // guards the lazily created stream and events
   cudaStream_t side = nullptr;           // high-priority stream of the start/done pair
@@ -82,6 +88,9 @@ class Comm {
   int num_devices() const { return static_cast<int>(devs_.size()); }
   const CommOptions& options() const { return options_; }
   ErrorRecord* error_record() const { return err_; }
+  // Starts the copy-engine watchdog (once; the first copy-engine launch does).
+  void EnsureWatchdog();
+  bool retired() const { return retired_.load(); }
   // Host-side launches issued so far by the handlers (an XLA command buffer replay issues none).
   int64_t launches() const;  // the sum of every device's `issued`
   // What the host issued on the failed wait's slot to the missing rank and to the waiting
@@ -94,6 +103,7 @@ class Comm {
   int64_t SyncBytes() const;                           // SlotControl[slots] | RankControl | flags
   int64_t DataBytes() const;                           // slots x 2 parities x area_bytes
   int64_t OneShotTotal() const;                        // slots x kLamportBuffers x oneshot_bytes
+  int64_t CeTotal() const;                             // slots x ce_bytes
   void CarveSync(DeviceState& d, char* base) const;    // the sync pointers from `base`
   void CarveShared(DeviceState& d, char* base) const;  // [sync | data | oneshot] from `base`
   bool HasRemote(int group) const;                     // the group holds devices of other processes
@@ -104,6 +114,9 @@ class Comm {
   CommOptions options_;
   std::vector<std::unique_ptr<DeviceState>> devs_;  // in `ordinals_` order
   ErrorRecord* err_ = nullptr;
+  std::atomic<bool> retired_{false};
+  std::mutex watchdog_mu_;
+  std::unique_ptr<CeWatchdog> watchdog_;
 };
 
 // Registers (or finds) the comm for these CUDA ordinals, in group order, `group_size` devices

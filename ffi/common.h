@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace tokenweave {
 
@@ -15,6 +16,7 @@ constexpr int kMaxCtas = 64;  // largest grid of the barrier kernels (per-block 
 // GPU and must all be resident at once (8 ranks x 32 blocks of 512 threads fill an H100).
 constexpr int kMaxLoopbackCtas = 32;
 constexpr int kMaxOneShotCtas = 128;  // largest grid of the one-shot kernel (no flags)
+constexpr int kMaxCeCtas = 132;       // largest grid of the copy-engine call's reduce kernel
 constexpr int kMinCtas = 1;
 constexpr int kThreads = 512;  // threads per block
 constexpr int kMaxHidden = 16384;
@@ -28,7 +30,7 @@ constexpr int kLamportBuffers = 3;  // one-shot receive buffers per slot, rotate
 constexpr uint32_t kSentinel = 0x80008000u;
 constexpr uint32_t kSentinelReplacement = 0x80000000u;
 
-enum class Algo : int32_t { kTwoShot = 1, kOneShot = 2, kDirect = 3 };
+enum class Algo : int32_t { kTwoShot = 1, kOneShot = 2, kDirect = 3, kCopyEngine = 4 };
 enum class DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 // Per (rank, slot), in device memory. Advanced only by the kernels (the last block of a call
@@ -41,7 +43,8 @@ struct SlotControl {
   unsigned long long word;
   uint32_t entered;  // epoch of the last call whose kernel began here (read by peers)
   uint32_t oneshot_used[kLamportBuffers];  // bytes the last call through each buffer used
-  uint32_t pad[2];
+  uint32_t ce_calls;  // copy-engine calls whose reduce kernel began here (read by the watchdog)
+  uint32_t pad;
 };
 static_assert(sizeof(SlotControl) == 32, "SlotControl layout");
 
@@ -50,8 +53,19 @@ static_assert(sizeof(SlotControl) == 32, "SlotControl layout");
 // returns at once, and the handlers refuse to launch.
 struct RankControl {
   uint32_t failed;
-  uint32_t pad[7];
+  uint32_t one;  // always 1: the source word of the copy-engine call's signals (copied to peers)
+  uint32_t pad[6];
 };
+
+// Where a copy-engine call of one (device, slot) stands, host-mapped: the call's stream writes
+// `phase` with stream memory operations before and after each cross-GPU wait, its reduce kernel
+// writes `calls`. The communicator's watchdog reads them (ce_watch.h). phase = CePhase | peer << 8.
+struct CeWatch {
+  volatile uint32_t phase;
+  volatile uint32_t calls;
+  uint32_t pad[2];
+};
+enum CePhase : uint32_t { kCeIdle = 0, kCeWaitScatter = 1, kCeReduce = 2, kCeWaitGather = 3 };
 
 // Host-mapped (cudaHostAlloc): the first wait that expired describes itself here; the host
 // reads it before every launch and turns it into an FFI error.
@@ -75,10 +89,14 @@ struct KernelParams {
   uint32_t* flags[kMaxRanks];  // this slot's barrier flags on every rank
   SlotControl* ctl[kMaxRanks];
   RankControl* rank_ctl[kMaxRanks];
-  char* mc_data;  // multicast mapping of this slot's area (multimem only)
+  char* ce[kMaxRanks];            // this slot's copy-engine staging area on every rank
+  uint32_t* ce_flags[kMaxRanks];  // this slot's copy-engine flags [2 phases][kMaxRanks] per rank
+  CeWatch* watch;                 // this device's and slot's watch record (host-mapped)
+  char* mc_data;                  // multicast mapping of this slot's area (multimem only)
   ErrorRecord* err;
   int64_t area_bytes;                          // one parity of `data`
   int64_t oneshot_bytes;                       // one one-shot buffer
+  int64_t ce_bytes;                            // one slot's copy-engine staging area
   int32_t rank, nranks, tokens, hidden, rows;  // rows = q = ceil(T / N)
   int32_t device, slot;
   int32_t weight_in_dtype;  // 1: weight has the rows' dtype (bf16/f16); 0: float32
@@ -90,7 +108,13 @@ struct KernelParams {
 };
 
 // Wait stages named in timeout reports.
-enum Stage : int32_t { kStageBarrier0 = 0, kStageBarrier1 = 1, kStageOneShotData = 2 };
+enum Stage : int32_t {
+  kStageBarrier0 = 0,
+  kStageBarrier1 = 1,
+  kStageOneShotData = 2,
+  kStageCeScatter = 3,  // a copy-engine call's wait for its peers' reduce-scatter rows
+  kStageCeGather = 4,   // its wait for the peers' normed rows
+};
 
 // Bytes of the per-call working memory each algorithm needs, for N ranks, T tokens,
 // q = ceil(T/N) rows, H hidden, itemsize es. The Python side asks the extension for these.
@@ -102,6 +126,11 @@ inline int64_t OneShotBytes(int64_t n, int64_t tokens, int64_t rows, int64_t hid
   return (n - 1) * (tokens + rows) * hidden * es;
 }
 constexpr int64_t kDirectBytes = 16;  // the mailbox with this rank's two buffer addresses
+// A copy-engine call's staging area on each rank: the (N-1) peers' slices of its q rows, then its
+// own q normed rows, which the peers pull.
+inline int64_t CopyEngineBytes(int64_t n, int64_t rows, int64_t hidden, int64_t es) {
+  return n * rows * hidden * es;
+}
 inline int64_t MultimemBytes(int64_t n, int64_t tokens, int64_t hidden, int64_t es) {
   return 2 * n * ((tokens + n - 1) / n) * hidden * es;
 }
@@ -127,6 +156,15 @@ inline bool ResidualReplicatedFits(int nranks, int tokens, int hidden, DType dty
 // comm of one rank takes it, whatever the algo and CTA count asked for.
 cudaError_t LaunchLocalRows(const KernelParams& p, DType dtype, cudaStream_t stream);
 cudaError_t PreloadLocalRowsKernels();
+// The copy-engine call (ce.cu, ce_call.cc): reduce-scatter and all-gather by copy engine around
+// one local reduce + norm kernel. IssueCopyEngineCall returns "" or why it failed.
+std::string IssueCopyEngineCall(const KernelParams& p, DType dtype, int num_ctas,
+                                cudaStream_t stream);
+cudaError_t LaunchCeReduce(const KernelParams& p, DType dtype, int num_ctas, cudaStream_t stream);
+cudaError_t LaunchCeFinish(const KernelParams& p, DType dtype, cudaStream_t stream);
+cudaError_t PreloadCeKernels();
+// GB/s one device's copy engine moves into the next device's memory, all devices at once.
+double MeasureCopyBandwidth(const std::vector<int>& ordinals, int64_t bytes, int reps);
 // Loads every kernel of the extension into the current device's context (see
 // allreduce_rmsnorm.cu: a lazy load behind a spinning kernel can stall a launch).
 cudaError_t PreloadKernels();

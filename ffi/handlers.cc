@@ -107,7 +107,12 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
   if (slot < 0 || slot >= opt.num_slots)
     return Invalid("slot " + std::to_string(slot) + " out of range [0, " +
                    std::to_string(opt.num_slots) + ")");
-  if (algo < 1 || algo > 3) return Invalid("algo must be 1 (two-shot), 2 (one-shot) or 3 (direct)");
+  if (algo < 1 || algo > 4)
+    return Invalid("algo must be 1 (two-shot), 2 (one-shot), 3 (direct) or 4 (copy engine)");
+  const bool ce = algo == static_cast<int>(Algo::kCopyEngine);
+  if (ce && opt.multimem) return Invalid("the copy-engine variant runs on comms without multimem");
+  if (ce && opt.ce_bytes == 0)
+    return Invalid("the communicator has no copy-engine staging area (ce_mib = 0)");
   if (comm.cross_process() && algo == static_cast<int>(Algo::kDirect))
     return Invalid(
         "algo direct reads XLA's buffers by address, which another process cannot "
@@ -116,7 +121,9 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
     return Invalid(
         "the communicator's peers in other processes are not mapped yet (connect "
         "it first: jax_tokenweave.comm.Communicator.comm_id does)");
-  const int max_ctas = algo == static_cast<int>(Algo::kOneShot) ? kMaxOneShotCtas : kMaxCtas;
+  const int max_ctas = algo == static_cast<int>(Algo::kOneShot) ? kMaxOneShotCtas
+                       : ce                                     ? kMaxCeCtas
+                                                                : kMaxCtas;
   if (num_ctas < kMinCtas || num_ctas > max_ctas)
     return Invalid("num_ctas must be in [" + std::to_string(kMinCtas) + ", " +
                    std::to_string(max_ctas) + "] for this algo, got " + std::to_string(num_ctas));
@@ -135,8 +142,12 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
   const Algo a = static_cast<Algo>(algo);
   const int64_t es = call->dtype == DType::kF32 ? 4 : 2;
   int64_t need, have;
+  const char* area = a == Algo::kOneShot ? "one-shot buffer" : "data area";
   if (opt.multimem) {
     need = MultimemBytes(n, tokens, hidden, es), have = opt.area_bytes;
+  } else if (ce) {
+    need = CopyEngineBytes(n, rows, hidden, es), have = opt.ce_bytes;
+    area = "copy-engine staging area";
   } else if (a == Algo::kOneShot) {
     need = OneShotBytes(n, tokens, replicated ? 0 : rows, hidden, es), have = opt.oneshot_bytes;
   } else {
@@ -145,9 +156,8 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
   }
   if (need > have)
     return Invalid("[" + std::to_string(tokens) + ", " + std::to_string(hidden) + "] needs " +
-                   std::to_string(need) + " bytes of " +
-                   (a == Algo::kOneShot ? "one-shot buffer" : "data area") +
-                   " per slot, the communicator has " + std::to_string(have));
+                   std::to_string(need) + " bytes of " + area + " per slot, the communicator has " +
+                   std::to_string(have));
   call->algo = a;
   call->num_ctas = num_ctas;
 
@@ -169,6 +179,12 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
 
 ffi::Error Launch(Call& c, cudaStream_t stream) {
   c.dev->issued[c.params.slot].fetch_add(1, std::memory_order_relaxed);
+  if (c.algo == Algo::kCopyEngine && c.params.nranks > 1) {
+    c.comm->EnsureWatchdog();
+    if (std::string why = IssueCopyEngineCall(c.params, c.dtype, c.num_ctas, stream); !why.empty())
+      return ffi::Error::Internal(why);
+    return ffi::Error::Success();
+  }
   TW_FFI_CHECK(LaunchAllreduceRmsnorm(c.params, c.dtype, c.algo, c.comm->options().multimem,
                                       c.num_ctas, stream));
   return ffi::Error::Success();

@@ -3,6 +3,7 @@
 // the loopback test harness. Importing it calls no CUDA function.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cuda_runtime_api.h>
@@ -10,6 +11,8 @@
 #include <stdexcept>
 
 #include "attention_handlers.h"
+#include "ce_plan.h"
+#include "ce_watch.h"
 #include "comm.h"
 #include "common.h"
 #include "handlers.h"
@@ -32,6 +35,7 @@ Algo ParseAlgo(const std::string& algo) {
   if (algo == "two_shot") return Algo::kTwoShot;
   if (algo == "one_shot") return Algo::kOneShot;
   if (algo == "direct") return Algo::kDirect;
+  if (algo == "ce") return Algo::kCopyEngine;
   throw std::invalid_argument("jax-tokenweave: unknown algo '" + algo + "'");
 }
 
@@ -73,11 +77,13 @@ NB_MODULE(_tokenweave_ffi, m) {
   m.def(
       "register_comm",
       [](const std::vector<int>& ordinals, int group_size, int64_t area_bytes,
-         int64_t oneshot_bytes, int num_slots, double timeout_s, bool multimem, bool loopback) {
+         int64_t oneshot_bytes, int num_slots, double timeout_s, bool multimem, bool loopback,
+         int64_t ce_bytes) {
         nb::gil_scoped_release release;
         CommOptions o;
         o.area_bytes = area_bytes;
         o.oneshot_bytes = oneshot_bytes;
+        o.ce_bytes = ce_bytes;
         o.num_slots = num_slots;
         o.timeout_s = timeout_s;
         o.multimem = multimem;
@@ -86,10 +92,11 @@ NB_MODULE(_tokenweave_ffi, m) {
       },
       nb::arg("ordinals"), nb::arg("group_size"), nb::arg("area_bytes"), nb::arg("oneshot_bytes"),
       nb::arg("num_slots"), nb::arg("timeout_s"), nb::arg("multimem") = false,
-      nb::arg("loopback") = false,
+      nb::arg("loopback") = false, nb::arg("ce_bytes") = 0,
       "Allocates a new communicator on the devices (CUDA ordinals in group order; -1 for a "
       "device of another process; with loopback, one ordinal repeated group_size times) and "
-      "enables peer access within each group; returns its id.");
+      "enables peer access within each group; returns its id. ce_bytes: each slot's "
+      "copy-engine staging area (0: no copy-engine calls).");
   m.def(
       "export_workspace",
       [](int64_t id, int index) {
@@ -149,13 +156,14 @@ NB_MODULE(_tokenweave_ffi, m) {
           case Algo::kOneShot:
             return OneShotBytes(n, tokens, residual_replicated ? 0 : rows, hidden, itemsize);
           case Algo::kDirect: return kDirectBytes;
+          case Algo::kCopyEngine: return CopyEngineBytes(n, rows, hidden, itemsize);
           default: return TwoShotBytes(n, rows, hidden, itemsize);
         }
       },
       nb::arg("algo"), nb::arg("n"), nb::arg("tokens"), nb::arg("hidden"), nb::arg("itemsize"),
       nb::arg("multimem") = false, nb::arg("residual_replicated") = false,
       "Bytes of the per-slot working memory a call needs: the one-shot buffer for 'one_shot', "
-      "the data area otherwise.");
+      "the copy-engine staging area for 'ce', the data area otherwise.");
   m.def(
       "residual_replicated_fits",
       [](int n, int tokens, int hidden, const std::string& dtype, const std::string& algo,
@@ -173,6 +181,7 @@ NB_MODULE(_tokenweave_ffi, m) {
     d["min_ctas"] = kMinCtas;
     d["max_ctas"] = kMaxCtas;
     d["max_oneshot_ctas"] = kMaxOneShotCtas;
+    d["max_ce_ctas"] = kMaxCeCtas;
     d["max_loopback_ctas"] = kMaxLoopbackCtas;
     d["max_hidden"] = kMaxHidden;
     d["threads"] = kThreads;
@@ -182,9 +191,49 @@ NB_MODULE(_tokenweave_ffi, m) {
     algos["two_shot"] = static_cast<int>(Algo::kTwoShot);
     algos["one_shot"] = static_cast<int>(Algo::kOneShot);
     algos["direct"] = static_cast<int>(Algo::kDirect);
+    algos["ce"] = static_cast<int>(Algo::kCopyEngine);
     d["algos"] = algos;
     return d;
   });
+  m.def(
+      "ce_plan",
+      [](int rank, int n, int64_t tokens, int64_t row_bytes) {
+        static const char* kKinds[] = {"scatter_copy", "signal",      "mark",  "wait",
+                                       "reduce",       "gather_copy", "finish"};
+        if (n < 1 || n > kMaxRanks || rank < 0 || rank >= n || tokens < 1 || row_bytes < 1)
+          throw std::invalid_argument("jax-tokenweave: ce_plan needs 0 <= rank < n <= 8, T, rb");
+        nb::list ops;
+        for (const CeOp& op : CePlan(rank, n, tokens, row_bytes))
+          ops.append(nb::make_tuple(kKinds[op.kind], op.peer, op.phase, op.src, op.dst, op.bytes,
+                                    op.mark));
+        return ops;
+      },
+      nb::arg("rank"), nb::arg("n"), nb::arg("tokens"), nb::arg("row_bytes"),
+      "The copy-engine call of `rank` as (kind, peer, phase, src, dst, bytes, mark) tuples, in "
+      "stream order (ffi/ce_plan.h).");
+  m.def(
+      "ce_stuck_waits",
+      [](const std::vector<std::tuple<uint32_t, uint32_t, double, bool>>& seen, double bound,
+         double retry) {
+        WaitTracker t;
+        std::vector<bool> out;
+        for (const auto& [phase, calls, now, failed] : seen) {
+          const bool stuck = StuckWait(t, phase, calls, now, bound, failed, retry);
+          if (stuck) t.since = now;  // as the watchdog does after a release
+          out.push_back(stuck);
+        }
+        return out;
+      },
+      nb::arg("seen"), nb::arg("bound"), nb::arg("retry"),
+      "The watchdog's decisions over (phase, calls, now, failed) observations of one record.");
+  m.def(
+      "copy_bandwidth",
+      [](const std::vector<int>& ordinals, int64_t bytes, int reps) {
+        nb::gil_scoped_release release;
+        return MeasureCopyBandwidth(ordinals, bytes, reps);
+      },
+      nb::arg("ordinals"), nb::arg("bytes"), nb::arg("reps") = 10,
+      "GB/s of each device's copy-engine copy of `bytes` into the next device, all at once.");
   m.def(
       "loopback_run",
       [](int64_t comm_id, const std::string& dtype, const std::string& algo, int num_ctas,

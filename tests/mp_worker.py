@@ -11,6 +11,7 @@ devices, and runs the fused kernel through ``shard_map``. Scenarios:
   ``stall``:   after one good call the last rank stops calling; the others' next call must
                fail within the bound with an error naming it;
   ``kill``:    like ``stall`` but the last rank exits abruptly.
+``stall`` and ``kill`` run the variant named by the environment's ``MP_ALGO`` (one_shot).
 """
 
 from __future__ import annotations
@@ -73,11 +74,13 @@ def main() -> int:
             ("one_shot", 13, 4096),
             ("two_shot", 64, 4096),
             ("two_shot", 5, 2048),
+            ("ce", 64, 4096),
+            ("ce", 5, 2048),
             ("replicated", 1, 8192),
             ("replicated", 13, 4096),
         ]
         if scenario == "correct"
-        else [("one_shot", 4, 4096)]
+        else [(os.environ.get("MP_ALGO", "one_shot"), 4, 4096)]
     )
     for algo, tokens, hidden in cases:
         replicated = algo == "replicated"

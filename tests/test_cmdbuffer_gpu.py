@@ -106,6 +106,8 @@ def _run(tmp_path, n, algo, command_buffers: bool, kind: str, tokens: int, hidde
         (1, "one_shot", 24, 8192),
         (2, "one_shot", 8, 4096),
         (2, "direct", 8, 4096),
+        (2, "ce", 8, 4096),
+        (2, "ce", 300, 8192),
     ],
 )
 def test_fused_call_replays_from_command_buffers(tmp_path, n, algo, tokens, hidden, kind):

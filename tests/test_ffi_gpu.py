@@ -105,7 +105,7 @@ CASES = [
 ] + [(t, 4096, jnp.float16) for t in (3, 1024)]
 
 
-@pytest.mark.parametrize("algo", ["two_shot", "one_shot", "direct"])
+@pytest.mark.parametrize("algo", ["two_shot", "one_shot", "direct", "ce"])
 @pytest.mark.parametrize(("tokens", "hidden", "dtype"), CASES)
 def test_matches_float64_reference(ffi_mesh2, rng, tokens, hidden, dtype, algo):
     why = _ffi.unavailable_reason(ffi_mesh2, "tp", dtype, (tokens, hidden), algo=algo)
@@ -117,7 +117,7 @@ def test_matches_float64_reference(ffi_mesh2, rng, tokens, hidden, dtype, algo):
     _check(ffi_mesh2, outs, *args, dtype)
 
 
-@pytest.mark.parametrize("algo", ["auto", "two_shot", "direct"])
+@pytest.mark.parametrize("algo", ["auto", "two_shot", "direct", "ce"])
 @pytest.mark.parametrize("num_ctas", [1, 8, 32, 64])
 def test_num_ctas(ffi_mesh2, rng, num_ctas, algo):
     args = _inputs(rng, 2, 333, 4096, jnp.bfloat16)
@@ -150,7 +150,7 @@ def test_ops_ffi_and_auto_match_xla_rsag(ffi_mesh2, rng):
 
 
 @pytest.mark.parametrize(
-    ("tokens", "algo"), [(1024, "two_shot"), (16, "one_shot"), (1024, "direct")]
+    ("tokens", "algo"), [(1024, "two_shot"), (16, "one_shot"), (1024, "direct"), (1024, "ce")]
 )
 def test_1000_back_to_back_calls(ffi_mesh2, rng, tokens, algo):
     iters = 1000
@@ -199,7 +199,7 @@ def test_two_slots_interleaved(ffi_mesh2, rng):
     _check(ffi_mesh2, _op(ffi_mesh2, "auto", 16, 1)(pb, rb, w), pb, rb, w, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("algo", ["auto", "two_shot", "direct"])
+@pytest.mark.parametrize("algo", ["auto", "two_shot", "direct", "ce"])
 def test_start_done_matches_sync(ffi_mesh2, rng, algo):
     pa, ra, w = _inputs(rng, 2, 2000, 8192, jnp.bfloat16)
     pb, rb, _ = _inputs(rng, 2, 500, 8192, jnp.bfloat16)

@@ -33,13 +33,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path: Path, scenario: str, nproc: int = 2, timeout_s: float = 4.0) -> list[dict]:
+def _launch(
+    tmp_path: Path, scenario: str, nproc: int = 2, timeout_s: float = 4.0, algo: str = "one_shot"
+) -> list[dict]:
     if _gpus() < 1:
         pytest.skip("needs a GPU")
     gpus = _gpus()
     env = dict(
         os.environ,
         JAX_TOKENWEAVE_TIMEOUT_S=str(timeout_s),
+        MP_ALGO=algo,
         XLA_PYTHON_CLIENT_PREALLOCATE="false",
         JAX_PLATFORMS="cuda",
     )
@@ -83,10 +86,15 @@ def test_fused_kernel_across_processes_matches_float64(tmp_path):
         assert len({r[key]["normed_sum"] for r in res}) == 1, key  # the same rows everywhere
 
 
+@pytest.mark.parametrize("algo", ["one_shot", "ce"])
 @pytest.mark.parametrize("scenario", ["stall", "kill"])
-def test_a_missing_peer_process_fails_the_others_in_bounded_time(tmp_path, scenario):
-    (survivor,) = _launch(tmp_path, scenario, timeout_s=4.0)
+def test_a_missing_peer_process_fails_the_others_in_bounded_time(tmp_path, scenario, algo):
+    """``ce``: the survivor's stream waits on a flag the peer never writes; the watchdog
+    releases it past the bound and reports (no SM ever spins)."""
+    (survivor,) = _launch(tmp_path, scenario, timeout_s=4.0, algo=algo)
     assert survivor["error"] is not None and "rank 1" in survivor["error"]
     assert "never started this call" in survivor["error"]
+    if algo == "ce":
+        assert "copy-engine reduce-scatter" in survivor["error"]
     assert survivor["nan_outputs"]
     assert survivor["seconds"] < 4.0 + 20.0

@@ -92,7 +92,19 @@ class FakeKernel:
         n = jax.lax.axis_size(axis_name)
         return ops._xla_rsag(partial, residual, weight, axis_name, n, eps)
 
-    def start(self, partial, residual, weight, *, axis_name, mesh, eps=1e-6, num_ctas=None, slot=0):
+    def start(
+        self,
+        partial,
+        residual,
+        weight,
+        *,
+        axis_name,
+        mesh,
+        eps=1e-6,
+        num_ctas=None,
+        slot=0,
+        algo="auto",
+    ):
         self.log.append(("start", slot, num_ctas))
         normed, res = self._math(partial, residual, weight, axis_name, eps)
         return _ffi.Pending(normed, res, partial, residual, weight.astype(jnp.float32))

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jax_tokenweave._legacy import deprecated
 from jax_tokenweave.bench import timing
-from jax_tokenweave.weave.tuning import TuneEntry
+from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,15 +30,18 @@ class Mode:
     collective: str = "auto"
     split: bool | None = None
     ctas: int | None = None
+    algo: str | None = None  # a forced variant of the fused calls (None: the plan's)
 
     @property
     def name(self) -> str:
-        """``baseline`` / ``nocomm`` / ``weave-<collective>`` (+ ``-nosplit``, ``@<ctas>``)."""
+        """``baseline`` / ``nocomm`` / ``weave-<collective>`` (+ ``-nosplit``, ``[<algo>]``,
+        ``@<ctas>``)."""
         if self.schedule != "weave":
             return self.schedule
         return (
             f"weave-{self.collective}"
             + ("-nosplit" if self.split is False else "")
+            + (f"[{self.algo}]" if self.algo is not None else "")
             + (f"@{self.ctas}" if self.ctas is not None else "")
         )
 
@@ -59,10 +62,17 @@ class Mode:
         deprecated("jax_tokenweave: Mode.comm is deprecated: use Mode.collective")
         return self.collective
 
-    @property
-    def tuning(self) -> TuneEntry | None:
-        """The ``tuning=`` override of a forced CTA count."""
-        return None if self.ctas is None else TuneEntry(None, self.ctas)
+    def tuning_for(self, planned: TuneEntry | None) -> TuneEntry | None:
+        """The ``tuning=`` override: the plan's entry with this mode's forced CTA count and
+        variant (None where the mode forces neither)."""
+        if self.ctas is None and self.algo is None:
+            return None
+        entry = planned or DEFAULT_ENTRY
+        if self.ctas is not None:
+            entry = dataclasses.replace(entry, num_ctas=self.ctas, first_num_ctas=None)
+        if self.algo is not None:
+            entry = dataclasses.replace(entry, algo=self.algo)
+        return entry
 
 
 def make_plan(
@@ -208,15 +218,16 @@ def measure(
             continue
         try:
             plan = make_plan(config, model, lengths, tp, split=mode.split)
+            forced = mode.tuning_for(plan.tuning)
             fns[name], seconds, _ = compile_forward(
                 decoder,
                 plan,
                 hidden,
                 schedule=mode.schedule,
                 collective=mode.collective,
-                tuning=mode.tuning,
+                tuning=forced,
             )
-            entry = mode.tuning or plan.tuning
+            entry = forced or plan.tuning
             info[name] = {
                 "status": "ok",
                 "compile_s": seconds,

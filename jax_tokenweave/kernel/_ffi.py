@@ -143,7 +143,7 @@ def _replicated_choice(comm: Communicator, partial, algo: str, num_ctas) -> tupl
 def _prepare(comm: Communicator, partial, residual, weight, num_ctas, slot, algo, replicated=False):
     if num_ctas is not None:
         lim = _extension.limits()
-        top = max(lim["max_ctas"], lim["max_oneshot_ctas"])
+        top = max(lim["max_ctas"], lim["max_oneshot_ctas"], lim.get("max_ce_ctas", 0))
         if not lim["min_ctas"] <= int(num_ctas) <= top:
             raise ValueError(f"num_ctas must be in [{lim['min_ctas']}, {top}], got {num_ctas}")
     reason = comm.unavailable_reason(  # a replicated residual runs one-shot (buffer bytes)

@@ -179,6 +179,7 @@ class Communicator:
                     s.num_slots,
                     s.timeout_s,
                     s.multimem,
+                    ce_bytes=s.ce_bytes,
                 )
                 if self.cross_process:
                     try:

@@ -33,16 +33,17 @@ class CommSettings:
 
     workspace_mib: float = 2048.0
     oneshot_mib: float = 8.0
+    ce_mib: float = 1024.0
     num_slots: int = 4
     timeout_s: float = 30.0
     algo: str = "auto"
     multimem: bool = False
 
     def __post_init__(self) -> None:
-        if not self.workspace_mib > 0 or not self.oneshot_mib >= 0:
+        if not self.workspace_mib > 0 or not self.oneshot_mib >= 0 or not self.ce_mib >= 0:
             raise ValueError(
-                f"workspace_mib must be > 0 and oneshot_mib >= 0, got "
-                f"{self.workspace_mib}, {self.oneshot_mib}"
+                f"workspace_mib must be > 0, oneshot_mib and ce_mib >= 0, got "
+                f"{self.workspace_mib}, {self.oneshot_mib}, {self.ce_mib}"
             )
         if not isinstance(self.num_slots, int) or self.num_slots < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {self.num_slots!r}")
@@ -58,6 +59,7 @@ class CommSettings:
         fields: dict[str, Any] = dict(
             workspace_mib=float(_env("JAX_TOKENWEAVE_WORKSPACE_MB", "2048")),
             oneshot_mib=float(_env("JAX_TOKENWEAVE_ONESHOT_MB", "8")),
+            ce_mib=float(_env("JAX_TOKENWEAVE_CE_MB", "1024")),
             num_slots=int(_env("JAX_TOKENWEAVE_SLOTS", "4")),
             timeout_s=float(_env("JAX_TOKENWEAVE_TIMEOUT_S", "30")),
             algo=_env("JAX_TOKENWEAVE_ALGO", "auto"),
@@ -70,6 +72,12 @@ class CommSettings:
     def area_bytes(self) -> int:
         """One parity of a slot's data area (what a two-shot call may use)."""
         return int(self.workspace_mib * 2**20) // (2 * self.num_slots) // 256 * 256
+
+    @property
+    def ce_bytes(self) -> int:
+        """One slot's copy-engine staging area (what a ``ce`` call may use): ``ce_mib`` over
+        the slots."""
+        return int(self.ce_mib * 2**20) // self.num_slots // 256 * 256
 
     @property
     def oneshot_bytes(self) -> int:
@@ -145,8 +153,16 @@ def choose(
         return algo, int(num_ctas)
     ctas = row.num_ctas  # the table's row may be another variant's, with more CTAs than this one
     if algo != "one_shot" and _extension.import_error() is None:
-        ctas = min(ctas, _extension.limits()["max_ctas"])
+        ctas = min(ctas, max_ctas(algo))
     return algo, ctas
+
+
+def max_ctas(algo: str) -> int:
+    """The largest CTA count of a variant (the extension's limits)."""
+    lim = _extension.limits()
+    if algo == "one_shot":
+        return lim["max_oneshot_ctas"]
+    return lim.get("max_ce_ctas", lim["max_ctas"]) if algo == "ce" else lim["max_ctas"]
 
 
 def shape_reason(
@@ -191,7 +207,11 @@ def shape_reason(
         )
     except RuntimeError as err:  # an explicit direct where direct cannot run
         return str(err)
-    top = lim["max_oneshot_ctas"] if algo == "one_shot" else lim["max_ctas"]
+    if algo == "ce" and settings.multimem:
+        return "the copy-engine variant (algo='ce') runs on communicators without multimem"
+    if algo == "ce" and residual_replicated:
+        return "a replicated residual needs the decode one-shot kernel, not algo='ce'"
+    top = max_ctas(algo)
     if num_ctas is not None and not lim["min_ctas"] <= num_ctas <= top:
         return f"num_ctas={num_ctas} is outside [{lim['min_ctas']}, {top}] for algo={algo}"
     need = _extension.get().needed_bytes(
@@ -203,11 +223,12 @@ def shape_reason(
         settings.multimem,
         residual_replicated and algo == "one_shot",
     )
-    have, what = (
-        (settings.oneshot_bytes, "one-shot buffer (oneshot_mib)")
-        if algo == "one_shot" and not settings.multimem
-        else (settings.area_bytes, "data area (workspace_mib)")
-    )
+    if algo == "one_shot" and not settings.multimem:
+        have, what = settings.oneshot_bytes, "one-shot buffer (oneshot_mib)"
+    elif algo == "ce":
+        have, what = settings.ce_bytes, "copy-engine staging area (ce_mib)"
+    else:
+        have, what = settings.area_bytes, "data area (workspace_mib)"
     if need > have:
         return (
             f"[{tokens}, {hidden}] {jnp.dtype(dtype)} over {axis_size} devices with "

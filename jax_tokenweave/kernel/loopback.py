@@ -75,6 +75,11 @@ class LoopbackComm:
         joined once, not per call). ``skip_call``: the call at which rank ``skip_rank`` is
         absent. ``residual_replicated``: ``residual`` is every rank's whole copy [N, T, H] (the
         decode one-shot kernel only; ``reference`` wants each rank's copy the same)."""
+        if algo == "ce":
+            raise ValueError(
+                "the loopback harness runs the SM kernels only: algo='ce' needs a GPU per rank "
+                "(its transfers are copy-engine copies between devices)"
+            )
         n, tokens, hidden = partial.shape
         dtype = jnp.dtype(partial.dtype).name
         if n != self.num_ranks or residual.dtype != partial.dtype:

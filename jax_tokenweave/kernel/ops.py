@@ -62,16 +62,17 @@ def allreduce_rmsnorm(
     mesh: Mesh | None = None,
     num_ctas: int | None = None,
     slot: int = 0,
+    algo: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """RMSNorm(sum over ``axis_name`` of ``partial`` + ``residual``) and the new residual.
 
     ``partial`` [T, H]: this rank's partial sum; ``residual`` [T, H] for ``impl="xla"`` and
-    ``"ffi_replicated"``, else [ceil(T/N), H] token-sharded; ``weight`` [H] replicated;
-    ``eps``: RMSNorm epsilon; ``axis_name``: the TP axis (inside ``shard_map``); ``impl``: module
-    docstring. ``mesh``: needed by ``ffi`` and ``ffi_replicated`` (and by ``auto`` to consider
-    it). ``num_ctas``: the fused kernel's thread blocks
-    (``ffi``; None: tuned). ``slot``: its workspace slot (``ffi``); calls that may be in flight at
-    once need different slots. Returns ``(normed [T, H] replicated, residual_out)``.
+    ``"ffi_replicated"``, else [ceil(T/N), H] token-sharded; ``weight`` [H] replicated; ``eps``;
+    ``axis_name``: the TP axis (inside ``shard_map``); ``impl``: module docstring. ``mesh``:
+    needed by ``ffi`` and ``ffi_replicated`` (and by ``auto`` to consider it). ``num_ctas``,
+    ``slot``, ``algo``: the fused kernel's thread blocks (None: tuned), workspace slot (calls
+    in flight at once need different ones) and variant (``auto``: the size policy's; ``ce``:
+    copy engines). Returns ``(normed [T, H] replicated, residual_out)``.
     """
     _check_impl(impl)
     axis_size = jax.lax.axis_size(axis_name)
@@ -98,6 +99,7 @@ def allreduce_rmsnorm(
         eps=eps,
         num_ctas=num_ctas,
         slot=slot,
+        algo=algo,
         residual_replicated=impl == "ffi_replicated",
     )
 

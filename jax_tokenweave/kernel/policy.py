@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-ALGOS = ("two_shot", "one_shot", "direct")
+ALGOS = ("two_shot", "one_shot", "direct", "ce")
 DEFAULT_PATH = Path(__file__).with_name("policy.json")
 
 

@@ -123,6 +123,7 @@ class Sharded(Reducer):
             mesh=self.ctx.mesh,
             slot=j,
             num_ctas=self.next_ctas() if self.impl == "ffi" else None,
+            algo=(self.ctx.tuning.algo or "auto") if self.impl == "ffi" else "auto",
         )
 
 
@@ -217,4 +218,5 @@ class Overlap(Reducer):
             eps=self.ctx.eps,
             num_ctas=self.next_ctas(),
             slot=j,
+            algo=self.ctx.tuning.algo or "auto",
         )

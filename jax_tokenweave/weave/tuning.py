@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from jax_tokenweave.kernel.policy import ALGOS
+
 __all__ = [
     "ANY_MODEL",
     "DEFAULT_ENTRY",
@@ -75,10 +77,13 @@ class TuneEntry:
     offset: int | None
     num_ctas: int | None
     first_num_ctas: int | None = None
+    algo: str | None = None  # the fused calls' variant (None: the kernel policy's, by size)
 
     def __post_init__(self) -> None:
         if self.offset is not None and not _is_int(self.offset):
             raise ValueError(f"offset must be an int or None, got {self.offset!r}")
+        if self.algo is not None and self.algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS} or None, got {self.algo!r}")
         for name in ("num_ctas", "first_num_ctas"):
             if getattr(self, name) is not None:
                 _check_ctas(name, getattr(self, name))
@@ -214,7 +219,7 @@ def model_name(config: Any, table: TuneTable | None = None) -> str | None:
 
 # ------------------------------------------------------------------------------------ JSON ---
 
-_ENTRY_KEYS = ("model", "tp", "tokens", "num_ctas", "first_num_ctas", "offset")
+_ENTRY_KEYS = ("model", "tp", "tokens", "num_ctas", "first_num_ctas", "offset", "algo")
 
 
 def to_json(
@@ -233,6 +238,8 @@ def to_json(
             "first_num_ctas": e.first_num_ctas,
             "offset": e.offset,
         }
+        if e.algo is not None:
+            row["algo"] = e.algo
         info = {**table.notes.get(key, {}), **(extra or {}).get(key, {})}
         row.update({k: v for k, v in info.items() if k not in row})
         entries.append(row)
@@ -279,6 +286,7 @@ def from_json(data: Any) -> TuneTable:
                 offset=row.get("offset"),
                 num_ctas=row["num_ctas"],
                 first_num_ctas=row.get("first_num_ctas"),
+                algo=row.get("algo"),
             )
         except ValueError as err:
             raise ValueError(f"tuning table entry {i}: {err}") from None
