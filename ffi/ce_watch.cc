@@ -3,6 +3,7 @@
 #include <cuda.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 
@@ -67,6 +68,8 @@ bool StuckWait(WaitTracker& t, uint32_t phase, uint32_t calls, double now, doubl
 }
 
 CeWatchdog::CeWatchdog(Comm& comm) : comm_(comm) {
+  const char* debug = std::getenv("JAX_TOKENWEAVE_CE_DEBUG");
+  debug_ = debug != nullptr && debug[0] == '1';
   const int devices = comm_.num_devices();
   trackers_.assign(devices, std::vector<WaitTracker>(comm_.options().num_slots));
   failed_checked_.assign(devices, 0.0);
@@ -91,15 +94,13 @@ bool CeWatchdog::GroupFailed(DeviceState& d, double now) {
     // A peer in another process may have failed the group: its report is in its own process,
     // the failure word in our memory. Read on the watchdog's stream (never blocked by a wait).
     failed_checked_[index] = now;
-    uint32_t failed = 0;
+    volatile uint32_t* landing = &d.watch[0].scratch[0];  // pinned: a truly asynchronous copy
     DeviceGuard guard;
     if (cudaSetDevice(d.ordinal) == cudaSuccess &&
-        (d.watch_stream != nullptr ||
-         cudaStreamCreateWithFlags(&d.watch_stream, cudaStreamNonBlocking) == cudaSuccess) &&
-        cudaMemcpyAsync(&failed, &d.rank_ctl->failed, sizeof(failed), cudaMemcpyDeviceToHost,
-                        d.watch_stream) == cudaSuccess &&
+        cudaMemcpyAsync(const_cast<uint32_t*>(landing), &d.rank_ctl->failed, sizeof(uint32_t),
+                        cudaMemcpyDeviceToHost, d.watch_stream) == cudaSuccess &&
         cudaStreamSynchronize(d.watch_stream) == cudaSuccess)
-      device_failed_[index] = failed != 0;
+      device_failed_[index] = *landing != 0;
     (void)cudaGetLastError();
   }
   return device_failed_[index] != 0;
@@ -138,9 +139,9 @@ void CeWatchdog::Release(DeviceState& d, int slot, uint32_t phase, uint32_t call
                          bool elsewhere) {
   DeviceGuard guard;
   if (cudaSetDevice(d.ordinal) != cudaSuccess) return;
-  if (d.watch_stream == nullptr &&
-      cudaStreamCreateWithFlags(&d.watch_stream, cudaStreamNonBlocking) != cudaSuccess)
-    return;
+  if (debug_)
+    std::fprintf(stderr, "jax-tokenweave ce watchdog: device %d slot %d phase 0x%x calls %u: %s\n",
+                 d.ordinal, slot, phase, calls, report ? "reported, released" : "released");
   KernelParams p{};
   comm_.Fill(d, slot, p);
   const int peer = static_cast<int>(phase >> 8);
@@ -148,10 +149,12 @@ void CeWatchdog::Release(DeviceState& d, int slot, uint32_t phase, uint32_t call
   ErrorRecord* e = comm_.error_record();
   bool claimed = false;
   if (report && peer >= 0 && peer < p.nranks) {
-    uint32_t peer_calls = 0;  // where the missing rank's reduce kernels got to
-    cudaMemcpyAsync(&peer_calls, &p.ctl[peer]->ce_calls, sizeof(peer_calls), cudaMemcpyDeviceToHost,
-                    d.watch_stream);
+    volatile uint32_t* landing = &d.watch[0].scratch[1];  // where the missing rank got to
+    *landing = 0;
+    cudaMemcpyAsync(const_cast<uint32_t*>(landing), &p.ctl[peer]->ce_calls, sizeof(uint32_t),
+                    cudaMemcpyDeviceToHost, d.watch_stream);
     cudaStreamSynchronize(d.watch_stream);
+    const uint32_t peer_calls = *landing;
     claimed = __sync_bool_compare_and_swap(&e->claimed, 0, 1);
     if (claimed) {
       e->device = d.ordinal;

@@ -46,6 +46,7 @@ class CeWatchdog {
                bool elsewhere);
 
   Comm& comm_;
+  bool debug_ = false;  // JAX_TOKENWEAVE_CE_DEBUG=1: one stderr line per release
   std::atomic<bool> stop_{false};
   std::vector<std::vector<WaitTracker>> trackers_;  // [device index][slot]
   std::vector<double> failed_checked_;              // [device index]: last device-word read

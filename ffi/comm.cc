@@ -262,6 +262,7 @@ void Comm::Allocate(DeviceState& d) {
                                  options_.num_slots * sizeof(CeWatch),
                                  cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(static_cast<void*>(d.watch), 0, options_.num_slots * sizeof(CeWatch));
+    TW_THROW_CHECK(cudaStreamCreateWithFlags(&d.watch_stream, cudaStreamNonBlocking));
   }
   if (OneShotTotal() > 0) TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, OneShotTotal(), nullptr));
   TW_THROW_CHECK(cudaDeviceSynchronize());

@@ -43,7 +43,7 @@ struct DeviceState {
   uint32_t* flags = nullptr;             // num_slots * kNumBarriers * kMaxRanks * kMaxCtas
   uint32_t* ce_flags = nullptr;          // num_slots * 2 phases * kMaxRanks (copy engine)
   CeWatch* watch = nullptr;              // num_slots, host-mapped (local devices with ce)
-  cudaStream_t watch_stream = nullptr;   // the watchdog's stream on this device (lazy)
+  cudaStream_t watch_stream = nullptr;   // the watchdog's stream on this device
   char* mc_data = nullptr;               // multicast mapping of `data` (multimem comms only)
   std::mutex mu;                         // guards the lazily created stream and events
   cudaStream_t side = nullptr;           // high-priority stream of the start/done pair

@@ -63,7 +63,7 @@ struct RankControl {
 struct CeWatch {
   volatile uint32_t phase;
   volatile uint32_t calls;
-  uint32_t pad[2];
+  volatile uint32_t scratch[2];  // the watchdog's pinned landing words for device reads
 };
 enum CePhase : uint32_t { kCeIdle = 0, kCeWaitScatter = 1, kCeReduce = 2, kCeWaitGather = 3 };
 
