@@ -15,8 +15,7 @@ namespace tokenweave {
 namespace {
 
 constexpr double kPollSeconds = 0.0005;
-constexpr double kRetrySeconds = 0.01;       // between releases of a failed group's waits
-constexpr double kDeviceWordSeconds = 0.05;  // a stalled wait reads the device's failure word
+constexpr double kRetrySeconds = 0.01;  // between releases of a failed group's waits
 
 double Now() {
   using Clock = std::chrono::steady_clock;
@@ -72,8 +71,6 @@ CeWatchdog::CeWatchdog(Comm& comm) : comm_(comm) {
   debug_ = debug != nullptr && debug[0] == '1';
   const int devices = comm_.num_devices();
   trackers_.assign(devices, std::vector<WaitTracker>(comm_.options().num_slots));
-  failed_checked_.assign(devices, 0.0);
-  device_failed_.assign(devices, 0);
   {
     std::lock_guard<std::mutex> lock(g_mu);
     if (Registry().empty()) std::atexit(StopAll);
@@ -87,23 +84,10 @@ void CeWatchdog::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-bool CeWatchdog::GroupFailed(DeviceState& d, double now) {
-  if (comm_.error_record()->failed || comm_.retired()) return true;
-  const int index = d.group * comm_.group_size() + d.rank;
-  if (!device_failed_[index] && now - failed_checked_[index] > kDeviceWordSeconds) {
-    // A peer in another process may have failed the group: its report is in its own process,
-    // the failure word in our memory. Read on the watchdog's stream (never blocked by a wait).
-    failed_checked_[index] = now;
-    volatile uint32_t* landing = &d.watch[0].scratch[0];  // pinned: a truly asynchronous copy
-    DeviceGuard guard;
-    if (cudaSetDevice(d.ordinal) == cudaSuccess &&
-        cudaMemcpyAsync(const_cast<uint32_t*>(landing), &d.rank_ctl->failed, sizeof(uint32_t),
-                        cudaMemcpyDeviceToHost, d.watch_stream) == cudaSuccess &&
-        cudaStreamSynchronize(d.watch_stream) == cudaSuccess)
-      device_failed_[index] = *landing != 0;
-    (void)cudaGetLastError();
-  }
-  return device_failed_[index] != 0;
+bool CeWatchdog::GroupFailed() const {
+  // Host-visible state only: a copy from the device could queue behind the very wait it is
+  // meant to judge (seen on 2 x H200: the watchdog stalled in such a read).
+  return comm_.error_record()->failed || comm_.retired();
 }
 
 void CeWatchdog::Run() {
@@ -117,14 +101,9 @@ void CeWatchdog::Run() {
         const uint32_t phase = d.watch[slot].phase, calls = d.watch[slot].calls;
         WaitTracker& t = trackers_[i][slot];
         const double now = Now();
-        // A wait that stands still at all reads the failure state (cheap: host words first).
-        const bool failed = t.waiting && t.phase == phase && t.calls == calls &&
-                            now - t.since > kRetrySeconds && GroupFailed(d, now);
+        const bool failed = GroupFailed();
         if (StuckWait(t, phase, calls, now, bound, failed, kRetrySeconds)) {
-          // Reported unless this process knows already: a wait past the bound, or one released
-          // because another process failed the group (its report stays in that process).
-          const bool known = comm_.error_record()->failed || comm_.retired();
-          Release(d, slot, phase, calls, !known, failed);
+          Release(d, slot, phase, calls, !failed);  // reported unless known already
           t.since = Now();
         }
       }
@@ -133,10 +112,9 @@ void CeWatchdog::Run() {
 }
 
 // Marks the group failed and writes the awaited flag, on the device's watchdog stream; with
-// `report`, first describes the wait in the comm's error record (the first report wins);
-// `elsewhere`: the group had been failed by another rank, not by this wait's bound.
-void CeWatchdog::Release(DeviceState& d, int slot, uint32_t phase, uint32_t calls, bool report,
-                         bool elsewhere) {
+// `report`, first describes the wait in the comm's error record (the first report wins). A
+// group failed by another process is released here only when this wait's own bound expires.
+void CeWatchdog::Release(DeviceState& d, int slot, uint32_t phase, uint32_t calls, bool report) {
   DeviceGuard guard;
   if (cudaSetDevice(d.ordinal) != cudaSuccess) return;
   if (debug_)
@@ -149,12 +127,11 @@ void CeWatchdog::Release(DeviceState& d, int slot, uint32_t phase, uint32_t call
   ErrorRecord* e = comm_.error_record();
   bool claimed = false;
   if (report && peer >= 0 && peer < p.nranks) {
-    volatile uint32_t* landing = &d.watch[0].scratch[1];  // where the missing rank got to
-    *landing = 0;
-    cudaMemcpyAsync(const_cast<uint32_t*>(landing), &p.ctl[peer]->ce_calls, sizeof(uint32_t),
-                    cudaMemcpyDeviceToHost, d.watch_stream);
-    cudaStreamSynchronize(d.watch_stream);
-    const uint32_t peer_calls = *landing;
+    // Where the missing rank's reduce kernels got to: its watch record where it is this
+    // process's device; unknown (kCeUnknownCalls) for another process's.
+    const DeviceState& missing = *comm_.At(d.group * comm_.group_size() + peer);
+    const uint32_t peer_calls =
+        missing.watch != nullptr ? missing.watch[slot].calls : kCeUnknownCalls;
     claimed = __sync_bool_compare_and_swap(&e->claimed, 0, 1);
     if (claimed) {
       e->device = d.ordinal;
@@ -164,7 +141,7 @@ void CeWatchdog::Release(DeviceState& d, int slot, uint32_t phase, uint32_t call
       e->peer = peer;
       e->block = -1;
       e->epoch = scatter ? calls + 1 : calls;  // the reduce kernel counts at its start
-      e->seen = elsewhere ? 1 : 0;  // 1: released because another rank had failed the group
+      e->seen = 0;
       e->peer_entered = peer_calls;
     }
   }
@@ -187,8 +164,6 @@ void CeWatchdog::Release(DeviceState& d, int slot, uint32_t phase, uint32_t call
     __sync_synchronize();
     e->failed = 1;  // published last: a host that sees it sees the fields
   }
-  const int index = d.group * comm_.group_size() + d.rank;
-  device_failed_[index] = 1;
 }
 
 }  // namespace tokenweave

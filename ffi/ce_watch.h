@@ -41,16 +41,13 @@ class CeWatchdog {
 
  private:
   void Run();
-  bool GroupFailed(DeviceState& d, double now);  // the host record, retirement or device word
-  void Release(DeviceState& d, int slot, uint32_t phase, uint32_t calls, bool report,
-               bool elsewhere);
+  bool GroupFailed() const;  // the comm's error record or retirement (host-visible state)
+  void Release(DeviceState& d, int slot, uint32_t phase, uint32_t calls, bool report);
 
   Comm& comm_;
   bool debug_ = false;  // JAX_TOKENWEAVE_CE_DEBUG=1: one stderr line per release
   std::atomic<bool> stop_{false};
   std::vector<std::vector<WaitTracker>> trackers_;  // [device index][slot]
-  std::vector<double> failed_checked_;              // [device index]: last device-word read
-  std::vector<uint8_t> device_failed_;              // [device index]
   std::thread thread_;
 };
 

@@ -55,23 +55,20 @@ std::string FailureMessage(const Comm& comm) {
                   std::to_string(e.device) + " (rank " + std::to_string(e.rank) + ", slot " +
                   std::to_string(e.slot) + ", " + stage + "): rank " + std::to_string(e.peer);
   if (e.block >= 0) s += " (block " + std::to_string(e.block) + ")";
-  if (ce && e.seen == 1)
-    return "jax-tokenweave: another rank failed the group (its cross-GPU wait expired; that "
-           "process reports which) while device " +
-           std::to_string(e.device) + " (rank " + std::to_string(e.rank) + ", slot " +
-           std::to_string(e.slot) + ", " + stage + ") waited for rank " + std::to_string(e.peer) +
-           ". The communicator is unusable: outputs of later calls are NaN and every later "
-           "launch fails; jax_tokenweave.comm.reset_communicators() (in every process) frees it "
-           "and starts over";
   s += " was missing at " + std::string(ce ? "copy-engine call " : "epoch ") +
        std::to_string(e.epoch) + "; its " +
        (ce ? "reduce kernel last began call " : "kernel last began epoch ") +
        std::to_string(e.peer_entered);
-  s += static_cast<int32_t>(e.peer_entered - e.epoch) < 0
-           ? " (it never started this call: its host did not issue it, or its stream was "
-             "blocked; with several GPUs in one process, see \"One process, several GPUs\" "
-             "in jax-tokenweave's ffi/README.md)"
-           : " (it started this call but never arrived)";
+  if (ce && e.peer_entered == kCeUnknownCalls)
+    s = s.substr(0, s.rfind("; its ")) +
+        "; it is another process's device (its own report says "
+        "where it stopped)";
+  else
+    s += static_cast<int32_t>(e.peer_entered - e.epoch) < 0
+             ? " (it never started this call: its host did not issue it, or its stream was "
+               "blocked; with several GPUs in one process, see \"One process, several GPUs\" "
+               "in jax-tokenweave's ffi/README.md)"
+             : " (it started this call but never arrived)";
   return s + comm.IssuedNote(e) +
          ". The communicator is unusable: outputs of later calls are NaN and every later "
          "launch fails; jax_tokenweave.comm.reset_communicators() (in every process) "

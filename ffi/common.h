@@ -63,9 +63,10 @@ struct RankControl {
 struct CeWatch {
   volatile uint32_t phase;
   volatile uint32_t calls;
-  volatile uint32_t scratch[2];  // the watchdog's pinned landing words for device reads
+  uint32_t pad[2];
 };
 enum CePhase : uint32_t { kCeIdle = 0, kCeWaitScatter = 1, kCeReduce = 2, kCeWaitGather = 3 };
+constexpr uint32_t kCeUnknownCalls = 0xffffffffu;  // a peer of another process: not known here
 
 // Host-mapped (cudaHostAlloc): the first wait that expired describes itself here; the host
 // reads it before every launch and turns it into an FFI error.

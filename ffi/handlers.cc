@@ -280,6 +280,9 @@ using tokenweave::StartImpl;
 // sync state), so XLA may record it into a command buffer and replay it.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnorm, RunImpl, TW_BIND_MAIN(),
                               {ffi::Traits::kCmdBufferCompatible});
+// The same call for the copy-engine variant, left out of command buffers: its stream waits,
+// captured with its peer copies, stalled the GPUs in a graph replay (2 x H200, 2026-11-28).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormUncaptured, RunImpl, TW_BIND_MAIN());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormStart, StartImpl, TW_BIND_MAIN());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormDone, DoneImpl,
                               ffi::Ffi::Bind()

@@ -62,6 +62,8 @@ NB_MODULE(_tokenweave_ffi, m) {
   m.def("handlers", [] {
     nb::dict d;
     d["allreduce_rmsnorm"] = nb::capsule(reinterpret_cast<void*>(TokenweaveAllreduceRmsnorm));
+    d["allreduce_rmsnorm_uncaptured"] =
+        nb::capsule(reinterpret_cast<void*>(TokenweaveAllreduceRmsnormUncaptured));
     d["allreduce_rmsnorm_start"] =
         nb::capsule(reinterpret_cast<void*>(TokenweaveAllreduceRmsnormStart));
     d["allreduce_rmsnorm_done"] =

@@ -24,6 +24,7 @@ from jax_tokenweave.kernel.comm import Communicator, get_communicator
 
 TARGETS = {
     "allreduce_rmsnorm": "tokenweave_allreduce_rmsnorm",
+    "allreduce_rmsnorm_uncaptured": "tokenweave_allreduce_rmsnorm_uncaptured",
     "allreduce_rmsnorm_start": "tokenweave_allreduce_rmsnorm_start",
     "allreduce_rmsnorm_done": "tokenweave_allreduce_rmsnorm_done",
 }
@@ -208,7 +209,11 @@ def allreduce_rmsnorm(
     w, attrs, outs = _prepare(
         comm, partial, residual, weight, num_ctas, slot, algo, residual_replicated
     )
-    call = jax.ffi.ffi_call(TARGETS["allreduce_rmsnorm"], outs)
+    # The copy-engine variant stays out of XLA's command buffers (ffi/README.md says why).
+    ce = int(attrs["algo"]) == _extension.limits()["algos"]["ce"]
+    call = jax.ffi.ffi_call(
+        TARGETS["allreduce_rmsnorm_uncaptured" if ce else "allreduce_rmsnorm"], outs
+    )
     return call(partial, residual, w, eps=np.float32(eps), **attrs)
 
 
