@@ -1,13 +1,15 @@
-// The two kernels of the copy-engine call (ce_plan.h has the protocol; ce_call.cc issues it):
-// the reduce kernel, the call's only SM work while its peers' data moves by copy engine, and the
-// finish kernel, which leaves NaN in every output when the group failed during the call (the
-// watchdog released a wait: the copies that followed carried nothing meaningful).
+// The kernels of the copy-engine call (ce_plan.h has the protocol; ce_call.cc issues it): the
+// wait (one warp polls its peers' flags, bounded and reported like every other wait), the reduce
+// kernel, the call's only SM work beyond that warp while the data moves by copy engine, and the
+// finish kernel, which leaves NaN in every output when the group failed during the call (a wait
+// gave up: the copies that followed carried nothing meaningful).
 //
 // Reduce: own rows g = r*q + row (row < q). Sources in rank order: this rank's `partial` row g,
 // or the peer's slice PeerIndex(src, r) of this rank's staging area; then the residual row.
 // The rounded sum goes to residual_out, the normed row to `normed` row g and to this rank's own
 // staging slice (N-1), which the peers pull. Rows past T (the last owner's padding) carry the
 // residual through. Same arithmetic and order as every other variant, so ranks agree bitwise.
+#include "ce_plan.h"
 #include "rowops.cuh"
 
 namespace tokenweave {
@@ -17,14 +19,35 @@ constexpr int kGroup = 128;  // threads per row: 4 rows per 512-thread block at 
 constexpr int kGroups = kThreads / kGroup;
 constexpr int kFinishCtas = 8;
 
-// Block 0 counts the call (the watchdog reads the count to tell progress from a stuck wait).
+// Block 0 counts the call (timeout reports say how far each rank's reduce kernels got).
 __device__ __forceinline__ void CountCall(const KernelParams& p) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     SlotControl* c = p.ctl[p.rank];
-    const uint32_t calls = LdVolatile(&c->ce_calls) + 1;
-    StVolatile(&c->ce_calls, calls);
-    p.watch->calls = calls;
+    StVolatile(&c->ce_calls, LdVolatile(&c->ce_calls) + 1);
   }
+}
+
+// Lane k-1 waits for peer (rank + k)'s flag of `phase` and clears it. Past the bound it reports
+// (ReportTimeout: the group fails, later kernels poison); a failed group ends it at once.
+__global__ void __launch_bounds__(32)
+    CeWaitKernel(const __grid_constant__ KernelParams p, int phase) {
+  const int k = threadIdx.x + 1;
+  if (k >= p.nranks) return;
+  const int peer = (p.rank + k) % p.nranks;
+  uint32_t* flag = p.ce_flags[p.rank] + CeFlagIndex(phase, peer);
+  Deadline d;
+  uint32_t seen;
+  while ((seen = LoadAcquire(flag)) != 1u) {
+    const Deadline::Result r = d.Tick(p);
+    if (r == Deadline::kWait) continue;
+    if (r == Deadline::kExpired) {
+      const uint32_t calls = LdVolatile(&p.ctl[p.rank]->ce_calls);
+      ReportTimeout(p, phase == 0 ? kStageCeScatter : kStageCeGather, peer, -1,
+                    phase == 0 ? calls + 1 : calls, seen, &p.ctl[peer]->ce_calls);
+    }
+    break;
+  }
+  StVolatile(flag, 0);
 }
 
 template <typename T>
@@ -147,7 +170,16 @@ cudaError_t LaunchCeFinish(const KernelParams& p, DType dtype, cudaStream_t stre
   return cudaGetLastError();
 }
 
+cudaError_t LaunchCeWait(const KernelParams& p, int phase, cudaStream_t stream) {
+  CeWaitKernel<<<1, 32, 0, stream>>>(p, phase);
+  return cudaGetLastError();
+}
+
 cudaError_t PreloadCeKernels() {
+  cudaFuncAttributes a;
+  if (cudaError_t e = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(CeWaitKernel));
+      e != cudaSuccess)
+    return e;
   for (cudaError_t e : {PreloadFor<float>(), PreloadFor<__half>(), PreloadFor<__nv_bfloat16>()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;

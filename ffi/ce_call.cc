@@ -1,10 +1,8 @@
 // Issues the copy-engine call (ce_plan.h) on a stream: cudaMemcpyAsync for the reduce-scatter,
 // the all-gather and the signals (a 4-byte copy of the `one` word into the peer's flag, ordered
 // after the data copies before it on the same stream, as NCCL's copy-engine collectives do),
-// stream memory operations for the waits and the watch record, and the two kernels of ce.cu.
-// Everything is stream work with fixed arguments, so XLA command buffers can capture the call.
-#include <cuda.h>
-
+// and the kernels of ce.cu: the one-warp bounded waits, the reduce and the finish. Why the
+// waits are a kernel and not stream memory operations: ffi/README.md, "Copy-engine variant".
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -12,58 +10,23 @@
 
 #include "ce_plan.h"
 #include "common.h"
-#include "driver.h"
 
 namespace tokenweave {
 namespace {
 
-using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-using WriteValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-
-struct MemOps {
-  WaitValueFn wait = nullptr;
-  WriteValueFn write = nullptr;
-  std::string error;  // why stream memory operations are unavailable
-};
-
-const MemOps& GetMemOps() {
-  static const MemOps ops = [] {
-    MemOps m;
-    try {
-      m.wait = DriverEntry<WaitValueFn>("cuStreamWaitValue32");
-      m.write = DriverEntry<WriteValueFn>("cuStreamWriteValue32");
-    } catch (const std::exception& e) {
-      m.error = e.what();
-    }
-    return m;
-  }();
-  return ops;
-}
-
-CUdeviceptr Dev(const volatile void* p) { return reinterpret_cast<CUdeviceptr>(p); }
-
 std::string Failed(const char* what, cudaError_t e) {
   return std::string("jax-tokenweave: copy-engine call: ") + what + ": " + cudaGetErrorString(e);
-}
-
-std::string Failed(const char* what, CUresult r) {
-  return std::string("jax-tokenweave: copy-engine call: ") + what + " failed with CUresult " +
-         std::to_string(static_cast<int>(r));
 }
 
 }  // namespace
 
 std::string IssueCopyEngineCall(const KernelParams& p, DType dtype, int num_ctas,
                                 cudaStream_t stream) {
-  const MemOps& m = GetMemOps();
-  if (!m.error.empty()) return m.error;
   const int64_t row_bytes = static_cast<int64_t>(p.hidden) * (dtype == DType::kF32 ? 4 : 2);
-  const CUstream s = reinterpret_cast<CUstream>(stream);
   const char* partial = static_cast<const char*>(p.partial);
   char* normed = static_cast<char*>(p.normed);
   for (const CeOp& op : CePlan(p.rank, p.nranks, p.tokens, row_bytes)) {
     cudaError_t e = cudaSuccess;
-    CUresult r = CUDA_SUCCESS;
     switch (op.kind) {
       case CeOp::kScatterCopy:
         e = cudaMemcpyAsync(p.ce[op.peer] + op.dst, partial + op.src, op.bytes, cudaMemcpyDefault,
@@ -80,18 +43,9 @@ std::string IssueCopyEngineCall(const KernelParams& p, DType dtype, int num_ctas
                             &p.rank_ctl[p.rank]->one, sizeof(uint32_t), cudaMemcpyDefault, stream);
         if (e != cudaSuccess) return Failed("signal copy", e);
         break;
-      case CeOp::kWait: {
-        const CUdeviceptr flag = Dev(p.ce_flags[p.rank] + CeFlagIndex(op.phase, op.peer));
-        if ((r = m.wait(s, flag, 1, CU_STREAM_WAIT_VALUE_EQ)) != CUDA_SUCCESS)
-          return Failed("cuStreamWaitValue32", r);
-        if ((r = m.write(s, flag, 0, CU_STREAM_WRITE_VALUE_DEFAULT)) != CUDA_SUCCESS)
-          return Failed("cuStreamWriteValue32 (flag reset)", r);
-        break;
-      }
-      case CeOp::kMark:
-        if ((r = m.write(s, Dev(&p.watch->phase), op.mark, CU_STREAM_WRITE_VALUE_DEFAULT)) !=
-            CUDA_SUCCESS)
-          return Failed("cuStreamWriteValue32 (watch record)", r);
+      case CeOp::kWait:
+        if ((e = LaunchCeWait(p, op.phase, stream)) != cudaSuccess)
+          return Failed("wait kernel launch", e);
         break;
       case CeOp::kReduce:
         if ((e = LaunchCeReduce(p, dtype, num_ctas, stream)) != cudaSuccess)

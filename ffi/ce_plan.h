@@ -4,10 +4,11 @@
 // Per call, with q = ceil(T / N) rows per owner and row bytes rb, rank r:
 //   1. reduce-scatter by push: for each peer j (rotated, r+1 first) copy j's rows of `partial`
 //      into j's staging area, slot PeerIndex(r, j) ([N-1] slices of q rows);
-//   2. signal every peer (phase 0), then wait for each peer's phase-0 signal and clear it;
+//   2. signal every peer (phase 0: a 4-byte copy into its flag), then wait for every peer's
+//      phase-0 flag and clear it (one warp, bounded: ce.cu);
 //   3. the reduce kernel: the N slices in rank order + residual, RMSNorm; normed rows go to
 //      `normed` and to this rank's own staging slice N-1 (which the peers pull);
-//   4. signal every peer (phase 1), then wait for each peer's phase-1 signal and clear it;
+//   4. signal every peer (phase 1), then wait for their phase-1 flags and clear them;
 //   5. all-gather by pull: copy each peer's own slice into its rows of `normed`;
 //   6. the finish kernel (NaN outputs if the group failed meanwhile).
 // A flag is set by its one writer and cleared by its one reader, once per call: the writer's
@@ -26,18 +27,17 @@
 namespace tokenweave {
 
 struct CeOp {
-  enum Kind : int32_t { kScatterCopy, kSignal, kMark, kWait, kReduce, kGatherCopy, kFinish };
+  enum Kind : int32_t { kScatterCopy, kSignal, kWait, kReduce, kGatherCopy, kFinish };
   Kind kind;
-  int32_t peer = -1;  // the other rank (copies, signals, waits)
+  int32_t peer = -1;  // the other rank (copies, signals); -1: every peer (waits)
   int32_t phase = 0;  // signals, waits: 0 reduce-scatter, 1 all-gather
   int64_t src = 0;    // kScatterCopy: offset in `partial`; kGatherCopy: in the peer's staging
   int64_t dst = 0;    // kScatterCopy: offset in the peer's staging; kGatherCopy: in `normed`
   int64_t bytes = 0;  // copies
-  uint32_t mark = 0;  // kMark: the watch record's new phase (CePhase | peer << 8)
 };
 
 // Index of sender `src`'s flag of `phase` in a rank's flags.
-inline int CeFlagIndex(int phase, int src) { return phase * kMaxRanks + src; }
+inline __host__ __device__ int CeFlagIndex(int phase, int src) { return phase * kMaxRanks + src; }
 
 // Rows of owner j's shard that exist (the last owners' shards may end early or be empty).
 inline int64_t CeOwnerRows(int64_t tokens, int64_t rows, int j) {
@@ -51,24 +51,19 @@ inline std::vector<CeOp> CePlan(int rank, int n, int64_t tokens, int64_t row_byt
   auto peer = [&](int k) { return (rank + k) % n; };
   auto copy = [&](CeOp::Kind kind, int j, int64_t src, int64_t dst) {
     const int64_t bytes = CeOwnerRows(tokens, rows, j) * row_bytes;  // owner j's rows
-    if (bytes > 0) ops.push_back({kind, j, 0, src, dst, bytes, 0});
+    if (bytes > 0) ops.push_back({kind, j, 0, src, dst, bytes});
   };
-  auto handshake = [&](int phase, uint32_t waiting) {
-    for (int k = 1; k < n; ++k) ops.push_back({CeOp::kSignal, peer(k), phase, 0, 0, 0, 0});
-    for (int k = 1; k < n; ++k) {
-      ops.push_back({CeOp::kMark, -1, 0, 0, 0, 0, waiting | static_cast<uint32_t>(peer(k)) << 8});
-      ops.push_back({CeOp::kWait, peer(k), phase, 0, 0, 0, 0});
-    }
+  auto handshake = [&](int phase) {
+    for (int k = 1; k < n; ++k) ops.push_back({CeOp::kSignal, peer(k), phase, 0, 0, 0});
+    ops.push_back({CeOp::kWait, -1, phase, 0, 0, 0});
   };
   for (int k = 1; k < n; ++k) {
     const int j = peer(k);
     copy(CeOp::kScatterCopy, j, j * slice, ((rank - j + n) % n - 1) * slice);  // PeerIndex(r, j)
   }
-  handshake(0, kCeWaitScatter);
-  ops.push_back({CeOp::kMark, -1, 0, 0, 0, 0, kCeReduce});
+  handshake(0);
   ops.push_back({CeOp::kReduce});
-  handshake(1, kCeWaitGather);
-  ops.push_back({CeOp::kMark, -1, 0, 0, 0, 0, kCeIdle});
+  handshake(1);
   for (int k = 1; k < n; ++k) {
     const int j = peer(k);
     copy(CeOp::kGatherCopy, j, (n - 1) * slice, j * slice);

@@ -59,16 +59,11 @@ std::string FailureMessage(const Comm& comm) {
        std::to_string(e.epoch) + "; its " +
        (ce ? "reduce kernel last began call " : "kernel last began epoch ") +
        std::to_string(e.peer_entered);
-  if (ce && e.peer_entered == kCeUnknownCalls)
-    s = s.substr(0, s.rfind("; its ")) +
-        "; it is another process's device (its own report says "
-        "where it stopped)";
-  else
-    s += static_cast<int32_t>(e.peer_entered - e.epoch) < 0
-             ? " (it never started this call: its host did not issue it, or its stream was "
-               "blocked; with several GPUs in one process, see \"One process, several GPUs\" "
-               "in jax-tokenweave's ffi/README.md)"
-             : " (it started this call but never arrived)";
+  s += static_cast<int32_t>(e.peer_entered - e.epoch) < 0
+           ? " (it never started this call: its host did not issue it, or its stream was "
+             "blocked; with several GPUs in one process, see \"One process, several GPUs\" "
+             "in jax-tokenweave's ffi/README.md)"
+           : " (it started this call but never arrived)";
   return s + comm.IssuedNote(e) +
          ". The communicator is unusable: outputs of later calls are NaN and every later "
          "launch fails; jax_tokenweave.comm.reset_communicators() (in every process) "
@@ -254,13 +249,6 @@ void Comm::Allocate(DeviceState& d) {
   TW_THROW_CHECK(cudaMemset(d.sync, 0, SyncBytes()));
   const uint32_t one = 1;  // the copy-engine signals' source word
   TW_THROW_CHECK(cudaMemcpy(&d.rank_ctl->one, &one, sizeof(one), cudaMemcpyHostToDevice));
-  if (CeTotal() > 0) {  // the watchdog's view of each slot (written by the GPU)
-    TW_THROW_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.watch),
-                                 options_.num_slots * sizeof(CeWatch),
-                                 cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(static_cast<void*>(d.watch), 0, options_.num_slots * sizeof(CeWatch));
-    TW_THROW_CHECK(cudaStreamCreateWithFlags(&d.watch_stream, cudaStreamNonBlocking));
-  }
   if (OneShotTotal() > 0) TW_THROW_CHECK(LaunchFillSentinel(d.oneshot, OneShotTotal(), nullptr));
   TW_THROW_CHECK(cudaDeviceSynchronize());
 }
@@ -335,7 +323,6 @@ void Comm::Fill(const DeviceState& d, int slot, KernelParams& p) const {
     p.ce[r] = peer.ce != nullptr ? peer.ce + slot * options_.ce_bytes : nullptr;
     p.ce_flags[r] = peer.ce_flags != nullptr ? peer.ce_flags + slot * CeFlagsPerSlot() : nullptr;
   }
-  p.watch = d.watch != nullptr ? d.watch + slot : nullptr;
   p.ce_bytes = options_.ce_bytes;
   p.mc_data = d.mc_data != nullptr ? d.mc_data + data_off : nullptr;
   p.err = err_;
@@ -392,16 +379,9 @@ bool ReleaseComm(int64_t id) {
   return true;
 }
 
-void Comm::EnsureWatchdog() {
-  std::lock_guard<std::mutex> lock(watchdog_mu_);
-  if (watchdog_ == nullptr) watchdog_ = std::make_unique<CeWatchdog>(*this);
-}
-
 // The copy-engine staging areas stay: a command-buffer replay of a copy-engine call copies into
-// them whatever the failure word says (its kernels only poison outputs). The watchdog keeps
-// releasing such a replay's waits at once.
+// them whatever the failure word says (its kernels only poison outputs; its waits end at once).
 void Comm::Retire() {
-  retired_ = true;
   DeviceGuard guard;
   for (auto& d : devs_) {  // best effort: errors here have nowhere to go
     if (d->ordinal < 0 || cudaSetDevice(d->ordinal) != cudaSuccess) continue;

@@ -13,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "ce_watch.h"
 #include "common.h"
 #include "shared_alloc.h"
 
@@ -42,8 +41,6 @@ struct DeviceState {
   RankControl* rank_ctl = nullptr;
   uint32_t* flags = nullptr;             // num_slots * kNumBarriers * kMaxRanks * kMaxCtas
   uint32_t* ce_flags = nullptr;          // num_slots * 2 phases * kMaxRanks (copy engine)
-  CeWatch* watch = nullptr;              // num_slots, host-mapped (local devices with ce)
-  cudaStream_t watch_stream = nullptr;   // the watchdog's stream on this device
   char* mc_data = nullptr;               // multicast mapping of `data` (multimem comms only)
   std::mutex mu;                         // guards the lazily created stream and events
   cudaStream_t side = nullptr;           // high-priority stream of the start/done pair
@@ -88,9 +85,6 @@ class Comm {
   int num_devices() const { return static_cast<int>(devs_.size()); }
   const CommOptions& options() const { return options_; }
   ErrorRecord* error_record() const { return err_; }
-  // Starts the copy-engine watchdog (once; the first copy-engine launch does).
-  void EnsureWatchdog();
-  bool retired() const { return retired_.load(); }
   // Host-side launches issued so far by the handlers (an XLA command buffer replay issues none).
   int64_t launches() const;  // the sum of every device's `issued`
   // What the host issued on the failed wait's slot to the missing rank and to the waiting
@@ -114,9 +108,6 @@ class Comm {
   CommOptions options_;
   std::vector<std::unique_ptr<DeviceState>> devs_;  // in `ordinals_` order
   ErrorRecord* err_ = nullptr;
-  std::atomic<bool> retired_{false};
-  std::mutex watchdog_mu_;
-  std::unique_ptr<CeWatchdog> watchdog_;
 };
 
 // Registers (or finds) the comm for these CUDA ordinals, in group order, `group_size` devices

@@ -43,7 +43,7 @@ struct SlotControl {
   unsigned long long word;
   uint32_t entered;  // epoch of the last call whose kernel began here (read by peers)
   uint32_t oneshot_used[kLamportBuffers];  // bytes the last call through each buffer used
-  uint32_t ce_calls;  // copy-engine calls whose reduce kernel began here (read by the watchdog)
+  uint32_t ce_calls;  // copy-engine calls whose reduce kernel began here (timeout reports)
   uint32_t pad;
 };
 static_assert(sizeof(SlotControl) == 32, "SlotControl layout");
@@ -56,17 +56,6 @@ struct RankControl {
   uint32_t one;  // always 1: the source word of the copy-engine call's signals (copied to peers)
   uint32_t pad[6];
 };
-
-// Where a copy-engine call of one (device, slot) stands, host-mapped: the call's stream writes
-// `phase` with stream memory operations before and after each cross-GPU wait, its reduce kernel
-// writes `calls`. The communicator's watchdog reads them (ce_watch.h). phase = CePhase | peer << 8.
-struct CeWatch {
-  volatile uint32_t phase;
-  volatile uint32_t calls;
-  uint32_t pad[2];
-};
-enum CePhase : uint32_t { kCeIdle = 0, kCeWaitScatter = 1, kCeReduce = 2, kCeWaitGather = 3 };
-constexpr uint32_t kCeUnknownCalls = 0xffffffffu;  // a peer of another process: not known here
 
 // Host-mapped (cudaHostAlloc): the first wait that expired describes itself here; the host
 // reads it before every launch and turns it into an FFI error.
@@ -92,7 +81,6 @@ struct KernelParams {
   RankControl* rank_ctl[kMaxRanks];
   char* ce[kMaxRanks];            // this slot's copy-engine staging area on every rank
   uint32_t* ce_flags[kMaxRanks];  // this slot's copy-engine flags [2 phases][kMaxRanks] per rank
-  CeWatch* watch;                 // this device's and slot's watch record (host-mapped)
   char* mc_data;                  // multicast mapping of this slot's area (multimem only)
   ErrorRecord* err;
   int64_t area_bytes;                          // one parity of `data`
@@ -163,6 +151,7 @@ std::string IssueCopyEngineCall(const KernelParams& p, DType dtype, int num_ctas
                                 cudaStream_t stream);
 cudaError_t LaunchCeReduce(const KernelParams& p, DType dtype, int num_ctas, cudaStream_t stream);
 cudaError_t LaunchCeFinish(const KernelParams& p, DType dtype, cudaStream_t stream);
+cudaError_t LaunchCeWait(const KernelParams& p, int phase, cudaStream_t stream);
 cudaError_t PreloadCeKernels();
 // GB/s one device's copy engine moves into the next device's memory, all devices at once.
 double MeasureCopyBandwidth(const std::vector<int>& ordinals, int64_t bytes, int reps);

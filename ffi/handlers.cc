@@ -180,7 +180,6 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
 ffi::Error Launch(Call& c, cudaStream_t stream) {
   c.dev->issued[c.params.slot].fetch_add(1, std::memory_order_relaxed);
   if (c.algo == Algo::kCopyEngine && c.params.nranks > 1) {
-    c.comm->EnsureWatchdog();
     if (std::string why = IssueCopyEngineCall(c.params, c.dtype, c.num_ctas, stream); !why.empty())
       return ffi::Error::Internal(why);
     return ffi::Error::Success();
@@ -280,8 +279,9 @@ using tokenweave::StartImpl;
 // sync state), so XLA may record it into a command buffer and replay it.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnorm, RunImpl, TW_BIND_MAIN(),
                               {ffi::Traits::kCmdBufferCompatible});
-// The same call for the copy-engine variant, left out of command buffers: its stream waits,
-// captured with its peer copies, stalled the GPUs in a graph replay (2 x H200, 2026-11-28).
+// The same call for the copy-engine variant, left out of command buffers: captured, its peer
+// copies stalled the GPUs in a graph replay (2 x H200, 2026-11-28, with the stream-wait design
+// of that day); not measured again since the waits became a kernel.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormUncaptured, RunImpl, TW_BIND_MAIN());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormStart, StartImpl, TW_BIND_MAIN());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormDone, DoneImpl,

@@ -3,7 +3,6 @@
 // the loopback test harness. Importing it calls no CUDA function.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cuda_runtime_api.h>
@@ -12,7 +11,6 @@
 
 #include "attention_handlers.h"
 #include "ce_plan.h"
-#include "ce_watch.h"
 #include "comm.h"
 #include "common.h"
 #include "handlers.h"
@@ -206,28 +204,12 @@ NB_MODULE(_tokenweave_ffi, m) {
           throw std::invalid_argument("jax-tokenweave: ce_plan needs 0 <= rank < n <= 8, T, rb");
         nb::list ops;
         for (const CeOp& op : CePlan(rank, n, tokens, row_bytes))
-          ops.append(nb::make_tuple(kKinds[op.kind], op.peer, op.phase, op.src, op.dst, op.bytes,
-                                    op.mark));
+          ops.append(nb::make_tuple(kKinds[op.kind], op.peer, op.phase, op.src, op.dst, op.bytes));
         return ops;
       },
       nb::arg("rank"), nb::arg("n"), nb::arg("tokens"), nb::arg("row_bytes"),
-      "The copy-engine call of `rank` as (kind, peer, phase, src, dst, bytes, mark) tuples, in "
+      "The copy-engine call of `rank` as (kind, peer, phase, src, dst, bytes) tuples, in "
       "stream order (ffi/ce_plan.h).");
-  m.def(
-      "ce_stuck_waits",
-      [](const std::vector<std::tuple<uint32_t, uint32_t, double, bool>>& seen, double bound,
-         double retry) {
-        WaitTracker t;
-        std::vector<bool> out;
-        for (const auto& [phase, calls, now, failed] : seen) {
-          const bool stuck = StuckWait(t, phase, calls, now, bound, failed, retry);
-          if (stuck) t.since = now;  // as the watchdog does after a release
-          out.push_back(stuck);
-        }
-        return out;
-      },
-      nb::arg("seen"), nb::arg("bound"), nb::arg("retry"),
-      "The watchdog's decisions over (phase, calls, now, failed) observations of one record.");
   m.def(
       "copy_bandwidth",
       [](const std::vector<int>& ordinals, int64_t bytes, int reps) {

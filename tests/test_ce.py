@@ -1,6 +1,6 @@
 """CPU tests of the copy-engine variant's host logic (``algo="ce"``): the stream plan each rank
-issues (ffi/ce_plan.h), simulated across ranks and calls with random interleavings, the
-watchdog's decision (ffi/ce_watch.h), and the settings and sizes the Python side checks."""
+issues (ffi/ce_plan.h), simulated across ranks and calls with random interleavings, and the
+settings and sizes the Python side checks."""
 
 from __future__ import annotations
 
@@ -18,12 +18,10 @@ needs_ext = pytest.mark.skipif(
     reason=f"extension not built: {_extension.import_error()}",
 )
 
-WAIT_SCATTER, REDUCE, WAIT_GATHER = 1, 2, 3  # ffi/common.h CePhase
-
 
 def _plan(rank, n, tokens, rb):
     ops = _extension.get().ce_plan(rank, n, tokens, rb)
-    keys = ("kind", "peer", "phase", "src", "dst", "bytes", "mark")
+    keys = ("kind", "peer", "phase", "src", "dst", "bytes")
     return [dict(zip(keys, op, strict=True)) for op in ops]
 
 
@@ -94,7 +92,8 @@ def _simulate(n, tokens, calls, seed):
             if pc[r] >= len(plans[r]) * calls:
                 continue
             op = plans[r][pc[r] % len(plans[r])]
-            if op["kind"] == "wait" and not flags[r, op["phase"], op["peer"]]:
+            others = [j for j in range(n) if j != r]
+            if op["kind"] == "wait" and not flags[r, op["phase"], others].all():
                 continue
             ready.append(r)
         assert ready, f"deadlock at {pc}"
@@ -108,8 +107,9 @@ def _simulate(n, tokens, calls, seed):
         elif kind == "signal":
             assert not flags[j, op["phase"], r], "a signal found its flag still set"
             flags[j, op["phase"], r] = True
-        elif kind == "wait":
-            flags[r, op["phase"], j] = False
+        elif kind == "wait":  # every peer's flag of the phase, then cleared
+            assert j == -1
+            flags[r, op["phase"], :] = False
         elif kind == "reduce":
             for src in range(n):  # every peer's rows of this call are in, none of the next
                 if src != r and ceil_div(tokens, n) * r < tokens:
@@ -136,42 +136,20 @@ def test_plan_is_deadlock_free_and_orders_the_staging_areas(n, tokens, rng):
 
 
 @needs_ext
-def test_plan_marks_each_wait_for_the_watchdog():
-    """Before each wait the watch record names the phase and the peer awaited (phase | peer <<
-    8), the reduce is marked, and the call ends idle; the finish kernel comes last."""
-    ops = _plan(1, 4, 64, 32)
-    for i, op in enumerate(ops):
-        if op["kind"] == "wait":
-            mark = ops[i - 1]
-            assert mark["kind"] == "mark"
-            want = WAIT_SCATTER if op["phase"] == 0 else WAIT_GATHER
-            assert mark["mark"] == want | op["peer"] << 8
-    marks = [op["mark"] for op in ops if op["kind"] == "mark"]
-    assert REDUCE in marks and marks[-1] == 0 and ops[-1]["kind"] == "finish"
+def test_plan_order():
+    """Copies, signals and one wait per phase around the reduce; the finish kernel last."""
+    kinds = [op["kind"] for op in _plan(1, 4, 64, 32)]
+    assert kinds == (
+        ["scatter_copy"] * 3
+        + ["signal"] * 3
+        + ["wait", "reduce"]
+        + ["signal"] * 3
+        + ["wait"]
+        + ["gather_copy"] * 3
+        + ["finish"]
+    )
     with pytest.raises(ValueError):
         _extension.get().ce_plan(4, 4, 64, 32)  # rank out of range
-
-
-@needs_ext
-def test_watchdog_releases_a_wait_that_stood_still_past_the_bound():
-    stuck = _extension.get().ce_stuck_waits
-    bound, retry = 1.0, 0.01
-    scatter = WAIT_SCATTER | 1 << 8
-    # a wait that stands still: released once past the bound, then again every retry only if
-    # the group has failed (the release shows), never while idle or moving
-    seen = [(scatter, 7, 0.0, False), (scatter, 7, 0.5, False), (scatter, 7, 1.2, False)]
-    assert stuck(seen, bound, retry) == [False, False, True]
-    moving = [(scatter, c, 0.4 * c, False) for c in range(10)]  # the count moves: progress
-    assert not any(stuck(moving, bound, retry))
-    flipping = [(WAIT_SCATTER if i % 2 else WAIT_GATHER, 3, 0.3 * i, False) for i in range(10)]
-    assert not any(stuck(flipping, bound, retry))
-    idle = [(0, 3, float(t), False) for t in range(5)] + [(REDUCE, 3, 9.0, True)]
-    assert not any(stuck(idle, bound, retry))
-    failed = [(scatter, 7, 0.0, True), (scatter, 7, 0.005, True), (scatter, 7, 0.02, True)]
-    assert stuck(failed, bound, retry) == [False, False, True]
-    other_peer = [(scatter, 7, 0.0, False), (WAIT_SCATTER | 2 << 8, 7, 0.9, False)]
-    other_peer += [(WAIT_SCATTER | 2 << 8, 7, 1.5, False), (WAIT_SCATTER | 2 << 8, 7, 2.0, False)]
-    assert stuck(other_peer, bound, retry) == [False, False, False, True]
 
 
 def test_settings_size_the_copy_engine_area(monkeypatch):

@@ -1,7 +1,7 @@
 """GPU tests of the copy-engine variant (``algo="ce"``) beyond the shared ones of
 test_ffi_gpu.py (float64 reference, CTA counts, back-to-back calls, start/done): its rows equal
-the SM variants' bit for bit, and a peer that never comes makes the watchdog release the stream
-wait past the bound, with NaN outputs, a report naming the stage, and usable GPUs after."""
+the SM variants' bit for bit, and a peer that never comes makes the one-warp wait give up past
+the bound, with NaN outputs, a report naming the stage, and usable GPUs after."""
 
 from __future__ import annotations
 
@@ -59,10 +59,10 @@ def test_slots_overlapped_many_times(ffi_mesh2, rng):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
 
 
-def test_forced_timeout_is_released_by_the_watchdog(ffi_mesh2, rng):
-    """Rank 1 never issues the call: rank 0's stream waits on its flag until the watchdog
-    releases it past the bound (1 s); the outputs are NaN, the report names the stage and the
-    missing rank, later launches are refused, and both GPUs keep working."""
+def test_forced_timeout_fails_the_call_within_the_bound(ffi_mesh2, rng):
+    """Rank 1 never issues the call: rank 0's wait gives up past the bound (1 s); the outputs
+    are NaN, the report names the stage and the missing rank, later launches are refused, and
+    both GPUs keep working."""
     comm = Communicator(
         ffi_mesh2, "tp", CommSettings(workspace_mib=64, ce_mib=64, num_slots=2, timeout_s=1.0)
     )
