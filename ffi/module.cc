@@ -198,7 +198,7 @@ NB_MODULE(_tokenweave_ffi, m) {
   m.def(
       "ce_plan",
       [](int rank, int n, int64_t tokens, int64_t row_bytes) {
-        static const char* kKinds[] = {"scatter_copy", "signal",      "mark",  "wait",
+        static const char* kKinds[] = {"scatter_copy", "signal",      "wait",
                                        "reduce",       "gather_copy", "finish"};
         if (n < 1 || n > kMaxRanks || rank < 0 || rank >= n || tokens < 1 || row_bytes < 1)
           throw std::invalid_argument("jax-tokenweave: ce_plan needs 0 <= rank < n <= 8, T, rb");
