@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# One GPU session in one call: build the package with its CUDA extension, run the GPU tests, the
-# kernel benchmark, the main job and the end-to-end benchmark, and pack every log and result into
-# $OUT/session.tgz (the device tool brings back at most 8 files). Run from the repository root:
+# One GPU session in one call: build the package with its CUDA extension, run the GPU tests and
+# the benchmarks named in STAGES, and pack everything into $OUT/session.tgz (the device tool
+# brings back few files). Run from the repository root:
 #
 #   STAGES="build tests kernel main" OUT=/tmp/out bash benchmarks/gpu_session.sh
+#
+# The archive holds two folders:
+#   results/  what the tree keeps: per stage its JSON and markdown, and README.md with the
+#             device, date, commit and every stage's command. Copy it into
+#             benchmarks/results/<date>-<kind>/ (CONTRIBUTING.md, "Recording GPU results").
+#   logs/     everything else: env.log, the build, every stage's output, plots, ncu reports.
+#             Logs never go into the tree; OUT inside benchmarks/results is refused.
 #
 # Stages (in this order, each optional): build tests loopback profile ncu fixedcost kernel mp
 # smtax breakdown main e2e attention decode prefill (mp: one process per GPU, the multi-process
@@ -16,14 +23,18 @@
 # (default: each benchmark's GPU defaults, attention within 300 s; e.g. ATTENTION_ARGS=--quick),
 # per-stage time limits T_TESTS, T_KERNEL, T_MAIN, T_E2E, T_ATTENTION, T_DECODE, T_PREFILL
 # (seconds; the last three default to 420: a device call ends at 10 minutes, so run the full
-# attention, decode and prefill stages in separate calls); the last three stages write
-# attention/, decode/ and prefill/ (JSON, markdown, plot) and their logs; JAX_TOKENWEAVE_COMMIT
-# names the commit the copy was made from (the
-# device machine gets no .git).
+# attention, decode and prefill stages in separate calls); JAX_TOKENWEAVE_COMMIT names the
+# commit the copy was made from (the device machine gets no .git).
 # Never touches NCCL_NVLS_ENABLE and never sets JAX_TOKENWEAVE_MULTIMEM: no multicast here.
 set -u -o pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 OUT=${OUT:-$repo/gpu_out}
+case "$(realpath -m "$OUT")/" in
+  "$repo/benchmarks/results/"*)
+    echo "gpu_session: OUT=$OUT is inside benchmarks/results: logs never go into the tree;" \
+      "give a folder outside it and copy its results/ in" >&2
+    exit 2 ;;
+esac
 STAGES=${STAGES:-build tests kernel main}
 TESTS=${TESTS:-tests/test_ffi.py tests/test_loopback_gpu.py tests/test_cmdbuffer_gpu.py tests/test_ffi_gpu.py}
 LOOPBACK_ARGS=${LOOPBACK_ARGS:---ranks 2 4 8 --tokens 1 16 64 256}
@@ -36,8 +47,11 @@ E2E_ARGS=${E2E_ARGS:---models llama3-70b --tp 4 --tokens 2048 8192 --layers 8 --
 ATTENTION_ARGS=${ATTENTION_ARGS:---time-budget 300}
 DECODE_ARGS=${DECODE_ARGS:-}
 PREFILL_ARGS=${PREFILL_ARGS:-}
+COMMIT=${JAX_TOKENWEAVE_COMMIT:-$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)}
 W=$(mktemp -d)
-mkdir -p "$OUT"
+R="$W/results"
+L="$W/logs"
+mkdir -p "$OUT" "$R" "$L"
 export PYTHONUNBUFFERED=1
 start=$SECONDS
 # Each stage's log line first packs what the stages before it wrote, so a call cut off by its
@@ -52,51 +66,96 @@ PY="python3 -P"
   date -u; nvidia-smi -L; nvidia-smi topo -m
   env | grep -E 'NVLS|MULTICAST|JAX_TOKENWEAVE|CUDA_VISIBLE|CUDA_MODULE' | sort
   python3 -c 'import jax, sys; print(sys.version, jax.__version__, jax.devices())'
-} > "$W/env.log" 2>&1
-cat "$W/env.log"
+} > "$L/env.log" 2>&1
+cat "$L/env.log"
+
+# results/README.md: the device, the date, the commit, then a row per stage with its command.
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)
+count=$(grep -c . <<< "$gpus")
+kind=$(head -1 <<< "$gpus" | grep -oiE '[ahb][0-9]{2,3}' | head -1 | tr '[:upper:]' '[:lower:]')
+{
+  echo "# GPU session $(date -u +%F)"
+  echo
+  echo "- Device: ${count} x $(head -1 <<< "$gpus" | sed 's/^$/no GPU/')"
+  echo "- Date (UTC): $(date -u +%FT%TZ); commit: $COMMIT"
+  echo "- Copy these folders into \`benchmarks/results/$(date -u +%F)-${kind:-cpu}x${count}/\` and say"
+  echo "  there what the figures show. The logs are in session.tgz's \`logs/\`, not in the tree."
+  echo
+  echo "| stage | files | command (from the repository root) | exit status |"
+  echo "|---|---|---|---|"
+} > "$R/README.md"
+# record STAGE STATUS COMMAND...: the stage's row in results/README.md.
+record() { local stage=$1 rc=$2; shift 2; echo "| $stage | \`$stage/\` | \`$*\` | $rc |" >> "$R/README.md"; }
+# tidy STAGE: results/STAGE keeps its JSON and markdown; plots and the rest go to logs/STAGE.
+tidy() {
+  [[ -d "$R/$1" ]] || return 0
+  find "$R/$1" -type f ! -name '*.json' ! -name '*.md' -exec sh -c \
+    'dst=$0 src=$1; shift; for f; do r=${f#"$src"/}; mkdir -p "$dst/$(dirname "$r")"; mv "$f" "$dst/$r"; done' \
+    "$L/$1" "$R/$1" {} +
+}
+# bench STAGE LIMIT SCRIPT ARGS...: benchmarks/SCRIPT --out results/STAGE, its output in
+# logs/STAGE.log; the markdown it wrote (or the log's tail) on stdout.
+bench() {
+  local stage=$1 limit=$2 script=$3 rc=0; shift 3
+  log "$stage: $*"
+  timeout "$limit" $PY "$repo/benchmarks/$script" --out "$R/$stage" "$@" > "$L/$stage.log" 2>&1 || rc=$?
+  record "$stage" "$rc" "python3 -P benchmarks/$script --out $stage $*"
+  tidy "$stage"
+  cat "$R/$stage"/*.md 2>/dev/null || tail -30 "$L/$stage.log"
+  return "$rc"
+}
+# tests_json FILE COMMAND LOG...: each log's pytest summary line as JSON (the logs stay out).
+tests_json() {
+  local file=$1 command=$2; shift 2
+  mkdir -p "$(dirname "$file")"
+  python3 - "$file" "$command" "$COMMIT" "$@" <<'EOF'
+import json, re, sys
+out, command, commit, *logs = sys.argv[1:]
+runs = []
+for log in logs:
+    lines = [l for l in open(log, errors="replace").read().splitlines()
+             if re.search(r"\d+ (passed|failed|errors?|skipped)", l)]
+    runs.append(lines[-1].strip("= ") if lines else "no summary line: see the log")
+json.dump({"command": command, "commit": commit, "runs": runs}, open(out, "w"), indent=1)
+EOF
+}
 
 status=0
 if has build; then
   log "build"
   if ! (cd "$repo" && python3 -m pip install -v --no-build-isolation --no-deps -e .) \
-      > "$W/build.log" 2>&1; then
+      > "$L/build.log" 2>&1; then
     log "editable install failed; trying a plain install"
     (cd "$repo" && python3 -m pip install -v --no-build-isolation --no-deps .) \
-      >> "$W/build.log" 2>&1 || { tail -40 "$W/build.log"; log "BUILD FAILED"; status=1; }
+      >> "$L/build.log" 2>&1 || { tail -40 "$L/build.log"; log "BUILD FAILED"; status=1; }
   fi
   $PY -c 'from jax_tokenweave.kernel import _ffi; print("extension:", _ffi.import_error() or "loaded")'
 fi
 if has tests && [[ $status == 0 ]]; then
   # TEST_RUNS consecutive runs of the same files (flaky waits show up as a failed run).
+  command="python3 -P -m pytest -q -rfEs --durations=5 -p no:cacheprovider $TESTS"
   for run in $(seq 1 "${TEST_RUNS:-1}"); do
     log "tests (run $run of ${TEST_RUNS:-1}): $TESTS"
     # shellcheck disable=SC2086
     (cd "$repo" && timeout ${T_TESTS:-300} $PY -m pytest -q -rfEs --durations=5 -p no:cacheprovider \
-      $TESTS) > "$W/tests_$run.log" 2>&1 || status=$?
-    tail -15 "$W/tests_$run.log"
+      $TESTS) > "$L/tests_$run.log" 2>&1 || status=$?
+    tail -15 "$L/tests_$run.log"
   done
+  tests_json "$R/tests/gpu_tests.json" "$command, ${TEST_RUNS:-1} run(s)" "$L"/tests_*.log
+  record tests "$status" "$command"
 fi
-if has loopback; then
-  log "loopback benchmark: $LOOPBACK_ARGS"
-  # shellcheck disable=SC2086
-  timeout ${T_LOOPBACK:-120} $PY "$repo/benchmarks/loopback_bench.py" --out "$W/loopback" \
-    $LOOPBACK_ARGS > "$W/loopback.log" 2>&1 || status=$?
-  tail -40 "$W/loopback.log"
-fi
-if has profile; then
-  log "profiled device time: $PROFILE_ARGS"
-  # shellcheck disable=SC2086
-  timeout ${T_PROFILE:-200} $PY "$repo/benchmarks/profile_kernels.py" --out "$W/profile" \
-    $PROFILE_ARGS > "$W/profile.log" 2>&1 || status=$?
-  tail -12 "$W/profile.log"
-fi
+# shellcheck disable=SC2086
+has loopback && { bench loopback "${T_LOOPBACK:-120}" loopback_bench.py $LOOPBACK_ARGS || status=$?; }
+# shellcheck disable=SC2086
+has profile && { bench profile "${T_PROFILE:-200}" profile_kernels.py $PROFILE_ARGS || status=$?; }
 if has ncu; then
   # Nsight Compute on one fused call per size (N = 1 unless NCU_TP): duration, stall reasons
   # and the per-line source view, exported to CSV (ncu is on the GPU image, not on CPU boxes).
+  # Profiler dumps stay in logs/ncu.
   for t in ${NCU_TOKENS:-1 16 64}; do
     log "ncu: fused kernel at T=$t"
-    rep="$W/ncu/fused_t$t"
-    mkdir -p "$W/ncu"
+    rep="$L/ncu/fused_t$t"
+    mkdir -p "$L/ncu"
     timeout ${T_NCU:-150} ncu --clock-control none --set full --import-source yes \
       --kernel-name regex:'OneShot|Fused|TwoShot|Direct|LocalRows' --launch-skip 8 --launch-count 1 \
       -f -o "$rep" $PY "$repo/benchmarks/ncu_fused.py" --tp "${NCU_TP:-1}" --tokens "$t" \
@@ -111,66 +170,56 @@ if has ncu; then
 fi
 if has fixedcost; then
   log "fixed cost of the fused kernel's ingredients (benchmarks/fixed_cost)"
+  mkdir -p "$R/fixedcost"
+  rc=0
   nvcc -O3 -std=c++17 -arch=sm_90a -I "$repo/ffi" "$repo/benchmarks/fixed_cost/fixed_cost.cu" \
-    -o "$W/fixed_cost" > "$W/fixed_cost.log" 2>&1 && timeout ${T_FIXEDCOST:-120} "$W/fixed_cost" \
-    > "$W/fixed_cost.md" 2>> "$W/fixed_cost.log" || status=$?
-  cat "$W/fixed_cost.md"; tail -3 "$W/fixed_cost.log"
+    -o "$W/fixed_cost" > "$L/fixedcost.log" 2>&1 && timeout ${T_FIXEDCOST:-120} "$W/fixed_cost" \
+    > "$R/fixedcost/fixed_cost.md" 2>> "$L/fixedcost.log" || rc=$?
+  record fixedcost "$rc" "nvcc -O3 -std=c++17 -arch=sm_90a -I ffi benchmarks/fixed_cost/fixed_cost.cu -o fixed_cost && ./fixed_cost > fixed_cost.md"
+  [[ $rc == 0 ]] || status=$rc
+  cat "$R/fixedcost/fixed_cost.md"; tail -3 "$L/fixedcost.log"
 fi
-if has kernel; then
-  log "kernel benchmark: $KERNEL_ARGS"
-  # shellcheck disable=SC2086
-  timeout ${T_KERNEL:-200} $PY "$repo/benchmarks/kernel_bench.py" --out "$W/kernel" $KERNEL_ARGS \
-    > "$W/kernel.log" 2>&1 || status=$?
-  cat "$W/kernel/kernel_bench.md" 2>/dev/null || tail -20 "$W/kernel.log"
-fi
+# shellcheck disable=SC2086
+has kernel && { bench kernel "${T_KERNEL:-200}" kernel_bench.py $KERNEL_ARGS || status=$?; }
 if has mp; then
   log "one process per GPU (${MP_N:-2} processes): tests and the kernel benchmark"
   (cd "$repo" && timeout ${T_MP:-300} $PY -m pytest -q -rfEs -p no:cacheprovider \
-    tests/test_multiprocess_gpu.py) > "$W/mp_tests.log" 2>&1 || status=$?
-  tail -3 "$W/mp_tests.log"
+    tests/test_multiprocess_gpu.py) > "$L/mp_tests.log" 2>&1 || status=$?
+  tail -3 "$L/mp_tests.log"
+  tests_json "$R/mp_tests/gpu_tests.json" \
+    "python3 -P -m pytest -q -rfEs -p no:cacheprovider tests/test_multiprocess_gpu.py" "$L/mp_tests.log"
+  mp_args=${MP_KERNEL_ARGS:---tp 2 --hidden 8192 --tokens 1 128 1024 16384 --ctas 16 --impls ffi xla --reps 10}
+  rc=0
   # shellcheck disable=SC2086
   timeout ${T_MP:-300} $PY -m jax_tokenweave.launch -n "${MP_N:-2}" -- $PY \
-    "$repo/benchmarks/kernel_bench.py" --out "$W/kernel_mp" \
-    ${MP_KERNEL_ARGS:---tp 2 --hidden 8192 --tokens 1 128 1024 16384 --ctas 16 --impls ffi xla --reps 10} \
-    > "$W/kernel_mp.log" 2>&1 || status=$?
-  cat "$W/kernel_mp/kernel_bench.md" 2>/dev/null || tail -20 "$W/kernel_mp.log"
+    "$repo/benchmarks/kernel_bench.py" --out "$R/kernel_mp" $mp_args > "$L/kernel_mp.log" 2>&1 || rc=$?
+  record kernel_mp "$rc" "python3 -P -m jax_tokenweave.launch -n ${MP_N:-2} -- python3 -P benchmarks/kernel_bench.py --out kernel_mp $mp_args"
+  tidy kernel_mp
+  [[ $rc == 0 ]] || status=$rc
+  cat "$R/kernel_mp/kernel_bench.md" 2>/dev/null || tail -20 "$L/kernel_mp.log"
 fi
-if has smtax; then
-  log "SM tax: $SMTAX_ARGS"
-  # shellcheck disable=SC2086
-  timeout ${T_SMTAX:-200} $PY "$repo/benchmarks/sm_tax.py" --out "$W/smtax" $SMTAX_ARGS \
-    > "$W/smtax.log" 2>&1 || status=$?
-  tail -12 "$W/smtax.log"
-fi
-if has breakdown; then
-  log "breakdown: $BREAKDOWN_ARGS"
-  # shellcheck disable=SC2086
-  timeout ${T_BREAKDOWN:-400} $PY "$repo/benchmarks/breakdown.py" --out "$W/breakdown" \
-    $BREAKDOWN_ARGS > "$W/breakdown.log" 2>&1 || status=$?
-  cat "$W/breakdown/breakdown.md" 2>/dev/null || tail -20 "$W/breakdown.log"
-fi
+# shellcheck disable=SC2086
+has smtax && { bench smtax "${T_SMTAX:-200}" sm_tax.py $SMTAX_ARGS || status=$?; }
+# shellcheck disable=SC2086
+has breakdown && { bench breakdown "${T_BREAKDOWN:-400}" breakdown.py $BREAKDOWN_ARGS || status=$?; }
 if has main; then
   log "main job: $MAIN_ARGS"
+  mkdir -p "$R/main" "$L/main"
+  rc=0
   # shellcheck disable=SC2086
-  (cd "$W" && timeout ${T_MAIN:-180} $PY -m jax_tokenweave.bench --no-progress --json "$W/bench.json" \
-    --plot "$W/bench.png" $MAIN_ARGS) > "$W/bench.txt" 2>&1 || status=$?
-  tail -20 "$W/bench.txt"
+  (cd "$W" && timeout ${T_MAIN:-180} $PY -m jax_tokenweave.bench --no-progress \
+    --json "$R/main/bench.json" --plot "$L/main/bench.png" $MAIN_ARGS) > "$L/main.log" 2>&1 || rc=$?
+  record main "$rc" "python3 -P -m jax_tokenweave.bench --no-progress --json main/bench.json $MAIN_ARGS"
+  [[ $rc == 0 ]] || status=$rc
+  tail -20 "$L/main.log"
 fi
-if has e2e; then
-  log "e2e benchmark: $E2E_ARGS"
+# shellcheck disable=SC2086
+has e2e && { bench e2e "${T_E2E:-300}" e2e_bench.py $E2E_ARGS || status=$?; }
+for stage in attention decode prefill; do
+  has "$stage" || continue
+  args_var="${stage^^}_ARGS"; limit_var="T_${stage^^}"
   # shellcheck disable=SC2086
-  timeout ${T_E2E:-300} $PY "$repo/benchmarks/e2e_bench.py" --out "$W/e2e" $E2E_ARGS \
-    > "$W/e2e.txt" 2>&1 || status=$?
-  cat "$W/e2e/e2e.md" 2>/dev/null || tail -30 "$W/e2e.txt"
-fi
-for bench in attention decode prefill; do
-  has "$bench" || continue
-  args_var="${bench^^}_ARGS"; limit_var="T_${bench^^}"
-  log "$bench benchmark: ${!args_var}"
-  # shellcheck disable=SC2086
-  timeout "${!limit_var:-420}" $PY "$repo/benchmarks/${bench}_bench.py" --out "$W/$bench" \
-    ${!args_var} > "$W/$bench.log" 2>&1 || status=$?
-  cat "$W/$bench/$bench.md" 2>/dev/null || tail -30 "$W/$bench.log"
+  bench "$stage" "${!limit_var:-420}" "${stage}_bench.py" ${!args_var} || status=$?
 done
-log "done (status $status); results in $OUT/session.tgz"
+log "done (status $status); results in $OUT/session.tgz (results/ for the tree, logs/ beside it)"
 exit "$status"

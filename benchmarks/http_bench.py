@@ -18,12 +18,13 @@ The model: ``--model`` a checkpoint directory / cached Hugging Face id, or ``--r
 named config with random weights (default: ``llama3-8b`` on GPUs, ``tiny`` with one layer on
 CPUs). Each run serves an untimed round of ``--clients`` requests first. Reported per run:
 output and total tokens/s, requests/s, TTFT and TPOT p50 / p99, and HTTP / in-process output
-throughput. Writes ``http.json`` and ``http.md`` into ``--out``. The server and the
+throughput. Writes ``http.json`` and ``http.md`` into ``--out``; the server's log goes to
+``--server-log`` (default: a file in the temporary folder, never ``--out``). The server and the
 streaming clients live in ``http_client.py``.
 
 On one GPU (Llama-3-8B shapes, random weights, TP 1, 64 clients)::
 
-    python benchmarks/http_bench.py --out benchmarks/results/<date>-h200x1/http
+    python benchmarks/http_bench.py --out /tmp/http
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -134,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
             help=bm.ENGINE_OPTIONS[name] + " (default: the engine's)",
         )
     p.add_argument("--url", help="a running server (its engine options are its own)")
+    p.add_argument(
+        "--server-log",
+        type=Path,
+        metavar="FILE",
+        help="the started server's output (default: http_bench_server_<pid>.log in the "
+        "temporary folder)",
+    )
     p.add_argument("--no-inprocess", action="store_true", help="skip the in-process run")
     p.add_argument(
         "--startup-timeout",
@@ -208,9 +218,12 @@ def summary(records: list[dict[str, float]], seconds: float) -> dict[str, Any]:
 def run_http(a: argparse.Namespace, requests: list, sizes: dict[str, int]) -> dict[str, Any]:
     """The HTTP run (a server started here unless ``--url``)."""
     client = bm.sibling_module(__file__, "http_client")
-    proc, url = (
-        (None, a.url.rstrip("/")) if a.url else client.start_server(a, sizes, a.out / "server.log")
-    )
+    if a.url:
+        proc, url = None, a.url.rstrip("/")
+    else:
+        log = a.server_log or Path(tempfile.gettempdir()) / f"http_bench_server_{os.getpid()}.log"
+        print(f"http_bench: the server's log: {log}", file=sys.stderr)
+        proc, url = client.start_server(a, sizes, log)
     try:
         import httpx
 

@@ -20,7 +20,7 @@ With no GPU it runs the tiny config on 8 virtual CPU devices (timings say nothin
 
 The GPU target (2 x H200, TP 2, Llama-3.3-70B shapes, 8 layers), install included::
 
-    OUT=benchmarks/results/<date>-h200x2/serve bash benchmarks/gpu_serve.sh
+    OUT=/tmp/serve bash benchmarks/gpu_serve.sh   # results/ for the tree, logs/ beside it
 """
 
 from __future__ import annotations

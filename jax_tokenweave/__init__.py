@@ -10,14 +10,9 @@ Where each name lives and the parts' import order: docs/PACKAGE.md#jax_tokenweav
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
-__version__ = "0.3.0"
-
-# Old module paths (``jax_tokenweave.ops``, ``.layers``, ...) find their shims in ``_legacy/``
-# for one release: each warns and resolves to the new module. No import hook is registered.
-__path__.append(os.path.join(os.path.dirname(__file__), "_legacy"))
+__version__ = "0.4.0"
 
 _EXPORTS: dict[str, str] = {
     "allreduce_rmsnorm": "jax_tokenweave.kernel.ops",

@@ -192,11 +192,7 @@ def test_layout_sections_name_every_part():
     """The README's layout section names every part of the package (each subpackage and each
     module at its top); ARCHITECTURE.md's tree also every module of those parts."""
     package = ROOT / "jax_tokenweave"
-    parts = sorted(
-        p.name
-        for p in package.iterdir()
-        if p.is_dir() and (p / "__init__.py").exists() and p.name != "_legacy"
-    )
+    parts = sorted(p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     top = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
     readme = markdown_section(README.read_text(), "## Layout")
     missing = [f"{p}/" for p in parts if f"`{p}/`" not in readme]

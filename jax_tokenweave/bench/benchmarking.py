@@ -27,7 +27,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_tokenweave._legacy import deprecated, renamed_attribute
 from jax_tokenweave.bench.modes import Mode as Mode  # re-exported: the benchmarks' mode vocabulary
 from jax_tokenweave.bench.modes import compile_forward as compile_forward
 from jax_tokenweave.bench.modes import make_plan as make_plan
@@ -57,13 +56,6 @@ CPU_NOTE = (
     "so they say nothing about overlapping GPU communication with compute; run on GPUs "
     "to measure TokenWeave."
 )
-
-
-_RENAMED = {"COMMS": "jax_tokenweave.weave.schedules:COLLECTIVES"}  # old names, one release
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_attribute(__name__, name, _RENAMED)
 
 
 # ------------------------------------------------------------------------------- set-up ---
@@ -170,20 +162,6 @@ def resolve_seed() -> int:
 
         seed = int(multihost_utils.broadcast_one_to_all(np.int64(seed)))
     return seed
-
-
-def ffi_unavailable(
-    mesh: Mesh, dtype: Any, shape: tuple[int, int], axis_name: str = "tp"
-) -> str | None:
-    """Deprecated: ``jax_tokenweave.kernel.unavailable_reason(mesh, axis_name, dtype, shape)``,
-    the one answer to why the fused kernel cannot run a call."""
-    from jax_tokenweave.kernel import _ffi
-
-    deprecated(
-        "jax_tokenweave.bench.benchmarking.ffi_unavailable is deprecated: use "
-        "jax_tokenweave.kernel.unavailable_reason(mesh, axis_name, dtype, shape)"
-    )
-    return _ffi.unavailable_reason(mesh, axis_name, jnp.dtype(dtype), tuple(shape))
 
 
 # --------------------------------------------------------------------------- environment ---

@@ -16,7 +16,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jax_tokenweave._legacy import deprecated
 from jax_tokenweave.bench import timing
 from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
@@ -55,12 +54,6 @@ class Mode:
         """Compared against baseline (``nocomm``'s and ``weave-local``'s outputs are not the
         model's)."""
         return self.schedule == "weave" and self.collective != "local"
-
-    @property
-    def comm(self) -> str:
-        """Deprecated: :attr:`collective`."""
-        deprecated("jax_tokenweave: Mode.comm is deprecated: use Mode.collective")
-        return self.collective
 
     def tuning_for(self, planned: TuneEntry | None) -> TuneEntry | None:
         """The ``tuning=`` override: the plan's entry with this mode's forced CTA count and

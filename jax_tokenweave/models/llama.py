@@ -18,7 +18,6 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave._legacy import renamed_keyword
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.hf.loading import load_pretrained
 from jax_tokenweave.nn.decoder import WeaveDecoder
@@ -106,15 +105,12 @@ class LlamaModel(nnx.Module):
         schedule: Schedule = "weave",
         collective: Collective = "auto",
         return_kv: bool = False,
-        comm: Collective | None = None,
     ) -> Any:
         """``tokens`` int [T] packed as ``batch`` -> float32 logits [T, V] replicated.
 
         With ``return_kv`` also the decoder's per-layer ``(k, v)`` (see ``WeaveDecoder``).
         ``schedule="nocomm"`` removes the decoder's collectives: its logits are not the model's.
-        ``comm``: deprecated name of ``collective``.
         """
-        collective = renamed_keyword("LlamaModel.__call__", "comm", comm, "collective", collective)
         shape = tuple(getattr(tokens, "shape", ()))
         if len(shape) != 1:
             raise ValueError(f"tokens must be a 1-D array [T], got shape {shape}")

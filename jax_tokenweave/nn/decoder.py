@@ -17,7 +17,6 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave._legacy import renamed_attribute, renamed_keyword
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.nn import attention as attn_lib
 from jax_tokenweave.nn.decoder_layer import DecoderLayer
@@ -35,25 +34,6 @@ from jax_tokenweave.weave.schedules import (
 from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 __all__ = ["WeaveDecoder"]
-
-# Until 0.2.0 (as jax_tokenweave.layers) this module re-exported the schedules' names: for one
-# release, with a warning naming their home.
-_RENAMED = {
-    **{
-        name: f"jax_tokenweave.weave.schedules:{name}"
-        for name in ("SCHEDULES", "Schedule", "check_call")
-    },
-    "ALL_COMMS": "jax_tokenweave.weave.schedules:ALL_COLLECTIVES",
-    "COMMS": "jax_tokenweave.weave.schedules:COLLECTIVES",
-    "Comm": "jax_tokenweave.weave.schedules:Collective",
-    "ffi_unavailable": "jax_tokenweave.weave.schedules:unavailable_reason",
-    "resolve_comm": "jax_tokenweave.weave.schedules:resolve_collective",
-    "own_rows": "jax_tokenweave.weave.reducers:own_rows",
-}
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_attribute(__name__, name, _RENAMED)
 
 
 class WeaveDecoder(nnx.Module):
@@ -117,7 +97,6 @@ class WeaveDecoder(nnx.Module):
         return_kv: bool = False,
         tuning: TuneEntry | None = None,
         reducer: ReducerFactory | None = None,
-        comm: Collective | None = None,
     ) -> Any:
         """Run the stack on ``hidden`` [T, H] (replicated) laid out as ``batch``.
 
@@ -128,11 +107,7 @@ class WeaveDecoder(nnx.Module):
         the fused kernel's CTA counts (default: the plan's). ``reducer``: a reducer factory
         replacing the schedule's (the halves stay the schedule's); for tests and experiments.
         ``collective="ffi"`` where the kernel cannot run raises ``RuntimeError`` saying why.
-        ``comm``: deprecated name of ``collective``.
         """
-        collective = renamed_keyword(
-            "WeaveDecoder.__call__", "comm", comm, "collective", collective
-        )
         check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, collective)
         if tuning is not None and not isinstance(tuning, TuneEntry):
             raise ValueError(f"tuning must be a tuning.TuneEntry or None, got {type(tuning)}")

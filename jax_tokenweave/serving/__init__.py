@@ -5,9 +5,6 @@ Public: ``LLM``, ``SamplingParams``, ``LLMEngine``, ``EngineConfig``, ``RequestO
 ``generate_ids``. The modules' roles: docs/SERVING.md#serving; the design: docs/SERVING.md.
 """
 
-from typing import Any
-
-from jax_tokenweave._legacy import renamed_attribute
 from jax_tokenweave.serving.blocks import OutOfBlocksError
 from jax_tokenweave.serving.compile_count import count_compilations
 from jax_tokenweave.serving.config import EngineConfig
@@ -38,9 +35,3 @@ __all__ = [
     "count_compilations",
     "generate_ids",
 ]
-
-_RENAMED = {"generate": "jax_tokenweave.serving.oneshot:generate_ids"}  # for one release
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_attribute(__name__, name, _RENAMED)

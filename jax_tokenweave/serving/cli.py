@@ -120,32 +120,9 @@ def positive_float(text: str) -> float:
     return _number(text, float, 0, strict=True)
 
 
-class _Collective(argparse.Action):
-    """``--collective``; its old spelling ``--comm`` still works for one release, with a note."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        if option_string == "--comm":
-            print("note: --comm is deprecated: use --collective", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
 def add_collective_option(parser: argparse.ArgumentParser, default: str, help: str) -> None:
-    """``--collective`` (weave's reductions, one of ``COLLECTIVES``; ``--comm``: its old name)."""
-    parser.add_argument(
-        "--collective",
-        "--comm",
-        dest="collective",
-        action=_Collective,
-        choices=COLLECTIVES,
-        default=default,
-        help=help,
-    )
+    """``--collective`` (weave's reductions, one of ``COLLECTIVES``)."""
+    parser.add_argument("--collective", choices=COLLECTIVES, default=default, help=help)
 
 
 def add_engine_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-from collections.abc import Callable
-from typing import Any
 
-from jax_tokenweave._legacy import deprecated, renamed_keyword
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import decode_rows
@@ -49,7 +45,7 @@ class EngineConfig:
     # overlapped; smaller ones unsplit, token-sharded residual, the fused kernel where it runs)
     # or "baseline" (plain TP, psum).
     schedule: str = "weave"
-    # Weave's reductions: "auto", "xla" or "ffi" (comm=, its old name, works for one release).
+    # Weave's reductions: "auto", "xla" or "ffi".
     collective: str = "auto"
     split_threshold: int | None = None  # None: the tuning table's for the model and TP degree
     # The fused kernel's CTA counts and the split offset for every step (None: the tuning
@@ -151,26 +147,3 @@ class EngineConfig:
         per_chunk = self.key_chunk // self.block_size
         blocks = ceil_div(self.max_model_len, self.block_size)
         return ceil_div(blocks, per_chunk) * per_chunk
-
-    @property
-    def comm(self) -> str:
-        """Deprecated: :attr:`collective`."""
-        deprecated("jax_tokenweave: EngineConfig.comm is deprecated: use EngineConfig.collective")
-        return self.collective
-
-
-def _accept_comm(init: Callable[..., None]) -> Callable[..., None]:
-    """``EngineConfig(comm=...)``: the old name of ``collective=``, for one release."""
-
-    @functools.wraps(init)
-    def __init__(self: EngineConfig, *args: Any, comm: str | None = None, **kwargs: Any) -> None:
-        if comm is not None:
-            kwargs["collective"] = renamed_keyword(
-                "EngineConfig", "comm", comm, "collective", kwargs.get("collective", "auto")
-            )
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-EngineConfig.__init__ = _accept_comm(EngineConfig.__init__)  # type: ignore[method-assign]

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave._legacy import deprecated
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.config import EngineConfig
@@ -209,17 +208,6 @@ class LLMEngine(RequestIntake):
         except BaseException:  # interrupted or failed: nothing of this call stays queued
             self.abort_all(ids)
             raise
-
-    def generate(
-        self,
-        prompts: Iterable[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Deprecated: :meth:`run_to_completion` (``generate`` is ``LLM``'s)."""
-        deprecated(
-            "jax_tokenweave: LLMEngine.generate is deprecated: use LLMEngine.run_to_completion"
-        )
-        return self.run_to_completion(prompts, params)
 
     def abort_all(self, request_ids: Iterable[str]) -> None:
         """Abort and forget these requests (unknown ids ignored); their blocks return to the

@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jax_tokenweave._legacy import renamed_keyword
 from jax_tokenweave.serving import llm_setup
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
@@ -61,10 +60,6 @@ class LLM:
         config: EngineConfig | None = None,
         **engine: Any,
     ) -> None:
-        if "comm" in engine:  # the old name of collective=, for one release
-            engine["collective"] = renamed_keyword(
-                "LLM", "comm", engine.pop("comm"), "collective", engine.get("collective")
-            )
         tp = llm_setup.check_arguments(
             engine, config, tp, tensor_parallel_size, gpu_memory_utilization, tokenizer
         )

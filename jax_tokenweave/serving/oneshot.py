@@ -6,18 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jax_tokenweave._legacy import renamed_attribute
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import next_pow2
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
 from jax_tokenweave.serving.sampling_params import SamplingParams
-
-_RENAMED = {"generate": "generate_ids"}  # LLM.generate keeps the name; for one release
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_attribute(__name__, name, _RENAMED)
 
 
 def generate_ids(

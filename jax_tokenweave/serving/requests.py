@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jax_tokenweave._legacy import renamed_attribute
 from jax_tokenweave.serving import scheduler
 from jax_tokenweave.serving.outputs import (
     CompletionOutput,
@@ -16,13 +15,6 @@ from jax_tokenweave.serving.outputs import (
     TokenLogprob,
     vllm_logprobs,
 )
-
-# ``Request`` is now the scheduler's (one sample's state); for one release.
-_RENAMED = {"Request": "EngineRequest"}
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_attribute(__name__, name, _RENAMED)
 
 
 @dataclasses.dataclass(eq=False)

@@ -13,22 +13,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 
-from jax_tokenweave._legacy import renamed_attribute
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.blocks import BlockAllocator
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.sampling_params import SamplingParams
-
-_RENAMED = {"Sequence": "Request"}  # it shadowed collections.abc.Sequence; one release
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_attribute(__name__, name, _RENAMED)
 
 
 @dataclasses.dataclass(eq=False)

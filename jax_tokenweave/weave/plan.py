@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jax_tokenweave._legacy import deprecated
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.weave import tuning as tuning_lib
 from jax_tokenweave.weave.cost import CostModel
@@ -191,12 +190,6 @@ class BatchPlan:
     def is_split(self) -> bool:
         """Whether the batch is split in two halves."""
         return len(self.halves) == 2
-
-    @property
-    def split(self) -> bool:
-        """Deprecated: :attr:`is_split` (``split`` is also ``plan_batch``'s keyword)."""
-        deprecated("jax_tokenweave: BatchPlan.split is deprecated: use BatchPlan.is_split")
-        return self.is_split
 
     @property
     def cut_request(self) -> int | None:

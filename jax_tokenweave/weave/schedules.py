@@ -17,7 +17,6 @@ from typing import Any, Literal, get_args
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jax_tokenweave._legacy import renamed_attribute, renamed_keyword
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.weave import reducers
 from jax_tokenweave.weave import tuning as tuning_lib
@@ -32,19 +31,6 @@ COLLECTIVES: tuple[str, ...] = ("auto", "xla", "ffi")
 job)."""
 ALL_COLLECTIVES: tuple[str, ...] = get_args(Collective)
 """``COLLECTIVES`` plus the ablations ``ffi-sync``, ``ffi-replicated`` and ``local``."""
-
-# Old names, for one release (``comm`` is also the kernel's Communicator, ``comm=`` in _ffi).
-_RENAMED = {
-    "Comm": "Collective",
-    "COMMS": "COLLECTIVES",
-    "ALL_COMMS": "ALL_COLLECTIVES",
-    "resolve_comm": "resolve_collective",
-    "ffi_unavailable": "unavailable_reason",
-}
-
-
-def __getattr__(name: str) -> Any:
-    return renamed_attribute(__name__, name, _RENAMED)
 
 
 ReducerFactory = Callable[[reducers.ReduceContext], reducers.Reducer]
@@ -240,14 +226,12 @@ def stack_setup(
     collective: str = "auto",
     tuning: TuneEntry | None = None,
     reducer: ReducerFactory | None = None,
-    comm: str | None = None,
 ) -> StackSetup:
     """The one setup of ``WeaveDecoder`` and the serving step for ``batch`` on ``mesh``'s
     ``axis_name``: the CTA counts (``tuning``, else the plan's, else the tuning table's entry
     for the model, TP degree and token count), the schedule (:func:`resolve_schedule`), the
     collective (:func:`resolve_collective`; ``xla`` where ``reducer`` replaces the schedule's)
-    and :func:`configure`'s halves and reducer. ``comm``: deprecated name of ``collective``."""
-    collective = renamed_keyword("stack_setup", "comm", comm, "collective", collective)
+    and :func:`configure`'s halves and reducer."""
     tp = mesh.shape[axis_name]
     entry = (
         tuning

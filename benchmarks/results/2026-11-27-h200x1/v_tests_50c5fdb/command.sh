@@ -1,2 +1,0 @@
-# 2026-11-27 (fourth session), call 10, nvidia-h200 (a fresh one-H200 machine), main at 50c5fdb.
-export JAX_TOKENWEAVE_COMMIT=50c5fdb; mkdir -p /tmp/s12c10; env STAGES=build OUT=/tmp/s12c10/build bash benchmarks/gpu_session.sh > /tmp/s12c10/build.log 2>&1; echo "build rc=$?"; timeout 100 python3 -P -m pytest -q -rfEs -p no:cacheprovider tests/test_cmdbuffer_gpu.py tests/test_fused_one_rank_gpu.py tests/test_ffi.py > /tmp/s12c10/tests.log 2>&1; echo "tests rc=$?"; tail -4 /tmp/s12c10/tests.log; nvidia-smi -L; rm -rf /tmp/s12c10/build; tar czf $OUT/all.tgz -C /tmp/s12c10 .

@@ -1,2 +1,0 @@
-# Call 3 of 2026-11-27 (fourth session) on nvidia-h200-x4, same machine as call c.
-export JAX_TOKENWEAVE_COMMIT=664d7c4; git apply .scratch/replicated_residual.patch || exit 1; mkdir -p /tmp/s12c2; env STAGES="build e2e" T_E2E=480 E2E_ARGS="--models qwen2.5-72b mixtral-8x22b --tp 4 --tokens 2048 8192 --decode-tokens 1 16 --layers 8 --iters 5 --time-budget 420" OUT=/tmp/s12c2 bash benchmarks/gpu_session.sh 2>&1 | tail -40; cp /tmp/s12c2/session.tgz $OUT/

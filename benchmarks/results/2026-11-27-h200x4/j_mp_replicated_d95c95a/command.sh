@@ -1,2 +1,0 @@
-# Call 9 of 2026-11-27 (fourth session) on nvidia-h200-x4 (a fresh machine).
-export JAX_TOKENWEAVE_COMMIT=d95c95a; mkdir -p /tmp/s12c9; env STAGES=build OUT=/tmp/s12c9/build bash benchmarks/gpu_session.sh > /tmp/s12c9/build.log 2>&1; echo "build rc=$?"; timeout 170 python3 -P -m pytest -q -rfEs -p no:cacheprovider tests/test_multiprocess_gpu.py > /tmp/s12c9/mp_tests.log 2>&1; echo "mp tests rc=$?"; tail -5 /tmp/s12c9/mp_tests.log; rm -rf /tmp/s12c9/build; tar czf $OUT/all.tgz -C /tmp/s12c9 .
