@@ -167,6 +167,30 @@ Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options
   }
   for (auto& d : devs_)
     if (d->ordinal >= 0) Allocate(*d);
+  WarmPeerCopies();
+}
+
+// One small copy-engine copy between every ordered pair of this process's devices of a group,
+// while they are idle: whatever the driver sets up on a pair's first peer copy is then done
+// before any call can have a GPU waiting for its peer (a first copy-engine call in a weave
+// forward stalled, 2026-11-28; whether this is why is not measured yet).
+void Comm::WarmPeerCopies() {
+  if (CeTotal() == 0) return;
+  for (const auto& a : devs_)
+    for (const auto& b : devs_) {
+      if (a == b || a->group != b->group || a->ordinal < 0 || b->ordinal < 0) continue;
+      TW_THROW_CHECK(cudaSetDevice(a->ordinal));
+      TW_THROW_CHECK(cudaMemcpyAsync(b->ce, a->ce, 256, cudaMemcpyDefault, nullptr));
+      TW_THROW_CHECK(cudaMemcpyAsync(b->ce_flags, &a->rank_ctl->one, sizeof(uint32_t),
+                                     cudaMemcpyDefault, nullptr));
+      TW_THROW_CHECK(cudaDeviceSynchronize());
+      TW_THROW_CHECK(cudaMemset(b->ce_flags, 0, sizeof(uint32_t)));  // the flag written above
+    }
+  for (const auto& d : devs_)
+    if (d->ordinal >= 0) {
+      TW_THROW_CHECK(cudaSetDevice(d->ordinal));
+      TW_THROW_CHECK(cudaDeviceSynchronize());
+    }
 }
 
 void Comm::EnablePeerAccess() {

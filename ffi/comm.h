@@ -93,6 +93,7 @@ class Comm {
 
  private:
   void EnablePeerAccess();
+  void WarmPeerCopies();  // a first peer copy per ordered pair, at build (comm.cc says why)
   void Allocate(DeviceState& d);
   int64_t SyncBytes() const;                           // SlotControl[slots] | RankControl | flags
   int64_t DataBytes() const;                           // slots x 2 parities x area_bytes
