@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 INSTALL_HINT = 'pip install "jax-tokenweave[serve]"'
-REQUIRED = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+REQUIRED = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client")
 
 
 def missing_dependencies() -> list[str]:

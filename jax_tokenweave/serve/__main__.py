@@ -1,19 +1,22 @@
 """``python -m jax_tokenweave.serve CHECKPOINT --tp N``: the OpenAI-compatible server.
 
 Serves a Hugging Face checkpoint (directory or cached id) over ``--tp`` devices; ``--random
-NAME`` a named config with random weights (token ids only). Compiles every step program before
-listening (``--no-warmup`` skips it); SIGTERM / Ctrl-C drain for ``--drain-timeout`` seconds.
+NAME`` a named config with random weights (token ids only). Compiles (or loads from the
+executable cache) every step program before listening, saying how far it got on stderr
+(``--no-warmup`` skips it); SIGTERM / Ctrl-C drain for ``--drain-timeout`` seconds.
 Endpoints and shutdown: docs/SERVING.md#serve__main__.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from jax_tokenweave.serve import INSTALL_HINT  # noqa: F401  (the dependency check first)
+from jax_tokenweave.serve.errors import DEFAULT_MAX_REQUEST_BYTES
 from jax_tokenweave.serving import cli
 
 PROG = "python -m jax_tokenweave.serve"
@@ -54,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests waiting for admission at most; beyond: 429",
     )
     p.add_argument(
+        "--max-request-bytes",
+        type=cli.positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body taken; beyond: 413",
+    )
+    p.add_argument(
         "--drain-timeout",
         type=cli.positive_float,
         default=30.0,
@@ -85,7 +94,7 @@ def load(args: argparse.Namespace) -> Any:
     from jax_tokenweave.serving import LLM
 
     kw = cli.llm_kwargs(args, ENGINE_OPTIONS)
-    kw.update(max_logprobs=args.max_logprobs, warmup=not args.no_warmup)
+    kw.update(max_logprobs=args.max_logprobs, warmup=False)  # warm_up() reports it
     if args.random is None:
         return LLM(args.model, **kw)
     import jax.numpy as jnp
@@ -102,6 +111,27 @@ def load(args: argparse.Namespace) -> Any:
     for key in ("tensor_parallel_size", "dtype"):
         kw.pop(key)
     return LLM(model, tokenizer=False, **kw)
+
+
+def warm_up(llm: Any, out: TextIO = sys.stderr) -> None:
+    """Make every step program (``LLMEngine.warmup``): a line saying how many, a progress bar
+    and a line with how many were loaded from the executable cache and compiled, in seconds,
+    to ``out``."""
+    count = len(llm.engine.layouts())
+    cache = llm.engine.config.compilation_cache_dir
+    where = f"executable cache: {cache}" if cache else "no executable cache"
+    print(
+        f"jax-tokenweave: warm-up: {count} step programs to load or compile ({where})",
+        file=out,
+        flush=True,
+    )
+    report = llm.engine.warmup(progress=True)
+    print(
+        f"jax-tokenweave: warm-up done: {report.layouts} step programs "
+        f"({report.loaded} loaded, {report.compiled} compiled) in {report.seconds:.1f} s",
+        file=out,
+        flush=True,
+    )
 
 
 def describe(llm: Any, name: str, host: str, port: int) -> str:
@@ -125,19 +155,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm = load(args)
     except cli.known_errors() as err:
         return cli.fail(err, PROG)
+    if not args.no_warmup:
+        warm_up(llm)
     name = args.served_model_name or args.model or args.random
     from jax_tokenweave.serve.server import run
 
-    return run(
+    status = run(
         llm,
         name,
         args.host,
         args.port,
         max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
         drain_timeout=args.drain_timeout,
         log_level=args.log_level,
         startup_line=lambda port: describe(llm, name, args.host, port),
     )
+    # The server has stopped; the interpreter's teardown (XLA's and torch's destructors) would
+    # take seconds more, past the drain timeout: end the process now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

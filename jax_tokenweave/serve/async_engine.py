@@ -1,9 +1,11 @@
 """The engine's step loop in one background thread, fed from asyncio.
 
-:class:`AsyncEngine` owns an ``LLMEngine``: :meth:`add` queues a request (raises
-:class:`Overloaded`: 429 beyond ``max_waiting``, 503 after :meth:`stop_accepting`); :meth:`deltas`
-yields its deltas, and leaving it early aborts the request. A step that raises fails every request
-in the engine; the loop goes on with new ones. Threading: docs/SERVING.md#serveasync_engine.
+:class:`AsyncEngine` owns an ``LLMEngine``: :meth:`add` queues a request's prompts, all or
+none (raises :class:`Overloaded`: 429 beyond ``max_waiting``, 503 after :meth:`stop_accepting`);
+:meth:`deltas` yields its deltas, and leaving it early aborts the request. A step that raises
+fails every request in the engine (:class:`EngineFailed`); the loop goes on with new ones.
+:meth:`cut` ends every request with :class:`Cut` (the drain timeout). Threading:
+docs/SERVING.md#serveasync_engine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class Overloaded(Exception):
 
 class EngineFailed(RuntimeError):
     """The engine failed a step: every request in it failed."""
+
+
+class Cut(RuntimeError):
+    """The server stopped before the request finished (the drain timeout): 503."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,29 +94,60 @@ class AsyncEngine:
         """Requests added and not finished."""
         return len(self._handles)
 
+    def cut(self, message: str) -> None:
+        """End every request added and not finished with :class:`Cut` (``message``) and abort
+        it in the engine (its blocks return to the pool)."""
+        handles = list(self._handles.values())
+        self._handles.clear()
+        self.engine.abort_all([h.request_id for h in handles])
+        for handle in handles:
+            if not handle.done:
+                handle.done = True
+                self.metrics.finished("abort")
+            handle.queue.put_nowait(Cut(message))
+        self._wake.set()
+
     # -- requests (event loop) -----------------------------------------------------------
     def add(
         self,
         request_id: str,
-        prompt_ids: Sequence[int],
+        prompts: Sequence[tuple[str | None, Sequence[int]]],
         params: SamplingParams,
-        prompt: str | None = None,
-    ) -> Handle:
-        """Queue a request (``ValueError`` for a bad one, :class:`Overloaded` when full)."""
+    ) -> list[Handle]:
+        """Queue one engine request per ``(text, token ids)`` of ``prompts`` (ids
+        ``{request_id}-{i}``), all or none: ``ValueError`` for a bad one, :class:`Overloaded`
+        where they do not all fit the waiting queue now."""
         if not self.accepting:
             raise Overloaded("the server is shutting down", 503)
-        if self.engine.counts()[1] >= self.max_waiting:
+        waiting = self.engine.counts()[1]
+        if waiting + len(prompts) > self.max_waiting:
             raise Overloaded(
-                f"too many requests waiting (max_waiting={self.max_waiting}); retry later", 429
+                f"too many requests waiting ({waiting} of max_waiting={self.max_waiting}, "
+                f"{len(prompts)} more asked); retry later",
+                429,
             )
-        handle = Handle(request_id, len(prompt_ids), asyncio.Queue(), time.perf_counter())
-        self.engine.add_request(
-            prompt_ids, params, request_id=request_id, prompt=prompt, arrival_time=handle.arrival
-        )
-        self._handles[request_id] = handle
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        handles: list[Handle] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                handle = Handle(f"{request_id}-{i}", len(ids), asyncio.Queue(), time.perf_counter())
+                self.engine.add_request(
+                    ids,
+                    params,
+                    request_id=handle.request_id,
+                    prompt=text,
+                    arrival_time=handle.arrival,
+                )
+                self._handles[handle.request_id] = handle
+                handles.append(handle)
+        except BaseException:
+            for handle in handles:
+                self._handles.pop(handle.request_id, None)
+                handle.done = True
+            self.engine.abort_all([h.request_id for h in handles])
+            raise
+        self.metrics.prompt_tokens.inc(sum(h.prompt_tokens for h in handles))
         self._wake.set()
-        return handle
+        return handles
 
     def abort(self, handle: Handle) -> None:
         """Abort and forget the request (its blocks return to the pool)."""
@@ -126,6 +163,8 @@ class AsyncEngine:
         try:
             while True:
                 item = await handle.queue.get()
+                if isinstance(item, Cut):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineFailed(f"the engine failed: {item}") from item
                 for delta in item:

@@ -1,9 +1,13 @@
 """OpenAI's request and response schemas (the subset served here) as pydantic models, and the
 mapping of a request's sampling fields to ``SamplingParams``.
 
-Requests ignore fields they do not know (as vLLM's); a field with a value this server cannot
-honour (``echo``, ``suffix``, penalties other than 0, ``best_of`` other than ``n``) is a
-:class:`BadRequest` naming it. ``top_k`` and ``ignore_eos`` are vLLM's extensions.
+A field with a value this server cannot honour is a :class:`BadRequest` naming it
+(:func:`check_supported`; :data:`UNSUPPORTED`: ``suffix``, ``tools``, ``tool_choice``,
+``response_format`` other than text, audio, ... and vLLM's extensions it lacks; ``best_of`` other
+than ``n``), and so are ``presence_penalty`` / ``frequency_penalty`` other than 0. Fields that
+ask for nothing an answer shows (``user``, ``metadata``, ``store``, ``service_tier``,
+``parallel_tool_calls``) and fields neither OpenAI's nor vLLM's are ignored, as vLLM ignores
+them. ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are vLLM's extensions.
 """
 
 from __future__ import annotations
@@ -11,9 +15,9 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag
 
 from jax_tokenweave.serving import SamplingParams
 
@@ -27,8 +31,29 @@ class BadRequest(ValueError):
         self.status = status
 
 
+def _prompt_kind(value: Any) -> str:
+    """Which form a completion's ``prompt`` takes, from its first item: only that form is
+    validated (a union tries each, which takes ~0.2 s on 300k token ids)."""
+    if isinstance(value, str):
+        return "text"
+    first = value[0] if isinstance(value, list) and value else None
+    if isinstance(first, int | float) and not isinstance(first, bool):
+        return "ids"
+    return "id_lists" if isinstance(first, list) else "texts"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[list[str], Tag("texts")]
+    | Annotated[list[StrictInt], Tag("ids")]
+    | Annotated[list[list[StrictInt]], Tag("id_lists")],
+    Discriminator(_prompt_kind),
+]
+"""A completion's ``prompt``: text, texts, token ids or lists of token ids."""
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept for check_supported
 
     model: str | None = None
     max_tokens: int | None = None
@@ -41,6 +66,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
@@ -54,7 +80,7 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``: ``prompt`` a string, a list of strings, token ids or a list
     of token-id lists; ``logprobs``: the top log-probabilities per token (0-20)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -219,6 +245,8 @@ def sampling_params(
             kwargs[name] = getattr(req, name)
     if req.stop is not None:
         kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    if req.stop_token_ids:
+        kwargs["stop_token_ids"] = req.stop_token_ids
     try:
         return SamplingParams(**kwargs)
     except ValueError as err:
@@ -227,11 +255,75 @@ def sampling_params(
         raise BadRequest(str(err).replace("SamplingParams.", ""), param) from None
 
 
+_TEXT = (None, {"type": "text"})
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # OpenAI's fields: name -> (the values this server honours, what the field asks for)
+    "suffix": ((None, ""), "text after an insertion"),
+    "tools": ((None, []), "function calling"),
+    "tool_choice": ((None, "none"), "function calling"),
+    "functions": ((None, []), "function calling"),
+    "function_call": ((None, "none"), "function calling"),
+    "response_format": (_TEXT, "JSON mode / structured outputs; only {'type': 'text'}"),
+    "audio": ((None,), "audio output"),
+    "modalities": ((None, ["text"]), "output other than text"),
+    "prediction": ((None,), "predicted outputs"),
+    "web_search_options": ((None,), "web search"),
+    "reasoning_effort": ((None,), "a reasoning model's effort"),
+    "verbosity": ((None,), "a reasoning model's verbosity"),
+    # vLLM's extensions
+    "use_beam_search": ((None, False), "beam search"),
+    "length_penalty": ((None, 1.0), "beam search"),
+    "min_p": ((None, 0.0), "min-p sampling"),
+    **{
+        f"guided_{k}": ((None,), "structured outputs")
+        for k in ("json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")
+    },
+    "structured_outputs": ((None,), "structured outputs"),
+    "allowed_token_ids": ((None,), "a restricted vocabulary"),
+    "bad_words": ((None, []), "banned words"),
+    "truncate_prompt_tokens": ((None,), "prompt truncation"),
+    "include_stop_str_in_output": ((None, False), "the stop string in the text"),
+    "skip_special_tokens": ((None, True), "special tokens in the text"),
+    "spaces_between_special_tokens": ((None, True), "special tokens in the text"),
+    "add_generation_prompt": ((None, True), "a chat prompt without the assistant's turn"),
+    "continue_final_message": ((None, False), "continuing the last message"),
+    "chat_template": ((None,), "another chat template"),
+    "chat_template_kwargs": ((None, {}), "chat template arguments"),
+    "documents": ((None, []), "documents for the chat template"),
+}
+
+
+def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """:class:`BadRequest` naming the first field of ``req`` this server cannot honour
+    (:data:`UNSUPPORTED`, ``best_of`` other than ``n``)."""
+    for name, (honoured, what) in UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if not any(
+            value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in honoured
+        ):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise BadRequest(
+                f"{name} is not supported by this server ({what}); got {shown}: leave it out",
+                name,
+            )
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of < req.n:
+        raise BadRequest(f"best_of ({best_of}) must be >= n ({req.n})", "best_of")
+    if best_of is not None and best_of > req.n:
+        raise BadRequest(
+            f"best_of={best_of} > n={req.n} is not supported by this server (sampling more "
+            "completions than returned): leave it out or set it to n",
+            "best_of",
+        )
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error object for ``status``."""
     kind = {
         400: "invalid_request_error",
         404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
         429: "rate_limit_error",
         503: "service_unavailable",
     }.get(status, "server_error")

@@ -1,13 +1,13 @@
-"""Requests in, OpenAI's responses out: prompts from a request (checked, tokenized), a request's
-deltas collected into choices (:class:`Collected`), responses and server-sent event chunks
-(:class:`Renderer`).
+"""OpenAI's responses out: a request's deltas collected into choices (:class:`Collected`),
+responses and server-sent event chunks (:class:`Renderer`); the requests' side is
+``serve.prompts``.
 
 Choice ``index`` is ``prompt index * n + sample index`` (OpenAI's order). ``usage`` counts each
 prompt's tokens once and every sample's new tokens. A stream sends one chunk per delta (one
 token), the chat stream's first chunk per choice carrying the assistant ``role``; with
 ``stream_options.include_usage`` a last chunk with no choices and the usage; then
-``data: [DONE]``. A request that fails inside a step streams an error object before
-``[DONE]``.
+``data: [DONE]``. A request that fails inside a step (500), or that the drain timeout cuts
+(503), streams OpenAI's error object before ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -16,19 +16,11 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any, TypeGuard
+from typing import Any
 
 from jax_tokenweave.serve import protocol as P
+from jax_tokenweave.serve.async_engine import Cut, EngineFailed
 from jax_tokenweave.serving import SamplingParams, StreamDelta, TokenLogprob
-
-# ``LLMEngine.check_request``'s messages -> the request field at fault (else the prompt)
-_CHECK_FIELDS = (
-    ("logprobs=", "logprobs"),
-    (": n=", "n"),
-    ("stop strings", "stop"),
-    ("KV cache blocks", "max_tokens"),
-    ("max_tokens", "max_tokens"),
-)
 
 
 @dataclasses.dataclass
@@ -61,89 +53,12 @@ class Collected:
         return out
 
 
-def _token_ids(prompt: list[str] | list[int] | list[list[int]]) -> TypeGuard[list[int]]:
-    """Whether a completion request's list ``prompt`` is one prompt's token ids (the request
-    model's lists hold one kind of item)."""
-    return bool(prompt) and isinstance(prompt[0], int)
-
-
 class Renderer:
-    """Prompts and responses for one server (``state``: ``app.ServerState``)."""
+    """Responses for one server (``state``: ``app.ServerState``)."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
         self.tokenizer = state.llm.tokenizer
-
-    # -- requests ------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.state.model_name:
-            raise P.BadRequest(
-                f"model {model!r} does not exist; this server serves {self.state.model_name!r}",
-                "model",
-            )
-
-    def completion_prompts(self, req: P.CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        """``(text, token ids)`` of each prompt of ``req``."""
-        prompt = req.prompt
-        prompts: Sequence[str | int | list[int]] = (  # a string or token ids: one prompt
-            [prompt] if isinstance(prompt, str) or _token_ids(prompt) else prompt
-        )
-        if not prompts:
-            raise P.BadRequest("prompt is empty", "prompt")
-        out: list[tuple[str | None, list[int]]] = []
-        for p in prompts:
-            if isinstance(p, str):
-                if not p:
-                    raise P.BadRequest("prompt is an empty string", "prompt")
-                if self.tokenizer is None:
-                    raise P.BadRequest("this model has no tokenizer: send token ids", "prompt")
-                out.append((p, list(self.tokenizer.encode(p))))
-            else:
-                assert not isinstance(p, int)  # one list of token ids was made a list of one
-                if not p:
-                    raise P.BadRequest("prompt has an empty list of token ids", "prompt")
-                out.append((None, list(p)))
-        return out
-
-    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
-        if not req.messages:
-            raise P.BadRequest("messages is empty", "messages")
-        messages = []
-        for m in req.messages:
-            content = m.content
-            if isinstance(content, list):
-                content = "".join(
-                    part.get("text", "") for part in content if part.get("type") == "text"
-                )
-            messages.append({"role": m.role, "content": content or ""})
-        try:
-            return self.state.llm.chat_prompt(messages)
-        except ValueError as err:
-            raise P.BadRequest(str(err), "messages") from None
-        except Exception as err:  # the template refused the conversation
-            raise P.BadRequest(f"messages: the chat template failed: {err}", "messages") from None
-
-    def check_fits(self, ids: Sequence[int], params: SamplingParams, what: str) -> None:
-        """:class:`BadRequest` naming the field where the request cannot run."""
-        limit = self.state.max_model_len
-        if len(ids) >= limit:
-            raise P.BadRequest(
-                f"{what} has {len(ids)} tokens; this model's maximum context "
-                f"length (max_model_len) is {limit}",
-                what,
-            )
-        if len(ids) + params.max_tokens > limit:
-            raise P.BadRequest(
-                f"max_tokens={params.max_tokens} beside a {len(ids)}-token "
-                f"{what} exceeds max_model_len ({limit})",
-                "max_tokens",
-            )
-        try:
-            self.state.llm.engine.check_request(ids, params, what)
-        except ValueError as err:
-            text = str(err)
-            param = next((field for key, field in _CHECK_FIELDS if key in text), what)
-            raise P.BadRequest(text, param) from None
 
     # -- responses -----------------------------------------------------------------------
     def _token(self, token_id: int) -> str:
@@ -233,60 +148,69 @@ class Renderer:
             id=rid, created=P.now(), model=self.state.model_name, choices=choices, usage=usage
         )
 
+    def _chunk(
+        self,
+        rid: str,
+        created: int,
+        index: int,
+        d: StreamDelta,
+        sent: dict[int, int],
+        want_lp: bool,
+        chat: bool,
+    ) -> Any:
+        """The stream's chunk of delta ``d`` of choice ``index``; ``sent``: the characters of
+        text each choice begun has sent (updated)."""
+        lps = list(d.logprobs or ())
+        if chat:
+            delta = P.DeltaMessage(content=d.text or "")
+            if index not in sent:
+                delta.role = "assistant"
+            sent[index] = sent.get(index, 0) + len(d.text or "")
+            return P.ChatCompletionChunk(
+                id=rid,
+                created=created,
+                model=self.state.model_name,
+                choices=[
+                    P.ChatChunkChoice(
+                        index=index,
+                        delta=delta,
+                        finish_reason=d.finish_reason,
+                        logprobs=self._chat_logprobs(lps) if want_lp else None,
+                    )
+                ],
+            )
+        offset = sent.get(index, 0)
+        sent[index] = offset + len(d.text or "")
+        return P.CompletionResponse(
+            id=rid,
+            created=created,
+            model=self.state.model_name,
+            choices=[
+                P.CompletionChoice(
+                    index=index,
+                    text=d.text or "",
+                    finish_reason=d.finish_reason,
+                    logprobs=self._completion_logprobs(lps, offset) if want_lp else None,
+                )
+            ],
+        )
+
     async def stream(
         self, rid: str, handles: Sequence[Any], params: SamplingParams, req: Any, chat: bool
     ) -> AsyncGenerator[str, None]:
         """Server-sent events of the request (module docstring)."""
-        created, model, n = P.now(), self.state.model_name, params.n
+        created, n, made = P.now(), params.n, 0
+        sent: dict[int, int] = {}  # choice index -> characters of text sent
         want_lp = params.logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        made, started = 0, set()
-        offsets: dict[int, int] = {}  # choice index -> characters of text sent
         try:
             async for p, d in merge(self.state.engine, handles):
                 if d.finish_reason == "error":
                     body = P.error_body(f"the request failed inside a step: {d.error}", 500)
                     yield f"data: {_json(body)}\n\n"
                     break
-                index = p * n + d.index
                 made += len(d.token_ids)
-                lps = list(d.logprobs or ())
-                if chat:
-                    delta = P.DeltaMessage(content=d.text or "")
-                    if index not in started:
-                        started.add(index)
-                        delta.role = "assistant"
-                    chunk: Any = P.ChatCompletionChunk(
-                        id=rid,
-                        created=created,
-                        model=model,
-                        choices=[
-                            P.ChatChunkChoice(
-                                index=index,
-                                delta=delta,
-                                finish_reason=d.finish_reason,
-                                logprobs=self._chat_logprobs(lps) if want_lp else None,
-                            )
-                        ],
-                    )
-                else:
-                    offset = offsets.get(index, 0)
-                    chunk = P.CompletionResponse(
-                        id=rid,
-                        created=created,
-                        model=model,
-                        choices=[
-                            P.CompletionChoice(
-                                index=index,
-                                text=d.text or "",
-                                finish_reason=d.finish_reason,
-                                logprobs=self._completion_logprobs(lps, offset)
-                                if want_lp
-                                else None,
-                            )
-                        ],
-                    )
-                    offsets[index] = offset + len(d.text or "")
+                chunk = self._chunk(rid, created, p * n + d.index, d, sent, want_lp, chat)
                 yield f"data: {chunk.model_dump_json()}\n\n"
             else:
                 if include_usage:
@@ -294,15 +218,17 @@ class Renderer:
                     last = cls(
                         id=rid,
                         created=created,
-                        model=model,
+                        model=self.state.model_name,
                         choices=[],
                         usage=self._usage(handles, made),
                     )
                     yield f"data: {last.model_dump_json()}\n\n"
-            yield "data: [DONE]\n\n"
+        except (Cut, EngineFailed) as err:  # the drain timeout cut it / a step failed
+            yield f"data: {_json(P.error_body(str(err), 503 if isinstance(err, Cut) else 500))}\n\n"
         finally:
             for h in handles:
                 self.state.engine.abort(h)
+        yield "data: [DONE]\n\n"
 
 
 def _json(body: Any) -> str:
