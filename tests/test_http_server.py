@@ -8,15 +8,12 @@ test, which stops it, runs last."""
 from __future__ import annotations
 
 import asyncio
-import os
-import re
+import json
 import signal
-import socket
-import subprocess
-import sys
+import threading
 import time
-from pathlib import Path
 
+import numpy as np
 import pytest
 from hf_testutil import (
     CHAT_TEMPLATE,
@@ -33,10 +30,18 @@ import_or_skip("transformers")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from http_testutil import (  # noqa: E402  (needs httpx)
+    flags,
+    is_openai_error,
+    metrics,
+    start_server,
+    stop,
+    wait_idle,
+)
+
 # One server process and one in-process LLM for the whole file: end to end, slow on a CPU.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llama"
 SIZES = dict(
     max_num_batched_tokens=64,
@@ -49,11 +54,7 @@ SIZES = dict(
     max_model_len=128,
     num_blocks=160,
 )
-STARTUP_S = 180
-
-
-def flags(sizes: dict) -> list[str]:
-    return [a for k, v in sizes.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+MAX_WAITING = 1024  # the server's default --max-waiting
 
 
 @pytest.fixture(scope="module")
@@ -70,90 +71,19 @@ def llm(checkpoint):
     return LLM(checkpoint, tensor_parallel_size=2, use_tqdm=False, **SIZES)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """``(base url, process, log path)`` of a server started for this file."""
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jax_tokenweave.serve",
-                checkpoint,
-                "--tp",
-                "2",
-                "--port",
-                str(port),
-                "--served-model-name",
-                MODEL,
-                "--no-warmup",
-                "--drain-timeout",
-                "30",
-                *flags(SIZES),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not start: {log.read_text()[-3000:]}")
-        time.sleep(0.3)
+    args = [checkpoint, "--tp", "2", "--served-model-name", MODEL, "--no-warmup"]
+    url, proc = start_server([*args, "--drain-timeout", "30", *flags(SIZES)], log)
     yield url, proc, log
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(30)
+    stop(proc)
 
 
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r"^(tokenweave_[^\s]+)\s+([-+\de.na]+)$", text, re.MULTILINE)
-    }
-
-
-def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
-    """The metrics once no request runs or waits and no KV block is in use."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(url)
-        if (
-            m["tokenweave_num_requests_running"],
-            m["tokenweave_num_requests_waiting"],
-            m["tokenweave_kv_blocks_in_use"],
-        ) == (0, 0, 0):
-            return m
-        assert time.monotonic() < deadline, m
-        time.sleep(0.2)
 
 
 def test_startup_line_models_and_health(server, client):
@@ -402,9 +332,223 @@ def test_a_bad_request_disturbs_no_one(server, client, llm):
     assert metrics(server[0])['tokenweave_requests_total{status="invalid"}'] >= 5
 
 
+RAW_ERRORS = [
+    ("unknown path", "GET", "/v1/nothing", None, 404),
+    ("wrong method", "DELETE", "/v1/completions", None, 405),
+    ("wrong method on health", "POST", "/health", b"{}", 405),
+    ("not UTF-8", "POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400),
+    ("very deep JSON", "POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400),
+    ("validation", "POST", "/v1/completions", b'{"prompt": 5}', 400),
+    ("unknown model id", "GET", "/v1/models/gpt-5", None, 404),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "method", "path", "body", "status"), RAW_ERRORS, ids=[c[0] for c in RAW_ERRORS]
+)
+def test_every_error_status_in_openai_shape(server, case, method, path, body, status):
+    headers = {"content-type": "application/json"}
+    response = httpx.request(method, server[0] + path, content=body, headers=headers, timeout=30)
+    assert response.status_code == status, response.text
+    assert is_openai_error(response.json(), status), response.text
+
+
+def test_a_body_over_the_limit_is_413_unread(server):
+    """Over the default ``--max-request-bytes`` (4 MiB): 413 in OpenAI's shape, from the
+    ``content-length`` or, chunked, as the body passes the limit; the server goes on."""
+    from jax_tokenweave.serve.errors import DEFAULT_MAX_REQUEST_BYTES as LIMIT
+
+    body = b'{"prompt": "' + b"z" * LIMIT + b'"}'
+    headers = {"content-type": "application/json"}
+    sized = httpx.post(server[0] + "/v1/completions", content=body, headers=headers, timeout=60)
+
+    def chunks():
+        for i in range(0, len(body), 1 << 16):
+            yield body[i : i + (1 << 16)]
+
+    chunked = httpx.post(server[0] + "/v1/completions", content=chunks(), headers=headers)
+    for response in (sized, chunked):
+        assert response.status_code == 413 and is_openai_error(response.json(), 413)
+        assert str(LIMIT) in response.json()["error"]["message"]
+    assert "content-length" not in chunked.request.headers
+    assert httpx.get(server[0] + "/health").status_code == 200
+
+
+def test_health_answers_within_50ms_while_a_huge_prompt_is_refused(server):
+    """A 3,000,000-character prompt (under the body limit) is refused as too long for the
+    model without being tokenized; ``/health`` answers meanwhile within 50 ms (p99)."""
+    url = server[0]
+    body = json.dumps({"model": MODEL, "prompt": "y" * 3_000_000}).encode()
+    answers, done = [], threading.Event()
+
+    def refuse():
+        with httpx.Client(timeout=60) as c:
+            for _ in range(8):
+                r = c.post(
+                    url + "/v1/completions",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                )
+                answers.append((r.status_code, r.json()))
+        done.set()
+
+    latencies = []
+    with httpx.Client(timeout=10) as c:
+        c.get(url + "/health")  # connected before the clock starts
+        poster = threading.Thread(target=refuse)
+        poster.start()
+        while not done.is_set():
+            start = time.perf_counter()
+            assert c.get(url + "/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+        poster.join()
+    assert [status for status, _ in answers] == [400] * 8
+    error = answers[0][1]["error"]
+    assert error["param"] == "prompt" and "max_model_len" in error["message"]
+    assert len(latencies) >= 20
+    assert np.percentile(latencies, 99) < 0.05, sorted(latencies)[-5:]
+
+
+def test_models_retrieve(client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-5")
+    assert caught.value.body["param"] == "model" and "gpt-5" in caught.value.body["message"]
+
+
+def test_more_prompts_than_the_queue_takes_is_a_400_queueing_nothing(server, client):
+    url = server[0]
+    before = wait_idle(url)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=["a"] * (MAX_WAITING + 1), max_tokens=2)
+    error = caught.value.body
+    assert error["param"] == "prompt" and str(MAX_WAITING) in error["message"]
+    after = wait_idle(url)
+    for key in ('tokenweave_requests_total{status="abort"}', "tokenweave_prompt_tokens_total"):
+        assert after[key] == before[key], key
+    assert after['tokenweave_requests_total{status="invalid"}'] == (
+        before['tokenweave_requests_total{status="invalid"}'] + 1
+    )
+
+
+UNSUPPORTED = [
+    ("completions", {"suffix": "and the end"}, "suffix"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"best_of": 2, "n": 3}, "best_of"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
+    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("completions", {"use_beam_search": True}, "use_beam_search"),
+    ("completions", {"min_p": 0.1}, "min_p"),
+    ("chat", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("chat", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+]
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), UNSUPPORTED, ids=[u[2] for u in UNSUPPORTED])
+def test_unsupported_fields_get_400_naming_them(server, path, extra, param):
+    body = {"model": MODEL, "max_tokens": 2, **extra}
+    if path == "chat":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    response = httpx.post(f"{server[0]}/v1/{path.replace('chat', 'chat/completions')}", json=body)
+    assert response.status_code == 400 and is_openai_error(response.json(), 400)
+    assert response.json()["error"]["param"] == param
+    assert param in response.json()["error"]["message"]
+
+
+def test_neutral_values_and_bookkeeping_fields_are_served(client):
+    """Fields at values that ask for nothing (and OpenAI's bookkeeping fields) are served."""
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        tool_choice="none",
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        parallel_tool_calls=False,
+    )
+    assert chat.choices[0].finish_reason == "length"
+    done = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=2, n=2, best_of=2, suffix=None
+    )
+    assert len(done.choices) == 2
+
+
+def test_the_real_client_sees_the_unsupported_field_named(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "get_weather"}}],
+        )
+    assert caught.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ],
+        )
+    assert caught.value.body["param"] == "messages"
+    assert "image_url" in caught.value.body["message"]
+
+
+def test_errors_name_the_fields_as_the_client_sent_them(client):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=1000)
+    error = caught.value.body
+    assert error["param"] == "max_completion_tokens"
+    assert "max_completion_tokens=1000" in error["message"] and "max_tokens=" not in (
+        error["message"].replace("max_completion_tokens", "")
+    )
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1000)
+    assert caught.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, logprobs=True, top_logprobs=50
+        )
+    assert caught.value.body["param"] == "top_logprobs"
+    assert "top_logprobs=50" in caught.value.body["message"]
+
+
+def test_stop_token_ids(client, llm):
+    (free,) = llm.generate(
+        "Stop here", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    stop_id = free.outputs[0].token_ids[3]
+    first = free.outputs[0].token_ids.index(stop_id)
+    got = client.completions.create(
+        model=MODEL,
+        prompt="Stop here",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
+    )
+    assert got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens == first + 1
+
+
 def test_a_full_waiting_queue_answers_429_never_hangs(llm):
     """In-process (the engine loop not started, so requests wait): beyond ``max_waiting``
-    the answer is 429 at once; draining answers 503; cancelled requests leave nothing."""
+    the answer is 429 at once, and a request's prompts are queued all or none; draining
+    answers 503; cancelled requests leave nothing."""
     from jax_tokenweave.serve.app import build_app
 
     app = build_app(llm, model_name=MODEL, max_waiting=2)
@@ -414,11 +558,17 @@ def test_a_full_waiting_queue_answers_429_never_hangs(llm):
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
-            waiting = [
-                asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(2)
-            ]
-            while llm.engine.counts()[1] < 2:
-                await asyncio.sleep(0.01)
+
+            async def queue_one():
+                waiting.append(asyncio.ensure_future(c.post("/v1/completions", json=body)))
+                while llm.engine.counts()[1] < len(waiting):
+                    await asyncio.sleep(0.01)
+
+            waiting: list[asyncio.Future] = []
+            await queue_one()
+            pair = await c.post("/v1/completions", json={**body, "prompt": ["a", "b"]})
+            queued_after_pair = llm.engine.counts()[1]
+            await queue_one()
             full = await asyncio.wait_for(c.post("/v1/completions", json=body), 10)
             state.engine.stop_accepting()
             draining = await asyncio.wait_for(c.post("/v1/completions", json=body), 10)
@@ -426,13 +576,59 @@ def test_a_full_waiting_queue_answers_429_never_hangs(llm):
             for task in waiting:
                 task.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
-            return full, draining, health
+            return pair, queued_after_pair, full, draining, health
 
-    full, draining, health = asyncio.run(main())
+    pair, queued_after_pair, full, draining, health = asyncio.run(main())
+    assert pair.status_code == 429 and queued_after_pair == 1
     assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
     assert draining.status_code == 503 and health.status_code == 503
+    for response in (pair, full, draining, health):
+        assert is_openai_error(response.json(), response.status_code)
     assert not llm.engine.request_ids() and llm.engine.num_blocks_in_use == 0
-    assert state.metrics.requests.labels("rejected")._value.get() == 2
+    assert state.metrics.requests.labels("rejected")._value.get() == 3
+
+
+def test_failures_answer_500_in_openai_shape(llm, monkeypatch):
+    """In-process: a step that raises fails its requests with a 500 (streamed: an error
+    event, then ``data: [DONE]``); an error in the server's own code is a 500 too."""
+    from jax_tokenweave.serve import protocol
+    from jax_tokenweave.serve.app import build_app
+
+    app = build_app(llm, model_name=MODEL)
+    state = app.state.server
+
+    def broken_step():
+        raise RuntimeError("the device fell over")
+
+    def broken_check(req):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(llm.engine, "step", broken_step)
+    body = {"model": MODEL, "prompt": "fail", "max_tokens": 4}
+
+    async def main():
+        state.engine.start()
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+                plain = await asyncio.wait_for(c.post("/v1/completions", json=body), 30)
+                streamed = await asyncio.wait_for(
+                    c.post("/v1/completions", json={**body, "stream": True}), 30
+                )
+                monkeypatch.setattr(protocol, "check_supported", broken_check)
+                internal = await c.post("/v1/completions", json=body)
+        finally:
+            state.engine.stop()
+        return plain, streamed, internal
+
+    plain, streamed, internal = asyncio.run(main())
+    assert plain.status_code == 500 and is_openai_error(plain.json(), 500)
+    assert "the device fell over" in plain.json()["error"]["message"]
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and is_openai_error(json.loads(events[-2]), 500)
+    assert internal.status_code == 500 and is_openai_error(internal.json(), 500)
+    assert "a bug" in internal.json()["error"]["message"]
+    assert not llm.engine.request_ids() and llm.engine.num_blocks_in_use == 0
 
 
 def test_sigterm_drains_and_exits(server):
@@ -460,4 +656,6 @@ def test_sigterm_drains_and_exits(server):
     assert len(chunks) == 100 and texts[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in chunks[-1]
     assert proc.wait(60) == 0
-    assert "jax-tokenweave: stopped" in log.read_text()
+    text = log.read_text()
+    assert "jax-tokenweave: stopped" in text
+    assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
