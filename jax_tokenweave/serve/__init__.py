@@ -2,9 +2,10 @@
 
     python -m jax_tokenweave.serve /path/to/checkpoint --tp 2 --host 127.0.0.1 --port 8000
 
-Modules ``protocol``, ``async_engine``, ``metrics``, ``app``, ``__main__``. Needs the ``serve``
-extra (``pip install "jax-tokenweave[serve]"``); without it, importing raises ``ImportError``
-saying so. The modules' roles: docs/SERVING.md#serve.
+Modules ``protocol``, ``prompts``, ``async_engine``, ``render``, ``errors``, ``metrics``,
+``app``, ``server``, ``__main__``. Needs the ``serve`` extra (``pip install
+"jax-tokenweave[serve]"``); without it, importing raises ``ImportError`` saying so. The
+modules' roles: docs/SERVING.md#serve.
 """
 
 from __future__ import annotations

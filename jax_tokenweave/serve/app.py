@@ -140,7 +140,7 @@ def build_app(
 
     app = FastAPI(title="jax-tokenweave", lifespan=lifespan)
     app.state.server = state
-    app.add_middleware(errors.BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(errors.BodyLimit, max_bytes=max_request_bytes, metrics=metrics)
     errors.add_error_handlers(app, metrics)
     _add_routes(app, state, Prompts(llm, model_name, max_waiting))
     return app

@@ -88,13 +88,14 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` gets 413 in OpenAI's shape, from its
-    ``content-length`` before any of it is read, or as soon as a chunked body passes it; a body
-    within it is read whole, then handed to ``app``."""
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 in OpenAI's shape (counted
+    ``invalid`` in ``metrics``), from its ``content-length`` before any of it is read, or as
+    soon as a chunked body passes it; a body within it is read whole, then handed to ``app``."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, metrics: Metrics) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.metrics = metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -123,6 +124,7 @@ class BodyLimit:
         else:
             message = f"the request body has {length} bytes, more than {limit}"
         log.info("refused a request body over %d bytes (413)", self.max_bytes)
+        self.metrics.finished("invalid")
         response = error(413, message)
         response.headers["connection"] = "close"
         await response(scope, receive, send)
