@@ -405,6 +405,7 @@ def test_health_answers_within_50ms_while_a_huge_prompt_is_refused(server):
     assert [status for status, _ in answers] == [400] * 8
     error = answers[0][1]["error"]
     assert error["param"] == "prompt" and "max_model_len" in error["message"]
+    assert "3000000 characters" in error["message"]  # refused before it was tokenized
     assert len(latencies) >= 20
     assert np.percentile(latencies, 99) < 0.05, sorted(latencies)[-5:]
 
@@ -586,6 +587,50 @@ def test_a_full_waiting_queue_answers_429_never_hangs(llm):
         assert is_openai_error(response.json(), response.status_code)
     assert not llm.engine.request_ids() and llm.engine.num_blocks_in_use == 0
     assert state.metrics.requests.labels("rejected")._value.get() == 3
+
+
+def test_tokenizing_runs_off_the_event_loop(llm, monkeypatch):
+    """In-process: while a prompt is tokenized or a chat rendered (held until ``/health`` has
+    answered), the event loop answers ``/health``."""
+    from jax_tokenweave.serve.app import build_app
+
+    real, started, release = llm.tokenizer, threading.Event(), threading.Event()
+
+    class HeldTokenizer:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode(self, text, **kw):
+            started.set()
+            assert release.wait(10), "the event loop was held while tokenizing"
+            return real.encode(text, **kw)
+
+    monkeypatch.setattr(llm, "tokenizer", HeldTokenizer())
+    app = build_app(llm, model_name=MODEL)
+    requests = [  # each refused after tokenizing: max_tokens beyond max_model_len
+        ("/v1/completions", {"prompt": "held", "max_tokens": 1000}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000},
+        ),
+    ]
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            out = []
+            for path, body in requests:
+                started.clear()
+                release.clear()
+                post = asyncio.ensure_future(c.post(path, json=body))
+                while not started.is_set():
+                    await asyncio.sleep(0.005)
+                health = await asyncio.wait_for(c.get("/health"), 5)
+                release.set()
+                out.append((health.status_code, (await post).status_code))
+            return out
+
+    assert asyncio.run(main()) == [(200, 400), (200, 400)]
 
 
 def test_failures_answer_500_in_openai_shape(llm, monkeypatch):
