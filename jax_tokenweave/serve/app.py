@@ -185,7 +185,7 @@ def _add_routes(app: FastAPI, state: ServerState, prompts: Prompts) -> None:
     async def completions(req: P.CompletionRequest, raw: Request) -> Any:
         P.check_supported(req)
         prompts.check_model(req.model)
-        asked = prompts.count(req)
+        asked = prompts.listed(req)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         params = P.sampling_params(req, max_tokens, req.logprobs)
         pairs = await run_in_threadpool(prompts.completion_prompts, asked)

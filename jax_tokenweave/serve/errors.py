@@ -107,8 +107,9 @@ class BodyLimit:
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
-            if message["type"] != "http.request":  # the client left: let the app see it
-                return await self.app(scope, _replay([message], receive), send)
+            if message["type"] != "http.request":  # the client left: no one to answer
+                log.info("a client left while sending its request")
+                return None
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             more = message.get("more_body", False)

@@ -68,8 +68,8 @@ class Prompts:
                 f"model {model!r} does not exist; this server serves {self.model_name!r}", "model"
             )
 
-    def count(self, req: P.CompletionRequest) -> list[str | list[int]]:
-        """The prompts of ``req`` (text or token ids), unchecked but for their number."""
+    def listed(self, req: P.CompletionRequest) -> list[str | list[int]]:
+        """The prompts of ``req`` (text or token ids); only their number is checked here."""
         prompt = req.prompt
         prompts: list[Any] = [prompt] if isinstance(prompt, str) or _token_ids(prompt) else prompt
         if not prompts:
@@ -94,7 +94,7 @@ class Prompts:
     def completion_prompts(
         self, prompts: Sequence[str | list[int]]
     ) -> list[tuple[str | None, list[int]]]:
-        """``(text, token ids)`` of each of :meth:`count`'s prompts (in a worker thread)."""
+        """``(text, token ids)`` of each of :meth:`listed`'s prompts (in a worker thread)."""
         out: list[tuple[str | None, list[int]]] = []
         for p in prompts:
             if isinstance(p, str):
