@@ -103,8 +103,8 @@ def test_decodes_first_then_chunks_within_budget():
     assert [q.request_id for q in step.sampled] == ["a", "b", "c"]
 
 
-def test_admission_waits_for_blocks_and_frees_at_finish():
-    cfg = dataclasses.replace(CFG, num_blocks=6)  # 24 positions
+def test_reserved_admission_waits_for_blocks_and_frees_at_finish():
+    cfg = dataclasses.replace(CFG, num_blocks=6, kv_allocation="reserve")  # 24 positions
     s = Scheduler(cfg)
     s.add(seq("a", 12, max_tokens=5))  # needs 16 positions: 4 blocks
     s.add(seq("b", 4, max_tokens=5))  # needs 8: 2 blocks, so
@@ -144,7 +144,7 @@ def test_length_finish_and_max_num_seqs():
 
 
 def test_pack_layout_and_arrays():
-    s = Scheduler(CFG)
+    s = Scheduler(dataclasses.replace(CFG, enable_prefix_caching=False))  # b: a's prefix
     s.add(seq("a", 5))
     s.update(s.schedule(), [42])
     s.add(seq("b", 30))

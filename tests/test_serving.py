@@ -241,12 +241,13 @@ def test_no_compilation_after_warmup_over_a_stream_of_arrivals(model, rng):
     assert engine.stats.split_steps > 0
 
 
-def test_full_cache_makes_requests_wait_not_fail(model, rng):
-    """Six requests of ~13 blocks each, a cache of 48 blocks: they queue (three run at a time)
-    and all finish with the outputs they have alone; the cache is free again at the end."""
+def test_reserved_cache_makes_requests_wait_not_fail(model, rng):
+    """Reserved blocks: six requests of ~13 blocks each, a cache of 48 blocks: they queue
+    (three run at a time) and all finish with the outputs they have alone (the second time
+    from the prefix cache); the cache is free again at the end."""
     ps = prompts(rng, (40, 35, 44, 30, 38, 41))
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    engine = LLMEngine(model, CFG)
+    engine = LLMEngine(model, dataclasses.replace(CFG, kv_allocation="reserve"))
     alone = [engine.run_to_completion([p], params)[0].token_ids for p in ps]
     ids = [engine.add_request(p, params) for p in ps]
     most, queued = 0, 0

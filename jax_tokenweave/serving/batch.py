@@ -127,7 +127,7 @@ def pack(
         token_rows, pos = first[chunk] + offset, starts[chunk] + offset  # [T]
         chunk_tables = np.stack([c.seq.table_row(width) for c in chunks])  # [C, W]
         tokens[token_rows] = np.concatenate(
-            [c.seq.prompt_array()[c.start : c.start + c.length] for c in chunks]
+            [c.seq.prefill_array()[c.start : c.start + c.length] for c in chunks]
         )
         positions[token_rows] = pos
         slots[token_rows] = chunk_tables[chunk, pos // bs] * bs + pos % bs

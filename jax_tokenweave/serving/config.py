@@ -14,6 +14,7 @@ from jax_tokenweave.weave.schedules import COLLECTIVES
 from jax_tokenweave.weave.tuning import TuneEntry
 
 SERVING_SCHEDULES = ("weave", "baseline")
+KV_ALLOCATIONS = ("on_demand", "reserve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,13 @@ class EngineConfig:
     # Paged KV cache (serving.paged_cache).
     block_size: int = 16  # positions per block
     num_blocks: int = 4096  # blocks in all (each layer, each rank its kv heads)
+    # "on_demand": a request gets a block when its last one fills; where none is free the
+    # most recently admitted requests are preempted (recomputed later), as vLLM v1 does.
+    # "reserve": a request is admitted with every block it may need (prompt + max_tokens).
+    kv_allocation: str = "on_demand"
+    # Full blocks stay cached under the hash of their prefix; a request reuses the cached
+    # blocks of its longest cached prefix (serving.prefix_cache). vLLM's name.
+    enable_prefix_caching: bool = True
     # Prompt chunks start on multiples of this many rows and attend to the cache in tiles of
     # this many queries (a power of two). 128: cuDNN's prompt attention runs at about 500
     # TFLOP/s on an H200 with tiles of 128 rows, 255 with tiles of 64 (serving.cudnn_attention).
@@ -120,6 +128,16 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.compilation_cache_dir must be a path or None, got "
                 f"{self.compilation_cache_dir!r}"
+            )
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(
+                f"EngineConfig.kv_allocation must be one of {KV_ALLOCATIONS}, got "
+                f"{self.kv_allocation!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"EngineConfig.enable_prefix_caching must be a bool, got "
+                f"{self.enable_prefix_caching!r}"
             )
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(

@@ -25,6 +25,7 @@ from jax_tokenweave.serving.deltas import end_delta, mark_last, sample_delta
 from jax_tokenweave.serving.executable_cache import WarmupReport
 from jax_tokenweave.serving.intake import RequestIntake
 from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta
+from jax_tokenweave.serving.prefix_cache import KVCacheStats
 from jax_tokenweave.serving.runner import InFlight, ModelRunner
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import Request, ScheduledStep, Scheduler
@@ -94,6 +95,22 @@ class LLMEngine(RequestIntake):
     def num_blocks_in_use(self) -> int:
         """KV cache blocks held by requests (waiting for a step in flight included)."""
         return self.config.num_blocks - self.scheduler.allocator.num_free
+
+    @property
+    def num_blocks_cached(self) -> int:
+        """KV cache blocks in the prefix cache (in use or not)."""
+        return self.scheduler.allocator.num_cached
+
+    @property
+    def kv_stats(self) -> KVCacheStats:
+        """Preemptions and prefix-cache queries and hits (in tokens) since the engine was made."""
+        return self.scheduler.kv.stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``); False, nothing dropped,
+        where a request holds blocks."""
+        with self._lock:
+            return self.scheduler.allocator.reset_cache()
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:

@@ -2,10 +2,11 @@
 
 :meth:`Scheduler.schedule` makes a step: one decode token per running request that may make more,
 then prompt chunks (partly prefilled requests first, then newly admitted ones) up to
-``max_num_batched_tokens`` rows. Admission reserves every block a request may need: nothing is
-preempted. :meth:`Scheduler.add` raises ``ValueError`` for a request that can never fit;
-:meth:`Scheduler.update` takes a step's tokens later (async scheduling). The rules:
-docs/SERVING.md#servingscheduler.
+``max_num_batched_tokens`` rows. KV blocks come from ``prefix_cache.KVCacheManager``: on
+demand (the most recently admitted requests are preempted, to be recomputed, where the pool
+runs dry) or reserved at admission, cached prefixes reused. :meth:`Scheduler.add` raises
+``ValueError`` for a request that can never fit; :meth:`Scheduler.update` takes a step's
+tokens later (async scheduling). The rules: docs/SERVING.md#servingscheduler.
 """
 
 from __future__ import annotations
@@ -14,80 +15,20 @@ import collections
 import dataclasses
 from collections.abc import Iterable
 
-import numpy as np
-
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.serving.blocks import BlockAllocator
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.sampling_params import SamplingParams
+from jax_tokenweave.serving.prefix_cache import KVCacheManager
+from jax_tokenweave.serving.request_state import Request
 
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One request's state (one sample of it: ``n`` samples are ``n`` of these with one
-    ``request_id``). ``num_computed``: its positions whose K/V are in the cache or
-    written by a scheduled step; ``num_pending``: its tokens sampled by scheduled steps whose
-    tokens have not arrived; ``in_flight``: scheduled steps holding it, not yet updated."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    stop_ids: frozenset[int]
-    index: int = 0  # which sample of its request (SamplingParams.n)
-    output: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    num_pending: int = 0
-    in_flight: int = 0
-    sample_step: int = -1  # serial of the last step that samples it,
-    sample_step_index: int = -1  # and its index among that step's sampled requests
-    _prompt_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
-    _table: tuple[list[int], np.ndarray] | None = dataclasses.field(
-        default=None, init=False, repr=False
-    )
-
-    def prompt_array(self) -> np.ndarray:
-        """The prompt as int32 [len(prompt)] (made once)."""
-        if self._prompt_array is None:
-            self._prompt_array = np.asarray(self.prompt, np.int32)
-        return self._prompt_array
-
-    def table_row(self, width: int) -> np.ndarray:
-        """The block table as int32 [width], zero-padded (made again when ``blocks`` is
-        replaced)."""
-        cached = self._table
-        if cached is None or cached[0] is not self.blocks or cached[1].shape[0] != width:
-            row = np.zeros(width, np.int32)
-            row[: len(self.blocks)] = self.blocks
-            self._table = cached = (self.blocks, row)
-        return cached[1]
-
-    @property
-    def prefilled(self) -> bool:
-        """Whether the whole prompt is scheduled (the request decodes)."""
-        return self.num_computed >= len(self.prompt)
-
-    @property
-    def num_made(self) -> int:
-        """New tokens made or in flight."""
-        return len(self.output) + self.num_pending
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def positions_needed(self) -> int:
-        """Cache positions it may ever use: the prompt and every new token but the last."""
-        return len(self.prompt) + self.params.max_tokens - 1
+__all__ = ["Chunk", "Request", "ScheduledStep", "Scheduler"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """``length`` prompt tokens of ``seq`` from position ``start``; ``last``: it completes the
-    prompt (its last row is sampled)."""
+    """``length`` tokens of ``seq`` to prefill from position ``start``; ``last``: it completes
+    its prefill (the prompt, or what a preempted request recomputes; its last row is
+    sampled)."""
 
     seq: Request
     start: int
@@ -95,7 +36,7 @@ class Chunk:
 
     @property
     def last(self) -> bool:
-        return self.start + self.length == len(self.seq.prompt)
+        return self.start + self.length == self.seq.num_prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,21 +75,23 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.kv = KVCacheManager(config)
+        self.allocator = self.kv.allocator
         self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order
         self.deferred: set[Request] = set()  # finished, blocks held by unprocessed steps
         self._serial = 0  # non-empty steps scheduled
 
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
-        """``ValueError`` where a request of this size (``n`` samples) could never run."""
+        """``ValueError`` where a request of this size (``n`` samples) could never run: one
+        sample's blocks must fit the cache (reserve: every sample's at once)."""
         cfg, needed = self.config, prompt_len + max_tokens - 1
         if prompt_len + max_tokens > cfg.max_model_len:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"max_model_len ({cfg.max_model_len})"
             )
-        blocks = self.allocator.blocks_for(needed) * n
+        blocks = self.allocator.blocks_for(needed) * (1 if self.kv.on_demand else n)
         if blocks > cfg.num_blocks:
             raise ValueError(
                 f"the request needs {blocks} KV cache blocks of {cfg.block_size} "
@@ -158,6 +101,7 @@ class Scheduler:
     def add(self, seq: Request) -> None:
         """Queue ``seq`` (``ValueError`` where it could never fit, see :meth:`check_fits`)."""
         self.check_fits(len(seq.prompt), seq.params.max_tokens)
+        self.kv.hash_known(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -165,30 +109,62 @@ class Scheduler:
         return bool(self.waiting or self.running or self.deferred)
 
     def schedule(self) -> ScheduledStep:
-        """The next step (module docstring); admits waiting requests as blocks allow. The
-        step's requests count as scheduled (positions, pending tokens) from now on."""
-        cfg, tile = self.config, self.config.prefill_tile
-        decodes = tuple(s for s in self.running if s.prefilled and s.num_made < s.params.max_tokens)
-        room = cfg.max_num_batched_tokens - decode_rows(len(decodes), tile)
+        """The next step (module docstring): running requests in admission order (a decode
+        or their next chunk, preempting the latest admitted where blocks run out), then, if
+        none was preempted, waiting requests as blocks allow. The step's requests count as
+        scheduled (positions, pending tokens) from now on."""
+        cfg, tile, kv = self.config, self.config.prefill_tile, self.kv
+
+        def decodes_now(s: Request) -> bool:
+            return s.prefilled and s.num_made < s.params.max_tokens
+
+        room = cfg.max_num_batched_tokens - decode_rows(sum(map(decodes_now, self.running)), tile)
+        decodes: list[Request] = []
         chunks: list[Chunk] = []
-
-        def take(seq: Request) -> None:
-            nonlocal room
-            length = min(len(seq.prompt) - seq.num_computed, room)
-            chunks.append(Chunk(seq, seq.num_computed, length))
-            room -= ceil_div(length, tile) * tile
-
-        for seq in self.running:
-            if not seq.prefilled and room >= tile:
-                take(seq)
-        while self.waiting and room >= tile and len(self.running) < cfg.max_num_seqs:
+        preempted, i = False, 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if decodes_now(seq):
+                length = 0
+            elif not seq.prefilled and room >= tile:
+                length = min(seq.num_prefill - seq.num_computed, room)
+            else:
+                i += 1
+                continue
+            while not kv.grow(seq, seq.num_computed + max(length, 1)):
+                if length and kv.reachable(seq) > seq.num_computed:
+                    length = kv.reachable(seq) - seq.num_computed  # a shorter chunk fits
+                    continue
+                victim = self.running[-1]  # the latest admitted (never one scheduled here)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                if length:
+                    chunks.append(Chunk(seq, seq.num_computed, length))
+                    room -= ceil_div(length, tile) * tile
+                else:
+                    decodes.append(seq)
+                i += 1
+        while (
+            not preempted and self.waiting and room >= tile and len(self.running) < cfg.max_num_seqs
+        ):
             head = self.waiting[0]
-            need = self.allocator.blocks_for(head.positions_needed())
-            if not self.allocator.can_allocate(need):
+            if head.num_pending or head.in_flight:  # preempted; a step holding it is out
                 break
-            head.blocks = self.allocator.allocate(need)
+            hits = kv.lookup(head)
+            length = min(head.num_known - len(hits) * kv.block_size, room)
+            if not kv.admit(head, hits, length):
+                break
             self.running.append(self.waiting.popleft())
-            take(head)
+            chunks.append(Chunk(head, head.num_computed, length))
+            room -= ceil_div(length, tile) * tile
+        return self._issue(tuple(decodes), tuple(chunks))
+
+    def _issue(self, decodes: tuple[Request, ...], chunks: tuple[Chunk, ...]) -> ScheduledStep:
+        """The step of these decodes and chunks; its requests advance (positions, pending
+        tokens, steps holding them)."""
         if not decodes and not chunks:
             return ScheduledStep((), ())
         sources = []
@@ -201,7 +177,7 @@ class Scheduler:
             sources.append(seq.sample_step_index if seq.num_pending else -1)
         step = ScheduledStep(
             decodes,
-            tuple(chunks),
+            chunks,
             tuple(s.num_computed for s in decodes),
             tuple(0 if s.num_pending else s.output[-1] for s in decodes),
             tuple(sources),
@@ -221,29 +197,47 @@ class Scheduler:
         self._serial += 1
         return step
 
+    def _preempt(self, seq: Request) -> None:
+        """Take ``seq``'s blocks back and queue it first, to be recomputed from its prompt and
+        the tokens it made (those in flight arrive by :meth:`update` meanwhile). The blocks
+        go to other requests at once: a later step runs on the cache the steps before it
+        returned, so their writes of these blocks come first."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.preemptions += 1
+        self.kv.stats.preemptions += 1
+        self.waiting.appendleft(seq)
+
     def update(self, step: ScheduledStep, tokens: Iterable[int]) -> list[Request]:
         """Take a scheduled step's ``tokens`` (one per ``step.sampled``, in order): append each
         to its request, finish those that hit a stop token or ``max_tokens``; a request that
-        finished before (stopped, aborted) drops its token. Frees the blocks of finished
-        requests no other unprocessed step holds. Returns the requests that got a token, in
-        ``step.sampled`` order."""
+        finished before (stopped, aborted) drops its token. The K/V the step wrote is cached
+        (prefix caching); the blocks of finished requests no other unprocessed step holds are
+        freed. Returns the requests that got a token, in ``step.sampled`` order."""
         sampled = step.sampled
         tokens = list(tokens)
         if len(tokens) != len(sampled):
             raise ValueError(f"got {len(tokens)} tokens for {len(sampled)} sampled requests")
         for seq in step.seqs:
             seq.in_flight -= 1
-        gained = []
+        gained, ends, kv = [], [], self.kv
         for seq, token in zip(sampled, tokens, strict=True):
             seq.num_pending -= 1
             if seq.finished:  # stopped or aborted after this step was scheduled
                 continue
             seq.output.append(int(token))
+            kv.hash_known(seq)
             gained.append(seq)
             if int(token) in seq.stop_ids:
-                self.finish(seq, "stop")
+                ends.append((seq, "stop"))
             elif len(seq.output) >= seq.params.max_tokens:
-                self.finish(seq, "length")
+                ends.append((seq, "length"))
+        for seq, position in zip(step.decodes, step.positions, strict=True):
+            kv.commit(seq, position + 1)
+        for chunk in step.chunks:
+            kv.commit(chunk.seq, chunk.start + chunk.length)
+        for seq, reason in ends:
+            self.finish(seq, reason)
         for seq in step.seqs:
             if seq.finished and not seq.in_flight:
                 self._free(seq)
@@ -278,6 +272,4 @@ class Scheduler:
 
     def _free(self, seq: Request) -> None:
         self.deferred.discard(seq)
-        if seq.blocks:
-            self.allocator.free(seq.blocks)
-            seq.blocks = []
+        self.kv.free(seq)
