@@ -192,6 +192,26 @@ def test_logprobs(client, llm):
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
 
 
+def test_prefix_cache_and_preemption_metrics(server, client):
+    url = server[0]
+    before = wait_idle(url)
+    prompt = "a system prompt every request of this test repeats, then: hi"
+    made = [
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+        for _ in range(2)
+    ]
+    after = wait_idle(url)
+    assert made[0].choices[0].text == made[1].choices[0].text
+    n = made[0].usage.prompt_tokens
+    delta = {k: after[k] - before[k] for k in before if "prefix_cache" in k}
+    assert delta == {
+        "tokenweave_prefix_cache_queries_total": 2 * n,
+        "tokenweave_prefix_cache_hits_total": (n - 1) // 16 * 16,  # the second one's
+    }
+    assert after["tokenweave_kv_blocks_cached"] >= n // 16
+    assert after["tokenweave_num_preemptions_total"] >= 0
+
+
 def test_200_concurrent_requests_half_streamed(server, llm, rng):
     texts = [
         "".join(chr(int(c)) for c in rng.integers(97, 123, int(n)))

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics (``prometheus-client``), in a registry of its own.
 
 Requests by outcome, time to first token and per output token, running / waiting requests, KV
-blocks in use / total, prompt and generation tokens and the generation rate over
-:data:`RATE_WINDOW_S` seconds. Metric names and labels: docs/SERVING.md#servemetrics.
+blocks in use / cached / total, preemptions, prefix cache queries and hits (tokens), prompt and
+generation tokens and the generation rate over :data:`RATE_WINDOW_S` seconds. Metric names and
+labels: docs/SERVING.md#servemetrics.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 RATE_WINDOW_S = 10.0
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -61,6 +65,10 @@ class Metrics:
             lambda: engine.config.num_blocks
         )
         Gauge(
+            "tokenweave_kv_blocks_cached", "KV cache blocks in the prefix cache", registry=reg
+        ).set_function(lambda: engine.num_blocks_cached)
+        reg.register(KVCacheCounters(engine))
+        Gauge(
             "tokenweave_generation_tokens_per_second",
             f"Tokens generated per second over the last {RATE_WINDOW_S:g} s",
             registry=reg,
@@ -90,3 +98,29 @@ class Metrics:
     def render(self) -> bytes:
         """The exposition text."""
         return generate_latest(self.registry)
+
+
+class KVCacheCounters(Collector):
+    """The engine's KV cache counters (``LLMEngine.kv_stats``), read when scraped:
+    ``tokenweave_num_preemptions_total``, ``tokenweave_prefix_cache_queries_total`` and
+    ``tokenweave_prefix_cache_hits_total`` (prompt tokens, vLLM's meaning)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.engine.kv_stats
+        for name, text, value in (
+            ("num_preemptions", "Requests preempted (KV blocks taken back)", stats.preemptions),
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                stats.prefix_cache_hits,
+            ),
+        ):
+            yield CounterMetricFamily(f"tokenweave_{name}", text, value=value)

@@ -39,6 +39,8 @@ ENGINE_OPTIONS: dict[str, str] = {
     "split_threshold": "steps of at least this many rows are woven (split in two halves)",
 }
 """The ``serving.EngineConfig`` sizes the command lines take (``--max-num-seqs`` ...), with help."""
+ENGINE_OPTION_ALIASES = {"num_blocks": ("--num-gpu-blocks-override",)}
+"""vLLM's names of :data:`ENGINE_OPTIONS` where they differ, accepted too."""
 
 
 def use_cpu_devices(count: int) -> str | None:
@@ -135,6 +137,8 @@ def add_engine_options(parser: argparse.ArgumentParser, names: Sequence[str]) ->
         default = getattr(defaults, name)
         parser.add_argument(
             "--" + name.replace("_", "-"),
+            *ENGINE_OPTION_ALIASES.get(name, ()),
+            dest=name,
             type=positive_int,
             default=default,
             help=ENGINE_OPTIONS[name]
@@ -228,6 +232,7 @@ def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...])
             action.help = "positions per request (default: the checkpoint's)"
         elif action.dest == "num_blocks":
             action.help = "KV cache blocks (default: sized by --gpu-memory-utilization)"
+    add_kv_cache_options(p)
     p.add_argument(
         "--gpu-memory-utilization",
         type=positive_float,
@@ -247,6 +252,27 @@ def add_llm_options(p: argparse.ArgumentParser, engine_options: tuple[str, ...])
     )
 
 
+def add_kv_cache_options(p: argparse.ArgumentParser) -> None:
+    """``--kv-allocation`` and ``--enable-prefix-caching`` / ``--no-enable-prefix-caching``
+    (vLLM's flag), ``EngineConfig`` fields of the same names."""
+    from jax_tokenweave.serving.config import KV_ALLOCATIONS, EngineConfig
+
+    defaults = EngineConfig()
+    p.add_argument(
+        "--kv-allocation",
+        choices=KV_ALLOCATIONS,
+        default=defaults.kv_allocation,
+        help="KV blocks as a request's tokens arrive, preempting where none is free "
+        "(on_demand), or all of prompt + max_tokens at admission (reserve)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.enable_prefix_caching,
+        help="reuse the cached KV blocks of a request's longest cached prefix (default: on)",
+    )
+
+
 def llm_kwargs(args: argparse.Namespace, engine_options: tuple[str, ...]) -> dict[str, Any]:
     """``LLM(...)`` keywords of :func:`add_llm_options`' options."""
     from jax_tokenweave.serving.resolve import TORCH_DTYPES
@@ -261,5 +287,7 @@ def llm_kwargs(args: argparse.Namespace, engine_options: tuple[str, ...]) -> dic
         collective=args.collective,
         seed=args.engine_seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_allocation=args.kv_allocation,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     return kw

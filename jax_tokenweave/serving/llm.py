@@ -60,6 +60,7 @@ class LLM:
         config: EngineConfig | None = None,
         **engine: Any,
     ) -> None:
+        engine = llm_setup.vllm_aliases(engine)  # num_gpu_blocks_override=...
         tp = llm_setup.check_arguments(
             engine, config, tp, tensor_parallel_size, gpu_memory_utilization, tokenizer
         )
@@ -176,6 +177,11 @@ class LLM:
             raise RequestFailed(f"{what} failed inside a step: {errors[0]}")
 
     # -- API -----------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (vLLM's); False, nothing dropped, while a request holds
+        blocks."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

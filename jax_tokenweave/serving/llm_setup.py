@@ -21,7 +21,26 @@ from jax_tokenweave.serving.config import EngineConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
-"""The keywords ``LLM(**engine)`` takes: ``EngineConfig``'s fields."""
+"""The keywords ``LLM(**engine)`` takes: ``EngineConfig``'s fields (and :data:`VLLM_ALIASES`)."""
+VLLM_ALIASES = {"num_gpu_blocks_override": "num_blocks"}
+"""vLLM's names of ``EngineConfig`` fields that ``LLM`` accepts too (None: not given)."""
+
+
+def vllm_aliases(engine: dict[str, Any]) -> dict[str, Any]:
+    """``engine`` with :data:`VLLM_ALIASES` renamed to their fields; ``ValueError`` where an
+    alias and its field are both given and differ."""
+    out = dict(engine)
+    for alias, field in VLLM_ALIASES.items():
+        value = out.pop(alias, None)
+        if value is None:
+            continue
+        if out.get(field, value) != value:
+            raise ValueError(
+                f"LLM {alias}={value!r} and {field}={out[field]!r} disagree "
+                f"({alias} is vLLM's name of {field})"
+            )
+        out[field] = value
+    return out
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
