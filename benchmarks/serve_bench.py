@@ -1,22 +1,20 @@
-"""Request-level serving benchmark: the weave engine vs the same engine with the baseline schedule.
+"""Request-level serving benchmark: the weave engine vs the baseline schedule, each under the KV
+cache policies (blocks on demand with prefix caching, reserved at admission, on demand without
+prefix caching).
 
-N synthetic requests (seeded: prompt lengths uniform in ``--prompt-len MIN MAX``, output lengths
-uniform in ``--output-len MIN MAX``, random token ids, every request runs to its length) are
-served by ``jax_tokenweave.serving.LLMEngine`` (continuous batching, chunked prefill, paged KV
-cache) on a model of named shapes with random weights, once per schedule, for each workload:
-
-- ``all-at-once``: every request arrives at time 0 (throughput);
-- ``poisson``: arrivals at ``--rate`` requests per second (exponential gaps, seeded).
-
-Reported per (workload, schedule): output and total token throughput (tokens/s), time to first
-token and time per output token (p50 / p99), steps and woven steps, plus the weave/baseline
-throughput ratio. Every step layout is loaded from the executable cache or compiled before the
-clock starts (``LLMEngine.warmup``; the report's ``warmup`` gives how many of each, the seconds
-of that call, ``warmup_s``, and with the first runs, ``seconds``) and each engine serves its
-first eight requests once untimed; compilations during a timed run are counted and reported.
-Writes ``serve.json``, ``serve.md`` and ``serve.png`` (``--no-plot`` to skip it; the plot needs
-matplotlib, the ``plot`` extra).
-With no GPU it runs the tiny config on 8 virtual CPU devices (timings say nothing about GPUs).
+Synthetic requests (``serve_workloads.py``: random token ids, seeded) are served by
+``jax_tokenweave.serving.LLMEngine`` (continuous batching, chunked prefill, paged KV cache) on a
+model of named shapes with random weights, once per (schedule, policy), for each workload:
+``all-at-once`` and ``poisson`` (uniform lengths, each request runs to its length), ``chat``
+(log-normal lengths, every request asking for ``--chat-max-tokens`` and ended by the client at
+its drawn length, as a stop string would end it) and ``shared-prefix`` (one system prompt, short
+questions). Reported per run: output and total throughput, TTFT and TPOT (p50 / p99), steps and
+woven steps, preemptions, prefix-cache hits, the most requests running at once, failed requests;
+then weave / baseline, on-demand / reserve and prefix cache on / off ratios. Every step layout is
+loaded or compiled before the clock starts (``LLMEngine.warmup``) and each engine serves eight
+requests once untimed; the prefix cache is emptied before each timed run. Writes ``serve.json``,
+``serve.md`` and ``serve.png`` (``--no-plot``: none; the plot needs the ``plot`` extra). With no
+GPU it runs the tiny config on 8 virtual CPU devices (timings say nothing about GPUs).
 
 The GPU target (2 x H200, TP 2, Llama-3.3-70B shapes, 8 layers), install included::
 
@@ -41,8 +39,16 @@ from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
 
-WORKLOADS = ("all-at-once", "poisson")
+workloads = bm.sibling_module(__file__, "serve_workloads")
+serve_report = bm.sibling_module(__file__, "serve_report")
+WORKLOADS = workloads.WORKLOADS
 SCHEDULES = ("weave", "baseline")
+POLICIES = {
+    "on-demand": {"kv_allocation": "on_demand", "enable_prefix_caching": True},
+    "reserve": {"kv_allocation": "reserve", "enable_prefix_caching": False},
+    "no-prefix-cache": {"kv_allocation": "on_demand", "enable_prefix_caching": False},
+}
+"""The KV cache policies a run compares: ``EngineConfig`` fields."""
 ENGINE_OPTIONS = (
     "max_num_batched_tokens",
     "max_num_seqs",
@@ -71,31 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="parameter and activation dtype",
     )
     p.add_argument("--num-requests", type=bm.positive_int, default=256, help="requests per run")
-    p.add_argument(
-        "--prompt-len",
-        type=bm.positive_int,
-        nargs=2,
-        default=[128, 4096],
-        metavar=("MIN", "MAX"),
-        help="prompt lengths, uniform in [MIN, MAX]",
-    )
-    p.add_argument(
-        "--output-len",
-        type=bm.positive_int,
-        nargs=2,
-        default=[64, 512],
-        metavar=("MIN", "MAX"),
-        help="output lengths, uniform in [MIN, MAX]",
-    )
-    p.add_argument(
-        "--rate", type=bm.positive_float, default=4.0, help="poisson workload: requests per second"
-    )
+    workloads.add_options(p, bm.positive_int, bm.positive_float)
     p.add_argument(
         "--workloads",
         nargs="+",
         choices=WORKLOADS,
-        default=list(WORKLOADS),
-        help="arrival patterns to run",
+        default=["all-at-once", "poisson"],
+        help="request patterns to run",
     )
     p.add_argument(
         "--schedules",
@@ -104,10 +92,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(SCHEDULES),
         help="engines to compare",
     )
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        choices=tuple(POLICIES),
+        default=list(POLICIES),
+        help="KV cache policies to compare: blocks on demand with prefix caching, reserved at "
+        "admission (prompt + max_tokens, no prefix caching), on demand without prefix caching",
+    )
     bm.add_collective_option(
         p, "auto", "the weave engine's reductions (auto: the fused kernel where it runs)"
     )
     bm.add_engine_options(p, ENGINE_OPTIONS)
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument(
+        "--num-blocks",
+        type=bm.positive_int,
+        help="KV cache blocks (default: every request's prompt + max_tokens for max_num_seqs "
+        "requests at once)",
+    )
+    kv.add_argument(
+        "--gpu-memory-utilization",
+        type=bm.positive_float,
+        help="size the KV cache as LLM does: this share of each device's memory less the "
+        "weights and an activation reserve (serving.resolve.cache_blocks)",
+    )
     p.add_argument(
         "--no-command-buffers",
         action="store_true",
@@ -132,40 +141,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check the options (``parser.error`` before any work on bad ones)."""
     p = build_parser()
     args = p.parse_args(argv)
-    for name in ("prompt_len", "output_len"):
-        lo, hi = getattr(args, name)
-        if lo > hi:
-            p.error(f"--{name.replace('_', '-')}: MIN ({lo}) exceeds MAX ({hi})")
+    if problem := workloads.check(args):
+        p.error(problem)
     if not args.no_plot and (hint := bm.matplotlib_missing()):
         p.error(f"the plot {hint} (or pass --no-plot)")
     return args
 
 
-def make_requests(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
-    """The seeded synthetic requests: prompt ids, output length, Poisson arrival offset (s)."""
-    rng = np.random.default_rng(args.seed)
-    n = args.num_requests
-    prompt_lens = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, n)
-    output_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, n)
-    arrivals = np.cumsum(rng.exponential(1.0 / args.rate, n))
-    return [
-        {
-            "prompt": rng.integers(0, vocab, int(p)).tolist(),
-            "output_len": int(o),
-            "arrival_s": float(a),
-        }
-        for p, o, a in zip(prompt_lens, output_lens, arrivals, strict=True)
-    ]
+def make_requests(args: argparse.Namespace, vocab: int) -> dict[str, list[dict[str, Any]]]:
+    """The seeded requests of each workload asked for (``serve_workloads.make_requests``)."""
+    return {w: workloads.make_requests(w, args, vocab) for w in args.workloads}
 
 
 def serve(engine: Any, requests: list[dict[str, Any]], workload: str, desc: str) -> dict[str, Any]:
-    """Serve ``requests`` on ``engine`` as ``workload``; the measured figures."""
+    """Serve ``requests`` on ``engine`` as ``workload``, ending each at its ``output_len``
+    (aborted by the client where that is below its ``max_tokens``); the measured figures."""
     from jax_tokenweave.serving import SamplingParams, count_compilations
 
     poisson = workload == "poisson"
-    order = sorted(range(len(requests)), key=lambda i: requests[i]["arrival_s"] if poisson else i)
+    order = sorted(range(len(requests)), key=lambda i: requests[i]["arrival_s"])
     ids: dict[int, str] = {}
-    steps0, split0 = engine.stats.steps, engine.stats.split_steps
+    index: dict[str, int] = {}
+    made: dict[str, int] = {}
+    stats, kv = engine.stats, engine.kv_stats
+    before = (stats.steps, stats.split_steps, kv.preemptions, kv.prefix_cache_queries)
+    hits0, peak = kv.prefix_cache_hits, 0
     with count_compilations() as compiles, tqdm(total=len(requests), desc=desc, leave=False) as bar:
         start = time.perf_counter()
         pending = 0
@@ -174,43 +174,75 @@ def serve(engine: Any, requests: list[dict[str, Any]], workload: str, desc: str)
             while pending < len(order) and (
                 not poisson or requests[order[pending]]["arrival_s"] <= now
             ):
-                r = requests[order[pending]]
-                arrival = start + (r["arrival_s"] if poisson else 0.0)
-                ids[order[pending]] = engine.add_request(
-                    r["prompt"],
-                    SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True),
-                    arrival_time=arrival,
+                i = order[pending]
+                r = requests[i]
+                params = SamplingParams(
+                    temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True
                 )
+                ids[i] = rid = engine.add_request(
+                    r["prompt"], params, arrival_time=start + (r["arrival_s"] if poisson else 0.0)
+                )
+                index[rid], made[rid] = i, 0
                 pending += 1
             if not engine.has_unfinished():
                 time.sleep(max(0.0, requests[order[pending]]["arrival_s"] - now))
                 continue
-            bar.update(sum(d.finished for d in engine.step()))
+            for d in engine.step():
+                bar.update(d.finished)
+                made[d.request_id] += len(d.token_ids)
+                wanted = requests[index[d.request_id]]["output_len"]
+                if not d.finished and made[d.request_id] >= wanted:
+                    engine.abort(d.request_id)  # the client has what it wanted
+            peak = max(peak, len(engine.scheduler.running))
         elapsed = time.perf_counter() - start
     outs = [engine.release(ids[i]) for i in range(len(requests))]
-    made = sum(len(o.token_ids) for o in outs)
+    out_tokens = sum(len(o.token_ids) for o in outs)
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    ttft = [o.metrics.ttft for o in outs]
+    ttft = [o.metrics.ttft for o in outs if o.metrics.first_token_time is not None]
     tpot = [t for o in outs if (t := o.metrics.tpot(len(o.token_ids))) is not None]
     ms = lambda xs, q: float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else None
     return {
         "seconds": elapsed,
-        "output_tokens": made,
+        "requests": len(outs),
+        "failed": sum(o.finish_reason not in ("stop", "length", "abort") for o in outs),
+        "ended_by_client": sum(o.finish_reason == "abort" for o in outs),
+        "output_tokens": out_tokens,
         "prompt_tokens": prompt,
-        "output_tok_s": made / elapsed,
-        "total_tok_s": (made + prompt) / elapsed,
+        "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (out_tokens + prompt) / elapsed,
         "ttft_p50_ms": ms(ttft, 50),
         "ttft_p99_ms": ms(ttft, 99),
         "tpot_p50_ms": ms(tpot, 50),
         "tpot_p99_ms": ms(tpot, 99),
-        "steps": engine.stats.steps - steps0,
-        "split_steps": engine.stats.split_steps - split0,
+        "steps": stats.steps - before[0],
+        "split_steps": stats.split_steps - before[1],
+        "preemptions": kv.preemptions - before[2],
+        "prefix_cache_queries": kv.prefix_cache_queries - before[3],
+        "prefix_cache_hits": kv.prefix_cache_hits - hits0,
+        "peak_running": peak,
         "compilations": compiles.count,
     }
 
 
+def kv_blocks(args: argparse.Namespace, model: Any, max_model_len: int) -> tuple[int, str]:
+    """The KV cache's blocks (the same for every engine) and how they were sized."""
+    from jax_tokenweave.serving import EngineConfig
+    from jax_tokenweave.serving.resolve import cache_blocks
+
+    if args.num_blocks:
+        return args.num_blocks, "--num-blocks"
+    probe = EngineConfig(**bm.engine_options(args, ENGINE_OPTIONS), max_model_len=max_model_len)
+    if args.gpu_memory_utilization:
+        devices = list(model.mesh.devices.flat)
+        dtype = model.embed.get_value().dtype
+        blocks = cache_blocks(devices, model.config, probe, dtype, args.gpu_memory_utilization)
+        return blocks, f"gpu_memory_utilization {args.gpu_memory_utilization}"
+    per_request = ceil_div(max_model_len, args.block_size)
+    return per_request * min(args.num_requests, args.max_num_seqs), "max_num_seqs requests"
+
+
 def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict[str, Any]:
-    """Every (workload, schedule) run; the report's ``runs`` and ``ratios``."""
+    """Every (workload, schedule, policy) run; the report's ``runs`` and ratios."""
     import jax
     from flax import nnx
 
@@ -223,151 +255,77 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
     mesh = bm.make_mesh(devices, tp)
     model = LlamaModel(config, mesh, dtype=bm.DTYPES[args.dtype], rngs=nnx.Rngs(args.seed))
     requests = make_requests(args, config.vocab_size)
-    longest = args.prompt_len[1] + args.output_len[1]
-    per_request = ceil_div(longest, args.block_size)
+    longest = max(len(r["prompt"]) + r["max_tokens"] for rs in requests.values() for r in rs)
+    num_blocks, sizing = kv_blocks(args, model, longest)
     engine_config = EngineConfig(
         **bm.engine_options(args, ENGINE_OPTIONS),
         max_model_len=longest,
-        num_blocks=per_request * min(args.num_requests, args.max_num_seqs),
+        num_blocks=num_blocks,
         collective=args.collective,
         max_logprobs=0,
         seed=args.seed,
         command_buffers=not args.no_command_buffers,
         attention=args.attention,
     )
-    runs: dict[str, dict[str, Any]] = {w: {} for w in args.workloads}
+    runs: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in args.workloads}
     warmups: dict[str, dict[str, Any]] = {}
+    first = requests[args.workloads[0]][:8]
     for schedule in args.schedules:
-        engine = LLMEngine(model, EngineConfig(**{**engine_config.__dict__, "schedule": schedule}))
-        start = time.perf_counter()
-        report = engine.warmup(progress=True)
-        serve(engine, requests[:8], "all-at-once", f"warm-up {schedule}")  # first runs
-        warmups[schedule] = {
-            "layouts": report.layouts,
-            "loaded": report.loaded,
-            "compiled": report.compiled,
-            "warmup_s": report.seconds,
-            "seconds": time.perf_counter() - start,
-            "compilation_cache_dir": engine.config.compilation_cache_dir,
-        }
-        print(
-            f"{schedule}: {report.layouts} step layouts ({report.loaded} loaded from the "
-            f"executable cache, {report.compiled} compiled) in {report.seconds:.1f}s, warmed "
-            f"up in {warmups[schedule]['seconds']:.1f}s (compilation cache: "
-            f"{engine.config.compilation_cache_dir})",
-            file=sys.stderr,
-        )
-        for workload in args.workloads:
-            runs[workload][schedule] = serve(engine, requests, workload, f"{workload} {schedule}")
-            print(f"{workload} {schedule}: {_line(runs[workload][schedule])}", file=sys.stderr)
-        del engine
-        gc.collect()
-        jax.clear_caches()
-    ratios = {
-        w: r["weave"]["output_tok_s"] / r["baseline"]["output_tok_s"]
-        for w, r in runs.items()
-        if {"weave", "baseline"} <= set(r)
-    }
+        for policy in args.policies:
+            name = f"{schedule} {policy}"
+            fields = {**engine_config.__dict__, "schedule": schedule, **POLICIES[policy]}
+            engine = LLMEngine(model, EngineConfig(**fields))
+            start = time.perf_counter()
+            report = engine.warmup(progress=True)
+            serve(engine, first, "all-at-once", f"warm-up {name}")  # first runs
+            warmups[name] = {
+                "layouts": report.layouts,
+                "loaded": report.loaded,
+                "compiled": report.compiled,
+                "warmup_s": report.seconds,
+                "seconds": time.perf_counter() - start,
+                "compilation_cache_dir": engine.config.compilation_cache_dir,
+            }
+            print(
+                f"{name}: {report.layouts} step layouts ({report.loaded} loaded from the "
+                f"executable cache, {report.compiled} compiled) in {report.seconds:.1f}s, warmed "
+                f"up in {warmups[name]['seconds']:.1f}s (compilation cache: "
+                f"{engine.config.compilation_cache_dir})",
+                file=sys.stderr,
+            )
+            for workload in args.workloads:
+                engine.reset_prefix_cache()  # no run starts with another's cached blocks
+                r = serve(engine, requests[workload], workload, f"{workload} {name}")
+                runs[workload].setdefault(schedule, {})[policy] = r
+                print(f"{workload} {name}: {_line(r)}", file=sys.stderr)
+            del engine
+            gc.collect()
+            jax.clear_caches()
     return {
         "model": model_name,
         "layers": args.layers,
         "tp": tp,
         "engine": {k: v for k, v in engine_config.__dict__.items() if k != "tuning"},
+        "kv_sizing": sizing,
+        "policies": {p: POLICIES[p] for p in args.policies},
         "runs": runs,
         "warmup": warmups,
-        "throughput_ratio_weave_over_baseline": ratios,
+        **serve_report.ratios(runs),
     }
 
 
 def _line(r: dict[str, Any]) -> str:
     return (
-        f"{r['output_tok_s']:.1f} out tok/s, TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
-        f"TPOT p50 {r['tpot_p50_ms'] or 0:.2f} ms, {r['steps']} steps "
-        f"({r['split_steps']} woven), {r['compilations']} compilations"
+        f"{r['total_tok_s']:.1f} total tok/s, {r['output_tok_s']:.1f} out tok/s, TTFT p50 "
+        f"{r['ttft_p50_ms'] or 0:.1f} ms, TPOT p50 {r['tpot_p50_ms'] or 0:.2f} ms, {r['steps']} "
+        f"steps ({r['split_steps']} woven), {r['preemptions']} preemptions, "
+        f"{r['prefix_cache_hits']} prefix-cache hit tokens, {r['peak_running']} running at "
+        f"most, {r['failed']} failed, {r['compilations']} compilations"
     )
-
-
-def to_markdown(report: dict[str, Any]) -> str:
-    """One table: a row per (workload, schedule), the weave/baseline ratios and the warm-ups
-    (layouts loaded from the executable cache / compiled)."""
-    rows = [
-        "| workload | schedule | output tok/s | total tok/s | TTFT p50 / p99 ms | "
-        "TPOT p50 / p99 ms | steps (woven) | compiles |",
-        "|---" * 8 + "|",
-    ]
-    fmt = bm.number_or_dash
-    for workload, per in report["runs"].items():
-        for schedule, r in per.items():
-            rows.append(
-                f"| {workload} | {schedule} | {fmt(r['output_tok_s'])} | {fmt(r['total_tok_s'])}"
-                f" | {fmt(r['ttft_p50_ms'])} / {fmt(r['ttft_p99_ms'])} | "
-                f"{fmt(r['tpot_p50_ms'], 2)} / {fmt(r['tpot_p99_ms'], 2)} | {r['steps']} "
-                f"({r['split_steps']}) | {r['compilations']} |"
-            )
-    ratios = report["throughput_ratio_weave_over_baseline"]
-    lines = [
-        f"Serving: {report['model']}, {report['layers']} layers, TP {report['tp']}, "
-        f"{report['environment']['device_kind']}",
-        "",
-        *rows,
-    ]
-    if ratios:
-        lines += [
-            "",
-            "Output throughput, weave / baseline: "
-            + ", ".join(f"{w} {r:.3f}x" for w, r in ratios.items()),
-        ]
-    warm = report.get("warmup", {})
-    if warm:
-        lines += [
-            "",
-            "Warm-up, in run order (a later schedule reuses what this process compiled "
-            "before it, so only the first is a cold start): "
-            + "; ".join(
-                f"{s} {w['layouts']} layouts ({w.get('loaded', 0)} loaded, "
-                f"{w.get('compiled', w['layouts'])} compiled) in "
-                f"{w.get('warmup_s', w['seconds']):.1f} s, {w['seconds']:.1f} s with the first runs"
-                for s, w in warm.items()
-            ),
-        ]
-    return "\n".join(lines)
-
-
-def write_plot(report: dict[str, Any], path: Path) -> None:
-    """Throughput, TTFT and TPOT per workload, the schedules side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = (
-        ("output_tok_s", None, "output tokens / s"),
-        ("ttft_p50_ms", "ttft_p99_ms", "TTFT ms (p50, p99 line)"),
-        ("tpot_p50_ms", "tpot_p99_ms", "TPOT ms (p50, p99)"),
-    )
-    workloads = list(report["runs"])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, (key, p99, title) in zip(axes, panels, strict=True):
-        for k, schedule in enumerate(SCHEDULES):
-            xs = [i + 0.4 * k for i, w in enumerate(workloads) if schedule in report["runs"][w]]
-            per = [report["runs"][w][schedule] for w in workloads if schedule in report["runs"][w]]
-            ax.bar(xs, [r[key] or 0 for r in per], width=0.4, label=schedule)
-            if p99:
-                ax.scatter(xs, [r[p99] or 0 for r in per], marker="_", s=300, color="black")
-        ax.set_xticks([i + 0.2 for i in range(len(workloads))], workloads)
-        ax.set_title(title)
-    axes[0].legend()
-    fig.suptitle(
-        f"{report['model']} x{report['layers']} layers, TP {report['tp']}, "
-        f"{report['environment']['device_kind']}"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run both engines on the workloads and write the outputs; returns the exit status."""
+    """Run the engines on the workloads and write the outputs; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     platform, devices = bm.start_devices()
@@ -376,10 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "serve.md").write_text(to_markdown(report) + "\n")
+    markdown = serve_report.to_markdown(report)
+    (args.out / "serve.md").write_text(markdown + "\n")
     if not args.no_plot:
-        write_plot(report, args.out / "serve.png")
-    print(to_markdown(report))
+        serve_report.write_plot(report, args.out / "serve.png")
+    print(markdown)
     if platform == "cpu":
         print(bm.CPU_NOTE)
     return 0
