@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import struct
 from collections.abc import Sequence
-
-import numpy as np
 
 from jax_tokenweave.serving.blocks import BlockAllocator
 from jax_tokenweave.serving.config import EngineConfig
@@ -26,10 +25,11 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: bytes = b"") ->
     """The chained hashes of the full blocks of ``tokens``: block ``i``'s is BLAKE2b (16
     bytes) of the hash before it (``parent`` for the first) and its ``block_size`` tokens
     (int32). A partial last block has none."""
-    data = np.asarray(tokens, np.int32)
-    out = []
-    for i in range(len(data) // block_size):
-        block = data[i * block_size : (i + 1) * block_size].tobytes()
+    count = len(tokens) // block_size
+    data = struct.pack(f"<{count * block_size}i", *tokens[: count * block_size])
+    width, out = 4 * block_size, []
+    for i in range(count):
+        block = data[i * width : (i + 1) * width]
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         out.append(parent)
     return out
@@ -91,7 +91,7 @@ class KVCacheManager:
         alloc.touch(hits)
         seq.blocks = hits + alloc.allocate(max(new, 0))
         seq.num_prefill, seq.num_computed = seq.num_known, computed
-        seq.num_written, seq.num_cached_blocks = computed, len(hits)
+        seq.num_cached_blocks = len(hits)
         if not seq.preemptions:
             self.stats.prefix_cache_queries += seq.num_prefill
             self.stats.prefix_cache_hits += computed
@@ -116,13 +116,11 @@ class KVCacheManager:
     def commit(self, seq: Request, written: int) -> None:
         """A taken step wrote ``seq``'s K/V up to position ``written``: its full blocks of
         known tokens up to there are cached (prefix caching). Ignored for a request
-        preempted since (its positions were reset)."""
-        if written > seq.num_computed or written <= seq.num_written or not seq.blocks:
+        preempted since (its positions were reset, its blocks freed)."""
+        full = written // self.block_size
+        if full <= seq.num_cached_blocks or written > seq.num_computed or not self.caching:
             return
-        seq.num_written = written
-        if not self.caching or written // self.block_size <= seq.num_cached_blocks:
-            return
-        full = min(written // self.block_size, len(seq.block_hashes), len(seq.blocks))
+        full = min(full, len(seq.block_hashes), len(seq.blocks))
         for i in range(seq.num_cached_blocks, full):
             self.allocator.cache(seq.blocks[i], seq.block_hashes[i])
         seq.num_cached_blocks = max(seq.num_cached_blocks, full)
@@ -133,4 +131,4 @@ class KVCacheManager:
         if seq.blocks:
             self.allocator.free(reversed(seq.blocks))
         seq.blocks = []
-        seq.num_computed = seq.num_written = seq.num_cached_blocks = 0
+        seq.num_computed = seq.num_cached_blocks = 0

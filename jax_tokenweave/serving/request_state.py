@@ -19,9 +19,9 @@ class Request:
     tokens have not arrived; ``in_flight``: scheduled steps holding it, not yet updated.
 
     Since its last admission it prefills ``num_prefill`` tokens: its prompt, or after a
-    preemption its prompt and the tokens it made (recomputed). ``num_written``: positions
-    whose K/V steps already taken wrote; ``num_cached_blocks``: leading blocks of its table
-    that carry their hash (``block_hashes``: of its known full blocks, prefix caching)."""
+    preemption its prompt and the tokens it made (recomputed). ``num_cached_blocks``: leading
+    blocks of its table that carry their hash (``block_hashes``: of its known full blocks,
+    prefix caching)."""
 
     request_id: str
     prompt: list[int]
@@ -38,7 +38,6 @@ class Request:
     sample_step: int = -1  # serial of the last step that samples it,
     sample_step_index: int = -1  # and its index among that step's sampled requests
     num_prefill: int = -1  # -1: len(prompt)
-    num_written: int = 0
     num_cached_blocks: int = 0
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     preemptions: int = 0  # times its blocks were taken back to be recomputed

@@ -113,20 +113,28 @@ class Scheduler:
         or their next chunk, preempting the latest admitted where blocks run out), then, if
         none was preempted, waiting requests as blocks allow. The step's requests count as
         scheduled (positions, pending tokens) from now on."""
-        cfg, tile, kv = self.config, self.config.prefill_tile, self.kv
-
-        def decodes_now(s: Request) -> bool:
-            return s.prefilled and s.num_made < s.params.max_tokens
-
-        room = cfg.max_num_batched_tokens - decode_rows(sum(map(decodes_now, self.running)), tile)
+        cfg, tile, kv, bs = self.config, self.config.prefill_tile, self.kv, self.kv.block_size
+        running = self.running
+        # per running request: 1 decodes, 0 prefills, -1 neither (its last token is in flight)
+        kinds = [
+            (1 if s.num_made < s.params.max_tokens else -1)
+            if s.num_computed >= s.num_prefill
+            else 0
+            for s in running
+        ]
+        room = cfg.max_num_batched_tokens - decode_rows(kinds.count(1), tile)
         decodes: list[Request] = []
         chunks: list[Chunk] = []
         preempted, i = False, 0
-        while i < len(self.running):
-            seq = self.running[i]
-            if decodes_now(seq):
+        while i < len(running):
+            seq, kind = running[i], kinds[i]
+            if kind == 1:
+                if seq.num_computed < len(seq.blocks) * bs:  # room in its last block
+                    decodes.append(seq)
+                    i += 1
+                    continue
                 length = 0
-            elif not seq.prefilled and room >= tile:
+            elif kind == 0 and room >= tile:
                 length = min(seq.num_prefill - seq.num_computed, room)
             else:
                 i += 1
@@ -135,8 +143,9 @@ class Scheduler:
                 if length and kv.reachable(seq) > seq.num_computed:
                     length = kv.reachable(seq) - seq.num_computed  # a shorter chunk fits
                     continue
-                victim = self.running[-1]  # the latest admitted (never one scheduled here)
+                victim = running[-1]  # the latest admitted (never one scheduled here)
                 self._preempt(victim)
+                kinds.pop()
                 preempted = True
                 if victim is seq:
                     break
@@ -221,21 +230,25 @@ class Scheduler:
         for seq in step.seqs:
             seq.in_flight -= 1
         gained, ends, kv = [], [], self.kv
+        caching, bs = kv.caching, kv.block_size
         for seq, token in zip(sampled, tokens, strict=True):
             seq.num_pending -= 1
             if seq.finished:  # stopped or aborted after this step was scheduled
                 continue
             seq.output.append(int(token))
-            kv.hash_known(seq)
+            if caching and not (len(seq.prompt) + len(seq.output)) % bs:  # a full block known
+                kv.hash_known(seq)
             gained.append(seq)
             if int(token) in seq.stop_ids:
                 ends.append((seq, "stop"))
             elif len(seq.output) >= seq.params.max_tokens:
                 ends.append((seq, "length"))
-        for seq, position in zip(step.decodes, step.positions, strict=True):
-            kv.commit(seq, position + 1)
-        for chunk in step.chunks:
-            kv.commit(chunk.seq, chunk.start + chunk.length)
+        if caching:  # the full blocks this step wrote are cached
+            for seq, position in zip(step.decodes, step.positions, strict=True):
+                if not (position + 1) % bs:
+                    kv.commit(seq, position + 1)
+            for chunk in step.chunks:
+                kv.commit(chunk.seq, chunk.start + chunk.length)
         for seq, reason in ends:
             self.finish(seq, reason)
         for seq in step.seqs:
