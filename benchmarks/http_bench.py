@@ -178,6 +178,13 @@ def make_requests(a: argparse.Namespace, vocab: int) -> list[tuple[list[int], in
     ]
 
 
+def warmup_requests(a: argparse.Namespace, requests: list, vocab: int) -> list:
+    """The untimed first ``clients`` requests: the lengths of the timed run's first ones, other
+    token ids (so the timed run finds none of its prompts in the prefix cache)."""
+    rng = np.random.default_rng([a.seed, 1])
+    return [(rng.integers(3, vocab, len(p)).tolist(), n) for p, n in requests[: a.clients]]
+
+
 def engine_sizes(a: argparse.Namespace) -> dict[str, int]:
     """The engine sizes both runs share: a cache for ``clients`` requests of the longest."""
     longest = a.prompt_len[1] + a.output_len[1]
@@ -215,7 +222,9 @@ def summary(records: list[dict[str, float]], seconds: float) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- HTTP ---
 
 
-def run_http(a: argparse.Namespace, requests: list, sizes: dict[str, int]) -> dict[str, Any]:
+def run_http(
+    a: argparse.Namespace, requests: list, warm: list, sizes: dict[str, int]
+) -> dict[str, Any]:
     """The HTTP run (a server started here unless ``--url``)."""
     client = bm.sibling_module(__file__, "http_client")
     if a.url:
@@ -228,7 +237,6 @@ def run_http(a: argparse.Namespace, requests: list, sizes: dict[str, int]) -> di
         import httpx
 
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        warm = requests[: a.clients]
         asyncio.run(client.closed_loop(url, model, warm, a.clients))  # untimed
         records, seconds = asyncio.run(client.closed_loop(url, model, requests, a.clients))
         metrics = httpx.get(url + "/metrics", timeout=30).text
@@ -243,7 +251,9 @@ def run_http(a: argparse.Namespace, requests: list, sizes: dict[str, int]) -> di
 # -------------------------------------------------------------------------- in-process ---
 
 
-def run_inprocess(a: argparse.Namespace, requests: list, sizes: dict[str, int]) -> dict[str, Any]:
+def run_inprocess(
+    a: argparse.Namespace, requests: list, warm: list, sizes: dict[str, int]
+) -> dict[str, Any]:
     """The same closed loop through the engine of an in-process ``LLM``."""
     bm.use_cpu_devices(max(a.tp, 1))
     from jax_tokenweave.serving import LLM, SamplingParams
@@ -290,7 +300,7 @@ def run_inprocess(a: argparse.Namespace, requests: list, sizes: dict[str, int]) 
                     )
         return records, time.perf_counter() - start
 
-    closed_loop(requests[: a.clients])  # untimed
+    closed_loop(warm)  # untimed
     records, seconds = closed_loop(requests)
     return summary(records, seconds)
 
@@ -332,11 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     vocab = _vocab(a)
     requests = make_requests(a, vocab)
-    sizes = engine_sizes(a)
-    runs = {"http": run_http(a, requests, sizes)}
+    warm, sizes = warmup_requests(a, requests, vocab), engine_sizes(a)
+    runs = {"http": run_http(a, requests, warm, sizes)}
     print(f"http: {runs['http']['output_tok_s']:.1f} output tok/s", file=sys.stderr)
     if not a.no_inprocess:
-        runs["inprocess"] = run_inprocess(a, requests, sizes)
+        runs["inprocess"] = run_inprocess(a, requests, warm, sizes)
         print(f"inprocess: {runs['inprocess']['output_tok_s']:.1f} output tok/s", file=sys.stderr)
     ratio = (
         runs["http"]["output_tok_s"] / runs["inprocess"]["output_tok_s"]

@@ -21,6 +21,7 @@ workloads (under a minute).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -122,7 +123,9 @@ def run_workload(
     from jax_tokenweave.serving import LLMEngine, count_compilations
 
     prompts = [rng.integers(0, model.config.vocab_size, length).tolist() for _ in range(count)]
-    engine = LLMEngine(model, decode_bench().engine_config(a, count, length + 1))
+    # the same prompts run again and again: without prefix caching, so each run prefills them
+    config = decode_bench().engine_config(a, count, length + 1)
+    engine = LLMEngine(model, dataclasses.replace(config, enable_prefix_caching=False))
     engine_run(engine, prompts)  # compiles the layouts
     with count_compilations() as compiles:
         runs = [engine_run(engine, prompts) for _ in range(a.iters)]
