@@ -140,12 +140,18 @@ def test_async_equals_sync(model, rng):
 @pytest.mark.slow
 def test_no_block_reused_while_a_step_writing_it_is_in_flight(model, rng):
     """Every allocation avoids the blocks of the steps dispatched and not yet taken (their
-    requests' blocks when dispatched); stops and aborts make the frees wait a step."""
+    requests' blocks when dispatched); stops and aborts make the frees wait a step. (A
+    preempted request's blocks are freed at once: docs/SERVING.md#servingscheduler.)"""
     engine = LLMEngine(model, dataclasses.replace(CFG, num_blocks=24))
     in_flight: dict[int, set[int]] = {}
     dispatch, take = engine.runner.dispatch, engine._take_oldest
     allocate = engine.scheduler.allocator.allocate
+    preempt, preempted = engine.scheduler._preempt, set()
     seen = {"allocations": 0, "deferred": 0}
+
+    def watched_preempt(seq):
+        preempted.update(seq.blocks)
+        preempt(seq)
 
     def watched_dispatch(scheduled, packed, previous=None):
         step = dispatch(scheduled, packed, previous)
@@ -156,18 +162,20 @@ def test_no_block_reused_while_a_step_writing_it_is_in_flight(model, rng):
         done = engine._inflight[0]
         deltas = take()
         del in_flight[id(done)]
+        preempted.intersection_update(set().union(*in_flight.values()))
         seen["deferred"] += bool(engine.scheduler.deferred)
         return deltas
 
     def watched_allocate(count):
         got = allocate(count)
-        busy = set().union(*in_flight.values())
+        busy = set().union(*in_flight.values()) - preempted
         assert not busy & set(got), (got, busy)
         seen["allocations"] += bool(busy)
         return got
 
     engine.runner.dispatch, engine._take_oldest = watched_dispatch, watched_take
     engine.scheduler.allocator.allocate = watched_allocate
+    engine.scheduler._preempt = watched_preempt
     workload = [
         (arrival, prompt, dataclasses.replace(params, temperature=0.0))
         for arrival, prompt, params in random_workload(rng, 12)
