@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The serving benchmark on GPUs in one command: install the package (building the CUDA
-# extension), then run benchmarks/serve_bench.py (weave engine vs baseline engine, all-at-once
-# and Poisson arrivals). From the repository root, on 2 x H200 (Llama-3.3-70B shapes, 8 layers,
-# TP 2):
+# extension), then run benchmarks/serve_bench.py (weave engine vs baseline engine, each under
+# the KV cache policies; all-at-once and Poisson arrivals unless SERVE_ARGS names --workloads
+# chat / shared-prefix). From the repository root, on 2 x H200 (Llama-3.3-70B shapes, 8
+# layers, TP 2):
 #
 #   OUT=/tmp/serve bash benchmarks/gpu_serve.sh
 #
@@ -14,7 +15,8 @@
 #   OUT           output folder [./gpu_out/serve]
 #   MODEL LAYERS  model config and decoder layers [llama3-70b, 8]
 #   TP            tensor-parallel degree [2]
-#   SERVE_ARGS    extra serve_bench.py arguments [""], e.g. "--num-requests 128 --rate 2"
+#   SERVE_ARGS    extra serve_bench.py arguments [""], e.g. "--num-requests 128 --rate 2" or
+#                 "--workloads chat --policies on-demand reserve --gpu-memory-utilization 0.9"
 #   SKIP_INSTALL  set to 1 to use the installed package as it is
 set -euo pipefail
 

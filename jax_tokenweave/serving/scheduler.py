@@ -211,7 +211,10 @@ class Scheduler:
         the tokens it made (those in flight arrive by :meth:`update` meanwhile). The blocks
         go to other requests at once: a later step runs on the cache the steps before it
         returned, so their writes of these blocks come first."""
-        self.running.remove(seq)
+        if self.running[-1] is seq:
+            self.running.pop()
+        else:
+            self.running.remove(seq)
         self.kv.free(seq)
         seq.preemptions += 1
         self.kv.stats.preemptions += 1
