@@ -92,11 +92,11 @@ def test_a_client_that_disconnects_is_one_log_line(server):
 
     before = len(lines())
     body = {"model": MODEL, "prompt": "gone", "max_tokens": 110, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(url + "/v1/completions", json=body, timeout=0.2)
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
-        next(line for line in r.iter_lines() if line.startswith("data: "))
-    wait_idle(url)
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # holds the one slot
+        with pytest.raises(httpx.TimeoutException):  # queued behind the stream: never in time
+            httpx.post(url + "/v1/completions", json=body, timeout=0.05)
+    wait_idle(url)  # the stream left mid-way
     deadline = time.monotonic() + 10
     while len(lines()) < before + 2 and time.monotonic() < deadline:
         time.sleep(0.1)
