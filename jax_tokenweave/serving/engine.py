@@ -221,17 +221,18 @@ class LLMEngine(RequestIntake):
             ids += [self.add_request(p, sp) for p, sp in zip(prompts, per, strict=True)]
             while any(not self._requests[i].finished for i in ids):
                 self.step()
-            return [self.release(i) for i in ids]
-        except BaseException:  # interrupted or failed: nothing of this call stays queued
-            self.abort_all(ids)
-            raise
+            return [self.output(i) for i in ids]
+        finally:  # done, interrupted or failed: nothing of this call stays in the engine
+            self.abort_all(ids, wait=True)
 
-    def abort_all(self, request_ids: Iterable[str]) -> None:
-        """Abort and forget these requests (unknown ids ignored); their blocks return to the
-        pool once no step in flight holds them (taken here where no other thread steps)."""
+    def abort_all(self, request_ids: Iterable[str], wait: bool = False) -> None:
+        """Abort (those still running) and forget these requests (unknown ids ignored). Where
+        a dispatched step still holds their blocks (async scheduling: a request that stopped
+        at step n is in step n+1), that step's tokens are taken here, so the blocks are free
+        on return: at once where no other thread steps, else (``wait``) after its step."""
         request_ids = list(request_ids)
         held = [self._abort(rid) for rid in request_ids]
-        if any(held) and self._step_lock.acquire(blocking=False):
+        if any(held) and self._step_lock.acquire(blocking=wait):
             try:  # take the steps in flight now; the next step() returns their deltas
                 while self._inflight:
                     self._notices += self._take_oldest()

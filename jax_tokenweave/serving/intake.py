@@ -126,18 +126,17 @@ class RequestIntake:
         self._abort(request_id)
 
     def _abort(self, request_id: str) -> bool:
-        """:meth:`abort`; whether a dispatched step still holds the request's blocks."""
+        """:meth:`abort`; whether a dispatched step still holds the request's blocks (also
+        where it finished already: one that stopped at step n is in step n+1)."""
         with self._lock:
             request = self._requests.get(request_id)
-            if request is None or request.finished:
+            if request is None:
                 return False
-            held = False
             for sample in request.samples:
                 if not sample.seq.finished:
                     self.scheduler.finish(sample.seq, "abort")
                     self._notices.append(end_delta(request, sample))
-                held |= sample.seq.in_flight > 0
-        return held
+            return any(sample.seq.in_flight > 0 for sample in request.samples)
 
     abort_request = abort
 

@@ -165,10 +165,11 @@ class LLM:
                 aqueue.put_nowait(d)
 
     def _close(self, request_id: str) -> None:
-        """A stream's end: stop routing, abort the request if it still runs, forget it."""
+        """A stream's end: stop routing, abort the request if it still runs, forget it; its
+        blocks are free on return (a step in flight that holds them is taken)."""
         self._sync.pop(request_id, None)
         self._async.pop(request_id, None)
-        self.engine.abort_all([request_id])
+        self.engine.abort_all([request_id], wait=True)
 
     @staticmethod
     def _raise_failed(out: RequestOutput, what: str) -> None:
@@ -206,9 +207,9 @@ class LLM:
                     done = {i for i in left if self.engine.output(i).finished}
                     bar.update(len(done))
                     left -= done
-            outs = [self.engine.release(i) for i in ids]
-        finally:  # an error or an interrupt: nothing of this call stays in the engine
-            self.engine.abort_all(ids)
+            outs = [self.engine.output(i) for i in ids]
+        finally:  # done, an error or an interrupt: nothing of this call stays in the engine
+            self.engine.abort_all(ids, wait=True)
         for i, out in enumerate(outs):
             self._raise_failed(out, f"prompt {i}")
         return outs
@@ -267,8 +268,9 @@ class LLM:
                 yield delta
                 if delta.request_finished:
                     return
-        finally:
-            self._close(rid)
+        finally:  # in a worker thread: it may wait for the driver's step in flight
+            self._async.pop(rid, None)
+            await asyncio.to_thread(self._close, rid)
 
     async def _drive(self) -> None:
         try:
