@@ -45,6 +45,22 @@ def token_ids(values: Any, vocab_size: int, what: str = "prompt") -> list[int]:
     return ids
 
 
+MODEL_ATTRIBUTES = ("mesh", "axis_name", "config", "embed", "embed_tokens", "logits", "decoder")
+"""What the engine reads of a model object (``models.llama.LlamaModel`` has them all)."""
+
+
+def model_object(model: Any, what: str, forms: str = "a model (models.llama.LlamaModel)") -> Any:
+    """``model`` where it has :data:`MODEL_ATTRIBUTES`; ``TypeError`` naming ``what`` (which
+    must be one of ``forms``) else."""
+    missing = [a for a in MODEL_ATTRIBUTES if not hasattr(model, a)]
+    if missing:
+        raise TypeError(
+            f"{what} must be {forms}, got {type(model).__name__} {model!r:.40} (it has no "
+            f"{missing[0]!r})"
+        )
+    return model
+
+
 def eos_token_ids(value: Any) -> tuple[int, ...]:
     """One token id or a sequence of them (as Hugging Face's ``eos_token_id``) -> a tuple."""
     if value is None:

@@ -48,6 +48,7 @@ class LLMEngine(RequestIntake):
         tokenizer: Any = None,
         eos_token_ids: int | Sequence[int] | None = None,
     ) -> None:
+        checks.model_object(model, "LLMEngine model")
         if config is not None and not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jax_tokenweave.serving import llm_setup
+from jax_tokenweave.serving import llm_setup, prompts
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
 from jax_tokenweave.serving.llm_setup import TOKENIZER_FILES as TOKENIZER_FILES  # re-exported
@@ -32,6 +31,13 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 
 class RequestFailed(RuntimeError):
     """A request failed inside a step (the engine goes on serving the others)."""
+
+
+def check_use_tqdm(use_tqdm: Any) -> bool | Callable[..., Any]:
+    """``use_tqdm``: a bool, or a callable making a tqdm-like bar (``ValueError`` else)."""
+    if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+        raise ValueError(f"use_tqdm must be a bool or a tqdm-like callable, got {use_tqdm!r}")
+    return use_tqdm
 
 
 class LLM:
@@ -55,15 +61,17 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         tokenizer: Any = None,
         seed: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         warmup: bool = False,
         config: EngineConfig | None = None,
         **engine: Any,
     ) -> None:
         engine = llm_setup.vllm_aliases(engine)  # num_gpu_blocks_override=...
         tp = llm_setup.check_arguments(
-            engine, config, tp, tensor_parallel_size, gpu_memory_utilization, tokenizer
+            model, engine, config, tp, tensor_parallel_size, gpu_memory_utilization, tokenizer
         )
+        self.use_tqdm = check_use_tqdm(use_tqdm)
+        tokenizer = llm_setup.tokenizer_source(tokenizer)  # a missing directory: refused now
         bar = tqdm(total=3, desc="LLM: loading weights", disable=not use_tqdm, leave=False)
         with bar:
             model, source = llm_setup.load_model(model, mesh, tp, dtype)
@@ -92,66 +100,44 @@ class LLM:
         return list(self.tokenizer.encode(text))
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of ``messages`` rendered by the tokenizer's chat template, with the
-        assistant's turn opened (``add_generation_prompt``)."""
+        """Token ids of one conversation (``prompts.check_messages``: each message a ``role``
+        and a ``content``) rendered by the tokenizer's chat template, with the assistant's
+        turn opened (``add_generation_prompt``)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages need a tokenizer with a chat template (this LLM has none)")
-        if not messages:
-            raise ValueError("messages is empty")
         text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+            prompts.check_messages(messages), tokenize=False, add_generation_prompt=True
         )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _prepare(
         self, prompt: Any, params: SamplingParams | None, what: str
     ) -> tuple[str | None, list[int], SamplingParams]:
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"{what} is a dict without 'prompt' or 'prompt_token_ids'")
-        text = prompt if isinstance(prompt, str) else None
-        if text is not None:
+        text, ids = prompts.one_prompt(prompt, what)
+        if ids is None:
+            assert text is not None
             if not text:
                 raise ValueError(f"{what} is an empty string")
-            prompt = self.encode(text)
-        ids, params = self.engine.check_request(prompt, params, what)
+            ids = self.encode(text)
+        ids, params = self.engine.check_request(ids, params, what)
         return text, ids, params
 
     def _prepare_all(
-        self, prompts: Any, params: Any
+        self, prompt_or_prompts: Any, params: Any
     ) -> list[tuple[str | None, list[int], SamplingParams]]:
-        if isinstance(prompts, str | Mapping) or (
-            isinstance(prompts, Sequence)
-            and prompts
-            and all(
-                not isinstance(t, str | bytes | Sequence | np.ndarray | Mapping) for t in prompts
-            )
-        ):
-            prompts = [prompts]  # one prompt
-        if isinstance(prompts, bytes) or not isinstance(prompts, Sequence | Iterator):
-            raise ValueError(
-                f"prompts must be a string, token ids, a dict or a list of them, "
-                f"got {type(prompts).__name__}"
-            )
-        prompts = list(prompts)
-        if not prompts:
-            raise ValueError("no prompts: give at least one prompt")
+        each = prompts.prompt_list(prompt_or_prompts)
         if isinstance(params, SamplingParams) or params is None:
-            params = [params] * len(prompts)
+            params = [params] * len(each)
         elif not isinstance(params, Sequence) or isinstance(params, str | bytes):
             raise ValueError(
                 f"sampling_params must be a SamplingParams or a list of them, got "
                 f"{type(params).__name__}"
             )
-        elif len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        elif len(params) != len(each):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(each)} prompts")
         return [
             self._prepare(p, sp, f"prompt {i}")
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            for i, (p, sp) in enumerate(zip(each, params, strict=True))
         ]
 
     # -- stepping ------------------------------------------------------------------------
@@ -171,6 +157,13 @@ class LLM:
         self._async.pop(request_id, None)
         self.engine.abort_all([request_id], wait=True)
 
+    def _progress(self, use_tqdm: bool | Callable[..., Any] | None, total: int) -> Any:
+        """The "Processed prompts" bar of a ``generate`` call of ``total`` prompts."""
+        use = self.use_tqdm if use_tqdm is None else check_use_tqdm(use_tqdm)
+        if callable(use):
+            return use(total=total, desc="Processed prompts", leave=False)
+        return tqdm(total=total, disable=not use, desc="Processed prompts", leave=False)
+
     @staticmethod
     def _raise_failed(out: RequestOutput, what: str) -> None:
         errors = [o.error for o in out.outputs if o.finish_reason == "error"]
@@ -188,19 +181,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] | None = None,
     ) -> list[RequestOutput]:
         """Serve the prompts to the end; one ``RequestOutput`` per prompt, in order (each with
-        ``n`` outputs). A request that failed inside a step raises ``RequestFailed``."""
+        ``n`` outputs). A request that failed inside a step raises ``RequestFailed``.
+        ``use_tqdm``: the "Processed prompts" bar (None: the ``LLM``'s ``use_tqdm``; a
+        callable: a tqdm-like class to make it with, as vLLM's)."""
         prepared = self._prepare_all(prompts, sampling_params)
         ids: list[str] = []
         try:
             ids += [
                 self.engine.add_request(tokens, sp, prompt=text) for text, tokens, sp in prepared
             ]
-            with tqdm(
-                total=len(ids), disable=not use_tqdm, desc="Processed prompts", leave=False
-            ) as bar:
+            with self._progress(use_tqdm, len(ids)) as bar:
                 left = set(ids)
                 while left:
                     self._route(self.engine.step())
@@ -216,14 +209,16 @@ class LLM:
 
     def chat(
         self,
-        messages: Sequence[Mapping[str, Any]],
-        sampling_params: SamplingParams | None = None,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] | None = None,
     ) -> list[RequestOutput]:
-        """:meth:`generate` of one conversation rendered by :meth:`chat_prompt`."""
+        """:meth:`generate` of one conversation, or of a list of them (vLLM's), each rendered
+        by :meth:`chat_prompt`; one ``RequestOutput`` per conversation."""
+        ids = [self.chat_prompt(c) for c in prompts.conversations(messages)]
         return self.generate(
-            {"prompt_token_ids": self.chat_prompt(messages)}, sampling_params, use_tqdm=use_tqdm
+            [{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm=use_tqdm
         )
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:

@@ -84,7 +84,41 @@ def make_mesh(mesh: Mesh | None, tp: int | None, axis_name: str = "tp") -> Mesh:
     return Mesh(np.array(devices[:tp]), (axis_name,))
 
 
+def check_model(model: Any) -> None:
+    """``model`` must be a checkpoint path or id (a non-empty string) or a model object
+    (``TypeError`` naming ``model`` else)."""
+    if isinstance(model, str | os.PathLike):
+        if not os.fspath(model):
+            raise ValueError("LLM model is an empty string: give a checkpoint directory or id")
+        return
+    checks.model_object(
+        model,
+        "LLM model",
+        "a checkpoint directory, a Hugging Face model id (str) or a model "
+        "(models.llama.LlamaModel)",
+    )
+
+
+def tokenizer_source(tokenizer: Any) -> Any:
+    """``tokenizer`` as ``LLM`` takes it, with a path resolved to a directory holding tokenizer
+    files (a directory, or a Hugging Face id in the local cache); ``ValueError`` naming
+    ``tokenizer`` where there is none (checked before the weights load)."""
+    if not isinstance(tokenizer, str | os.PathLike):
+        return tokenizer
+    try:
+        path = resolve.checkpoint_dir(tokenizer)
+    except ValueError as err:
+        raise ValueError(f"LLM tokenizer={os.fspath(tokenizer)!r}: {err}") from None
+    if not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"LLM tokenizer={os.fspath(tokenizer)!r}: {path} holds no tokenizer files "
+            f"({', '.join(TOKENIZER_FILES)})"
+        )
+    return path
+
+
 def check_arguments(
+    model: Any,
     engine: dict[str, Any],
     config: EngineConfig | None,
     tp: int | None,
@@ -95,6 +129,7 @@ def check_arguments(
     """The checks of ``LLM``'s arguments before anything loads: ``TypeError`` for a keyword
     that is not an ``EngineConfig`` field, ``ValueError`` naming the argument else. Returns the
     tensor-parallel size (``tp`` is its alias; None where neither is given)."""
+    check_model(model)
     unknown = sorted(set(engine) - ENGINE_FIELDS)
     if unknown:
         raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r}")
