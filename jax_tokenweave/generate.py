@@ -32,7 +32,9 @@ def token_ids(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=cli.HelpFormatter
+        prog=PROG,
+        description=cli.plain(__doc__.split("\n\n")[0]),
+        formatter_class=cli.HelpFormatter,
     )
     p.add_argument(
         "checkpoint",

@@ -4,6 +4,7 @@ Serves a Hugging Face checkpoint (directory or cached id) over ``--tp`` devices;
 NAME`` a named config with random weights (token ids only). Compiles (or loads from the
 executable cache) every step program before listening, saying how far it got on stderr
 (``--no-warmup`` skips it); SIGTERM / Ctrl-C drain for ``--drain-timeout`` seconds.
+
 Endpoints and shutdown: docs/SERVING.md#serve__main__.
 """
 
@@ -27,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     p = argparse.ArgumentParser(
         prog=PROG,
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
+        description=cli.plain(__doc__.split("\n\n")[0]),
+        epilog=cli.plain(__doc__.split("\n\n")[1]),
         formatter_class=cli.HelpFormatter,
     )
     p.add_argument(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -149,6 +150,12 @@ def add_engine_options(parser: argparse.ArgumentParser, names: Sequence[str]) ->
 def engine_options(args: argparse.Namespace, names: Sequence[str]) -> dict[str, int]:
     """The values of :func:`add_engine_options`' options, by ``EngineConfig`` field."""
     return {name: getattr(args, name) for name in names}
+
+
+def plain(text: str) -> str:
+    """``text`` (a docstring's paragraph) as ``--help`` shows it: no reST markup (double
+    backticks, ``:func:`` roles)."""
+    return re.sub(r":\w+:`([^`]+)`", r"\1", text).replace("``", "")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

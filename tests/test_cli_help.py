@@ -1,0 +1,38 @@
+"""The commands' ``--help`` is plain text: no reST markup (double backticks, roles) and no path
+that exists only in a checkout of the repository (``docs/``, ``benchmarks/``, ...), since an
+installed package has neither."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+CHECKOUT_ONLY = re.compile(r"\b(docs|benchmarks|tests|ffi|\.ci)/|\.md\b")
+
+
+def parsers():
+    from jax_tokenweave import generate, launch
+    from jax_tokenweave.bench import job
+
+    out = {
+        "generate": generate.build_parser,
+        "launch": launch.build_parser,
+        "bench": job.build_parser,
+    }
+    try:
+        from jax_tokenweave.serve import __main__ as serve
+    except ImportError:  # the serve extra is not installed
+        return out
+    return {**out, "serve": serve.build_parser}
+
+
+@pytest.mark.parametrize("command", ["generate", "launch", "bench", "serve"])
+def test_help_is_plain_text(command):
+    build = parsers().get(command)
+    if build is None:
+        pytest.skip("the serve extra is not installed")
+    text = build().format_help()
+    assert f"python -m jax_tokenweave.{command}" in text
+    assert "``" not in text and not re.search(r":\w+:`", text), text
+    assert not CHECKOUT_ONLY.search(text), CHECKOUT_ONLY.search(text)
