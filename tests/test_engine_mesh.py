@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_tokenweave.serving import EngineConfig, LLMEngine
-from jax_tokenweave.serving.checks import single_process_mesh
+from jax_tokenweave.serving.checks import MODEL_ATTRIBUTES, single_process_mesh
 
 
 def _mesh_of(processes):
@@ -21,7 +21,10 @@ def test_a_mesh_of_several_processes_is_refused():
     """The engine, which schedules and reads results on one host, says so instead of letting
     each process schedule its own steps."""
     with pytest.raises(ValueError, match=r"spans processes \[0, 1\].*one process over all"):
-        LLMEngine(SimpleNamespace(mesh=_mesh_of([0, 1, 1, 0])), EngineConfig())
+        fake = SimpleNamespace(
+            **{**dict.fromkeys(MODEL_ATTRIBUTES), "mesh": _mesh_of([0, 1, 1, 0])}
+        )
+        LLMEngine(fake, EngineConfig())
 
 
 def test_a_mesh_of_this_process_passes_and_of_another_is_refused(cpu_mesh):

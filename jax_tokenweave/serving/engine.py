@@ -13,13 +13,14 @@ import collections
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving import checks
+from jax_tokenweave.serving import checks, memory
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.deltas import end_delta, mark_last, sample_delta
 from jax_tokenweave.serving.executable_cache import WarmupReport
@@ -78,6 +79,35 @@ class LLMEngine(RequestIntake):
         self._rng = np.random.default_rng(config.seed)
         self._inflight: collections.deque[InFlight] = collections.deque()  # tokens not taken
         self._notices = []  # deltas made outside step() (abort, failures)
+        self.closed = False
+        # dropped without close(): the pool and buffers go back all the same
+        self._finalizer = weakref.finalize(self, self.runner.close)
+        self._finalizer.atexit = False
+
+    # -- life ----------------------------------------------------------------------------
+    def close(self, weights: bool = False) -> None:
+        """Abort every request and give the engine's device memory back (the KV pool, the step
+        buffers, its compiled programs; with ``weights`` the model's weights too, which it
+        shares with the model object); using it afterwards raises ``RuntimeError``. Also on
+        leaving ``with LLMEngine(...)``, and when the engine's last reference is dropped."""
+        if self.closed:
+            return
+        with self._step_lock, self._lock:
+            for rid in list(self._requests):
+                self._abort(rid)
+            self._requests.clear()
+            self._notices = []
+            memory.delete_arrays([step.outputs for step in self._inflight])
+            self._inflight.clear()
+            self.closed = True
+            self._finalizer.detach()
+            self.runner.close(weights)
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def cache(self) -> Any:
@@ -118,6 +148,7 @@ class LLMEngine(RequestIntake):
         """Run one step; what each request gained from one completed step (module docstring),
         and the abort and failure deltas since the last call. [] when idle."""
         with self._step_lock:
+            self._check_open()
             depth = 2 if self.config.async_scheduling else 1
             if not self._inflight:
                 self._dispatch_next()
@@ -252,4 +283,5 @@ class LLMEngine(RequestIntake):
         """Make every layout's program, loaded from the executable cache or compiled
         (``ModelRunner.warmup``); afterwards no step compiles. Returns how many layouts were
         loaded and compiled, and the seconds it took."""
+        self._check_open()
         return self.runner.warmup(workers, progress)

@@ -36,6 +36,14 @@ class RequestIntake:
     _ids: Iterator[int]  # request ids, where the caller gives none
     _rng: np.random.Generator  # request seeds, where the params give none
     _notices: list[StreamDelta]  # deltas made outside a step (abort, failures)
+    closed: bool  # LLMEngine.close was called: its device memory is gone
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"this {type(self).__name__} is closed (its KV cache was given back): make a "
+                f"new one"
+            )
 
     def counts(self) -> tuple[int, int]:
         """Requests ``(running, waiting)`` now, each counted once whatever its ``n``."""
@@ -57,6 +65,7 @@ class RequestIntake:
         """Queue a request (``params.n`` samples); returns its id. ``ValueError`` (nothing
         queued) for bad token ids, bad params, stop strings without a tokenizer, too many
         logprobs, or a request that could never fit the cache or ``max_model_len``."""
+        self._check_open()
         ids, params = self.check_request(prompt_token_ids, params)
         stop_ids = frozenset(
             set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))

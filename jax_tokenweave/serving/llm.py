@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jax_tokenweave.serving import llm_setup, prompts
+from jax_tokenweave.serving import llm_setup, memory, prompts
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
 from jax_tokenweave.serving.llm_setup import TOKENIZER_FILES as TOKENIZER_FILES  # re-exported
@@ -77,20 +79,56 @@ class LLM:
             model, source = llm_setup.load_model(model, mesh, tp, dtype)
             bar.update()
             bar.set_description("LLM: tokenizer and KV cache")
-            self.tokenizer = llm_setup.resolve_tokenizer(tokenizer, source)
-            self.model_path = source
-            engine_config = llm_setup.engine_config(
-                model, config, engine, max_model_len, seed, gpu_memory_utilization
-            )
-            self.engine = LLMEngine(model, engine_config, tokenizer=self.tokenizer)
-            bar.update()
-            if warmup:
-                bar.set_description("LLM: compiling step programs")
-                self.engine.warmup()
+            try:
+                self.tokenizer = llm_setup.resolve_tokenizer(tokenizer, source)
+                self.model_path = source
+                engine_config = llm_setup.engine_config(
+                    model, config, engine, max_model_len, seed, gpu_memory_utilization
+                )
+                self.engine = LLMEngine(model, engine_config, tokenizer=self.tokenizer)
+                bar.update()
+                if warmup:
+                    bar.set_description("LLM: compiling step programs")
+                    self.engine.warmup()
+            except BaseException:  # a KV cache too large, an interrupt: the memory goes back
+                if hasattr(self, "engine"):
+                    self.engine.close()
+                if source is not None:
+                    memory.delete_arrays(nnx.state(model))
+                raise
             bar.update()
         self._sync: dict[str, collections.deque[StreamDelta]] = {}
         self._async: dict[str, asyncio.Queue[StreamDelta | BaseException]] = {}
         self._driver: asyncio.Task[None] | None = None
+        self._owns_weights = source is not None  # loaded here from a checkpoint
+        # dropped without close(): the engine's memory (and weights loaded here) go back
+        self._finalizer = weakref.finalize(self, self.engine.close, self._owns_weights)
+        self._finalizer.atexit = False
+
+    # -- life ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give the device memory back: close the engine (``LLMEngine.close``: its KV pool,
+        buffers and compiled programs) and delete the weights where this ``LLM`` loaded them
+        (a model passed in keeps its own). Also on leaving ``with LLM(...) as llm:`` and when
+        the last reference to the ``LLM`` is dropped (its engine with it)."""
+        self._finalizer.detach()
+        self.engine.close(weights=self._owns_weights)
+
+    @property
+    def closed(self) -> bool:
+        return self.engine.closed
+
+    def _check_open(self) -> None:
+        if self.engine.closed:
+            raise RuntimeError(
+                "this LLM is closed (its device memory was given back): make a new one"
+            )
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- prompts -------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -187,6 +225,7 @@ class LLM:
         ``n`` outputs). A request that failed inside a step raises ``RequestFailed``.
         ``use_tqdm``: the "Processed prompts" bar (None: the ``LLM``'s ``use_tqdm``; a
         callable: a tqdm-like class to make it with, as vLLM's)."""
+        self._check_open()
         prepared = self._prepare_all(prompts, sampling_params)
         ids: list[str] = []
         try:
@@ -216,6 +255,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """:meth:`generate` of one conversation, or of a list of them (vLLM's), each rendered
         by :meth:`chat_prompt`; one ``RequestOutput`` per conversation."""
+        self._check_open()
         ids = [self.chat_prompt(c) for c in prompts.conversations(messages)]
         return self.generate(
             [{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm=use_tqdm
@@ -225,6 +265,7 @@ class LLM:
         """Yield the request's :class:`StreamDelta` as each step makes a token (others' requests
         advance too); with ``n`` > 1 the samples' deltas interleave (``delta.index``). Closing
         the iterator early aborts the request."""
+        self._check_open()
         text, tokens, params = self._prepare(prompt, params, "prompt")
         rid = self.engine.add_request(tokens, params, prompt=text)
         queue: collections.deque[StreamDelta] = collections.deque()
@@ -247,6 +288,7 @@ class LLM:
     ) -> AsyncIterator[StreamDelta]:
         """:meth:`stream` for asyncio: the steps run in a worker thread, so the event loop stays
         free; concurrent ``astream`` calls are served together."""
+        self._check_open()
         text, tokens, params = self._prepare(prompt, params, "prompt")
         rid = self.engine.add_request(tokens, params, prompt=text)
         queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_tokenweave.serving import checks, resolve
+from jax_tokenweave.serving import checks, memory, resolve
 from jax_tokenweave.serving.config import EngineConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -209,12 +209,13 @@ def engine_config(
         fields["seed"] = checks.at_least(seed, 0, "LLM seed")
     if "num_blocks" not in fields:
         probe = EngineConfig(**fields)
-        mesh = model.mesh
+        devices = list(model.mesh.devices.flat)
         fields["num_blocks"] = resolve.cache_blocks(
-            list(mesh.devices.flat),
+            devices,
             model.config,
             probe,
             model.embed.get_value().dtype,
             utilization,
+            memory.device_stats(devices),
         )
     return EngineConfig(**fields)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -115,21 +116,28 @@ def check_utilization(utilization: Any) -> float:
 
 
 def cache_blocks(
-    devices: Any, model_config: Any, engine: Any, dtype: Any, utilization: float
+    devices: Any,
+    model_config: Any,
+    engine: Any,
+    dtype: Any,
+    utilization: float,
+    stats: Sequence[dict[str, int] | None] | None = None,
 ) -> int:
-    """Blocks for a cache of ``utilization`` of the devices' memory (module docstring)."""
+    """Blocks for a cache of ``utilization`` of the devices' memory (module docstring);
+    ``stats``: the devices' ``memory_stats()`` (default: read now)."""
     check_utilization(utilization)
     tp = len(devices)
     per_block = block_bytes(model_config, engine.block_size, tp, dtype)
     request_blocks = ceil_div(engine.max_model_len, engine.block_size)
-    stats = [d.memory_stats() for d in devices]
-    if any(not s or "bytes_limit" not in s for s in stats):
+    read = [d.memory_stats() for d in devices] if stats is None else list(stats)
+    known = [s for s in read if s and "bytes_limit" in s]
+    if len(known) < len(read):
         fit = max(CPU_CACHE_BYTES // per_block, request_blocks)
         return int(min(engine.max_num_seqs * request_blocks, fit))
     reserve = activation_reserve(model_config, engine.max_num_batched_tokens, tp)
     free = min(
         math.floor(s["bytes_limit"] * utilization) - s.get("bytes_in_use", 0) - reserve
-        for s in stats
+        for s in known
     )
     blocks = free // per_block
     if blocks < request_blocks:

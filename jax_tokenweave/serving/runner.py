@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving import checks
+from jax_tokenweave.serving import checks, memory
 from jax_tokenweave.serving import executable_cache as exe_cache
 from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_pow2
 from jax_tokenweave.serving.compilation_cache import use_compilation_cache
@@ -72,12 +72,17 @@ class ModelRunner:
         self.tp = self.mesh.shape[self.axis_name]
         self.graphdef, self.state = nnx.split(model)
         self._leaves, self._state_def = jax.tree_util.tree_flatten(self.state)
+        dtype = model.embed.get_value().dtype
+        memory.check_pool_fits(  # before allocating: a pool too large is refused at once
+            memory.pool_need(self.model_config, config, self.tp, dtype),
+            list(self.mesh.devices.flat),
+        )
         self.cache = init_paged_cache(
             self.model_config,
             self.mesh,
             config.num_blocks,
             config.block_size,
-            model.embed.get_value().dtype,
+            dtype,
             self.axis_name,
         )
         self.no_tokens = jax.device_put(
@@ -93,6 +98,19 @@ class ModelRunner:
         self._executables: dict[batch_lib.StepLayout, Any] = {}  # warmed-up forwards
         self._samplers: dict[tuple[int, str, int], Any] = {}  # (rows, sampler, logprobs)
         self._io: dict[batch_lib.StepLayout, StepIO] = {}  # each layout's fixed buffers
+
+    def close(self, weights: bool = False) -> int:
+        """Give the device memory back: delete the KV pool, the step buffers and, with
+        ``weights``, the model's weights (shared with the model object), and drop the compiled
+        programs held. Returns how many arrays were deleted. The runner is unusable after."""
+        arrays: list[Any] = [self.cache, self.no_tokens, list(self._io.values())]
+        if weights:
+            arrays.append(self._leaves)
+        deleted = memory.delete_arrays(arrays)
+        self._io.clear()
+        self._executables.clear()
+        self._samplers.clear()
+        return deleted
 
     def replayed(self, layout: batch_lib.StepLayout) -> bool:
         """Whether ``layout``'s forward replays from command buffers: a decode-only step, where
