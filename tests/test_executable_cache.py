@@ -85,7 +85,8 @@ def test_second_engine_loads_every_layout_and_makes_the_same_tokens(model, tmp_p
     n = len(first.layouts())
     report = first.warmup()
     assert (report.layouts, report.loaded, report.compiled) == (n, 0, n) and n >= 4
-    assert len(files(tmp_path)) == n + len(first.runner._samplers)  # forwards + samplers
+    small = len(first.runner._samplers) + len(first.runner._slot_starts)
+    assert len(files(tmp_path)) == n + small  # forwards + samplers + slot writes
     assert not list((tmp_path / "cache" / ec.SUBDIR).glob("*.tmp"))
     want = tokens(first)
     second = LLMEngine(model, cached(tmp_path))

@@ -186,8 +186,10 @@ def _add_routes(app: FastAPI, state: ServerState, prompts: Prompts) -> None:
         P.check_supported(req)
         prompts.check_model(req.model)
         asked = prompts.listed(req)
-        max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        params = P.sampling_params(req, max_tokens, req.logprobs)
+        # vLLM's: 16 when absent, up to the model's length when null
+        max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else 16
+        echo_logprobs = req.logprobs if req.echo else None  # the prompt's, echoed
+        params = P.sampling_params(req, max_tokens, req.logprobs, echo_logprobs)
         pairs = await run_in_threadpool(prompts.completion_prompts, asked)
         for _, ids in pairs:
             prompts.check_fits(ids, params, "prompt")
@@ -225,8 +227,9 @@ async def _serve(
 ) -> Any:
     rid = P.new_id(prefix)
     handles = state.engine.add(rid, prompts, params)
+    echo = prompts if getattr(req, "echo", False) else None  # completions' echo
     if req.stream:
-        return SSEResponse(renderer.stream(rid, handles, params, req, chat), rid)
+        return SSEResponse(renderer.stream(rid, handles, params, req, chat, echo), rid)
     tasks = [asyncio.ensure_future(Collected.of(state.engine.deltas(h), params.n)) for h in handles]
     try:
         results = await until_disconnect(raw, asyncio.gather(*tasks, return_exceptions=True))
@@ -242,4 +245,4 @@ async def _serve(
     for r in results:
         if r.error is not None:
             return errors.error(500, f"the request failed inside a step: {r.error}")
-    return renderer.response(rid, handles, results, params, chat)
+    return renderer.response(rid, handles, results, params, chat, echo)

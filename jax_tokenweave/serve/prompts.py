@@ -21,6 +21,7 @@ NORMALIZER_SLACK = 4
 
 # ``LLMEngine.check_request``'s messages -> the request field at fault (else the prompt)
 _CHECK_FIELDS = (
+    ("logit_bias", "logit_bias"),
     ("logprobs=", "logprobs"),
     (": n=", "n"),
     ("stop strings", "stop"),
@@ -149,7 +150,7 @@ class Prompts:
                 f"length (max_model_len) is {limit}",
                 what,
             )
-        if len(ids) + params.max_tokens > limit:
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise P.BadRequest(
                 f"max_tokens={params.max_tokens} beside a {len(ids)}-token "
                 f"{what} exceeds max_model_len ({limit})",

@@ -4,14 +4,15 @@ mapping of a request's sampling fields to ``SamplingParams``.
 A field with a value this server cannot honour is a :class:`BadRequest` naming it
 (:func:`check_supported`; :data:`UNSUPPORTED`: ``suffix``, ``tools``, ``tool_choice``,
 ``response_format`` other than text, audio, ... and vLLM's extensions it lacks; ``best_of`` other
-than ``n``), and so are ``presence_penalty`` / ``frequency_penalty`` other than 0. Fields that
-ask for nothing an answer shows (``user``, ``metadata``, ``store``, ``service_tier``,
-``parallel_tool_calls``) and fields neither OpenAI's nor vLLM's are ignored, as vLLM ignores
-them. ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are vLLM's extensions.
+than ``n``). Fields that ask for nothing an answer shows (``user``, ``metadata``, ``store``,
+``service_tier``, ``parallel_tool_calls``) and fields neither OpenAI's nor vLLM's are ignored, as
+vLLM ignores them. ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty`` and
+``min_tokens`` are vLLM's extensions; ``logit_bias`` values are clamped to [-100, 100], as vLLM.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import uuid
@@ -69,6 +70,9 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
 
@@ -229,20 +233,39 @@ def now() -> int:
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
+LOGIT_BIAS_LIMIT = 100.0
+"""``logit_bias`` values are clamped to [-100, 100] (OpenAI's range; vLLM clamps too)."""
+
+
 def sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """The request's ``SamplingParams`` (``max_tokens`` resolved by the caller);
-    :class:`BadRequest` naming the field for a value out of range."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise BadRequest(f"{name} is not supported (only 0)", name)
+    """The request's ``SamplingParams`` (``max_tokens`` resolved by the caller; None: up to
+    the model's length); :class:`BadRequest` naming the field for a value out of range."""
     kwargs: dict[str, Any] = dict(
-        n=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs
+        n=req.n,
+        max_tokens=max_tokens,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+    ):
         if getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
+    if req.logit_bias:
+        kwargs["logit_bias"] = _logit_bias(req.logit_bias)
     if req.stop is not None:
         kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
     if req.stop_token_ids:
@@ -315,6 +338,22 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
             "completions than returned): leave it out or set it to n",
             "best_of",
         )
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(
+                f"logit_bias keys must be token ids (integers as strings), got {key!r}",
+                "logit_bias",
+            ) from None
+        if math.isnan(value):
+            raise BadRequest(f"logit_bias[{key}] is NaN", "logit_bias")
+        out[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value))
+    return out
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

@@ -37,11 +37,14 @@ class Collected:
 
     samples: list[Sample]
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # where asked (echo)
 
     @classmethod
     async def of(cls, deltas: AsyncIterator[StreamDelta], n: int) -> Collected:
         out = cls([Sample() for _ in range(n)])
         async for d in deltas:
+            if d.prompt_logprobs is not None:
+                out.prompt_logprobs = d.prompt_logprobs
             s = out.samples[d.index]
             s.text.append(d.text or "")
             s.token_ids += d.token_ids
@@ -64,10 +67,32 @@ class Renderer:
     def _token(self, token_id: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
 
+    def echo_text(self, prompt: tuple[str | None, list[int]]) -> str:
+        """The text ``echo`` prepends: the prompt's, or its token ids decoded (vLLM's)."""
+        text, ids = prompt
+        if text is not None or self.tokenizer is None:
+            return text or ""
+        return str(self.tokenizer.decode(ids))
+
     def _completion_logprobs(
-        self, entries: Sequence[TokenLogprob], offset: int = 0
+        self,
+        entries: Sequence[TokenLogprob],
+        offset: int = 0,
+        echo: tuple[list[int], Sequence[TokenLogprob] | None] | None = None,
     ) -> P.CompletionLogprobs:
+        """OpenAI's completion logprobs of ``entries`` from text offset ``offset``; with
+        ``echo`` (prompt ids, their log-probabilities) the prompt's tokens first, the first
+        one's log-probability None (vLLM's)."""
         out = P.CompletionLogprobs()
+        ids, scored = echo if echo is not None else ([], None)
+        for i, token_id in enumerate(ids):
+            e = scored[i - 1] if scored is not None and 0 < i <= len(scored) else None
+            token = self._token(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(None if e is None else e.logprob)
+            out.top_logprobs.append(None if e is None else {self._token(t): lp for t, lp in e.top})
+            out.text_offset.append(offset)
+            offset += len(token)
         for e in entries:
             token = self._token(e.token_id)
             out.tokens.append(token)
@@ -112,8 +137,9 @@ class Renderer:
         results: Sequence[Collected],
         params: SamplingParams,
         chat: bool,
+        echo: Sequence[tuple[str | None, list[int]]] | None = None,
     ) -> Any:
-        """The non-streamed response."""
+        """The non-streamed response; ``echo``: the prompts to prepend (completions)."""
         n, made = params.n, sum(len(s.token_ids) for r in results for s in r.samples)
         usage = self._usage(handles, made)
         want_lp = params.logprobs is not None
@@ -137,9 +163,13 @@ class Renderer:
         choices = [
             P.CompletionChoice(
                 index=p * n + i,
-                text="".join(s.text),
+                text=("" if echo is None else self.echo_text(echo[p])) + "".join(s.text),
                 finish_reason=s.finish_reason,
-                logprobs=self._completion_logprobs(s.logprobs) if want_lp else None,
+                logprobs=self._completion_logprobs(
+                    s.logprobs, echo=None if echo is None else (echo[p][1], r.prompt_logprobs)
+                )
+                if want_lp
+                else None,
             )
             for p, r in enumerate(results)
             for i, s in enumerate(r.samples)
@@ -157,9 +187,11 @@ class Renderer:
         sent: dict[int, int],
         want_lp: bool,
         chat: bool,
+        echo: tuple[str, list[int], Sequence[TokenLogprob] | None] | None = None,
     ) -> Any:
         """The stream's chunk of delta ``d`` of choice ``index``; ``sent``: the characters of
-        text each choice begun has sent (updated)."""
+        text each choice begun has sent (updated); ``echo`` (a completion choice's first
+        chunk): the prompt's text, ids and log-probabilities, which the chunk starts with."""
         lps = list(d.logprobs or ())
         if chat:
             delta = P.DeltaMessage(content=d.text or "")
@@ -179,8 +211,10 @@ class Renderer:
                     )
                 ],
             )
-        offset = sent.get(index, 0)
-        sent[index] = offset + len(d.text or "")
+        offset, head, first = sent.get(index, 0), "", None
+        if echo is not None:
+            head, first = echo[0], (echo[1], echo[2])
+        sent[index] = offset + len(head) + len(d.text or "")
         return P.CompletionResponse(
             id=rid,
             created=created,
@@ -188,19 +222,27 @@ class Renderer:
             choices=[
                 P.CompletionChoice(
                     index=index,
-                    text=d.text or "",
+                    text=head + (d.text or ""),
                     finish_reason=d.finish_reason,
-                    logprobs=self._completion_logprobs(lps, offset) if want_lp else None,
+                    logprobs=self._completion_logprobs(lps, offset, first) if want_lp else None,
                 )
             ],
         )
 
     async def stream(
-        self, rid: str, handles: Sequence[Any], params: SamplingParams, req: Any, chat: bool
+        self,
+        rid: str,
+        handles: Sequence[Any],
+        params: SamplingParams,
+        req: Any,
+        chat: bool,
+        echo: Sequence[tuple[str | None, list[int]]] | None = None,
     ) -> AsyncGenerator[str, None]:
-        """Server-sent events of the request (module docstring)."""
+        """Server-sent events of the request (module docstring); ``echo``: the prompts, sent
+        first in each choice's first chunk (completions)."""
         created, n, made = P.now(), params.n, 0
         sent: dict[int, int] = {}  # choice index -> characters of text sent
+        scored: dict[int, tuple[TokenLogprob, ...]] = {}  # prompt index -> its log-probabilities
         want_lp = params.logprobs is not None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         try:
@@ -210,7 +252,12 @@ class Renderer:
                     yield f"data: {_json(body)}\n\n"
                     break
                 made += len(d.token_ids)
-                chunk = self._chunk(rid, created, p * n + d.index, d, sent, want_lp, chat)
+                if d.prompt_logprobs is not None:  # sample 0's first delta: before the others'
+                    scored[p] = d.prompt_logprobs
+                index, head = p * n + d.index, None
+                if echo is not None and index not in sent:  # the choice's first chunk
+                    head = (self.echo_text(echo[p]), echo[p][1], scored.get(p))
+                chunk = self._chunk(rid, created, index, d, sent, want_lp, chat, head)
                 yield f"data: {chunk.model_dump_json()}\n\n"
             else:
                 if include_usage:

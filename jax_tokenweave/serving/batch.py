@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.kernel._util import ceil_div
+from jax_tokenweave.serving import processors, prompt_logprobs
 from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, step_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.scheduler import ScheduledStep
@@ -50,12 +51,14 @@ class StepLayout:
 @dataclasses.dataclass
 class StepArrays:
     """The step's inputs (NumPy; module docstring). ``token_source`` int32 [R]: -1 where the
-    row's token is ``tokens[r]``, else the index of its token among the previous step's
-    sampled tokens (a decode whose input token is still on the device). ``sample_rows`` [S] row
-    per sampled request, the sampling fields [S] per sampled row (``seeds`` uint32,
-    ``counters``: tokens the request made so far, the index into its random stream);
-    ``want_logprobs`` bool []:
-    some sampled request asked for log-probabilities (else the step skips them)."""
+    row's token is ``tokens[r]``, else its index among the previous step's sampled tokens (still
+    on the device). ``sample_rows`` [S]: the row of each sampled request; the sampling fields
+    [S] per sampled row (``seeds`` uint32, ``counters``: tokens the request made so far);
+    ``want_logprobs`` bool []: some row asked for log-probabilities. ``processor_slots`` int32
+    [S] (padding: ``max_num_seqs``), ``penalties`` float32 [S, 3] (presence, frequency,
+    repetition), ``processed`` bool []: ``serving.processors``'. ``prompt_targets`` int32 [R]:
+    the next prompt token where the row's request asked for prompt log-probabilities, else -1
+    (``want_prompt_logprobs`` bool []: any)."""
 
     tokens: np.ndarray
     token_source: np.ndarray
@@ -69,6 +72,11 @@ class StepArrays:
     seeds: np.ndarray
     counters: np.ndarray
     want_logprobs: np.ndarray
+    processor_slots: np.ndarray
+    penalties: np.ndarray
+    processed: np.ndarray
+    prompt_targets: np.ndarray
+    want_prompt_logprobs: np.ndarray
 
 
 @functools.lru_cache(maxsize=256)
@@ -121,7 +129,7 @@ def pack(
         sample_rows[:n] = np.arange(n)
     if chunks:
         starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
-        first = decode + tile * (np.cumsum(tiles) - tiles)  # [C] first row
+        first = chunk_first_rows(step, layout)  # [C]
         chunk = np.repeat(np.arange(len(chunks)), lengths)  # [T] chunk of each token
         offset = np.arange(chunk.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         token_rows, pos = first[chunk] + offset, starts[chunk] + offset  # [T]
@@ -149,6 +157,8 @@ def pack(
         seeds[:k] = [q.seed % (1 << 32) for q in sampled]
         counters[:k] = step.counters
     want = np.asarray(any(q.params.logprobs is not None for q in sampled))
+    processor_slots, penalties, processed = _processor_rows(step, s, cfg.max_num_seqs)
+    targets, asked = prompt_logprobs.targets(chunks, chunk_first_rows(step, layout), r)
     return layout, StepArrays(
         tokens,
         source,
@@ -162,7 +172,38 @@ def pack(
         seeds,
         counters,
         want,
+        processor_slots,
+        penalties,
+        processed,
+        targets,
+        np.asarray(bool(asked)),
     )
+
+
+def chunk_first_rows(step: ScheduledStep, layout: StepLayout) -> np.ndarray:
+    """The first row of each of ``step``'s prompt chunks in ``layout`` (int64 [C])."""
+    lengths = np.fromiter((c.length for c in step.chunks), np.int64, len(step.chunks))
+    tiles = ceil_div(lengths, layout.tile)
+    return layout.decode_rows + layout.tile * (np.cumsum(tiles) - tiles)
+
+
+def _processor_rows(
+    step: ScheduledStep, samples: int, sink: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``slots`` [S], ``penalties`` [S, 3] and ``processed`` [] of ``step``'s sampled rows."""
+    slots = np.full(samples, sink, np.int32)
+    penalties = np.tile(np.asarray([0.0, 0.0, 1.0], np.float32), (samples, 1))
+    sampled = step.sampled
+    if not any(
+        processors.processed(q.params, c) for q, c in zip(sampled, step.counters, strict=True)
+    ):
+        return slots, penalties, np.asarray(False)
+    for i, q in enumerate(sampled):
+        p = q.params
+        if processors.needs_slot(p):  # the others read the sink's row: no bias, no effect
+            slots[i] = q.slot
+            penalties[i] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+    return slots, penalties, np.asarray(True)
 
 
 def pack_padding(layout: StepLayout, cfg: EngineConfig) -> StepArrays:
@@ -181,5 +222,10 @@ def pack_padding(layout: StepLayout, cfg: EngineConfig) -> StepArrays:
         zeros(s),
         zeros(s, np.uint32),
         zeros(s),
+        np.asarray(False),
+        np.full(s, cfg.max_num_seqs, np.int32),
+        np.tile(np.asarray([0.0, 0.0, 1.0], np.float32), (s, 1)),
+        np.asarray(False),
+        np.full(r, -1, np.int32),
         np.asarray(False),
     )

@@ -64,6 +64,9 @@ class EngineConfig:
     # "cuda" or "xla".
     attention: str = "auto"
     max_logprobs: int = 20  # the most top log-probabilities a request may ask for
+    # The most tokens one request may bias (serving.processors): its logit_bias entries, plus
+    # its stop and EOS ids while min_tokens holds them back.
+    max_biased_tokens: int = 512
     seed: int = 0  # seeds the requests that bring none
     # Schedule and dispatch step n+1 before step n's tokens reach the host (its decodes take
     # them on the device); False: one step at a time (serving.engine). Same tokens either way.
@@ -87,6 +90,7 @@ class EngineConfig:
             ("key_chunk", 1),
             ("split_threshold", 2),
             ("max_logprobs", 0),
+            ("max_biased_tokens", 1),
             ("seed", 0),
         ):
             if name != "split_threshold" or self.split_threshold is not None:

@@ -40,11 +40,14 @@ def sample_delta(
         sample.logprobs.append(logprob)
     text = None
     if sample.text is not None:
-        if sample.text.update(seq.output) and not seq.finished:
+        check = len(seq.output) > seq.params.min_tokens  # vLLM's: stop strings after it
+        if sample.text.update(seq.output, check) and not seq.finished:
             finish(seq, "stop")
         text = sample.text.delta(final=seq.finished)
     if request.finished:
         request.metrics.finish_time = now
+    prompt_lps = request.prompt_logprobs
+    first = seq.index == 0 and len(seq.output) == 1 and prompt_lps is not None
     return StreamDelta(
         seq.request_id,
         (token,),
@@ -52,7 +55,28 @@ def sample_delta(
         None if logprob is None else (logprob,),
         seq.finish_reason,
         seq.index,
+        prompt_logprobs=tuple(prompt_lps) if first and prompt_lps is not None else None,
     )
+
+
+def add_prompt_logprobs(requests: Mapping[str, EngineRequest], asked: Any, prompt: Any) -> None:
+    """Append a step's prompt log-probabilities (host ``prompt_logprobs.PromptLogprobs``) to
+    the requests that asked: ``asked`` holds ``(scheduler request, first row, position,
+    count)`` per chunk; rows ``first ..`` score prompt tokens ``position + 1 ..``."""
+    for seq, first, position, count in asked:
+        request = requests.get(seq.request_id)
+        if request is None or request.prompt_logprobs is None:
+            continue
+        k = seq.params.prompt_logprobs or 0
+        have = len(request.prompt_logprobs)  # positions 1 .. have scored (a preempted
+        for j in range(max(have - position, 0), count):  # request recomputes its prompt)
+            row, token = first + j, seq.prompt[position + 1 + j]
+            top = zip(
+                prompt.top_ids[row, :k].tolist(), prompt.top_logprobs[row, :k].tolist(), strict=True
+            )
+            request.prompt_logprobs.append(
+                TokenLogprob(token, float(prompt.logprob[row]), tuple(top), int(prompt.rank[row]))
+            )
 
 
 def end_delta(request: EngineRequest, sample: Sample) -> StreamDelta:

@@ -22,7 +22,12 @@ import numpy as np
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import checks, memory
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.deltas import end_delta, mark_last, sample_delta
+from jax_tokenweave.serving.deltas import (
+    add_prompt_logprobs,
+    end_delta,
+    mark_last,
+    sample_delta,
+)
 from jax_tokenweave.serving.executable_cache import WarmupReport
 from jax_tokenweave.serving.intake import RequestIntake
 from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta
@@ -201,6 +206,7 @@ class LLMEngine(RequestIntake):
         done = self._inflight[0]
         try:
             outputs = self.runner.fetch(done)
+            prompt = self.runner.fetch_prompt(done)
         except Exception as err:
             self._inflight.popleft()
             self._fail_step(done.scheduled, err)
@@ -209,6 +215,8 @@ class LLMEngine(RequestIntake):
         sampled = done.scheduled.sampled
         with self._lock:
             self._inflight.popleft()
+            if prompt is not None:
+                add_prompt_logprobs(self._requests, done.asked, prompt)
             gained = set(
                 self.scheduler.update(done.scheduled, outputs.tokens[: len(sampled)].tolist())
             )

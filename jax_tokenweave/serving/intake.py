@@ -7,6 +7,7 @@ called from another thread while a step runs; the step loop is the engine's.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -14,10 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave.serving import checks
+from jax_tokenweave.serving import checks, processors
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.deltas import end_delta
-from jax_tokenweave.serving.outputs import RequestMetrics, RequestOutput, StreamDelta, TextState
+from jax_tokenweave.serving.outputs import (
+    RequestMetrics,
+    RequestOutput,
+    StreamDelta,
+    TextState,
+    vllm_logprobs,
+)
 from jax_tokenweave.serving.requests import EngineRequest, Sample
 from jax_tokenweave.serving.sampling_params import SamplingParams
 from jax_tokenweave.serving.scheduler import Request, Scheduler
@@ -67,9 +74,7 @@ class RequestIntake:
         logprobs, or a request that could never fit the cache or ``max_model_len``."""
         self._check_open()
         ids, params = self.check_request(prompt_token_ids, params)
-        stop_ids = frozenset(
-            set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        )
+        stop_ids = self._stop_ids(params)
         with self._lock:
             rid = str(next(self._ids)) if request_id is None else str(request_id)
             if rid in self._requests:
@@ -91,14 +96,21 @@ class RequestIntake:
                 ids,
                 samples,
                 RequestMetrics(time.perf_counter() if arrival_time is None else arrival_time),
+                [] if params.prompt_logprobs is not None else None,
             )
         return rid
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that stop a request: its ``stop_token_ids``, and EOS unless ignored."""
+        eos = set() if params.ignore_eos else set(self.eos_token_ids)
+        return frozenset(set(params.stop_token_ids) | eos)
 
     def check_request(
         self, prompt_token_ids: Sequence[int], params: SamplingParams | None, what: str = "prompt"
     ) -> tuple[list[int], SamplingParams]:
         """The checks of :meth:`add_request` (``ValueError`` naming ``what``), no side effect:
-        the prompt's ids as a list and the params (default ``SamplingParams()``)."""
+        the prompt's ids as a list and the params (default ``SamplingParams()``; with
+        ``max_tokens=None`` resolved to what ``max_model_len`` leaves the prompt)."""
         ids = checks.token_ids(prompt_token_ids, self.model_config.vocab_size, what)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -107,20 +119,42 @@ class RequestIntake:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{what}: stop strings need a tokenizer (the engine has none)")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"{what}: logprobs={params.logprobs} exceeds the engine's "
-                f"max_logprobs ({self.config.max_logprobs})"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(
+                    f"{what}: {name}={value} exceeds the engine's max_logprobs "
+                    f"({self.config.max_logprobs})"
+                )
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"{what}: stop_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or {}):
+            raise ValueError(f"{what}: logit_bias token ids must be in [0, {vocab})")
+        biased = len(processors.bias_entries(params, self._stop_ids(params)))
+        if biased > self.config.max_biased_tokens:
+            raise ValueError(
+                f"{what}: logit_bias and the stop tokens min_tokens holds back bias {biased} "
+                f"tokens, more than the engine's max_biased_tokens "
+                f"({self.config.max_biased_tokens})"
+            )
+        if params.max_tokens is None:  # vLLM's: up to the model's length
+            left = self.config.max_model_len - len(ids)
+            if left < 1:
+                raise ValueError(
+                    f"{what} cannot fit: its {len(ids)} tokens leave no room for a new one in "
+                    f"max_model_len ({self.config.max_model_len})"
+                )
+            try:
+                params = dataclasses.replace(params, max_tokens=left)
+            except ValueError as err:
+                raise ValueError(f"{what}: with max_tokens=None ({left} here): {err}") from None
         if params.n > self.config.max_num_seqs:
             raise ValueError(
                 f"{what}: n={params.n} exceeds max_num_seqs ({self.config.max_num_seqs})"
             )
         try:
-            self.scheduler.check_fits(len(ids), params.max_tokens, params.n)
+            self.scheduler.check_fits(len(ids), params.max_tokens or 0, params.n)
         except ValueError as err:
             raise ValueError(f"{what} cannot fit: {err}") from None
         return ids, params
@@ -164,12 +198,14 @@ class RequestIntake:
         """The request's output so far (final once it finished)."""
         with self._lock:
             r = self._requests[request_id]
+            prompt_lps = r.prompt_logprobs
             return RequestOutput(
                 r.request_id,
                 r.prompt_text,
                 list(r.prompt_ids),
                 [s.completion(self.tokenizer) for s in r.samples],
                 r.metrics,
+                None if prompt_lps is None else [None, *vllm_logprobs(prompt_lps, self.tokenizer)],
             )
 
     def release(self, request_id: str) -> RequestOutput:

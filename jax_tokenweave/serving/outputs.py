@@ -16,12 +16,14 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
-    """A new token's log-probability under the model (no temperature) and the ``top`` most
-    likely tokens as ``(token id, logprob)``, most likely first."""
+    """A token's log-probability under the model (no temperature, no processors), the ``top``
+    most likely tokens as ``(token id, logprob)``, most likely first, and its ``rank`` where
+    known (prompt tokens: 1 + the tokens more likely)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclasses.dataclass
@@ -81,15 +83,16 @@ class CompletionOutput:
 class RequestOutput:
     """A request's result, in vLLM's shape: ``prompt`` (None for token ids), its
     ``prompt_token_ids`` and one :class:`CompletionOutput` per sample (``n``) in ``outputs``;
-    ``finished`` once every sample has. ``text``, ``token_ids`` and ``finish_reason`` forward
-    to ``outputs[0]`` (this library's earlier shape)."""
+    ``finished`` once every sample has. ``prompt_logprobs`` where asked: vLLM's list, None
+    for the first prompt token, then ``{token id: Logprob}`` (the token, the top ones).
+    ``text``, ``token_ids`` and ``finish_reason`` forward to ``outputs[0]``."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
-    prompt_logprobs: None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -118,7 +121,7 @@ def vllm_logprobs(entries: list[TokenLogprob], tokenizer: Any) -> list[dict[int,
             tok: Logprob(lp, rank, decode(tok)) for rank, (tok, lp) in enumerate(e.top, start=1)
         }
         if e.token_id not in entry:
-            entry = {e.token_id: Logprob(e.logprob, None, decode(e.token_id)), **entry}
+            entry = {e.token_id: Logprob(e.logprob, e.rank, decode(e.token_id)), **entry}
         out.append(entry)
     return out
 
@@ -128,7 +131,9 @@ class StreamDelta:
     """What one step added to sample ``index`` of a request: new ``token_ids``, new ``text``
     ("" while held back; None without a tokenizer), their ``logprobs``; ``finish_reason`` on
     the sample's last delta (``"abort"`` / ``"error"`` deltas carry no tokens; ``error`` says
-    why); ``request_finished`` on the request's last delta (every sample finished)."""
+    why); ``request_finished`` on the request's last delta (every sample finished);
+    ``prompt_logprobs`` (where asked) on sample 0's first (one per prompt token after the
+    first)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -138,6 +143,7 @@ class StreamDelta:
     index: int = 0
     request_finished: bool = False
     error: str | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -154,11 +160,19 @@ class TextState:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.checked_from = 0  # stop strings must end past this many characters
 
-    def update(self, token_ids: list[int]) -> bool:
-        """Re-decode ``token_ids``; True where a stop string appeared (the text is cut)."""
+    def update(self, token_ids: list[int], check: bool = True) -> bool:
+        """Re-decode ``token_ids``; True where a stop string appeared (the text is cut). With
+        ``check`` False (``min_tokens`` not reached) no stop string counts, neither now nor
+        later where it ends in the text decoded now (vLLM's)."""
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if not check:
+            self.text, self.checked_from = text, len(text)
+            return False
+        start = self.checked_from
+        found = (text.find(s, max(start - len(s) + 1, 0)) for s in self.stop)
+        cuts = [i for i in found if i >= 0]
         self.text = text[: min(cuts)] if cuts else text
         return bool(cuts)
 

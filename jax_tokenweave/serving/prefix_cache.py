@@ -66,8 +66,9 @@ class KVCacheManager:
 
     def lookup(self, seq: Request) -> list[int]:
         """The cached blocks of ``seq``'s longest cached prefix, at most its known tokens less
-        one in whole blocks (no side effect)."""
-        if not self.caching:
+        one in whole blocks (no side effect); none where it asks for ``prompt_logprobs``,
+        whose rows it must compute (as vLLM)."""
+        if not self.caching or seq.params.prompt_logprobs is not None:
             return []
         hits = []
         for h in seq.block_hashes[: (seq.num_known - 1) // self.block_size]:

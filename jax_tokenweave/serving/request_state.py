@@ -41,6 +41,7 @@ class Request:
     num_cached_blocks: int = 0
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     preemptions: int = 0  # times its blocks were taken back to be recomputed
+    slot: int = -1  # its row of the device's processor state while it runs (serving.processors)
     _prefill_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
     _table: tuple[list[int], int, np.ndarray] | None = dataclasses.field(
         default=None, init=False, repr=False
@@ -87,6 +88,17 @@ class Request:
         return cached[2]
 
     @property
+    def max_tokens(self) -> int:
+        """``params.max_tokens``, which the engine resolved (``None`` is up to the model's
+        length: ``LLMEngine.check_request``)."""
+        if self.params.max_tokens is None:
+            raise ValueError(
+                f"request {self.request_id!r}: max_tokens=None must be resolved against "
+                f"max_model_len first (LLMEngine.check_request does)"
+            )
+        return self.params.max_tokens
+
+    @property
     def prefilled(self) -> bool:
         """Whether every token it prefills is scheduled (the request decodes)."""
         return self.num_computed >= self.num_prefill
@@ -102,4 +114,4 @@ class Request:
 
     def positions_needed(self) -> int:
         """Cache positions it may ever use: the prompt and every new token but the last."""
-        return len(self.prompt) + self.params.max_tokens - 1
+        return len(self.prompt) + self.max_tokens - 1

@@ -50,6 +50,8 @@ class EngineRequest:
     prompt_ids: list[int]
     samples: list[Sample]
     metrics: RequestMetrics
+    # per prompt token after the first, where asked (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -9,12 +9,9 @@ a sampler; :meth:`ModelRunner.warmup` loads or compiles them all. See docs/SERVI
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import os
-import threading
-import time
 from typing import Any
 
 import jax
@@ -22,41 +19,45 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm.auto import tqdm
 
 from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving import checks, memory
+from jax_tokenweave.serving import checks, memory, processors
 from jax_tokenweave.serving import executable_cache as exe_cache
+from jax_tokenweave.serving import prompt_logprobs as prompt_lp
+from jax_tokenweave.serving import warmup as warmup_lib
 from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_pow2
 from jax_tokenweave.serving.compilation_cache import use_compilation_cache
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.executable_cache import ExecutableCache, WarmupReport
 from jax_tokenweave.serving.paged_attention import resolve_for
 from jax_tokenweave.serving.paged_cache import init_paged_cache
-from jax_tokenweave.serving.scheduler import ScheduledStep
-from jax_tokenweave.serving.step import (
-    SAMPLERS,
-    UNSPLIT_K_MIN_ROWS,
+from jax_tokenweave.serving.prompt_logprobs import PromptLogprobs
+from jax_tokenweave.serving.sampler import (
     DeviceOutputs,
     HostOutputs,
     StepOutputs,
-    forward_program,
-    jitted_forward,
+    jitted_processed_sampler,
     jitted_sampler,
     sampling_arrays,
 )
+from jax_tokenweave.serving.scheduler import ScheduledStep
+from jax_tokenweave.serving.step import UNSPLIT_K_MIN_ROWS, forward_program, jitted_forward
 from jax_tokenweave.serving.step_io import StepIO, new_io, pack_inputs
 
 
 @dataclasses.dataclass(eq=False)
 class InFlight:
     """A dispatched step: what was scheduled, its layout, its outputs (device arrays, maybe
-    still being computed) and whether it computed log-probabilities."""
+    still being computed), whether it computed log-probabilities, and its prompt's."""
 
     scheduled: ScheduledStep
     layout: batch_lib.StepLayout
     outputs: DeviceOutputs
     want_logprobs: bool
+    # prompt log-probabilities of its rows, and (request, first row, position, count) of
+    # each chunk that asked (serving.prompt_logprobs)
+    prompt: PromptLogprobs[jax.Array] | None = None
+    asked: tuple[tuple[Any, int, int, int], ...] = ()
 
 
 class ModelRunner:
@@ -73,8 +74,19 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self._leaves, self._state_def = jax.tree_util.tree_flatten(self.state)
         dtype = model.embed.get_value().dtype
+        slots, vocab, biased = (
+            config.max_num_seqs,
+            self.model_config.vocab_size,
+            config.max_biased_tokens,
+        )
         memory.check_pool_fits(  # before allocating: a pool too large is refused at once
-            memory.pool_need(self.model_config, config, self.tp, dtype),
+            memory.pool_need(
+                self.model_config,
+                config,
+                self.tp,
+                dtype,
+                processors.state_bytes(slots, vocab, biased),
+            ),
             list(self.mesh.devices.flat),
         )
         self.cache = init_paged_cache(
@@ -88,6 +100,7 @@ class ModelRunner:
         self.no_tokens = jax.device_put(
             np.zeros(config.max_num_seqs, np.int32), NamedSharding(self.mesh, P())
         )
+        self.processors = processors.init_state(self.mesh, slots, vocab, biased)
         self.model_type = f"{type(model).__module__}.{type(model).__qualname__}"
         self.platform = str(self.mesh.devices.flat[0].platform)
         self.executable_cache = ExecutableCache(
@@ -96,20 +109,23 @@ class ModelRunner:
             else os.path.join(os.path.expanduser(config.compilation_cache_dir), exe_cache.SUBDIR)
         )
         self._executables: dict[batch_lib.StepLayout, Any] = {}  # warmed-up forwards
-        self._samplers: dict[tuple[int, str, int], Any] = {}  # (rows, sampler, logprobs)
+        # (rows, sampler, logprobs, processed) -> sampler; prompt bucket -> slot write
+        self._samplers: dict[tuple[int, str, int, bool], Any] = {}
+        self._slot_starts: dict[int, Any] = {}
         self._io: dict[batch_lib.StepLayout, StepIO] = {}  # each layout's fixed buffers
 
     def close(self, weights: bool = False) -> int:
         """Give the device memory back: delete the KV pool, the step buffers and, with
         ``weights``, the model's weights (shared with the model object), and drop the compiled
         programs held. Returns how many arrays were deleted. The runner is unusable after."""
-        arrays: list[Any] = [self.cache, self.no_tokens, list(self._io.values())]
+        arrays: list[Any] = [self.cache, self.no_tokens, self.processors, list(self._io.values())]
         if weights:
             arrays.append(self._leaves)
         deleted = memory.delete_arrays(arrays)
         self._io.clear()
         self._executables.clear()
         self._samplers.clear()
+        self._slot_starts.clear()
         return deleted
 
     def replayed(self, layout: batch_lib.StepLayout) -> bool:
@@ -164,28 +180,83 @@ class ModelRunner:
         prev_tokens: jax.Array | None = None,
     ) -> DeviceOutputs:
         """Dispatch the step (no wait): the forward program, then the sampler program the host
-        picks (greedy where no sampled row draws; log-probabilities only where one asked).
-        The cache is replaced by the step's. Returns its device outputs. ``prev_tokens``: the
-        previous step's ``StepOutputs.tokens`` (default zeros)."""
+        picks (greedy where no sampled row draws; log-probabilities only where one asked;
+        processed where a row needs ``serving.processors``). The cache is replaced by the
+        step's. Returns its device outputs. ``prev_tokens``: the previous step's
+        ``StepOutputs.tokens`` (default zeros)."""
+        return self._run(layout, arrays, prev_tokens)[0]
+
+    def _run(
+        self,
+        layout: batch_lib.StepLayout,
+        arrays: batch_lib.StepArrays,
+        prev_tokens: jax.Array | None = None,
+    ) -> tuple[DeviceOutputs, PromptLogprobs[jax.Array] | None]:
+        """:meth:`run`, and the prompt log-probabilities where the step asked."""
         prev = self.no_tokens if prev_tokens is None else prev_tokens
         program = self._executables.get(layout)
         args = (self._leaves, self.cache, self.io(layout), pack_inputs(arrays), prev)
-        if program is None:
+        prompt = None
+        if bool(arrays.want_prompt_logprobs):  # a variant compiled at first use
+            io, self.cache, prompt = self._jitted(layout)(
+                *args,
+                **self._static(layout),
+                prompt_targets=arrays.prompt_targets,
+                num_prompt_logprobs=self.config.max_logprobs,
+            )
+        elif program is None:
             io, self.cache = self._jitted(layout)(*args, **self._static(layout))
         else:
             io, self.cache = program(*args)
         if self.replayed(layout):
             self._io[layout] = io
-        logits = io.logits
+        return self._sample(layout, arrays, io.logits, prev), prompt
+
+    def _sample(
+        self, layout: batch_lib.StepLayout, arrays: batch_lib.StepArrays, logits: Any, prev: Any
+    ) -> DeviceOutputs:
+        """The step's sampler program on its ``logits`` (see :meth:`run`)."""
         sampler = "sample" if np.any(np.asarray(arrays.temperature) > 0) else "greedy"
         logprobs = self.config.max_logprobs if bool(arrays.want_logprobs) else 0
+        processed = bool(arrays.processed)
         settings = sampling_arrays(arrays)
-        compiled = self._samplers.get((layout.samples, sampler, logprobs))
+        compiled = self._samplers.get((layout.samples, sampler, logprobs, processed))
+        static = {"sampler": sampler, "num_logprobs": logprobs, "mesh": self.mesh}
+        if not processed:
+            if compiled is not None:
+                return compiled(logits, *settings, prev)
+            return jitted_sampler(logits, *settings, prev, **static)
+        more = (self.processors, arrays.processor_slots, arrays.penalties)
         if compiled is not None:
-            return compiled(logits, *settings, prev)
-        return jitted_sampler(
-            logits, *settings, prev, sampler=sampler, num_logprobs=logprobs, mesh=self.mesh
-        )
+            out, self.processors = compiled(logits, *settings, prev, *more)
+        else:
+            out, self.processors = jitted_processed_sampler(
+                logits, *settings, prev, *more, **static
+            )
+        return out
+
+    def start_slots(self, scheduled: ScheduledStep) -> None:
+        """Write the processor state's slot of each request ``scheduled`` admits that needs it
+        (``processors.start_slot``: its prompt's ids and the tokens it made already, its bias
+        table), before its first step."""
+        cfg, vocab = self.config, self.model_config.vocab_size
+        for seq in scheduled.admitted:
+            if not processors.needs_slot(seq.params):
+                continue
+            entries = processors.bias_entries(seq.params, seq.stop_ids)
+            start = processors.slot_start(
+                seq.slot, seq.prompt, seq.output, entries, vocab, cfg.max_biased_tokens
+            )
+            args = (
+                np.int32(start.slot),
+                start.ids,
+                start.history,
+                start.bias_ids,
+                start.bias_values,
+                start.bias_until,
+            )
+            program = self._slot_starts.get(start.ids.shape[0], processors.jitted_start_slot)
+            self.processors = program(self.processors, *args)
 
     def dispatch(
         self,
@@ -194,18 +265,27 @@ class ModelRunner:
         previous: InFlight | None = None,
     ) -> InFlight:
         """Dispatch a packed step (``arrays``: :meth:`pack`'s) whose decodes may take tokens
-        from ``previous`` (the step dispatched before it); starts copying its tokens to the
-        host."""
+        from ``previous`` (the step dispatched before it), after its admitted requests' slot
+        writes (:meth:`start_slots`); starts copying its tokens to the host."""
         layout, host = arrays
-        outputs = self.run(layout, host, None if previous is None else previous.outputs.tokens)
+        self.start_slots(scheduled)
+        prev = None if previous is None else previous.outputs.tokens
+        if bool(host.want_prompt_logprobs):
+            outputs, prompt = self._run(layout, host, prev)
+        else:  # through run(), which the benchmarks' probes time
+            outputs, prompt = self.run(layout, host, prev), None
         want = bool(host.want_logprobs)
-        for leaf in (
-            (outputs.tokens, outputs.logprob, outputs.top_logprobs, outputs.top_ids)
-            if want
-            else (outputs.tokens,)
-        ):
+        leaves: list[Any] = [outputs.tokens]
+        if want:
+            leaves += [outputs.logprob, outputs.top_logprobs, outputs.top_ids]
+        asked: tuple[tuple[Any, int, int, int], ...] = ()
+        if prompt is not None:
+            leaves += jax.tree_util.tree_leaves(prompt)
+            first = batch_lib.chunk_first_rows(scheduled, layout)
+            asked = tuple(prompt_lp.targets(scheduled.chunks, first, layout.rows)[1])
+        for leaf in leaves:
             leaf.copy_to_host_async()
-        return InFlight(scheduled, layout, outputs, want)
+        return InFlight(scheduled, layout, outputs, want, prompt, asked)
 
     @staticmethod
     def fetch(step: InFlight) -> HostOutputs:
@@ -216,6 +296,11 @@ class ModelRunner:
         if step.want_logprobs:
             return jax.device_get(out)
         return jax.device_get(StepOutputs(out.tokens, None, None, None))
+
+    @staticmethod
+    def fetch_prompt(step: InFlight) -> PromptLogprobs[np.ndarray] | None:
+        """The step's prompt log-probabilities on the host (None where it computed none)."""
+        return None if step.prompt is None else jax.device_get(step.prompt)
 
     def layouts(self) -> list[batch_lib.StepLayout]:
         """Every step layout this configuration can produce."""
@@ -233,86 +318,11 @@ class ModelRunner:
         return [make(d, r, cfg, self.model_config, self.tp) for d, r in mixed + only]
 
     def warmup(self, workers: int | None = None, progress: bool = False) -> WarmupReport:
-        """Make every layout's program (afterwards no step compiles): load it from the
-        executable cache, else trace and lower it (one after the other) and compile it
-        (``workers`` threads, default one per CPU) and store it. ``progress``: a progress bar.
-        Returns how many layouts were loaded and compiled."""
-        start = time.perf_counter()
-        layouts = self.layouts()
-        args = {layout: self.padding_args(layout) for layout in layouts}
-        cache, comms, keys = self.executable_cache, {}, {}
-        if cache.enabled:  # the fused kernel's communicator first: keys record its id
-            comms = exe_cache.step_communicators(self.mesh, self.axis_name, self.config)
-            keys = {layout: self.program_key(layout, args[layout], comms) for layout in layouts}
-        out_tree = jax.tree_util.tree_structure((StepIO(0, 0), self.cache))  # type: ignore[arg-type]
-        bar = tqdm(total=len(layouts), desc="warm-up", unit="layout", disable=not progress)
-        counts = {"loaded": 0, "compiled": 0}
-        lock = threading.Lock()
-
-        def done(layout: batch_lib.StepLayout, program: Any, how: str) -> None:
-            with lock:
-                self._executables[layout] = program
-                counts[how] += 1
-                bar.set_postfix(counts, refresh=False)
-                bar.update()
-
-        def compile_and_store(layout: batch_lib.StepLayout, lowered: Any) -> None:
-            program, unstorable = exe_cache.compile_to_store(lowered, self.platform)
-            if layout in keys and program.out_tree != out_tree:  # a load would rebuild a
-                cache.disable(
-                    f"the step's output tree {program.out_tree} is not the "  # wrong
-                    f"expected {out_tree}"
-                )  # tree
-            elif (
-                layout in keys
-                and unstorable is None
-                and exe_cache.unknown_communicators(program, comms) is None
-            ):
-                cache.store(keys[layout], program)
-            done(layout, program, "compiled")
-
-        with bar, concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
-            missing = layouts
-            if keys:
-                exe_cache.register_ffi_targets()  # before XLA loads programs naming them
-                found = list(
-                    pool.map(
-                        lambda layout: cache.load(
-                            keys[layout], args[layout], out_tree, list(self.mesh.devices.flat)
-                        ),
-                        layouts,
-                    )
-                )
-                for layout, program in zip(layouts, found, strict=True):
-                    if program is not None:
-                        done(layout, program, "loaded")
-                missing = [layout for layout, p in zip(layouts, found, strict=True) if p is None]
-            futures = [
-                pool.submit(
-                    compile_and_store,
-                    layout,
-                    self._jitted(layout).lower(*args[layout], **self._static(layout)),
-                )
-                for layout in missing
-            ]
-            for future in futures:
-                future.result()
-            self._warm_samplers(pool)
-        self._first_runs(layouts)
-        return WarmupReport(
-            len(layouts), counts["loaded"], counts["compiled"], time.perf_counter() - start
-        )
-
-    def _first_runs(self, layouts: list[batch_lib.StepLayout]) -> None:
-        """With prompt tiles on cuDNN, run each layout that has them once on padding rows
-        (they write nothing): XLA builds a cuDNN call's plan on its first run, ~14 ms per call
-        on an H200, so a layout's first step would stall (32 layers: about 0.9 s)."""
-        if self.attention() != "cudnn":
-            return
-        for layout in layouts:
-            if not layout.decode_only:
-                self.run(layout, batch_lib.pack_padding(layout, self.config))
-        jax.block_until_ready(self.cache)
+        """Make every program a step can run (``serving.warmup``; afterwards no step
+        compiles): loaded from the executable cache, else compiled (``workers`` threads) and
+        stored. ``progress``: a progress bar. Returns how many layouts were loaded and
+        compiled."""
+        return warmup_lib.warm(self, workers, progress)
 
     def attention(self) -> str:
         """The paged attention the steps run (``paged_attention.resolve_for`` of
@@ -320,51 +330,6 @@ class ModelRunner:
         return resolve_for(
             self.config.attention, self.platform, self.cache.k[0].dtype, self.model_config
         )
-
-    def _warm_samplers(self, pool: concurrent.futures.Executor) -> None:
-        """Make the sampler programs every warmed-up layout may pick: per sampled-row count,
-        greedy or drawn, with log-probabilities or not, on the forward program's logits
-        (shape, dtype, sharding from its ``out_info``); loaded from the executable cache, else
-        compiled (small) and stored."""
-        cache, devices = self.executable_cache, list(self.mesh.devices.flat)
-        out_tree = jax.tree_util.tree_structure(StepOutputs(0, 0, 0, 0))
-        wanted: dict[tuple[int, str, int], tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        for layout, program in self._executables.items():
-            padding = batch_lib.pack_padding(layout, self.config)
-            inputs = (program.out_info[0].logits, *sampling_arrays(padding), self.no_tokens)
-            for sampler in SAMPLERS:
-                for logprobs in sorted({0, self.config.max_logprobs}):
-                    which = (layout.samples, sampler, logprobs)
-                    if which not in self._samplers:
-                        wanted[which] = (
-                            inputs,
-                            {"sampler": sampler, "num_logprobs": logprobs, "mesh": self.mesh},
-                        )
-
-        def make(inputs: tuple[Any, ...], static: dict[str, Any]) -> Any:
-            key = (
-                exe_cache.program_key(
-                    {
-                        "function": f"{jitted_sampler.__module__}.sample_step",
-                        "static": static,
-                        "inputs": exe_cache.describe_args(inputs),
-                    },
-                    devices,
-                )
-                if cache.enabled
-                else None
-            )
-            program = None if key is None else cache.load(key, inputs, out_tree, devices)
-            if program is None:
-                program, unstorable = exe_cache.compile_to_store(
-                    jitted_sampler.lower(*inputs, **static), self.platform
-                )
-                if key is not None and unstorable is None:
-                    cache.store(key, program)
-            return program
-
-        made = pool.map(lambda item: make(*item), wanted.values())
-        self._samplers.update(zip(wanted, made, strict=True))
 
     def padding_args(self, layout: batch_lib.StepLayout) -> tuple[Any, ...]:
         """The forward program's arguments for ``layout`` with padding rows only (what warm-up

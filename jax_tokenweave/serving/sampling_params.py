@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterable
+import types
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -42,7 +43,9 @@ class SamplingParams:
     # The request's own random stream (same seed, same tokens, whatever else is batched with
     # it); None: drawn from the engine's seed.
     seed: int | None = None
-    max_tokens: int = 16  # new tokens at most (>= 1); then the request finishes with "length"
+    # New tokens at most (>= 1); then the request finishes with "length". None: up to the
+    # model's length (max_model_len less the prompt), as vLLM.
+    max_tokens: int | None = 16
     # Tokens that finish it with "stop" (kept in token_ids), on top of the checkpoint's EOS ids
     # unless ignore_eos.
     stop_token_ids: tuple[int, ...] = ()
@@ -52,6 +55,21 @@ class SamplingParams:
     # None, or how many of the most likely tokens' log-probabilities to return per new token
     # (0: only the chosen token's).
     logprobs: int | None = None
+    # vLLM's penalties, applied to the logits on the device before sampling (greedy too):
+    # presence / frequency in [-2, 2] over the new tokens (logits -= frequency * count +
+    # presence * (count > 0)); repetition > 0 over the prompt and new tokens (logits > 0
+    # divided by it, others multiplied). 0, 0, 1: off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Stop tokens (stop_token_ids and, unless ignore_eos, EOS) cannot be sampled, and stop
+    # strings do not stop, before this many new tokens (<= max_tokens).
+    min_tokens: int = 0
+    # {token id: bias} added to the logits before sampling (a read-only mapping once made).
+    logit_bias: Mapping[int, float] | None = None
+    # None, or how many of the most likely tokens' log-probabilities to return per prompt
+    # token (vLLM's prompt_logprobs; 0: only the prompt token's).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen
@@ -77,11 +95,13 @@ class SamplingParams:
                 raise ValueError(
                     f"SamplingParams.seed must be in [0, {UINT32_MAX}], got {self.seed}"
                 )
-        set_("max_tokens", checks.at_least(self.max_tokens, 1, "SamplingParams.max_tokens"))
-        if self.max_tokens > INT32_MAX:
-            raise ValueError(
-                f"SamplingParams.max_tokens must be <= {INT32_MAX}, got {self.max_tokens}"
-            )
+        if self.max_tokens is not None:
+            set_("max_tokens", checks.at_least(self.max_tokens, 1, "SamplingParams.max_tokens"))
+            if self.max_tokens > INT32_MAX:
+                raise ValueError(
+                    f"SamplingParams.max_tokens must be <= {INT32_MAX} (or None), got "
+                    f"{self.max_tokens}"
+                )
         set_(
             "stop_token_ids",
             tuple(
@@ -102,8 +122,41 @@ class SamplingParams:
         set_("stop", tuple(stop))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None:
-            set_("logprobs", checks.at_least(self.logprobs, 0, "SamplingParams.logprobs"))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                set_(name, checks.at_least(getattr(self, name), 0, f"SamplingParams.{name}"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_(name, _real(getattr(self, name), name))
+            if not -2 <= getattr(self, name) <= 2:  # NaN fails
+                raise ValueError(
+                    f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)!r}"
+                )
+        set_("repetition_penalty", _real(self.repetition_penalty, "repetition_penalty"))
+        if not 0 < self.repetition_penalty <= FLOAT32_MAX:  # NaN and inf fail
+            raise ValueError(
+                f"SamplingParams.repetition_penalty must be a finite number > 0 (1: off), got "
+                f"{self.repetition_penalty!r}"
+            )
+        set_("min_tokens", checks.at_least(self.min_tokens, 0, "SamplingParams.min_tokens"))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens ({self.min_tokens}) must be <= max_tokens "
+                f"({self.max_tokens})"
+            )
+        set_("logit_bias", _logit_bias(self.logit_bias))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on (the engine keeps the request's token counts)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    @property
+    def biased(self) -> bool:
+        """Whether some token's logit is biased (``logit_bias``, or ``min_tokens`` holding the
+        stop tokens back)."""
+        return bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +175,24 @@ def _real(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"SamplingParams.{name} must be a real number, got {value!r}")
     return float(value)
+
+
+def _logit_bias(value: Any) -> Mapping[int, float] | None:
+    """``logit_bias`` as a read-only ``{token id: finite float}`` (None for none)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"SamplingParams.logit_bias must be a dict of token id -> bias, got {value!r:.60}"
+        )
+    out = {}
+    for token, bias in value.items():
+        token = checks.at_least(token, 0, "SamplingParams.logit_bias token id")
+        bias = _real(bias, f"logit_bias[{token}]")
+        if not math.isfinite(bias) or abs(bias) > FLOAT32_MAX:
+            raise ValueError(f"SamplingParams.logit_bias[{token}] must be finite, got {bias!r}")
+        out[token] = bias
+    return types.MappingProxyType(out)
 
 
 def _sequence(value: Any, name: str) -> tuple[Any, ...]:

@@ -46,7 +46,8 @@ class ScheduledStep:
     Per decode: ``positions`` (its input token's), ``tokens`` (the input token where the host
     has it), ``sources`` (-1: ``tokens``; else its index among the previous step's sampled
     tokens, the input token still on the device). Per sampled request: ``counters`` (tokens it
-    made before this one: the index into its random stream)."""
+    made before this one: the index into its random stream). ``admitted``: the requests it
+    admits (each given a processor-state slot, ``Request.slot``)."""
 
     decodes: tuple[Request, ...]
     chunks: tuple[Chunk, ...]
@@ -54,6 +55,7 @@ class ScheduledStep:
     tokens: tuple[int, ...] = ()
     sources: tuple[int, ...] = ()
     counters: tuple[int, ...] = ()
+    admitted: tuple[Request, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -80,6 +82,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in admission order
         self.deferred: set[Request] = set()  # finished, blocks held by unprocessed steps
+        # free rows of the processor state (a running request holds one); a finished or
+        # preempted request's row may take a new request at once: the device writes it in
+        # dispatch order, after the steps that held the old
+        self._slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._serial = 0  # non-empty steps scheduled
 
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
@@ -100,7 +106,7 @@ class Scheduler:
 
     def add(self, seq: Request) -> None:
         """Queue ``seq`` (``ValueError`` where it could never fit, see :meth:`check_fits`)."""
-        self.check_fits(len(seq.prompt), seq.params.max_tokens)
+        self.check_fits(len(seq.prompt), seq.max_tokens)
         self.kv.hash_known(seq)
         self.waiting.append(seq)
 
@@ -117,14 +123,13 @@ class Scheduler:
         running = self.running
         # per running request: 1 decodes, 0 prefills, -1 neither (its last token is in flight)
         kinds = [
-            (1 if s.num_made < s.params.max_tokens else -1)
-            if s.num_computed >= s.num_prefill
-            else 0
+            (1 if s.num_made < s.max_tokens else -1) if s.num_computed >= s.num_prefill else 0
             for s in running
         ]
         room = cfg.max_num_batched_tokens - decode_rows(kinds.count(1), tile)
         decodes: list[Request] = []
         chunks: list[Chunk] = []
+        admitted: list[Request] = []
         preempted, i = False, 0
         while i < len(running):
             seq, kind = running[i], kinds[i]
@@ -167,13 +172,20 @@ class Scheduler:
             if not kv.admit(head, hits, length):
                 break
             self.running.append(self.waiting.popleft())
+            head.slot = self._slots.pop()
+            admitted.append(head)
             chunks.append(Chunk(head, head.num_computed, length))
             room -= ceil_div(length, tile) * tile
-        return self._issue(tuple(decodes), tuple(chunks))
+        return self._issue(tuple(decodes), tuple(chunks), tuple(admitted))
 
-    def _issue(self, decodes: tuple[Request, ...], chunks: tuple[Chunk, ...]) -> ScheduledStep:
-        """The step of these decodes and chunks; its requests advance (positions, pending
-        tokens, steps holding them)."""
+    def _issue(
+        self,
+        decodes: tuple[Request, ...],
+        chunks: tuple[Chunk, ...],
+        admitted: tuple[Request, ...] = (),
+    ) -> ScheduledStep:
+        """The step of these decodes and chunks (``admitted``: the requests it admits); its
+        requests advance (positions, pending tokens, steps holding them)."""
         if not decodes and not chunks:
             return ScheduledStep((), ())
         sources = []
@@ -191,6 +203,7 @@ class Scheduler:
             tuple(0 if s.num_pending else s.output[-1] for s in decodes),
             tuple(sources),
             (),
+            admitted,
         )
         sampled = step.sampled
         step = dataclasses.replace(step, counters=tuple(s.num_made for s in sampled))
@@ -216,6 +229,7 @@ class Scheduler:
         else:
             self.running.remove(seq)
         self.kv.free(seq)
+        self._release_slot(seq)
         seq.preemptions += 1
         self.kv.stats.preemptions += 1
         self.waiting.appendleft(seq)
@@ -242,9 +256,9 @@ class Scheduler:
             if caching and not (len(seq.prompt) + len(seq.output)) % bs:  # a full block known
                 kv.hash_known(seq)
             gained.append(seq)
-            if int(token) in seq.stop_ids:
+            if int(token) in seq.stop_ids and len(seq.output) >= seq.params.min_tokens:
                 ends.append((seq, "stop"))
-            elif len(seq.output) >= seq.params.max_tokens:
+            elif len(seq.output) >= seq.max_tokens:
                 ends.append((seq, "length"))
         if caching:  # the full blocks this step wrote are cached
             for seq, position in zip(step.decodes, step.positions, strict=True):
@@ -277,6 +291,7 @@ class Scheduler:
         if seq.finished:
             return
         seq.finish_reason = reason
+        self._release_slot(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -285,6 +300,11 @@ class Scheduler:
             self.deferred.add(seq)
         else:
             self._free(seq)
+
+    def _release_slot(self, seq: Request) -> None:
+        if seq.slot >= 0:
+            self._slots.append(seq.slot)
+            seq.slot = -1
 
     def _free(self, seq: Request) -> None:
         self.deferred.discard(seq)

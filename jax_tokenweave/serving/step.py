@@ -1,5 +1,5 @@
-"""The serving step's programs: the forward (a packed batch through the model, its K/V into
-the paged cache, the logits of the sampled rows) and the samplers the host picks from.
+"""The serving step's forward program: a packed batch through the model, its K/V into the
+paged cache, the logits of the sampled rows (the samplers the host picks: ``serving.sampler``).
 
 The forward runs ``stack.run_stack`` under ``jax.shard_map`` with ``schedules.configure``'s
 halves and reducer and ``PagedAttention``; its inputs and logits sit in ``step_io.StepIO`` so
@@ -10,55 +10,27 @@ traced. Schedules and replay: docs/SERVING.md#servingstep.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.nn.decoder import WeaveDecoder
 from jax_tokenweave.nn.params import partition_specs
 from jax_tokenweave.nn.stack import run_stack
-from jax_tokenweave.serving import sampling
+from jax_tokenweave.serving import prompt_logprobs
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_for
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
+from jax_tokenweave.serving.sampler import DeviceOutputs, sample_step, sampling_arrays
 from jax_tokenweave.serving.step_io import ForwardInputs, StepIO, give_back, stage_inputs
 from jax_tokenweave.weave.schedules import stack_setup
 from jax_tokenweave.weave.tuning import TuneEntry
-
-TokensT = TypeVar("TokensT")
-LogprobsT = TypeVar("LogprobsT")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class StepOutputs(Generic[TokensT, LogprobsT]):
-    """Per sampled row [S]: ``tokens`` (int32 [P], zero-padded to the previous tokens'
-    length ``P`` where the step took them, so they can feed the next step; else [S]), their
-    ``logprob``; ``top_logprobs`` / ``top_ids`` [S, K] (K = the static number asked for;
-    [S, 0] when none). The last three are zeros where the step's ``want_logprobs`` is false.
-
-    A step's outputs are device arrays (:data:`DeviceOutputs`); ``ModelRunner.fetch`` brings
-    them to the host (:data:`HostOutputs`)."""
-
-    tokens: TokensT
-    logprob: LogprobsT
-    top_logprobs: LogprobsT
-    top_ids: LogprobsT
-
-
-DeviceOutputs = StepOutputs[jax.Array, jax.Array]
-"""A step's outputs on the device, as the sampler returns them."""
-HostOutputs = StepOutputs[np.ndarray, np.ndarray | None]
-"""A step's outputs on the host (``ModelRunner.fetch``): NumPy arrays, the log-probability
-fields None where the step did not want them."""
 
 
 def decoder_forward(
@@ -141,7 +113,7 @@ def decoder_forward(
     return out, PagedKVCache(k, v)
 
 
-def model_forward(
+def model_hidden(
     model: Any,
     cache: PagedKVCache,
     arrays: StepArrays | ForwardInputs,
@@ -154,8 +126,8 @@ def model_forward(
     attention: str = "auto",
     prev_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
-    """Embed, run the stack (:func:`decoder_forward`), project the sampled rows to logits.
-    ``model``: a ``models.llama.LlamaModel``. Returns ``(logits [S, V], cache)``.
+    """Embed and run the stack (:func:`decoder_forward`). ``model``: a
+    ``models.llama.LlamaModel``. Returns ``(final-normed hidden [R, H], cache)``.
 
     ``prev_tokens`` int32 [P] (replicated; ``P >= layout.samples``): the previous step's
     sampled tokens (its ``StepOutputs.tokens``); rows whose ``token_source`` is >= 0 take their
@@ -177,54 +149,20 @@ def model_forward(
         tuning=tuning,
         attention=attention,
     )
+    return out, cache
+
+
+def model_forward(
+    model: Any,
+    cache: PagedKVCache,
+    arrays: StepArrays | ForwardInputs,
+    layout: StepLayout,
+    **kw: Any,
+) -> tuple[jax.Array, PagedKVCache]:
+    """:func:`model_hidden` (its keywords), then the sampled rows projected to logits.
+    Returns ``(logits [S, V], cache)``."""
+    out, cache = model_hidden(model, cache, arrays, layout, **kw)
     return model.logits(out[arrays.sample_rows]), cache
-
-
-SAMPLERS = ("greedy", "sample")
-"""``greedy``: every sampled row has temperature 0 (an argmax); ``sample``: any row may draw
-(``sampling.sample``, which sorts the vocabulary)."""
-
-
-def sample_step(
-    logits: jax.Array,
-    seeds: jax.Array,
-    counters: jax.Array,
-    temperature: jax.Array,
-    top_p: jax.Array,
-    top_k: jax.Array,
-    prev_tokens: jax.Array | None = None,
-    *,
-    sampler: str,
-    num_logprobs: int,
-    mesh: Mesh | None = None,
-) -> DeviceOutputs:
-    """One token per row of ``logits`` [S, V] (``sampler``, one of :data:`SAMPLERS`; the
-    sampling settings are [S], as ``StepArrays``'), with ``num_logprobs`` top
-    log-probabilities (0: none; the log-probability fields are then zeros [S] and [S, 0]).
-    With ``prev_tokens`` [P], the tokens come back zero-padded to [P] (replicated over
-    ``mesh`` where given), to feed the next step."""
-    if sampler not in SAMPLERS:
-        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-    if sampler == "greedy":
-        tokens = sampling.greedy(logits)
-    else:
-        tokens = sampling.sample(logits, seeds, counters, temperature, top_p, top_k)
-    n = tokens.shape[0]
-    if num_logprobs:
-        chosen, top, ids = sampling.logprobs(logits, tokens, num_logprobs)
-    else:
-        chosen, top, ids = (
-            jnp.zeros(n, jnp.float32),
-            jnp.zeros((n, 0), jnp.float32),
-            jnp.zeros((n, 0), jnp.int32),
-        )
-    if prev_tokens is not None:  # [P], replicated: the next step's prev_tokens
-        if n > prev_tokens.shape[0]:
-            raise ValueError(f"{n} sampled rows exceed prev_tokens' {prev_tokens.shape[0]}")
-        tokens = jnp.zeros_like(prev_tokens).at[:n].set(tokens)
-        if mesh is not None:
-            tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, P()))
-    return StepOutputs(tokens, chosen, top, ids)
 
 
 def model_step(
@@ -266,11 +204,6 @@ def model_step(
     ), cache
 
 
-def sampling_arrays(arrays: StepArrays) -> tuple[Any, Any, Any, Any, Any]:
-    """The sampling settings of a step, in :func:`sample_step`'s order."""
-    return arrays.seeds, arrays.counters, arrays.temperature, arrays.top_p, arrays.top_k
-
-
 STEP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 """XLA options of the forward of a step with prompt chunks: no command buffers (those steps are
 long and GPU-bound, and their schedules overlap streams at TP >= 2)."""
@@ -290,6 +223,7 @@ _FORWARD_STATICS = (
     "tuning",
     "attention",
     "state_def",
+    "num_prompt_logprobs",
 )
 
 
@@ -308,8 +242,11 @@ def forward(
     tuning: TuneEntry | None,
     attention: str = "auto",
     state_def: Any = None,
-) -> tuple[StepIO, PagedKVCache]:
-    """``model_forward`` on ``nnx.merge(graphdef, state)``; returns ``(io, cache)``.
+    prompt_targets: jax.Array | None = None,
+    num_prompt_logprobs: int = 0,
+) -> Any:
+    """``model_forward`` on ``nnx.merge(graphdef, state)``; returns ``(io, cache)``, and with
+    ``prompt_targets`` [R] also ``prompt_logprobs.compute``'s (``num_prompt_logprobs`` top).
 
     ``packed`` (int32 [N], ``step_io.pack_inputs``) and ``prev_tokens`` [P] are staged into
     ``io``, the logits written there (``io`` None: new buffers that nothing keeps). ``state``
@@ -317,13 +254,14 @@ def forward(
     ``nnx.State``). Jitted with ``io`` and ``cache`` donated as :data:`jitted_forward` /
     :data:`jitted_forward_replayed`, shared by engines of one model structure. Holds no
     ``lax.cond`` (XLA's GPU runtime would wait on the host for it): the host picks the
-    sampler program (:data:`jitted_sampler`). See docs/SERVING.md#servingstepforward.
+    sampler program (``sampler.jitted_sampler``). See docs/SERVING.md#servingstepforward.
     """
     if state_def is not None:
         state = jax.tree_util.tree_unflatten(state_def, state)
     flat, inputs, prev = stage_inputs(io, packed, prev_tokens, layout)
-    logits, cache = model_forward(
-        nnx.merge(graphdef, state),
+    model = nnx.merge(graphdef, state)
+    out, cache = model_hidden(
+        model,
         cache,
         inputs,
         layout,
@@ -334,7 +272,10 @@ def forward(
         attention=attention,
         prev_tokens=prev,
     )
-    return give_back(io, flat, logits), cache
+    io = give_back(io, flat, model.logits(out[inputs.sample_rows]))
+    if prompt_targets is None:
+        return io, cache
+    return io, cache, prompt_logprobs.compute(model, out, prompt_targets, num_prompt_logprobs)
 
 
 def _jit_forward(options: dict[str, Any]) -> Any:
@@ -384,7 +325,3 @@ def forward_program(replayed: bool, unsplit_k: bool) -> tuple[Any, dict[str, Any
         return (jitted_forward_replayed if replayed else jitted_forward), options
     options[UNSPLIT_K_OPTION] = 1
     return _jit_forward(options), options
-
-
-jitted_sampler = jax.jit(sample_step, static_argnames=("sampler", "num_logprobs", "mesh"))
-""":func:`sample_step`, jitted: one small program per (rows, sampler, log-probabilities)."""
