@@ -27,7 +27,11 @@ from jax_tokenweave.serving import prompt_logprobs
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
 from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_for
 from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
+from jax_tokenweave.serving.sampler import SAMPLERS as SAMPLERS  # re-exported: moved there
 from jax_tokenweave.serving.sampler import DeviceOutputs, sample_step, sampling_arrays
+from jax_tokenweave.serving.sampler import HostOutputs as HostOutputs
+from jax_tokenweave.serving.sampler import StepOutputs as StepOutputs
+from jax_tokenweave.serving.sampler import jitted_sampler as jitted_sampler
 from jax_tokenweave.serving.step_io import ForwardInputs, StepIO, give_back, stage_inputs
 from jax_tokenweave.weave.schedules import stack_setup
 from jax_tokenweave.weave.tuning import TuneEntry
