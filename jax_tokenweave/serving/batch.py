@@ -194,9 +194,7 @@ def _processor_rows(
     slots = np.full(samples, sink, np.int32)
     penalties = np.tile(np.asarray([0.0, 0.0, 1.0], np.float32), (samples, 1))
     sampled = step.sampled
-    if not any(
-        processors.processed(q.params, c) for q, c in zip(sampled, step.counters, strict=True)
-    ):
+    if not any(c < q.processed_until for q, c in zip(sampled, step.counters, strict=True)):
         return slots, penalties, np.asarray(False)
     for i, q in enumerate(sampled):
         p = q.params

@@ -42,9 +42,10 @@ def needs_slot(params: SamplingParams) -> bool:
     return params.penalized or params.biased
 
 
-def processed(params: SamplingParams, made: int) -> bool:
-    """Whether the step that samples a request's token ``made`` (0-based) must process it."""
-    return params.penalized or bool(params.logit_bias) or made < params.min_tokens
+def processed_until(params: SamplingParams) -> int:
+    """The steps that sample a request's tokens before this count (0-based) process its row:
+    all of them with a penalty or a ``logit_bias``, else those before ``min_tokens``."""
+    return INT32_MAX if params.penalized or params.logit_bias else params.min_tokens
 
 
 def bias_entries(params: SamplingParams, stop_ids: Collection[int]) -> list[tuple[int, float, int]]:

@@ -5,9 +5,11 @@ hashes) and the steps holding it. Host side, pure Python and NumPy."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
+from jax_tokenweave.serving import processors
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
 
@@ -97,6 +99,11 @@ class Request:
                 f"max_model_len first (LLMEngine.check_request does)"
             )
         return self.params.max_tokens
+
+    @functools.cached_property
+    def processed_until(self) -> int:
+        """Its tokens before this count are sampled with ``serving.processors``."""
+        return processors.processed_until(self.params)
 
     @property
     def prefilled(self) -> bool:
