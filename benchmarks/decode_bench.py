@@ -30,6 +30,7 @@ tiny config and small batches (under a minute; CPU timings say nothing about GPU
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -165,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="profile the steps without cProfile (it slows the host, so the GPU may idle more)",
     )
+    p.add_argument(
+        "--penalties",
+        action="store_true",
+        help="every request with vLLM's presence, frequency and repetition penalties, each its "
+        "own values (drawn from --seed): the steps run the processed sampler",
+    )
     return p
 
 
@@ -257,6 +264,14 @@ def run_point(
     engine = LLMEngine(model, engine_config(a, batch, context + max_tokens))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for _ in range(batch):
+        if a.penalties:  # each request its own values: no compilation per value
+            presence, frequency = rng.uniform(-2, 2, 2)
+            params = dataclasses.replace(
+                params,
+                presence_penalty=float(presence),
+                frequency_penalty=float(frequency),
+                repetition_penalty=float(rng.uniform(0.5, 2.0)),
+            )
         engine.add_request(rng.integers(0, model.config.vocab_size, context).tolist(), params)
     sched = engine.scheduler
     start, prefill_steps = time.perf_counter(), 0
@@ -294,6 +309,7 @@ def run_point(
         "batch": batch,
         "context": context,
         "status": "ok",
+        "penalties": a.penalties,
         "steps": a.steps,
         "step_p50_ms": float(np.median(ms)),
         "step_p90_ms": float(np.percentile(ms, 90)),

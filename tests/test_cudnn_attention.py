@@ -138,12 +138,15 @@ def test_warmup_runs_each_prompt_layout_once_on_cudnn(monkeypatch, attention):
         max_model_len=48,
         compilation_cache_dir=None,
     )
-    runner = LLMEngine(model, cfg).runner
+    from jax_tokenweave.serving import warmup
+
+    engine = LLMEngine(model, cfg)
+    runner = engine.runner
     ran = []
     monkeypatch.setattr(runner, "attention", lambda: attention)
     monkeypatch.setattr(runner, "run", lambda layout, arrays: ran.append(layout))
     layouts = runner.layouts()
-    runner._first_runs(layouts)
+    warmup._first_runs(runner, layouts)
     prompt = [la for la in layouts if la.rows > la.decode_rows]
     assert ran == (prompt if attention == "cudnn" else [])
     assert prompt and len(prompt) < len(layouts)

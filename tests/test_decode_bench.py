@@ -78,6 +78,16 @@ def test_decode_bench_times_pure_decode_steps(bench, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_decode_bench_with_penalties_compiles_nothing_while_timed(bench, tmp_path):
+    """Every request its own penalty values: the timed steps run the processed sampler (its
+    first use compiled in the warm step) and compile nothing."""
+    argv = ["--out", str(tmp_path), *DECODE, "--penalties", "--profile-steps", "0", "--no-plot"]
+    assert bench.main(argv) == 0
+    (r,) = json.loads((tmp_path / "decode.json").read_text())["records"]
+    assert r["status"] == "ok" and r["penalties"] and r["compilations"] == 0
+
+
+@pytest.mark.slow
 def test_prefill_bench_compares_engine_and_bare_stack(tmp_path):
     prefill = load("prefill_bench")
     argv = [

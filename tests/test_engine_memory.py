@@ -106,9 +106,12 @@ def test_a_pool_too_large_is_refused_and_the_weights_go_back(checkpoint, small_d
         LLM(checkpoint, num_blocks=2 * ROOM_BLOCKS, use_tqdm=False, **SIZES)
     leaves = jax.tree_util.tree_leaves(nnx.state(loaded[0]))
     assert leaves and all(a.is_deleted() for a in leaves)
-    # sized by gpu_memory_utilization, the pool fits by construction
+    # sized by gpu_memory_utilization, the pool fits by construction, all of the memory too
     llm = LLM(checkpoint, gpu_memory_utilization=0.5, use_tqdm=False, **SIZES)
     assert 0 < llm.engine.config.num_blocks < ROOM_BLOCKS // 2 + 10
+    llm.close()
+    llm = LLM(checkpoint, gpu_memory_utilization=1.0, use_tqdm=False, **SIZES)
+    assert ROOM_BLOCKS // 2 < llm.engine.config.num_blocks < ROOM_BLOCKS
     llm.close()
 
 

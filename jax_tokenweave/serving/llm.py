@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jax_tokenweave.serving import llm_setup, memory, prompts
+from jax_tokenweave.serving import llm_setup, memory
+from jax_tokenweave.serving import prompts as prompt_forms
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.engine import LLMEngine
 from jax_tokenweave.serving.llm_setup import TOKENIZER_FILES as TOKENIZER_FILES  # re-exported
@@ -144,14 +145,14 @@ class LLM:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages need a tokenizer with a chat template (this LLM has none)")
         text = self.tokenizer.apply_chat_template(
-            prompts.check_messages(messages), tokenize=False, add_generation_prompt=True
+            prompt_forms.check_messages(messages), tokenize=False, add_generation_prompt=True
         )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _prepare(
         self, prompt: Any, params: SamplingParams | None, what: str
     ) -> tuple[str | None, list[int], SamplingParams]:
-        text, ids = prompts.one_prompt(prompt, what)
+        text, ids = prompt_forms.one_prompt(prompt, what)
         if ids is None:
             assert text is not None
             if not text:
@@ -163,7 +164,7 @@ class LLM:
     def _prepare_all(
         self, prompt_or_prompts: Any, params: Any
     ) -> list[tuple[str | None, list[int], SamplingParams]]:
-        each = prompts.prompt_list(prompt_or_prompts)
+        each = prompt_forms.prompt_list(prompt_or_prompts)
         if isinstance(params, SamplingParams) or params is None:
             params = [params] * len(each)
         elif not isinstance(params, Sequence) or isinstance(params, str | bytes):
@@ -256,7 +257,7 @@ class LLM:
         """:meth:`generate` of one conversation, or of a list of them (vLLM's), each rendered
         by :meth:`chat_prompt`; one ``RequestOutput`` per conversation."""
         self._check_open()
-        ids = [self.chat_prompt(c) for c in prompts.conversations(messages)]
+        ids = [self.chat_prompt(c) for c in prompt_forms.conversations(messages)]
         return self.generate(
             [{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm=use_tqdm
         )

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_tokenweave.serving import checks, memory, resolve
+from jax_tokenweave.serving import checks, memory, processors, resolve
 from jax_tokenweave.serving.config import EngineConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -217,5 +217,8 @@ def engine_config(
             model.embed.get_value().dtype,
             utilization,
             memory.device_stats(devices),
+            processors.state_bytes(
+                probe.max_num_seqs, model.config.vocab_size, probe.max_biased_tokens
+            ),
         )
     return EngineConfig(**fields)

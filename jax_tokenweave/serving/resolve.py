@@ -122,9 +122,11 @@ def cache_blocks(
     dtype: Any,
     utilization: float,
     stats: Sequence[dict[str, int] | None] | None = None,
+    extra: int = 0,
 ) -> int:
     """Blocks for a cache of ``utilization`` of the devices' memory (module docstring);
-    ``stats``: the devices' ``memory_stats()`` (default: read now)."""
+    ``stats``: the devices' ``memory_stats()`` (default: read now); ``extra``: more bytes
+    the engine holds beside the cache (its sampling state)."""
     check_utilization(utilization)
     tp = len(devices)
     per_block = block_bytes(model_config, engine.block_size, tp, dtype)
@@ -134,7 +136,7 @@ def cache_blocks(
     if len(known) < len(read):
         fit = max(CPU_CACHE_BYTES // per_block, request_blocks)
         return int(min(engine.max_num_seqs * request_blocks, fit))
-    reserve = activation_reserve(model_config, engine.max_num_batched_tokens, tp)
+    reserve = activation_reserve(model_config, engine.max_num_batched_tokens, tp) + extra
     free = min(
         math.floor(s["bytes_limit"] * utilization) - s.get("bytes_in_use", 0) - reserve
         for s in known
