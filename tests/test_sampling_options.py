@@ -183,3 +183,18 @@ def test_a_vllm_script_with_penalties_runs_with_only_the_import_changed(checkpoi
             for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
                 assert token in entry and sum(e.rank is not None for e in entry.values()) == 2
     assert not llm.engine.has_unfinished() and llm.engine.num_blocks_in_use == 0
+
+
+def test_logit_bias_is_checked_read_only_and_pickles():
+    import pickle
+
+    params = SamplingParams(logit_bias={3: 1.5, np.int64(4): -2})
+    assert params.logit_bias == {3: 1.5, 4: -2.0}
+    with pytest.raises(TypeError, match="read-only"):
+        params.logit_bias[5] = 1.0
+    with pytest.raises(TypeError, match="read-only"):
+        params.logit_bias.update({5: 1.0})
+    assert pickle.loads(pickle.dumps(params)) == params
+    assert dataclasses.replace(params, max_tokens=3).logit_bias == params.logit_bias
+    with pytest.raises(ValueError, match="logit_bias token id must be >= 0"):
+        SamplingParams(logit_bias={-1: 1.0})

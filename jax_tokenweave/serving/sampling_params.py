@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -65,7 +64,7 @@ class SamplingParams:
     # Stop tokens (stop_token_ids and, unless ignore_eos, EOS) cannot be sampled, and stop
     # strings do not stop, before this many new tokens (<= max_tokens).
     min_tokens: int = 0
-    # {token id: bias} added to the logits before sampling (a read-only mapping once made).
+    # {token id: bias} added to the logits before sampling (a read-only dict once made).
     logit_bias: Mapping[int, float] | None = None
     # None, or how many of the most likely tokens' log-probabilities to return per prompt
     # token (vLLM's prompt_logprobs; 0: only the prompt token's).
@@ -177,6 +176,20 @@ def _real(value: Any, name: str) -> float:
     return float(value)
 
 
+class LogitBias(dict[int, float]):
+    """A read-only ``{token id: bias}`` (``SamplingParams.logit_bias``, checked when made);
+    it pickles and copies as a dict."""
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("SamplingParams.logit_bias is read-only: make new SamplingParams")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self),))
+
+
 def _logit_bias(value: Any) -> Mapping[int, float] | None:
     """``logit_bias`` as a read-only ``{token id: finite float}`` (None for none)."""
     if value is None:
@@ -192,7 +205,7 @@ def _logit_bias(value: Any) -> Mapping[int, float] | None:
         if not math.isfinite(bias) or abs(bias) > FLOAT32_MAX:
             raise ValueError(f"SamplingParams.logit_bias[{token}] must be finite, got {bias!r}")
         out[token] = bias
-    return types.MappingProxyType(out)
+    return LogitBias(out)
 
 
 def _sequence(value: Any, name: str) -> tuple[Any, ...]:
