@@ -47,13 +47,15 @@ def checkpoint(tmp_path_factory):
 
 
 def live_bytes(device) -> int:
-    return sum(
-        s.data.nbytes
+    """Bytes of the buffers alive on ``device`` (each once: arrays may share a buffer)."""
+    buffers = {
+        s.data.unsafe_buffer_pointer(): s.data.nbytes
         for a in jax.live_arrays()
         if not a.is_deleted()
         for s in a.addressable_shards
         if s.device == device
-    )
+    }
+    return sum(buffers.values())
 
 
 @pytest.fixture
