@@ -89,3 +89,10 @@ def test_comm_option_is_gone(capsys):
     with pytest.raises(SystemExit):
         job.build_parser().parse_args(["--comm", "xla"])
     assert "unrecognized arguments: --comm" in capsys.readouterr().err
+
+
+def test_the_per_rank_prefill_attention_moved_to_nn_prefill():
+    from jax_tokenweave.nn import prefill, stack
+
+    with pytest.warns(DeprecationWarning, match=r"stack\.PrefillAttention is deprecated: use "):
+        assert stack.PrefillAttention is prefill.PrefillAttentionRank

@@ -13,7 +13,7 @@ import pytest
 
 from jax_tokenweave.nn.attention import reference_attention
 from jax_tokenweave.serving import attention_kernel
-from jax_tokenweave.serving.paged_attention import PagedAttention, paged_attention
+from jax_tokenweave.serving.paged_attention import PagedAttentionRank, paged_attention
 from jax_tokenweave.weave.plan import plan_batch
 
 NB, BS, KVH, HQ, D = 12, 4, 2, 4, 8
@@ -93,7 +93,7 @@ def test_split_cut_chunk_reads_the_first_half_from_the_cache(rng):
     tables = np.zeros((rows // tile, 4), np.int32)
     tables[:3, :3] = blocks
     cache = jnp.zeros((NB, BS, KVH, D), jnp.float32)
-    attention = PagedAttention(
+    attention = PagedAttentionRank(
         [cache],
         [cache],
         plan.halves,
@@ -126,7 +126,7 @@ def test_split_cut_chunk_reads_the_first_half_from_the_cache(rng):
 def test_tile_cut_is_refused():
     cache = jnp.zeros((NB, BS, KVH, D), jnp.float32)
     plan = plan_batch([16], split=True, offset=6 - 128)  # 6 is no multiple of 4
-    attention = PagedAttention(
+    attention = PagedAttentionRank(
         [cache],
         [cache],
         plan.halves,

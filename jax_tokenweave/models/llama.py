@@ -21,9 +21,9 @@ from jax.sharding import PartitionSpec as P
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.hf.loading import load_pretrained
 from jax_tokenweave.nn.decoder import WeaveDecoder
+from jax_tokenweave.nn.forward import ForwardOptions
 from jax_tokenweave.nn.params import load_weights, make_param, numpy_weights
 from jax_tokenweave.weave.plan import BatchPlan
-from jax_tokenweave.weave.schedules import Collective, Schedule
 
 
 class LlamaModel(nnx.Module):
@@ -101,15 +101,17 @@ class LlamaModel(nnx.Module):
         self,
         tokens: jax.Array,
         batch: BatchPlan,
+        options: ForwardOptions | None = None,
         *,
-        schedule: Schedule = "weave",
-        collective: Collective = "auto",
         return_kv: bool = False,
+        **overrides: Any,
     ) -> Any:
         """``tokens`` int [T] packed as ``batch`` -> float32 logits [T, V] replicated.
 
-        With ``return_kv`` also the decoder's per-layer ``(k, v)`` (see ``WeaveDecoder``).
-        ``schedule="nocomm"`` removes the decoder's collectives: its logits are not the model's.
+        ``options`` and ``overrides`` (its fields by keyword: ``schedule=``, ``collective=``
+        ...) as ``WeaveDecoder.__call__`` takes them; with ``return_kv`` also the decoder's
+        per-layer ``(k, v)``. ``schedule="nocomm"`` removes the decoder's collectives: its
+        logits are not the model's.
         """
         shape = tuple(getattr(tokens, "shape", ()))
         if len(shape) != 1:
@@ -123,9 +125,7 @@ class LlamaModel(nnx.Module):
                 f"got {shape[0]} tokens but the batch's request lengths sum to {batch.num_tokens}"
             )
         hidden = self.embed_tokens(tokens.astype(jnp.int32))
-        out = self.decoder(
-            hidden, batch, schedule=schedule, collective=collective, return_kv=return_kv
-        )
+        out = self.decoder(hidden, batch, options, return_kv=return_kv, **overrides)
         if return_kv:
             return self.logits(out[0]), out[1]
         return self.logits(out)

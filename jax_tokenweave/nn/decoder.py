@@ -1,7 +1,8 @@
 """``WeaveDecoder``: the TP decoder stack (layers + final norm) in one ``jax.shard_map``.
 
-``__call__(hidden [T, H], batch: BatchPlan, *, schedule=, collective=, tuning=, reducer=)``
-returns the final-normed [T, H], replicated; ``plan(request_lengths)`` plans a batch. Params:
+``__call__(hidden [T, H], batch: BatchPlan, options=None, *, reducer=, **option fields)``
+(``nn.forward.decoder_forward``) returns the final-normed [T, H], replicated;
+``plan(request_lengths)`` plans a batch. Params:
 ``layers.{i}.<name>`` and ``final_norm`` [H], each with its ``PartitionSpec``. Half ``j`` uses
 workspace slot ``j``. Parameter names and the overlapped program order: docs/WEAVE.md#nndecoder.
 """
@@ -18,19 +19,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.nn import attention as attn_lib
+from jax_tokenweave.nn import forward as forward_lib
 from jax_tokenweave.nn.decoder_layer import DecoderLayer
-from jax_tokenweave.nn.params import load_weights, make_param, partition_specs
-from jax_tokenweave.nn.stack import PrefillAttention, concat, run_stack
+from jax_tokenweave.nn.forward import ForwardOptions, forward_options
+from jax_tokenweave.nn.params import load_weights, make_param
+from jax_tokenweave.nn.prefill import PrefillAttention
 from jax_tokenweave.weave.plan import BatchPlan, plan_batch
 from jax_tokenweave.weave.reducers import ReduceContext
-from jax_tokenweave.weave.schedules import (
-    Collective,
-    ReducerFactory,
-    Schedule,
-    check_call,
-    stack_setup,
-)
+from jax_tokenweave.weave.schedules import ReducerFactory
 from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 __all__ = ["WeaveDecoder"]
@@ -91,63 +87,25 @@ class WeaveDecoder(nnx.Module):
         self,
         hidden: jax.Array,
         batch: BatchPlan,
+        options: ForwardOptions | None = None,
         *,
-        schedule: Schedule = "weave",
-        collective: Collective = "auto",
         return_kv: bool = False,
-        tuning: TuneEntry | None = None,
         reducer: ReducerFactory | None = None,
+        **overrides: Any,
     ) -> Any:
-        """Run the stack on ``hidden`` [T, H] (replicated) laid out as ``batch``.
+        """Run the stack on ``hidden`` [T, H] (replicated) laid out as ``batch``
+        (``nn.forward.decoder_forward`` with a ``PrefillAttention``).
 
-        Returns the final-normed hidden states [T, H], replicated; with ``return_kv``, also a
-        list over layers of ``(k, v)``, each [T, Nkv, D] sharded over heads (``P(None, tp)``),
-        RoPE applied to k. ``collective``: how ``weave`` reduces (``weave.schedules``);
-        ``schedule="nocomm"`` and ``collective="local"`` do NOT compute the model. ``tuning``:
-        the fused kernel's CTA counts (default: the plan's). ``reducer``: a reducer factory
-        replacing the schedule's (the halves stay the schedule's); for tests and experiments.
+        ``options`` (default ``ForwardOptions()``) with ``overrides``, its fields by keyword
+        (``schedule=``, ``collective=``, ``tuning=`` ...). Returns the final-normed [T, H],
+        replicated; with ``return_kv`` also per layer ``(k, v)`` [T, Nkv, D] sharded over heads,
+        RoPE applied to k. ``nocomm`` and ``collective="local"`` do NOT compute the model.
+        ``reducer``: a reducer factory replacing the schedule's (tests, experiments).
         ``collective="ffi"`` where the kernel cannot run raises ``RuntimeError`` saying why.
         """
-        check_call(self.config, self.dtype, self.tp, hidden, batch, schedule, collective)
-        if tuning is not None and not isinstance(tuning, TuneEntry):
-            raise ValueError(f"tuning must be a tuning.TuneEntry or None, got {type(tuning)}")
-        setup = stack_setup(
-            self.config,
-            self.mesh,
-            self.axis_name,
-            self.dtype,
-            batch,
-            schedule=schedule,
-            collective=collective,
-            tuning=tuning,
-            reducer=reducer,
+        options = forward_options(options, overrides)
+        attention = PrefillAttention(keep_kv=return_kv, num_layers=self.config.num_layers)
+        out, kv = forward_lib.decoder_forward(
+            self, hidden, batch, attention, options, reducer=reducer
         )
-        halves, factory, ctx = setup.halves, setup.reducer, self.context(setup.tuning)
-        impl = attn_lib.default_implementation(
-            str(self.mesh.devices.flat[0].platform), self.dtype, self.config.head_dim
-        )
-        graphdef, state = nnx.split(self)
-
-        def per_rank(state: Any, x: jax.Array) -> Any:
-            dec = nnx.merge(graphdef, state)
-            attention = PrefillAttention(halves, impl)
-            outs = run_stack(
-                dec,
-                [x[h.start : h.end] for h in halves],
-                [h.positions() for h in halves],
-                factory(ctx),
-                attention,
-            )
-            out = concat(outs)
-            return (out, attention.kv()) if return_kv else out
-
-        kv_spec = P(None, self.axis_name, None)
-        out_specs = (P(), [(kv_spec, kv_spec)] * self.config.num_layers) if return_kv else P()
-        fn = jax.shard_map(
-            per_rank,
-            mesh=self.mesh,
-            in_specs=(partition_specs(self), P()),
-            out_specs=out_specs,
-            check_vma=False,
-        )
-        return fn(state, hidden)
+        return (out, kv) if return_kv else out

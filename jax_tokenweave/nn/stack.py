@@ -10,17 +10,23 @@ See docs/WEAVE.md#nnstack.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tokenweave.nn import attention as attn_lib
+from jax_tokenweave._deprecation import renamed_attribute
 from jax_tokenweave.nn.decoder_layer import inv_frequencies
-from jax_tokenweave.weave.plan import Half
 from jax_tokenweave.weave.reducers import Reducer
+
+# Until 0.4.0 the per-rank prefill attention lived here (the caller's is nn.prefill's now).
+_RENAMED = {"PrefillAttention": "jax_tokenweave.nn.prefill:PrefillAttentionRank"}
+
+
+def __getattr__(name: str) -> Any:
+    return renamed_attribute(__name__, name, _RENAMED)
 
 
 class AttentionFn(Protocol):
@@ -40,6 +46,20 @@ class RopeFusingAttentionFn(AttentionFn, Protocol):
     def rope_and_attend(
         self, layer: int, half: int, qkv: jax.Array, nq: int, inv_freq: np.ndarray, /
     ) -> jax.Array: ...
+
+
+class RankAttention(AttentionFn, Protocol):
+    """The per-rank attention of one forward (``nn.forward.StackAttention.bind``): an
+    :class:`AttentionFn` that also gives each half's RoPE positions and, at the end, its
+    results (what ``nn.forward.decoder_forward`` returns beside the hidden states)."""
+
+    def half_positions(self, half: int, /) -> jax.Array | np.ndarray:
+        """int32 [T_j]: half ``half``'s positions inside their requests."""
+        ...
+
+    def results(self) -> Any:
+        """What the attention hands back after the last layer (caches, K/V, or ``()``)."""
+        ...
 
 
 def run_stack(
@@ -72,61 +92,6 @@ def run_stack(
         for j in halves:
             reducer.reduce(j, layer.mlp(reducer.ready(j)), next_norm[...])
     return reducer.finish()
-
-
-class PrefillAttention:
-    """Ragged causal attention of a prefill's halves (``attention.ragged_attention``).
-
-    Keeps each layer's K/V per half: a later half's piece of a request cut by the split
-    attends to the earlier halves' K/V of that request (same layer); :meth:`kv` returns them.
-    ``implementation``: ``attention.ragged_attention``'s (None = XLA, ``"cudnn"``).
-    """
-
-    def __init__(
-        self, halves: Sequence[Half], implementation: attn_lib.Implementation | None = None
-    ) -> None:
-        self.halves = tuple(halves)
-        self.implementation = implementation
-        self._k: dict[int, list[jax.Array]] = {}
-        self._v: dict[int, list[jax.Array]] = {}
-
-    def __call__(self, layer: int, j: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        half = self.halves[j]
-        ks, vs = self._k.setdefault(layer, []), self._v.setdefault(layer, [])
-        prefix = _prefixes(half, ks, vs)
-        ks.append(k)
-        vs.append(v)
-        return attn_lib.ragged_attention(
-            q,
-            k,
-            v,
-            half.pieces,
-            origin=half.start,
-            prefix=prefix,
-            implementation=self.implementation,
-        )
-
-    def kv(self) -> list[tuple[jax.Array, jax.Array]]:
-        """Per layer, ``(k, v)`` of all halves in token order: [T, Nkv/N, D] each."""
-        return [(concat(self._k[i]), concat(self._v[i])) for i in sorted(self._k)]
-
-
-def _prefixes(
-    half: Half, earlier_k: list[jax.Array], earlier_v: list[jax.Array]
-) -> Mapping[int, tuple[jax.Array, jax.Array]]:
-    """K/V prefixes of ``half``'s pieces with position > 0, cut from the earlier halves' K/V,
-    which cover global tokens ``[0, half.start)`` in order."""
-    out = {}
-    for piece in half.pieces:
-        if piece.position > 0:
-            if not earlier_k:
-                raise ValueError(f"piece {piece} needs a K/V prefix but no earlier half exists")
-            lo = piece.start - piece.position
-            out[piece.request] = (
-                concat(earlier_k)[lo : piece.start],
-                concat(earlier_v)[lo : piece.start],
-            )
-    return out
 
 
 def concat(parts: Sequence[jax.Array]) -> jax.Array:

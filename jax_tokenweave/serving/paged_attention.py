@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.serving import attention_kernel, cudnn_attention, paged_cache
@@ -152,7 +154,58 @@ def paged_attention(
 
 
 class PagedAttention:
-    """The stack's attention function (``stack.AttentionFn``) for a packed step, per rank.
+    """A packed step's attention over the paged cache, as the serving step passes it to
+    ``nn.forward.decoder_forward`` (a ``StackAttention``): its operands are the step's
+    ``positions``, ``slots`` [R] and ``tables`` [groups, W] (``serving.batch``, replicated)
+    and ``cache`` (sharded over kv heads); its results, the cache with the step's K/V written.
+    ``decode_rows``, ``tile``: the layout's (``batch.StepLayout``).
+    """
+
+    def __init__(
+        self,
+        cache: paged_cache.PagedKVCache,
+        positions: jax.Array | np.ndarray,
+        slots: jax.Array | np.ndarray,
+        tables: jax.Array | np.ndarray,
+        *,
+        decode_rows: int,
+        tile: int,
+    ) -> None:
+        self.cache = cache
+        self.positions, self.slots, self.tables = positions, slots, tables
+        self.decode_rows, self.tile = decode_rows, tile
+
+    def resolve(self, requested: str, platform: str, dtype: Any, config: DecoderConfig) -> str:
+        """:func:`resolve_for` the cache's dtype (``dtype``, the model's, is the same)."""
+        return resolve_for(requested, platform, self.cache.k[0].dtype, config)
+
+    def operands(self) -> tuple[Any, ...]:
+        return (self.positions, self.slots, self.tables, self.cache.k, self.cache.v)
+
+    def specs(self, axis_name: str) -> tuple[Any, Any]:
+        layers = [paged_cache.cache_spec(axis_name)] * len(self.cache.k)
+        return (P(), P(), P(), layers, layers), (layers, layers)
+
+    def bind(
+        self, operands: Any, halves: tuple[Half, ...], implementation: str, key_chunk: int
+    ) -> PagedAttentionRank:
+        positions, slots, tables, k, v = operands
+        return PagedAttentionRank(
+            k,
+            v,
+            halves,
+            slots,
+            positions,
+            tables,
+            decode_rows=self.decode_rows,
+            tile=self.tile,
+            key_chunk=key_chunk,
+            implementation=implementation,
+        )
+
+
+class PagedAttentionRank:
+    """The stack's attention function (``stack.RankAttention``) for a packed step, per rank.
 
     For half ``j`` of layer ``i``: write the half's K/V into layer ``i``'s cache at the rows'
     slots, then attend (:func:`paged_attention`) with the decode rows as groups of one and the
@@ -187,6 +240,14 @@ class PagedAttention:
         self.decode_positions = jnp.where(
             slots[:decode_rows] < num_slots, positions[:decode_rows], -1
         )
+
+    def half_positions(self, j: int) -> jax.Array:
+        """Half ``j``'s rows' positions [T_j]."""
+        return self.positions[self.halves[j].start : self.halves[j].end]
+
+    def results(self) -> tuple[list[jax.Array], list[jax.Array]]:
+        """The caches ``(k, v)``, the step's K/V written."""
+        return self.k, self.v
 
     @property
     def fuses_rope(self) -> bool:

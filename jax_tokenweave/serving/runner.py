@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_tokenweave.nn.forward import ForwardOptions
 from jax_tokenweave.serving import batch as batch_lib
 from jax_tokenweave.serving import checks, memory, processors
 from jax_tokenweave.serving import executable_cache as exe_cache
@@ -43,6 +44,7 @@ from jax_tokenweave.serving.sampler import (
 from jax_tokenweave.serving.scheduler import ScheduledStep
 from jax_tokenweave.serving.step import UNSPLIT_K_MIN_ROWS, forward_program, jitted_forward
 from jax_tokenweave.serving.step_io import StepIO, new_io, pack_inputs
+from jax_tokenweave.weave.schedules import Collective, Schedule
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,6 +103,13 @@ class ModelRunner:
             np.zeros(config.max_num_seqs, np.int32), NamedSharding(self.mesh, P())
         )
         self.processors = processors.init_state(self.mesh, slots, vocab, biased)
+        self.options = ForwardOptions(
+            schedule=cast(Schedule, config.schedule),  # EngineConfig checked both
+            collective=cast(Collective, config.collective),
+            tuning=config.tuning,
+            attention=config.attention,
+            key_chunk=config.key_chunk,
+        )
         self.model_type = f"{type(model).__module__}.{type(model).__qualname__}"
         self.platform = str(self.mesh.devices.flat[0].platform)
         self.executable_cache = ExecutableCache(
@@ -157,16 +166,8 @@ class ModelRunner:
         return io
 
     def _static(self, layout: batch_lib.StepLayout) -> dict[str, Any]:
-        cfg = self.config
         return dict(
-            graphdef=self.graphdef,
-            layout=layout,
-            schedule=cfg.schedule,
-            collective=cfg.collective,
-            key_chunk=cfg.key_chunk,
-            tuning=cfg.tuning,
-            attention=cfg.attention,
-            state_def=self._state_def,
+            graphdef=self.graphdef, layout=layout, options=self.options, state_def=self._state_def
         )
 
     def pack(self, scheduled: ScheduledStep) -> tuple[batch_lib.StepLayout, batch_lib.StepArrays]:

@@ -1,120 +1,35 @@
 """The serving step's forward program: a packed batch through the model, its K/V into the
 paged cache, the logits of the sampled rows (the samplers the host picks: ``serving.sampler``).
 
-The forward runs ``stack.run_stack`` under ``jax.shard_map`` with ``schedules.configure``'s
-halves and reducer and ``PagedAttention``; its inputs and logits sit in ``step_io.StepIO`` so
-decode-only steps replay from command buffers. Static per program: the ``StepLayout``,
-schedule, collective, key chunk, top log-probabilities; every request-dependent value is
-traced. Schedules and replay: docs/SERVING.md#servingstep.
+The forward stages the step's inputs, runs the model's one forward
+(``nn.forward.decoder_forward`` with a ``PagedAttention``) and hands the logits back; its
+inputs and logits sit in ``step_io.StepIO`` so decode-only steps replay from command buffers.
+Static per program: the ``StepLayout``, the ``nn.forward.ForwardOptions``, the top prompt
+log-probabilities; every request-dependent value is traced. See docs/SERVING.md#servingstep.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave.nn.decoder import WeaveDecoder
-from jax_tokenweave.nn.params import partition_specs
-from jax_tokenweave.nn.stack import run_stack
+from jax_tokenweave.nn import forward as forward_lib
+from jax_tokenweave.nn.forward import ForwardOptions
 from jax_tokenweave.serving import prompt_logprobs
 from jax_tokenweave.serving.batch import StepArrays, StepLayout
-from jax_tokenweave.serving.paged_attention import PagedAttention, resolve_for
-from jax_tokenweave.serving.paged_cache import PagedKVCache, cache_spec
+from jax_tokenweave.serving.paged_attention import PagedAttention
+from jax_tokenweave.serving.paged_cache import PagedKVCache
 from jax_tokenweave.serving.sampler import SAMPLERS as SAMPLERS  # re-exported: moved there
 from jax_tokenweave.serving.sampler import DeviceOutputs, sample_step, sampling_arrays
 from jax_tokenweave.serving.sampler import HostOutputs as HostOutputs
 from jax_tokenweave.serving.sampler import StepOutputs as StepOutputs
 from jax_tokenweave.serving.sampler import jitted_sampler as jitted_sampler
 from jax_tokenweave.serving.step_io import ForwardInputs, StepIO, give_back, stage_inputs
-from jax_tokenweave.weave.schedules import stack_setup
-from jax_tokenweave.weave.tuning import TuneEntry
-
-
-def decoder_forward(
-    decoder: WeaveDecoder,
-    hidden: jax.Array,
-    arrays: StepArrays | ForwardInputs,
-    cache: PagedKVCache,
-    layout: StepLayout,
-    *,
-    schedule: str,
-    collective: str,
-    key_chunk: int,
-    tuning: TuneEntry | None = None,
-    attention: str = "auto",
-) -> tuple[jax.Array, PagedKVCache]:
-    """The decoder stack on a packed step (module docstring).
-
-    ``hidden`` [R, H] replicated; ``arrays``: the step's positions, slots, tables [R] /
-    [groups, W] (replicated); ``cache`` sharded over kv heads. Returns the final-normed hidden
-    [R, H] (replicated) and the cache with the step's K/V written. ``attention``: the
-    paged-attention implementation (``paged_attention.ATTENTION_IMPLS``).
-    """
-    setup = stack_setup(
-        decoder.config,
-        decoder.mesh,
-        decoder.axis_name,
-        decoder.dtype,
-        layout.plan,
-        schedule=schedule,
-        collective=collective,
-        tuning=tuning,
-    )
-    halves, factory, ctx = setup.halves, setup.reducer, decoder.context(setup.tuning)
-    graphdef, state = nnx.split(decoder)
-    cfg = decoder.config
-    impl = resolve_for(attention, decoder.mesh.devices.flat[0].platform, cache.k[0].dtype, cfg)
-
-    def per_rank(
-        state: Any,
-        x: jax.Array,
-        positions: jax.Array,
-        slots: jax.Array,
-        tables: jax.Array,
-        k: list[jax.Array],
-        v: list[jax.Array],
-    ) -> Any:
-        attention = PagedAttention(
-            k,
-            v,
-            halves,
-            slots,
-            positions,
-            tables,
-            decode_rows=layout.decode_rows,
-            tile=layout.tile,
-            key_chunk=key_chunk,
-            implementation=impl,
-        )
-        outs = run_stack(
-            nnx.merge(graphdef, state),
-            [x[h.start : h.end] for h in halves],
-            [positions[h.start : h.end] for h in halves],
-            factory(ctx),
-            attention,
-        )
-        out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
-        return out, attention.k, attention.v
-
-    layers = [cache_spec(decoder.axis_name)] * decoder.config.num_layers
-    # Takes global arrays, a StepArrays' host ones too (jax.shard_map's stubs give it
-    # per_rank's own signature, of the per-rank device arrays).
-    fn: Callable[..., tuple[jax.Array, list[jax.Array], list[jax.Array]]] = jax.shard_map(
-        per_rank,
-        mesh=decoder.mesh,
-        in_specs=(partition_specs(decoder), P(), P(), P(), P(), layers, layers),
-        out_specs=(P(), layers, layers),
-        check_vma=False,
-    )
-    out, k, v = fn(state, hidden, arrays.positions, arrays.slots, arrays.tables, cache.k, cache.v)
-    return out, PagedKVCache(k, v)
 
 
 def model_hidden(
@@ -122,16 +37,11 @@ def model_hidden(
     cache: PagedKVCache,
     arrays: StepArrays | ForwardInputs,
     layout: StepLayout,
-    *,
-    schedule: str,
-    collective: str,
-    key_chunk: int,
-    tuning: TuneEntry | None = None,
-    attention: str = "auto",
+    options: ForwardOptions,
     prev_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
-    """Embed and run the stack (:func:`decoder_forward`). ``model``: a
-    ``models.llama.LlamaModel``. Returns ``(final-normed hidden [R, H], cache)``.
+    """Embed and run the stack (``nn.forward.decoder_forward`` with a ``PagedAttention``).
+    ``model``: a ``models.llama.LlamaModel``. Returns ``(final-normed hidden [R, H], cache)``.
 
     ``prev_tokens`` int32 [P] (replicated; ``P >= layout.samples``): the previous step's
     sampled tokens (its ``StepOutputs.tokens``); rows whose ``token_source`` is >= 0 take their
@@ -140,20 +50,18 @@ def model_hidden(
     if prev_tokens is not None:
         src = arrays.token_source
         tokens = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], tokens)
-    hidden = model.embed_tokens(tokens)
-    out, cache = decoder_forward(
-        model.decoder,
-        hidden,
-        arrays,
+    attention = PagedAttention(
         cache,
-        layout,
-        schedule=schedule,
-        collective=collective,
-        key_chunk=key_chunk,
-        tuning=tuning,
-        attention=attention,
+        arrays.positions,
+        arrays.slots,
+        arrays.tables,
+        decode_rows=layout.decode_rows,
+        tile=layout.tile,
     )
-    return out, cache
+    out, (k, v) = forward_lib.decoder_forward(
+        model.decoder, model.embed_tokens(tokens), layout.plan, attention, options
+    )
+    return out, PagedKVCache(k, v)
 
 
 def model_forward(
@@ -161,11 +69,12 @@ def model_forward(
     cache: PagedKVCache,
     arrays: StepArrays | ForwardInputs,
     layout: StepLayout,
-    **kw: Any,
+    options: ForwardOptions,
+    prev_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
-    """:func:`model_hidden` (its keywords), then the sampled rows projected to logits.
+    """:func:`model_hidden`, then the sampled rows projected to logits.
     Returns ``(logits [S, V], cache)``."""
-    out, cache = model_hidden(model, cache, arrays, layout, **kw)
+    out, cache = model_hidden(model, cache, arrays, layout, options, prev_tokens)
     return model.logits(out[arrays.sample_rows]), cache
 
 
@@ -174,30 +83,15 @@ def model_step(
     cache: PagedKVCache,
     arrays: StepArrays,
     layout: StepLayout,
+    options: ForwardOptions,
     *,
-    schedule: str,
-    collective: str,
-    key_chunk: int,
     num_logprobs: int,
-    tuning: TuneEntry | None = None,
-    attention: str = "auto",
     prev_tokens: jax.Array | None = None,
     sampler: str = "sample",
 ) -> tuple[DeviceOutputs, PagedKVCache]:
     """:func:`model_forward` then :func:`sample_step` in one function (one program where it is
     jitted whole; the engine runs them as two, see ``jitted_forward``)."""
-    logits, cache = model_forward(
-        model,
-        cache,
-        arrays,
-        layout,
-        schedule=schedule,
-        collective=collective,
-        key_chunk=key_chunk,
-        tuning=tuning,
-        attention=attention,
-        prev_tokens=prev_tokens,
-    )
+    logits, cache = model_forward(model, cache, arrays, layout, options, prev_tokens)
     return sample_step(
         logits,
         *sampling_arrays(arrays),
@@ -218,17 +112,7 @@ as command buffers (CUDA graphs) and replay them. With the inputs and logits at 
 (``serving.step_io``) a replay updates one kernel; the host then launches one graph instead of
 ~400 kernels (one H200, Llama-3-8B shapes, batch 1: ``benchmarks/results/2026-11-24-h200x1``)."""
 
-_FORWARD_STATICS = (
-    "graphdef",
-    "layout",
-    "schedule",
-    "collective",
-    "key_chunk",
-    "tuning",
-    "attention",
-    "state_def",
-    "num_prompt_logprobs",
-)
+_FORWARD_STATICS = ("graphdef", "layout", "options", "state_def", "num_prompt_logprobs")
 
 
 def forward(
@@ -240,11 +124,7 @@ def forward(
     *,
     graphdef: Any,
     layout: StepLayout,
-    schedule: str,
-    collective: str,
-    key_chunk: int,
-    tuning: TuneEntry | None,
-    attention: str = "auto",
+    options: ForwardOptions,
     state_def: Any = None,
     prompt_targets: jax.Array | None = None,
     num_prompt_logprobs: int = 0,
@@ -264,18 +144,7 @@ def forward(
         state = jax.tree_util.tree_unflatten(state_def, state)
     flat, inputs, prev = stage_inputs(io, packed, prev_tokens, layout)
     model = nnx.merge(graphdef, state)
-    out, cache = model_hidden(
-        model,
-        cache,
-        inputs,
-        layout,
-        schedule=schedule,
-        collective=collective,
-        key_chunk=key_chunk,
-        tuning=tuning,
-        attention=attention,
-        prev_tokens=prev,
-    )
+    out, cache = model_hidden(model, cache, inputs, layout, options, prev)
     io = give_back(io, flat, model.logits(out[inputs.sample_rows]))
     if prompt_targets is None:
         return io, cache
