@@ -64,15 +64,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(const __grid_constant_
       continue;
     }
     const char* rows[kMaxN + 1];  // the N partials in rank order, then the residual
-#pragma unroll
-    for (int src = 0; src < kMaxN; ++src)
-      if (src < n)
-        rows[src] = src == r ? partial + g * rb
-                             : p.data[r] + parity + (PeerIndex(src, r, n) * q + row) * rb;
-#pragma unroll
-    for (int src = 0; src < kMaxN; ++src)
-      if (src == n) rows[src] = res_in;
-    rows[kMaxN] = res_in;
+    StagedSources<kMaxN>(rows, n, r, partial, p.data[r] + parity, res_in, q, row, rb);
     FusedRow<T, kGroup, kURows<kMaxN>, false>(
         p,
         [&](int v0, float(*acc)[Vec<T>::kN]) {

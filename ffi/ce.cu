@@ -88,14 +88,7 @@ __global__ void __launch_bounds__(kThreads) CeReduceKernel(const __grid_constant
       continue;
     }
     const char* rows[kMaxN + 1];  // the N partials in rank order, then the residual
-#pragma unroll
-    for (int src = 0; src < kMaxN; ++src)
-      if (src < n)
-        rows[src] = src == r ? partial + g * rb : p.ce[r] + (PeerIndex(src, r, n) * q + row) * rb;
-#pragma unroll
-    for (int src = 0; src < kMaxN; ++src)
-      if (src == n) rows[src] = res_in;
-    rows[kMaxN] = res_in;
+    StagedSources<kMaxN>(rows, n, r, partial, p.ce[r], res_in, q, row, rb);
     char* slice_row = own_slice + row * rb;
     // The rounded sum is staged in residual_out itself (written once, read back from L2).
     FusedRow<T, kGroup, kURows<kMaxN>, false>(

@@ -171,6 +171,24 @@ __device__ __forceinline__ void LoadSum(float (*acc)[Vec<T>::kN], const char* co
       if (s < ns && v0 + u * kGroup < vpr) AddVec<T>(acc[u], x[s][u]);
 }
 
+// The sources of own row `row` (token g = rank * q + row) of a kernel that staged the peers'
+// rows: the N partials in rank order (this rank's `own` row g, a peer's at slice
+// PeerIndex(src, rank) of `staged`, q rows a slice), then `res_in`; rows[kMaxN] = res_in too.
+template <int kMaxN>
+__device__ __forceinline__ void StagedSources(const char* (&rows)[kMaxN + 1], int n, int rank,
+                                              const char* own, const char* staged,
+                                              const char* res_in, int q, int row, int64_t rb) {
+  const int g = rank * q + row;
+#pragma unroll
+  for (int src = 0; src < kMaxN; ++src)
+    if (src < n)
+      rows[src] = src == rank ? own + g * rb : staged + (PeerIndex(src, rank, n) * q + row) * rb;
+#pragma unroll
+  for (int src = 0; src < kMaxN; ++src)
+    if (src == n) rows[src] = res_in;
+  rows[kMaxN] = res_in;
+}
+
 // residual_out row = residual row (padding rows past T), by one group.
 template <int kGroup>
 __device__ __forceinline__ void CopyRow(const char* src, char* dst, int vpr) {

@@ -124,3 +124,15 @@ def save_char_tokenizer(path: str, vocab_size: int = 256, chat_template: str | N
         fast.chat_template = chat_template
     fast.save_pretrained(path)
     return path
+
+
+TINY_ENGINE = dict(
+    max_num_batched_tokens=32,
+    max_num_seqs=4,
+    prefill_tile=8,
+    block_size=4,
+    key_chunk=16,
+    split_threshold=16,
+    collective="xla",
+)
+"""The engine sizes the tests of a tiny checkpoint share (``LLM(path, **TINY_ENGINE, ...)``)."""

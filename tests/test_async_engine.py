@@ -14,24 +14,14 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
+from testutil import SMALL_ENGINE
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
 from jax_tokenweave.serving.scheduler import Request, Scheduler
 
-CFG = EngineConfig(
-    max_num_batched_tokens=32,
-    max_num_seqs=4,
-    prefill_tile=8,
-    block_size=4,
-    num_blocks=48,
-    max_model_len=64,
-    key_chunk=8,
-    split_threshold=16,
-    collective="xla",
-    max_logprobs=3,
-)
+CFG = SMALL_ENGINE  # the engine sizes these files share (testutil)
 
 
 class CharTokenizer:

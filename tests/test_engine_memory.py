@@ -16,7 +16,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from hf_testutil import import_or_skip, make_hf_model, save_char_tokenizer, save_checkpoint
+from hf_testutil import (
+    TINY_ENGINE,
+    import_or_skip,
+    make_hf_model,
+    save_char_tokenizer,
+    save_checkpoint,
+)
 
 from jax_tokenweave.serving import LLM, LLMEngine, SamplingParams, llm_setup, memory, resolve
 
@@ -24,13 +30,7 @@ import_or_skip("torch")
 import_or_skip("transformers")
 
 SIZES = dict(
-    max_num_batched_tokens=32,
-    max_num_seqs=4,
-    prefill_tile=8,
-    block_size=4,
-    key_chunk=16,
-    split_threshold=16,
-    collective="xla",
+    TINY_ENGINE,
     max_model_len=64,
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

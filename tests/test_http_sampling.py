@@ -11,7 +11,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hf_testutil import import_or_skip, make_hf_model, save_char_tokenizer, save_checkpoint
+from hf_testutil import (
+    TINY_ENGINE,
+    import_or_skip,
+    make_hf_model,
+    save_char_tokenizer,
+    save_checkpoint,
+)
 
 from jax_tokenweave.serving import LLM, SamplingParams
 
@@ -23,13 +29,7 @@ pytest.importorskip("fastapi")
 
 MODEL = "tiny"
 SIZES = dict(
-    max_num_batched_tokens=32,
-    max_num_seqs=4,
-    prefill_tile=8,
-    block_size=4,
-    key_chunk=16,
-    split_threshold=16,
-    collective="xla",
+    TINY_ENGINE,
     max_model_len=64,
     num_blocks=96,
 )

@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 from hf_testutil import (
     CHAT_TEMPLATE,
+    TINY_ENGINE,
     import_or_skip,
     make_hf_model,
     save_char_tokenizer,
@@ -25,13 +26,7 @@ import_or_skip("torch")
 import_or_skip("transformers")
 
 SIZES = dict(
-    max_num_batched_tokens=32,
-    max_num_seqs=4,
-    prefill_tile=8,
-    block_size=4,
-    key_chunk=16,
-    split_threshold=16,
-    collective="xla",
+    TINY_ENGINE,
     max_model_len=64,
     num_blocks=64,
 )

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hf_testutil import (
     CHAT_TEMPLATE,
+    TINY_ENGINE,
     import_or_skip,
     make_hf_model,
     save_char_tokenizer,
@@ -27,15 +28,7 @@ from jax_tokenweave.serving import LLM, EngineConfig, RequestFailed, SamplingPar
 import_or_skip("torch")
 import_or_skip("transformers")
 
-SIZES = dict(
-    max_num_batched_tokens=32,
-    max_num_seqs=4,
-    prefill_tile=8,
-    block_size=4,
-    key_chunk=16,
-    split_threshold=16,
-    collective="xla",
-)
+SIZES = dict(TINY_ENGINE)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 VLLM_SCRIPT = """

@@ -12,7 +12,13 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_testutil import import_or_skip, make_hf_model, save_char_tokenizer, save_checkpoint
+from hf_testutil import (
+    TINY_ENGINE,
+    import_or_skip,
+    make_hf_model,
+    save_char_tokenizer,
+    save_checkpoint,
+)
 from vllm_reference import reference_greedy, vllm_processed
 
 from jax_tokenweave.serving import LLM, SamplingParams, count_compilations, processors
@@ -21,13 +27,7 @@ torch = import_or_skip("torch")
 import_or_skip("transformers")
 
 SIZES = dict(
-    max_num_batched_tokens=32,
-    max_num_seqs=4,
-    prefill_tile=8,
-    block_size=4,
-    key_chunk=16,
-    split_threshold=16,
-    collective="xla",
+    TINY_ENGINE,
     max_model_len=64,
     num_blocks=96,
     max_biased_tokens=8,

@@ -214,3 +214,24 @@ def load_benchmark(name: str) -> ModuleType:
     module = sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _small_engine():
+    from jax_tokenweave.serving import EngineConfig
+
+    return EngineConfig(
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        prefill_tile=8,
+        block_size=4,
+        num_blocks=48,
+        max_model_len=64,
+        key_chunk=8,
+        split_threshold=16,
+        collective="xla",
+        max_logprobs=3,
+    )
+
+
+SMALL_ENGINE = _small_engine()
+"""The engine sizes of the tiny model's engine tests (test_serving, test_async_engine, ...)."""
