@@ -56,7 +56,8 @@ export PYTHONUNBUFFERED=1
 start=$SECONDS
 # Each stage's log line first packs what the stages before it wrote, so a call cut off by its
 # time limit still brings back every finished stage.
-pack() { tar czf "$OUT/session.tgz" -C "$W" . 2>/dev/null; }
+# Written aside and renamed: a call cut off mid-pack leaves the previous whole archive.
+pack() { tar czf "$OUT/.session.tgz.part" -C "$W" . 2>/dev/null && mv -f "$OUT/.session.tgz.part" "$OUT/session.tgz"; }
 log() { pack; echo "[gpu_session $((SECONDS - start))s] $*"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 # -P: never import the source folder in place of the installed package.
