@@ -2,9 +2,10 @@
 
 Implementations (``--impls``), all on the same inputs in one run:
 
-- ``xla``: ``serving.paged_attention``'s pure-JAX key loop (the reference);
-- ``cuda``: the project's CUDA kernels (``serving.attention_kernel``), where they can run;
-- ``cudnn``: prompt tiles on cuDNN flash attention (``serving.cudnn_attention``; prefill only);
+- ``xla``: ``serving.attention.paged_attention``'s pure-JAX key loop (the reference);
+- ``cuda``: the project's CUDA kernels (``serving.attention.attention_kernel``), where they can run;
+- ``cudnn``: prompt tiles on cuDNN flash attention (``serving.attention.cudnn_attention``; prefill
+only);
 - ``pallas``: JAX's ``jax.experimental.pallas.ops.gpu.paged_attention`` (decode only, GPUs only;
   its cache layout ``[KVH, NB, BS, D]`` and pre-scaled queries are built before the clock
   starts; it holds a second copy of the cache in that layout).

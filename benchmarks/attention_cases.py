@@ -85,7 +85,7 @@ def make_inputs(case: Case, a: argparse.Namespace, seed: int) -> dict[str, Any]:
 
 def unavailable(impl: str, case: Case, a: argparse.Namespace, platform: str) -> str | None:
     """Why ``impl`` cannot run ``case`` here (None where it can)."""
-    from jax_tokenweave.serving import attention_kernel, cudnn_attention
+    from jax_tokenweave.serving.attention import attention_kernel, cudnn_attention
 
     if impl in ("cuda", "cudnn"):
         why = attention_kernel.unavailable_reason(
@@ -128,7 +128,7 @@ def chained(step: Any, inner: int, donate: bool) -> Any:
 def step_fn(impl: str, a: argparse.Namespace, tile: int) -> Any:
     """One call of ``impl`` as ``step(q, k, v, tables, positions) -> (out, k, v)``. Decode
     rows run as in the engine's decode-only step (every row live: the ``tight`` grid)."""
-    from jax_tokenweave.serving.paged_attention import paged_attention
+    from jax_tokenweave.serving.attention.paged_attention import paged_attention
 
     if impl != "pallas":
         return lambda q, k, v, t, p: paged_attention(

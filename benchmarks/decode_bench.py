@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
+from jax_tokenweave.serving.attention.paged_attention import ATTENTION_IMPLS
 
 ENGINE_OPTIONS = ("block_size", "prefill_tile", "key_chunk", "max_num_batched_tokens")
 DEFAULTS = {
@@ -328,8 +328,8 @@ def run_point(
 
 def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
     """The decode step's layout (rows, whether split) and the attention it resolves to."""
-    from jax_tokenweave.serving.batch import make_layout
     from jax_tokenweave.serving.buckets import decode_rows
+    from jax_tokenweave.serving.runner.batch import make_layout
 
     cfg = engine.config
     rows = decode_rows(batch, cfg.prefill_tile)

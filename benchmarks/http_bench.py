@@ -265,7 +265,7 @@ def run_inprocess(
         from flax import nnx
 
         from jax_tokenweave.models.llama import LlamaModel
-        from jax_tokenweave.serving.llm import make_mesh
+        from jax_tokenweave.serving.offline.llm import make_mesh
 
         config = bm.load_config(a.random, a.layers)
         model = LlamaModel(
@@ -383,7 +383,7 @@ def _vocab(a: argparse.Namespace) -> int:
     """The model's vocabulary size, without starting JAX (config.json or the named config)."""
     if a.model:
         from jax_tokenweave.hf.config import load_hf_config
-        from jax_tokenweave.serving.resolve import checkpoint_dir
+        from jax_tokenweave.serving.offline.resolve import checkpoint_dir
 
         return load_hf_config(checkpoint_dir(a.model)).config.vocab_size
     from jax_tokenweave.models.configs import get_config

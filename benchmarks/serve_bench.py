@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from jax_tokenweave.bench import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
+from jax_tokenweave.serving.attention.paged_attention import ATTENTION_IMPLS
 
 workloads = bm.sibling_module(__file__, "serve_workloads")
 serve_report = bm.sibling_module(__file__, "serve_report")
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization",
         type=bm.positive_float,
         help="size the KV cache as LLM does: this share of each device's memory less the "
-        "weights and an activation reserve (serving.resolve.cache_blocks)",
+        "weights and an activation reserve (serving.offline.resolve.cache_blocks)",
     )
     p.add_argument(
         "--no-command-buffers",
@@ -227,7 +227,7 @@ def serve(engine: Any, requests: list[dict[str, Any]], workload: str, desc: str)
 def kv_blocks(args: argparse.Namespace, model: Any, max_model_len: int) -> tuple[int, str]:
     """The KV cache's blocks (the same for every engine) and how they were sized."""
     from jax_tokenweave.serving import EngineConfig
-    from jax_tokenweave.serving.resolve import cache_blocks
+    from jax_tokenweave.serving.offline.resolve import cache_blocks
 
     if args.num_blocks:
         return args.num_blocks, "--num-blocks"

@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "RopeScaling": "jax_tokenweave.config",
     "get_config": "jax_tokenweave.models.configs",
     "from_pretrained": "jax_tokenweave.models.auto",
-    "LLM": "jax_tokenweave.serving.llm",
+    "LLM": "jax_tokenweave.serving.offline.llm",
     "SamplingParams": "jax_tokenweave.serving.sampling_params",
 }
 

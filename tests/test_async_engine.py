@@ -19,7 +19,7 @@ from testutil import SMALL_ENGINE
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
-from jax_tokenweave.serving.scheduler import Request, Scheduler
+from jax_tokenweave.serving.scheduling.scheduler import Request, Scheduler
 
 CFG = SMALL_ENGINE  # the engine sizes these files share (testutil)
 
@@ -131,7 +131,7 @@ def test_async_equals_sync(model, rng):
 def test_no_block_reused_while_a_step_writing_it_is_in_flight(model, rng):
     """Every allocation avoids the blocks of the steps dispatched and not yet taken (their
     requests' blocks when dispatched); stops and aborts make the frees wait a step. (A
-    preempted request's blocks are freed at once: docs/SERVING.md#servingscheduler.)"""
+    preempted request's blocks are freed at once: docs/SERVING.md#servingschedulingscheduler.)"""
     engine = LLMEngine(model, dataclasses.replace(CFG, num_blocks=24))
     in_flight: dict[int, set[int]] = {}
     dispatch, take = engine.runner.dispatch, engine._take_oldest

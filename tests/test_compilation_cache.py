@@ -18,7 +18,7 @@ from testutil import fresh_process_jax_cache
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
-from jax_tokenweave.serving import executable_cache as exe_cache
+from jax_tokenweave.serving.compilation import executable_cache as exe_cache
 
 CFG = EngineConfig(
     max_num_batched_tokens=16,

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_tokenweave.serving import cudnn_attention
-from jax_tokenweave.serving.paged_attention import resolve_implementation
+from jax_tokenweave.serving.attention import cudnn_attention
+from jax_tokenweave.serving.attention.paged_attention import resolve_implementation
 
 
 def _stand_in(q, k, v, q_len, kv_len, *, causal, scale, table=None):
@@ -138,7 +138,7 @@ def test_warmup_runs_each_prompt_layout_once_on_cudnn(monkeypatch, attention):
         max_model_len=48,
         compilation_cache_dir=None,
     )
-    from jax_tokenweave.serving import warmup
+    from jax_tokenweave.serving.runner import warmup
 
     engine = LLMEngine(model, cfg)
     runner = engine.runner

@@ -96,3 +96,22 @@ def test_the_per_rank_prefill_attention_moved_to_nn_prefill():
 
     with pytest.warns(DeprecationWarning, match=r"stack\.PrefillAttention is deprecated: use "):
         assert stack.PrefillAttention is prefill.PrefillAttentionRank
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("blocks", "scheduling.blocks"),
+        ("compile_count", "compilation.compile_count"),
+        ("engine", "core.engine"),
+        ("llm", "offline.llm"),
+        ("oneshot", "offline.oneshot"),
+    ],
+)
+def test_serving_modules_moved_into_rooms_warn_and_are_the_new_modules(monkeypatch, old, new):
+    """0.4.0 grouped ``serving`` into rooms; the old paths of the modules that hold public names
+    warn and are the new modules until 0.5.0 (CHANGELOG.md, Deprecated)."""
+    monkeypatch.delitem(sys.modules, f"jax_tokenweave.serving.{old}", raising=False)
+    with pytest.warns(DeprecationWarning, match=rf"serving\.{old} is deprecated: it moved to"):
+        module = importlib.import_module(f"jax_tokenweave.serving.{old}")
+    assert module is importlib.import_module(f"jax_tokenweave.serving.{new}")

@@ -24,7 +24,9 @@ from hf_testutil import (
     save_checkpoint,
 )
 
-from jax_tokenweave.serving import LLM, LLMEngine, SamplingParams, llm_setup, memory, resolve
+from jax_tokenweave.serving import LLM, LLMEngine, SamplingParams
+from jax_tokenweave.serving.offline import llm_setup
+from jax_tokenweave.serving.runner import memory
 
 import_or_skip("torch")
 import_or_skip("transformers")
@@ -64,7 +66,7 @@ def small_device(monkeypatch):
     device = jax.devices()[0]
     per_block = 2 * 2 * 4 * 4 * 8 * 4  # K and V, 2 layers, 4 positions, 4 kv heads x 8, f32
     shapes = types.SimpleNamespace(hidden_size=64, intermediate_size=128, vocab_size=256)
-    working = resolve.activation_reserve(shapes, 32, 1)
+    working = memory.activation_reserve(shapes, 32, 1)
     limit = live_bytes(device) + working + ROOM_BLOCKS * per_block
 
     def stats(devices):

@@ -1,6 +1,6 @@
-"""The executable cache (``serving.executable_cache``): a second engine of the same model, in
-this process or a new one, loads every step program from disk (no tracing, no compiling) and
-makes the same tokens; anything that changes the program changes the key; a corrupt file is
+"""The executable cache (``serving.compilation.executable_cache``): a second engine of the same
+model, in this process or a new one, loads every step program from disk (no tracing, no compiling)
+and makes the same tokens; anything that changes the program changes the key; a corrupt file is
 ignored with a warning and recompiled; None turns the cache off. The file handling (atomic
 writes, checksums, a backend that cannot serialize) is tested with a fake serializer."""
 
@@ -21,14 +21,9 @@ from testutil import engine_in_new_process, fresh_process_jax_cache
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
-from jax_tokenweave.serving import (
-    EngineConfig,
-    LLMEngine,
-    SamplingParams,
-    count_compilations,
-    executable_key,
-)
-from jax_tokenweave.serving import executable_cache as ec
+from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams, count_compilations
+from jax_tokenweave.serving.compilation import executable_cache as ec
+from jax_tokenweave.serving.compilation import executable_key
 from jax_tokenweave.weave.tuning import TuneEntry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,7 +320,7 @@ def test_a_new_process_loads_every_layout_from_disk(tmp_path):
 def test_an_xla_cpu_program_from_jax_persistent_cache_is_not_stored(tmp_path):
     """Serialized a second time, such a program loads and then fails at its first run
     ("Function ... not found"): compile_to_store says so, and the engine does not store it."""
-    from jax_tokenweave.serving.compilation_cache import use_compilation_cache
+    from jax_tokenweave.serving.compilation.compilation_cache import use_compilation_cache
 
     use_compilation_cache(tmp_path / "jax")
     fn = jax.jit(lambda x: jnp.concatenate([jnp.sin(x), x[::-1]]) @ x.T)
@@ -344,8 +339,8 @@ def test_large_decode_steps_compile_with_split_k_off(model, tmp_path, monkeypatc
     """Decode-only steps of at least ``UNSPLIT_K_MIN_ROWS`` rows compile with XLA's split-K
     rewrite off (and their key says so); steps with prompt chunks and smaller decode steps keep
     XLA's defaults. Either way the engine makes the same tokens."""
-    from jax_tokenweave.serving import runner as runner_module
-    from jax_tokenweave.serving import step
+    from jax_tokenweave.serving.runner import runner as runner_module
+    from jax_tokenweave.serving.runner import step
 
     assert step.xla_knows(step.UNSPLIT_K_OPTION)
     assert not step.xla_knows("xla_gpu_no_such_option")
@@ -409,3 +404,16 @@ def test_a_communicator_identity_names_what_it_connects(cpu_mesh):
     # No fused kernel on CPUs (nor with collective="xla", nor baseline): no communicator.
     weave = dataclasses.replace(CFG, schedule="weave", collective="auto")
     assert ec.step_communicators(mesh, "tp", weave) == {}
+
+
+def test_source_hash_reads_the_whole_package(monkeypatch):
+    """The key's source hash covers every module of the package, not only ``serving``'s."""
+    import jax_tokenweave
+
+    roots: list[Path] = []
+    rglob = Path.rglob
+    monkeypatch.setattr(
+        Path, "rglob", lambda self, pattern: roots.append(self) or rglob(self, pattern)
+    )
+    executable_key.source_hash()
+    assert roots == [Path(jax_tokenweave.__file__).resolve().parent]

@@ -19,10 +19,10 @@ from jax_tokenweave.nn.decoder import WeaveDecoder
 from jax_tokenweave.nn.forward import ForwardOptions, forward_options
 from jax_tokenweave.nn.prefill import PrefillAttention
 from jax_tokenweave.serving import EngineConfig
-from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving import step as step_lib
-from jax_tokenweave.serving.paged_attention import PagedAttention
-from jax_tokenweave.serving.runner import ModelRunner
+from jax_tokenweave.serving.attention.paged_attention import PagedAttention
+from jax_tokenweave.serving.runner import batch as batch_lib
+from jax_tokenweave.serving.runner import step as step_lib
+from jax_tokenweave.serving.runner.runner import ModelRunner
 from jax_tokenweave.weave.plan import plan_batch
 from jax_tokenweave.weave.tuning import TuneEntry
 

@@ -9,11 +9,11 @@ import dataclasses
 
 import pytest
 
-from jax_tokenweave.serving.blocks import BlockAllocator, OutOfBlocksError
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.prefix_cache import block_hashes
 from jax_tokenweave.serving.sampling_params import SamplingParams
-from jax_tokenweave.serving.scheduler import Request, Scheduler
+from jax_tokenweave.serving.scheduling.blocks import BlockAllocator, OutOfBlocksError
+from jax_tokenweave.serving.scheduling.prefix_cache import block_hashes
+from jax_tokenweave.serving.scheduling.scheduler import Request, Scheduler
 
 CFG = EngineConfig(
     max_num_batched_tokens=32,

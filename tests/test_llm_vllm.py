@@ -23,7 +23,9 @@ from hf_testutil import (
 )
 
 from jax_tokenweave.hf.errors import CheckpointError
-from jax_tokenweave.serving import LLM, EngineConfig, RequestFailed, SamplingParams, resolve
+from jax_tokenweave.serving import LLM, EngineConfig, RequestFailed, SamplingParams
+from jax_tokenweave.serving.offline import resolve
+from jax_tokenweave.serving.runner import memory
 
 import_or_skip("torch")
 import_or_skip("transformers")
@@ -204,13 +206,13 @@ def test_cache_blocks_from_device_memory():
         vocab_size=128256,
     )
     engine = EngineConfig(max_model_len=8192, max_num_batched_tokens=8192, block_size=16)
-    per_block = resolve.block_bytes(config, 16, 1, jnp.bfloat16)
+    per_block = memory.block_bytes(config, 16, 1, jnp.bfloat16)
     assert per_block == 2 * 32 * 16 * 8 * 128 * 2  # 2 MiB
     gpu = types.SimpleNamespace(
         memory_stats=lambda: {"bytes_limit": 100 << 30, "bytes_in_use": 16 << 30}
     )
     blocks = resolve.cache_blocks([gpu], config, engine, jnp.bfloat16, 0.9)
-    reserve = resolve.activation_reserve(config, 8192, 1)
+    reserve = memory.activation_reserve(config, 8192, 1)
     assert blocks == (int(0.9 * (100 << 30)) - (16 << 30) - reserve) // per_block
     assert resolve.cache_blocks([gpu], config, engine, jnp.bfloat16, 0.5) < blocks
     with pytest.raises(ValueError, match="raise gpu_memory_utilization"):

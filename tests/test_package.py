@@ -154,6 +154,89 @@ def test_imports_run_one_way():
     ]
 
 
+# Inside ``serving``, its rooms (subpackages) and the modules at its top, bottom to top (docs/
+# ARCHITECTURE.md, "Imports run one way"): a room imports only rooms of a lower rank; equal
+# ranks do not import each other. ``serving/__init__`` gathers the public names of all of them.
+SERVING_LAYERS: dict[str, int] = {
+    "checks": 0,  # argument checks
+    "buckets": 0,  # shape buckets
+    "outputs": 0,  # RequestOutput, StreamDelta, ...: what a request gives back
+    "sampling_params": 1,  # SamplingParams
+    "attention": 1,  # paged attention, its backends (CUDA, cuDNN, XLA), the cache arrays
+    "sampling": 2,  # sampling maths, logits processors, prompt log-probabilities
+    "compilation": 2,  # the compilation and executable caches, compile counts
+    "config": 3,  # EngineConfig
+    "scheduling": 4,  # scheduler, request state, KV blocks, prefix cache (host side)
+    "runner": 5,  # ModelRunner: the step's layout, forward and sampler programs, warm-up, memory
+    "core": 6,  # LLMEngine: the step loop, its request side, deltas, stats
+    "offline": 7,  # LLM, its set-up, prompt forms, generate_ids
+    "cli": 8,  # what the command lines share
+}
+SERVING_MOVED = {
+    "blocks": "scheduling.blocks",
+    "compile_count": "compilation.compile_count",
+    "engine": "core.engine",
+    "llm": "offline.llm",
+    "oneshot": "offline.oneshot",
+}
+"""Old paths of modules that hold public names, kept for one release (0.5.0 removes them): each
+file only calls ``moved_module``."""
+
+
+def room_of(module: str) -> str | None:
+    """``jax_tokenweave.serving.runner.step`` -> ``runner`` (None outside ``serving`` and for
+    ``serving/__init__``)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "serving" else None
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The edges of ``graph`` between rooms of ``serving`` from one to a room of the same or a
+    higher rank (:data:`SERVING_LAYERS`; the old paths above them all)."""
+    ranks = SERVING_LAYERS | dict.fromkeys(SERVING_MOVED, max(SERVING_LAYERS.values()) + 1)
+    wrong = []
+    for a, targets in graph.items():
+        for b in targets:
+            ra, rb = room_of(a), room_of(b)
+            if ra and rb and ra != rb and ranks[ra] <= ranks[rb]:
+                wrong.append(f"{a} -> {b}")
+    return sorted(wrong)
+
+
+def test_serving_rooms_are_the_listed_ones():
+    serving = PACKAGE / "serving"
+    found = {p.stem for p in serving.glob("*.py") if p.stem != "__init__"}
+    found |= {p.name for p in serving.iterdir() if (p / "__init__.py").is_file()}
+    assert found == set(SERVING_LAYERS) | set(SERVING_MOVED), found ^ set(SERVING_LAYERS)
+    for old, new in SERVING_MOVED.items():
+        text = (serving / f"{old}.py").read_text()
+        assert f'moved_module(__name__, "jax_tokenweave.serving.{new}")' in text, old
+        assert (serving / f"{new.replace('.', '/')}.py").is_file(), new
+
+
+def test_serving_imports_run_one_way():
+    """attention, sampling_params <- sampling, compilation <- config <- scheduling <- runner <-
+    core <- offline <- cli (:data:`SERVING_LAYERS`)."""
+    graph = import_graph()
+    wrong = room_violations(graph)
+    assert not wrong, "imports against serving's rooms:\n" + "\n".join(wrong)
+    assert graph["jax_tokenweave.serving.core.engine"] >= {
+        "jax_tokenweave.serving.runner.runner",
+        "jax_tokenweave.serving.scheduling.scheduler",
+    }
+    assert room_violations(
+        {
+            "jax_tokenweave.serving.attention.paged_cache": {"jax_tokenweave.serving.config"},
+            "jax_tokenweave.serving.runner.step": {"jax_tokenweave.serving.runner.batch"},
+            "jax_tokenweave.serving.sampling.sampling": {"jax_tokenweave.serving.compilation.x"},
+            "jax_tokenweave.serving.core.engine": {"jax_tokenweave.serving.runner.runner"},
+        }
+    ) == [
+        "jax_tokenweave.serving.attention.paged_cache -> jax_tokenweave.serving.config",
+        "jax_tokenweave.serving.sampling.sampling -> jax_tokenweave.serving.compilation.x",
+    ]
+
+
 def test_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
@@ -201,7 +284,7 @@ def test_extra_modules_are_confined():
     """Only the modules of :data:`EXTRA_MODULES` get an extra's packages: the serving engine
     itself imports none of them."""
     assert extras_of("jax_tokenweave.serve.app") == {"serve"}
-    assert extras_of("jax_tokenweave.serving.llm") == set()
+    assert extras_of("jax_tokenweave.serving.offline.llm") == set()
     assert extras_of("jax_tokenweave.server") == set()
 
 

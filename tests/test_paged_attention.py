@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jax_tokenweave.nn.attention import reference_attention
-from jax_tokenweave.serving import attention_kernel
-from jax_tokenweave.serving.paged_attention import PagedAttentionRank, paged_attention
+from jax_tokenweave.serving.attention import attention_kernel
+from jax_tokenweave.serving.attention.paged_attention import PagedAttentionRank, paged_attention
 from jax_tokenweave.weave.plan import plan_batch
 
 NB, BS, KVH, HQ, D = 12, 4, 2, 4, 8

@@ -14,8 +14,8 @@ from conftest import gpu_devices
 from flax import nnx
 
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.serving import attention_kernel, cudnn_attention
-from jax_tokenweave.serving.paged_attention import paged_attention, resolve_implementation
+from jax_tokenweave.serving.attention import attention_kernel, cudnn_attention
+from jax_tokenweave.serving.attention.paged_attention import paged_attention, resolve_implementation
 
 needs_kernel = pytest.mark.skipif(
     not gpu_devices()
@@ -413,8 +413,8 @@ def test_split_step_updates_the_cache_in_place(impl):
     from jax_tokenweave.models.configs import get_config
     from jax_tokenweave.models.llama import LlamaModel
     from jax_tokenweave.serving import EngineConfig, LLMEngine
-    from jax_tokenweave.serving import batch as batch_lib
-    from jax_tokenweave.serving.step import jitted_forward
+    from jax_tokenweave.serving.runner import batch as batch_lib
+    from jax_tokenweave.serving.runner.step import jitted_forward
 
     config = get_config("tiny", head_dim=128, num_heads=8, num_kv_heads=2, hidden_size=256)
     mesh = Mesh(np.array(gpu_devices()[:1]), ("tp",))

@@ -1,7 +1,7 @@
 """vLLM's penalties, ``logit_bias`` and ``min_tokens`` applied on the device
-(``serving.processors``): the processed logits against a NumPy reference of vLLM's formulas,
-greedy decoding with them against ``transformers``' logits processed by that reference, the
-same tokens with async scheduling on and off and whatever a request is batched with (a slot
+(``serving.sampling.processors``): the processed logits against a NumPy reference of vLLM's
+formulas, greedy decoding with them against ``transformers``' logits processed by that reference,
+the same tokens with async scheduling on and off and whatever a request is batched with (a slot
 reused after a biased request carries nothing over), and no compilation after warm-up when
 their values change."""
 
@@ -21,7 +21,8 @@ from hf_testutil import (
 )
 from vllm_reference import reference_greedy, vllm_processed
 
-from jax_tokenweave.serving import LLM, SamplingParams, count_compilations, processors
+from jax_tokenweave.serving import LLM, SamplingParams, count_compilations
+from jax_tokenweave.serving.sampling import processors
 
 torch = import_or_skip("torch")
 import_or_skip("transformers")

@@ -14,7 +14,7 @@ from testutil import rel_err
 
 from jax_tokenweave.config import RopeScaling
 from jax_tokenweave.nn import attention as attn_lib
-from jax_tokenweave.serving import attention_kernel, paged_cache
+from jax_tokenweave.serving.attention import attention_kernel, paged_cache
 
 pytestmark = [
     pytest.mark.gpu,

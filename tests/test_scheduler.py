@@ -10,12 +10,12 @@ import pytest
 
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.models.configs import get_config
-from jax_tokenweave.serving.batch import make_layout, pack
-from jax_tokenweave.serving.blocks import BlockAllocator, OutOfBlocksError
 from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_pow2, step_rows
 from jax_tokenweave.serving.config import EngineConfig
+from jax_tokenweave.serving.runner.batch import make_layout, pack
 from jax_tokenweave.serving.sampling_params import SamplingParams
-from jax_tokenweave.serving.scheduler import Chunk, Request, ScheduledStep, Scheduler
+from jax_tokenweave.serving.scheduling.blocks import BlockAllocator, OutOfBlocksError
+from jax_tokenweave.serving.scheduling.scheduler import Chunk, Request, ScheduledStep, Scheduler
 
 CFG = EngineConfig(
     max_num_batched_tokens=32,

@@ -25,9 +25,9 @@ from jax_tokenweave.serving import (
     count_compilations,
     generate_ids,
 )
-from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving.sampling import sample
-from jax_tokenweave.serving.step import jitted_forward
+from jax_tokenweave.serving.runner import batch as batch_lib
+from jax_tokenweave.serving.runner.step import jitted_forward
+from jax_tokenweave.serving.sampling.sampling import sample
 from jax_tokenweave.testing.reference import reference_logits
 
 # 32-row steps in tiles of 8 (buckets 8/16/32 rows, decode segments of 0/8 rows): few programs.

@@ -1,5 +1,5 @@
-"""The forward's inputs and logits at fixed addresses (``serving.step_io``): the packed inputs
-come back field by field, only the staging copy reads the buffers that change every step, and
+"""The forward's inputs and logits at fixed addresses (``serving.runner.step_io``): the packed
+inputs come back field by field, only the staging copy reads the buffers that change every step, and
 the donated buffers are the program's outputs."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from flax import nnx
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.serving import EngineConfig, LLMEngine, SamplingParams
-from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving.step import jitted_forward_replayed
-from jax_tokenweave.serving.step_io import (
+from jax_tokenweave.serving.runner import batch as batch_lib
+from jax_tokenweave.serving.runner.step import jitted_forward_replayed
+from jax_tokenweave.serving.runner.step_io import (
     INPUT_FIELDS,
     input_size,
     new_io,

@@ -139,7 +139,7 @@ def fresh_process_jax_cache(monkeypatch) -> Iterator[None]:
     restored afterwards (tests run with the cache off: conftest.py)."""
     from jax.experimental.compilation_cache import compilation_cache as cc
 
-    from jax_tokenweave.serving import compilation_cache as engine_cache
+    from jax_tokenweave.serving.compilation import compilation_cache as engine_cache
 
     saved = {name: getattr(jax.config, name) for name in CACHE_SETTINGS}
     monkeypatch.setattr(engine_cache, "_ours", None)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_tokenweave.bench import benchmarking as bm
-from jax_tokenweave.serving import attention_kernel
+from jax_tokenweave.serving.attention import attention_kernel
 
 BENCH = Path(__file__).resolve().parents[1]
 _gpu_clocks = bm.sibling_module(str(BENCH / "gpu_clocks.py"), "gpu_clocks")

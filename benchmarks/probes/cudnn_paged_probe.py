@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_tokenweave.serving import attention_kernel, cudnn_attention
+from jax_tokenweave.serving.attention import attention_kernel, cudnn_attention
 
 HQ, KVH, D, BS = 32, 8, 128, 16
 SCALE = D**-0.5

@@ -65,7 +65,7 @@ def variant(engine: Any, name: str) -> None:
     if name == "no_prev":
         runner.dispatch = lambda scheduled, arrays, previous=None: dispatch(scheduled, arrays)
     elif name == "no_d2h":
-        from jax_tokenweave.serving.runner import InFlight
+        from jax_tokenweave.serving.runner.runner import InFlight
 
         def no_copy(scheduled: Any, arrays: Any, previous: Any = None) -> Any:
             layout, host = arrays
@@ -101,7 +101,7 @@ def main() -> None:
         for _ in range(a.warm_steps):
             engine.step()
         spent: dict[str, list[float]] = collections.defaultdict(list)
-        from jax_tokenweave.serving import runner as runner_module
+        from jax_tokenweave.serving.runner import runner as runner_module
 
         variant(engine, os.environ.get("PROBE_VARIANT", "default"))
 

@@ -194,7 +194,7 @@ class Communicator:
         """What this communicator connects: the mesh's axes and device ids, the axis, the
         settings, this process's index. A compiled call of the fused kernel names its
         communicator by :attr:`comm_id`, which counts up from 1 in each process:
-        ``serving.executable_cache`` keys stored programs by id and identity, so a later
+        ``serving.compilation.executable_cache`` keys stored programs by id and identity, so a later
         process loads them only where the same id names the same communicator."""
         devices = [d.id for d in self.mesh.devices.flat]
         return repr(

@@ -2,8 +2,8 @@
 
 ``WeaveDecoder.__call__`` (the bare stack, the benchmarks) and the serving step run the model
 through it with an attention (:class:`StackAttention`: ``nn.prefill.PrefillAttention`` or
-``serving.paged_attention.PagedAttention``) and one :class:`ForwardOptions`. It checks the call,
-configures the schedule (``weave.schedules.stack_setup``), resolves the attention's
+``serving.attention.paged_attention.PagedAttention``) and one :class:`ForwardOptions`. It checks the
+call, configures the schedule (``weave.schedules.stack_setup``), resolves the attention's
 implementation, and runs the layer loop (``nn.stack.run_stack``) per rank in one
 ``jax.shard_map``. See docs/WEAVE.md#nnforward.
 """

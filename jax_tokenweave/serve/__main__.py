@@ -102,7 +102,7 @@ def load(args: argparse.Namespace) -> Any:
     from flax import nnx
 
     from jax_tokenweave.models.llama import LlamaModel
-    from jax_tokenweave.serving.llm import make_mesh
+    from jax_tokenweave.serving.offline.llm import make_mesh
 
     config = cli.load_config(args.random, args.layers)
     dtype = jnp.bfloat16 if kw["dtype"] == "auto" else kw["dtype"]

@@ -183,7 +183,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 def known_errors() -> tuple[type[BaseException], ...]:
     """The errors a command line reports in one line: bad checkpoints and configs, bad
     arguments (``ValueError``), missing files, a failed request."""
-    from jax_tokenweave.serving.llm import RequestFailed
+    from jax_tokenweave.serving.offline.llm import RequestFailed
 
     return (ValueError, OSError, RequestFailed)
 
@@ -282,7 +282,7 @@ def add_kv_cache_options(p: argparse.ArgumentParser) -> None:
 
 def llm_kwargs(args: argparse.Namespace, engine_options: tuple[str, ...]) -> dict[str, Any]:
     """``LLM(...)`` keywords of :func:`add_llm_options`' options."""
-    from jax_tokenweave.serving.resolve import TORCH_DTYPES
+    from jax_tokenweave.serving.offline.resolve import TORCH_DTYPES
 
     kw: dict[str, Any] = {
         name: getattr(args, name) for name in engine_options if getattr(args, name) is not None

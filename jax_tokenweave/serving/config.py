@@ -7,9 +7,9 @@ import os
 
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving import checks
+from jax_tokenweave.serving.attention.paged_attention import ATTENTION_IMPLS
 from jax_tokenweave.serving.buckets import decode_rows
-from jax_tokenweave.serving.compilation_cache import DEFAULT_DIR
-from jax_tokenweave.serving.paged_attention import ATTENTION_IMPLS
+from jax_tokenweave.serving.compilation.compilation_cache import DEFAULT_DIR
 from jax_tokenweave.weave.schedules import COLLECTIVES
 from jax_tokenweave.weave.tuning import TuneEntry
 
@@ -25,14 +25,14 @@ class EngineConfig:
     docs/SERVING.md#servingconfigengineconfig.
     """
 
-    # Step composition (serving.scheduler).
+    # Step composition (serving.scheduling.scheduler).
     # The token budget of one step, in rows of the packed batch (decode tokens, prompt chunks
     # and their padding); a multiple of prefill_tile.
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256  # requests running at once (each decodes one token per step)
     # Positions per request (prompt + new tokens); the block tables are that long.
     max_model_len: int = 8192
-    # Paged KV cache (serving.paged_cache).
+    # Paged KV cache (serving.attention.paged_cache).
     block_size: int = 16  # positions per block
     num_blocks: int = 4096  # blocks in all (each layer, each rank its kv heads)
     # "on_demand": a request gets a block when its last one fills; where none is free the
@@ -40,11 +40,12 @@ class EngineConfig:
     # "reserve": a request is admitted with every block it may need (prompt + max_tokens).
     kv_allocation: str = "on_demand"
     # Full blocks stay cached under the hash of their prefix; a request reuses the cached
-    # blocks of its longest cached prefix (serving.prefix_cache). vLLM's name.
+    # blocks of its longest cached prefix (serving.scheduling.prefix_cache). vLLM's name.
     enable_prefix_caching: bool = True
     # Prompt chunks start on multiples of this many rows and attend to the cache in tiles of
     # this many queries (a power of two). 128: cuDNN's prompt attention runs at about 500
-    # TFLOP/s on an H200 with tiles of 128 rows, 255 with tiles of 64 (serving.cudnn_attention).
+    # TFLOP/s on an H200 with tiles of 128 rows, 255 with tiles of 64
+    # (serving.attention.cudnn_attention).
     prefill_tile: int = 128
     # Keys per step of the pure-JAX attention's online-softmax loop (a multiple of
     # block_size); the CUDA kernels choose their own.
@@ -59,24 +60,25 @@ class EngineConfig:
     # The fused kernel's CTA counts and the split offset for every step (None: the tuning
     # table's entry for the step's size).
     tuning: TuneEntry | None = None
-    # The paged-attention kernel (serving.paged_attention.ATTENTION_IMPLS): "auto" (the CUDA
-    # kernel where the extension is built and the mesh is on GPUs, else the pure-JAX loop),
+    # The paged-attention kernel (serving.attention.paged_attention.ATTENTION_IMPLS): "auto" (the
+    # CUDA kernel where the extension is built and the mesh is on GPUs, else the pure-JAX loop),
     # "cuda" or "xla".
     attention: str = "auto"
     max_logprobs: int = 20  # the most top log-probabilities a request may ask for
-    # The most tokens one request may bias (serving.processors): its logit_bias entries, plus
-    # its stop and EOS ids while min_tokens holds them back.
+    # The most tokens one request may bias (serving.sampling.processors): its logit_bias entries,
+    # plus its stop and EOS ids while min_tokens holds them back.
     max_biased_tokens: int = 512
     seed: int = 0  # seeds the requests that bring none
     # Schedule and dispatch step n+1 before step n's tokens reach the host (its decodes take
-    # them on the device); False: one step at a time (serving.engine). Same tokens either way.
+    # them on the device); False: one step at a time (serving.core.engine). Same tokens either way.
     async_scheduling: bool = True
     # Decode-only steps replay from XLA's command buffers (CUDA graphs on GPUs;
-    # serving.step_io); False: XLA launches their kernels one by one.
+    # serving.runner.step_io); False: XLA launches their kernels one by one.
     command_buffers: bool = True
-    # JAX's persistent compilation cache for the engine's programs (serving.compilation_cache:
-    # a user-set JAX cache directory wins) and, in its executables/, the step programs
-    # themselves (serving.executable_cache: a restart skips tracing and compiling); None: none.
+    # JAX's persistent compilation cache for the engine's programs
+    # (serving.compilation.compilation_cache: a user-set JAX cache directory wins) and, in its
+    # executables/, the step programs themselves (serving.compilation.executable_cache: a restart
+    # skips tracing and compiling); None: none.
     compilation_cache_dir: str | None = DEFAULT_DIR
 
     def __post_init__(self) -> None:

@@ -3,7 +3,8 @@
 One FFI custom call, ``tokenweave_paged_attention``, per attention segment, per rank (inside
 ``shard_map``): ``tile == 1`` a split-K decode kernel, ``tile > 1`` a tensor-core flash-attention
 kernel. Block tables and positions are read on the device (command buffers capture the call); the
-caches come back aliased to their inputs. Kernel design: docs/SERVING.md#servingattention_kernel.
+caches come back aliased to their inputs. Kernel design:
+docs/SERVING.md#servingattentionattention_kernel.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def paged_attention(
     scale: float,
     tight: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``serving.paged_attention.paged_attention`` on the CUDA kernels (module docstring).
+    """``serving.attention.paged_attention.paged_attention`` on the CUDA kernels (module docstring).
 
     ``q`` [G * tile, Hq, D]; ``k_cache``, ``v_cache`` [NB, BS, KVH, D] (q's dtype); ``tables``
     int32 [G, W]; ``positions`` int32 [G * tile] (decode rows: < 0 for padding). Returns

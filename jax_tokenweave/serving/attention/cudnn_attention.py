@@ -5,7 +5,7 @@ prefix, so each tile attends in two calls merged by log-sum-exp: its **prefix** 
 first row, paged, padding mask only) and its **diagonal** (its own keys, gathered by slot, a
 causal square). 128-row tiles run at about 500 TFLOP/s on an H200, against 210 for the mma.sync
 tile kernel. JAX's public paged entry refuses a cache larger than ``batch x table width``; this
-module calls the private one. Design and figures: docs/SERVING.md#servingcudnn_attention.
+module calls the private one. Design and figures: docs/SERVING.md#servingattentioncudnn_attention.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 :func:`paged_attention` takes queries in groups of ``tile`` rows of one request (a decode token: a
 group of one), each group with its block table; a row at position ``p`` attends to its request's
 keys ``0..p``, written before the read (:class:`PagedAttention`). Implementations: ``"xla"``
-(pure-JAX online softmax, the reference), ``"cuda"`` (``serving.attention_kernel``), ``"cudnn"``
-(decode rows as ``"cuda"``, prompt tiles on cuDNN: ``serving.cudnn_attention``), ``"auto"``
-(:func:`resolve_implementation`). The caches are threaded through each read so XLA updates them in
-place. Design: docs/SERVING.md#servingpaged_attention.
+(pure-JAX online softmax, the reference), ``"cuda"`` (``serving.attention.attention_kernel``),
+``"cudnn"`` (decode rows as ``"cuda"``, prompt tiles on cuDNN:
+``serving.attention.cudnn_attention``), ``"auto"`` (:func:`resolve_implementation`). The caches are
+threaded through each read so XLA updates them in place. Design:
+docs/SERVING.md#servingattentionpaged_attention.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.config import DecoderConfig
-from jax_tokenweave.serving import attention_kernel, cudnn_attention, paged_cache
+from jax_tokenweave.serving.attention import attention_kernel, cudnn_attention, paged_cache
 from jax_tokenweave.weave.plan import Half
 
 ATTENTION_IMPLS = ("auto", "cudnn", "cuda", "xla")
@@ -156,7 +157,7 @@ def paged_attention(
 class PagedAttention:
     """A packed step's attention over the paged cache, as the serving step passes it to
     ``nn.forward.decoder_forward`` (a ``StackAttention``): its operands are the step's
-    ``positions``, ``slots`` [R] and ``tables`` [groups, W] (``serving.batch``, replicated)
+    ``positions``, ``slots`` [R] and ``tables`` [groups, W] (``serving.runner.batch``, replicated)
     and ``cache`` (sharded over kv heads); its results, the cache with the step's K/V written.
     ``decode_rows``, ``tile``: the layout's (``batch.StepLayout``).
     """
@@ -210,7 +211,7 @@ class PagedAttentionRank:
     For half ``j`` of layer ``i``: write the half's K/V into layer ``i``'s cache at the rows'
     slots, then attend (:func:`paged_attention`) with the decode rows as groups of one and the
     chunk rows as groups of ``tile``. ``k``, ``v``: the per-layer caches (updated as the layers
-    run); ``slots``, ``positions`` [R]; ``tables`` [groups, W] (``serving.batch``);
+    run); ``slots``, ``positions`` [R]; ``tables`` [groups, W] (``serving.runner.batch``);
     ``implementation``: ``"xla"``, ``"cuda"`` or ``"cudnn"`` (:func:`paged_attention`).
     """
 

@@ -3,7 +3,7 @@
 Per layer ``k``, ``v``: [num_blocks, block_size, KVH, D], ``P(None, None, axis, None)`` (each
 rank its ``KVH / N`` heads); a list of buffers, updated in place. Position ``p`` lives in block
 ``table[p // block_size]``, slot ``block * block_size + p % block_size``; unwritten positions
-are never read, so blocks are reused uncleared. See docs/SERVING.md#servingpaged_cache.
+are never read, so blocks are reused uncleared. See docs/SERVING.md#servingattentionpaged_cache.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Compiled step programs on disk (``jax.experimental.serialize_executable``), so a restart of
 the same model skips tracing, lowering and compiling: one file per program under
-``<compilation_cache_dir>/executables/``, named by its key (``serving.executable_key``). A file
-that does not match or fails to load is ignored with a warning and recompiled; writes are
+``<compilation_cache_dir>/executables/``, named by its key (``serving.compilation.executable_key``).
+A file that does not match or fails to load is ignored with a warning and recompiled; writes are
 atomic. Files are unpickled and loaded as machine code: trust the directory as the package.
-Details: docs/SERVING.md#servingexecutable_cache."""
+Details: docs/SERVING.md#servingcompilationexecutable_cache."""
 
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jax_tokenweave.serving.executable_key import describe_args as describe_args  # re-exported
-from jax_tokenweave.serving.executable_key import describe_leaf as describe_leaf
-from jax_tokenweave.serving.executable_key import environment as environment
-from jax_tokenweave.serving.executable_key import leaf_dtype, leaf_shape
-from jax_tokenweave.serving.executable_key import program_key as program_key
-from jax_tokenweave.serving.executable_key import source_hash as source_hash
+from jax_tokenweave.serving.compilation.executable_key import (
+    describe_args as describe_args,  # re-exported
+)
+from jax_tokenweave.serving.compilation.executable_key import describe_leaf as describe_leaf
+from jax_tokenweave.serving.compilation.executable_key import environment as environment
+from jax_tokenweave.serving.compilation.executable_key import leaf_dtype, leaf_shape
+from jax_tokenweave.serving.compilation.executable_key import program_key as program_key
+from jax_tokenweave.serving.compilation.executable_key import source_hash as source_hash
 
 SUBDIR = "executables"
 MAGIC = b"jax-tokenweave executable v1\n"
@@ -251,7 +253,7 @@ def register_ffi_targets() -> None:
     is built: a loaded executable calls them by name, and XLA resolves the names when it loads
     the program, which tracing (skipped on a load) would otherwise have done first."""
     from jax_tokenweave.kernel import _extension, _ffi
-    from jax_tokenweave.serving import attention_kernel
+    from jax_tokenweave.serving.attention import attention_kernel
 
     if _extension.import_error() is None:
         _ffi.register_targets()

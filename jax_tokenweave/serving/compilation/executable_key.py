@@ -1,5 +1,5 @@
-"""The executable cache's key (``serving.executable_cache``): a hash of everything that can
-change a compiled step program.
+"""The executable cache's key (``serving.compilation.executable_cache``): a hash of everything that
+can change a compiled step program.
 
 :func:`program_key` hashes the caller's description of the program (the layout, every static
 argument, the model's type, config and graph definition, the compiler options, and
@@ -95,7 +95,7 @@ def source_hash() -> str:
     CUDA extension's file where it imported."""
     from jax_tokenweave.kernel import _extension
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # jax_tokenweave/
     digest = hashlib.sha256()
     files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json") and p.is_file())
     built = _extension.get().__file__ if _extension.import_error() is None else None

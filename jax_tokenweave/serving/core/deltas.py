@@ -1,6 +1,6 @@
 """What a completed step tells each request: its :class:`StreamDelta` (the new token, its
 text and log-probabilities), the delta that ends a failed sample, and which delta is the last
-of its request. Pure functions of the engine's request records (``serving.requests``)."""
+of its request. Pure functions of the engine's request records (``serving.core.requests``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from jax_tokenweave.serving.core.requests import EngineRequest, Sample
 from jax_tokenweave.serving.outputs import StreamDelta, TokenLogprob
-from jax_tokenweave.serving.requests import EngineRequest, Sample
-from jax_tokenweave.serving.scheduler import Request
+from jax_tokenweave.serving.scheduling.scheduler import Request
 
 
 def sample_delta(

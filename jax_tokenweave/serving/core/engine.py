@@ -1,11 +1,11 @@
 """``LLMEngine``: continuous batching over a paged KV cache, one jitted step at a time.
 
-Each :meth:`LLMEngine.step` schedules a step (``serving.scheduler``), packs and dispatches it
-(``serving.runner``), takes a completed step's tokens and returns what each request gained
-(:class:`~jax_tokenweave.serving.outputs.StreamDelta`). With async scheduling (the default) it
-dispatches step n+1 before it waits for step n. The request side (checks, queue, aborts,
-outputs; callable from other threads) is ``serving.intake.RequestIntake``. A failure stays
-with its request (``finish_reason="error"``). Details: docs/SERVING.md#servingengine."""
+Each :meth:`LLMEngine.step` schedules a step (``serving.scheduling.scheduler``), packs and
+dispatches it (``serving.runner.runner``), takes a completed step's tokens and returns what each
+request gained (:class:`~jax_tokenweave.serving.outputs.StreamDelta`). With async scheduling (the
+default) it dispatches step n+1 before it waits for step n. The request side (checks, queue, aborts,
+outputs; callable from other threads) is ``serving.core.intake.RequestIntake``. A failure stays
+with its request (``finish_reason="error"``). Details: docs/SERVING.md#servingcoreengine."""
 
 from __future__ import annotations
 
@@ -19,23 +19,24 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving import checks, memory
+from jax_tokenweave.serving import checks
+from jax_tokenweave.serving.compilation.executable_cache import WarmupReport
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.deltas import (
+from jax_tokenweave.serving.core.deltas import (
     add_prompt_logprobs,
     end_delta,
     mark_last,
     sample_delta,
 )
-from jax_tokenweave.serving.executable_cache import WarmupReport
-from jax_tokenweave.serving.intake import RequestIntake
+from jax_tokenweave.serving.core.intake import RequestIntake
+from jax_tokenweave.serving.core.stats import EngineStats
 from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta
-from jax_tokenweave.serving.prefix_cache import KVCacheStats
-from jax_tokenweave.serving.runner import InFlight, ModelRunner
+from jax_tokenweave.serving.runner import batch as batch_lib
+from jax_tokenweave.serving.runner import memory
+from jax_tokenweave.serving.runner.runner import InFlight, ModelRunner
 from jax_tokenweave.serving.sampling_params import SamplingParams
-from jax_tokenweave.serving.scheduler import Request, ScheduledStep, Scheduler
-from jax_tokenweave.serving.stats import EngineStats
+from jax_tokenweave.serving.scheduling.prefix_cache import KVCacheStats
+from jax_tokenweave.serving.scheduling.scheduler import Request, ScheduledStep, Scheduler
 
 
 class LLMEngine(RequestIntake):
@@ -116,7 +117,7 @@ class LLMEngine(RequestIntake):
 
     @property
     def cache(self) -> Any:
-        """The paged KV cache (``serving.paged_cache.PagedKVCache``)."""
+        """The paged KV cache (``serving.attention.paged_cache.PagedKVCache``)."""
         return self.runner.cache
 
     @property

@@ -1,4 +1,4 @@
-"""The engine's request side, a base of ``serving.engine.LLMEngine``: checking and queueing
+"""The engine's request side, a base of ``serving.core.engine.LLMEngine``: checking and queueing
 requests (``add_request``, ``check_request``), aborting them, and reading and releasing their
 outputs. A request of ``n`` samples is ``n`` scheduler requests sharing its id. The
 scheduler and the request table are only touched under the engine's lock, so these may be
@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave.serving import checks, processors
+from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.deltas import end_delta
+from jax_tokenweave.serving.core.deltas import end_delta
+from jax_tokenweave.serving.core.requests import EngineRequest, Sample
 from jax_tokenweave.serving.outputs import (
     RequestMetrics,
     RequestOutput,
@@ -25,9 +26,9 @@ from jax_tokenweave.serving.outputs import (
     TextState,
     vllm_logprobs,
 )
-from jax_tokenweave.serving.requests import EngineRequest, Sample
+from jax_tokenweave.serving.sampling import processors
 from jax_tokenweave.serving.sampling_params import SamplingParams
-from jax_tokenweave.serving.scheduler import Request, Scheduler
+from jax_tokenweave.serving.scheduling.scheduler import Request, Scheduler
 
 
 class RequestIntake:

@@ -1,13 +1,12 @@
 """The engine's request table entries: a request of ``n`` samples, each a scheduler request
 (``scheduler.Request``) with its incremental text, log-probabilities and error
-(``serving.engine``)."""
+(``serving.core.engine``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from jax_tokenweave.serving import scheduler
 from jax_tokenweave.serving.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -15,6 +14,7 @@ from jax_tokenweave.serving.outputs import (
     TokenLogprob,
     vllm_logprobs,
 )
+from jax_tokenweave.serving.scheduling import scheduler
 
 
 @dataclasses.dataclass(eq=False)

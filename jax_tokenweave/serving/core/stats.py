@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving.scheduler import ScheduledStep
+from jax_tokenweave.serving.runner import batch as batch_lib
+from jax_tokenweave.serving.scheduling.scheduler import ScheduledStep
 
 
 @dataclasses.dataclass

@@ -4,7 +4,7 @@ model in; text or token ids in and out (``generate``, ``chat``, ``stream``, ``as
 Every argument is checked where it enters (``ValueError`` naming it). All callers' requests
 are batched together; every way out of a call (error, ``KeyboardInterrupt``, closed stream)
 aborts its requests and frees their blocks. What ``LLM(...)`` builds from its arguments is
-``serving.llm_setup``'s. Examples and details: docs/SERVING.md#servingllm."""
+``serving.offline.llm_setup``'s. Examples and details: docs/SERVING.md#servingofflinellm."""
 
 from __future__ import annotations
 
@@ -18,15 +18,18 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jax_tokenweave.serving import llm_setup, memory
-from jax_tokenweave.serving import prompts as prompt_forms
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.engine import LLMEngine
-from jax_tokenweave.serving.llm_setup import TOKENIZER_FILES as TOKENIZER_FILES  # re-exported
-from jax_tokenweave.serving.llm_setup import check_tokenizer as check_tokenizer
-from jax_tokenweave.serving.llm_setup import load_tokenizer as load_tokenizer
-from jax_tokenweave.serving.llm_setup import make_mesh as make_mesh
+from jax_tokenweave.serving.core.engine import LLMEngine
+from jax_tokenweave.serving.offline import llm_setup
+from jax_tokenweave.serving.offline import prompts as prompt_forms
+from jax_tokenweave.serving.offline.llm_setup import (
+    TOKENIZER_FILES as TOKENIZER_FILES,  # re-exported
+)
+from jax_tokenweave.serving.offline.llm_setup import check_tokenizer as check_tokenizer
+from jax_tokenweave.serving.offline.llm_setup import load_tokenizer as load_tokenizer
+from jax_tokenweave.serving.offline.llm_setup import make_mesh as make_mesh
 from jax_tokenweave.serving.outputs import RequestOutput, StreamDelta
+from jax_tokenweave.serving.runner import memory
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int] | Mapping[str, Any]

@@ -1,8 +1,8 @@
-"""How ``LLM(...)`` (``serving.llm``) turns its arguments into what it serves: the checks made
-before anything loads, the model (from a checkpoint directory or Hugging Face id, on a mesh of
+"""How ``LLM(...)`` (``serving.offline.llm``) turns its arguments into what it serves: the checks
+made before anything loads, the model (from a checkpoint directory or Hugging Face id, on a mesh of
 the first ``tensor_parallel_size`` devices), the tokenizer and the ``EngineConfig`` (the KV
 cache sized to the memory). What is derived from the checkpoint (dtype, ``max_model_len``, the
-cache's blocks) is ``serving.resolve``'s.
+cache's blocks) is ``serving.offline.resolve``'s.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_tokenweave.serving import checks, memory, processors, resolve
+from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.config import EngineConfig
+from jax_tokenweave.serving.offline import resolve
+from jax_tokenweave.serving.runner import memory
+from jax_tokenweave.serving.sampling import processors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
@@ -196,7 +199,7 @@ def engine_config(
 ) -> EngineConfig:
     """``config`` with the ``engine`` keywords on top, ``max_model_len`` checked against the
     checkpoint's limit, ``seed``, and ``num_blocks`` (unless given) sized to ``utilization``
-    of the model's devices' memory (``serving.resolve``)."""
+    of the model's devices' memory (``serving.offline.resolve``)."""
     fields = {**(config.__dict__ if config is not None else {}), **engine}
     info = getattr(model, "hf_info", None)
     limit = None if info is None else info.max_position_embeddings

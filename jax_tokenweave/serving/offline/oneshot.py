@@ -9,7 +9,7 @@ from typing import Any
 from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.buckets import next_pow2
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.engine import LLMEngine
+from jax_tokenweave.serving.core.engine import LLMEngine
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
 

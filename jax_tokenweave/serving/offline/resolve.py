@@ -3,7 +3,7 @@
 :func:`checkpoint_dir` (a directory, or a model id from the local cache: ``CheckpointError`` if
 not cached), :func:`param_dtype` (``"auto"``: the checkpoint's ``torch_dtype``),
 :func:`model_len` (``max_position_embeddings`` bounds ``max_model_len``), :func:`cache_blocks`
-(the KV cache's size from free memory). The rules: docs/SERVING.md#servingresolve.
+(the KV cache's size from free memory). The rules: docs/SERVING.md#servingofflineresolve.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jax_tokenweave.hf.errors import CheckpointError
 from jax_tokenweave.kernel._util import ceil_div
+from jax_tokenweave.serving.runner import memory
 
 CPU_CACHE_BYTES = 1 << 30
 TORCH_DTYPES = {
@@ -80,30 +81,6 @@ def model_len(max_model_len: int | None, limit: int | None, default: int) -> int
     return max_model_len
 
 
-def block_bytes(model_config: Any, block_size: int, tp: int, dtype: Any) -> int:
-    """Bytes of one KV cache block on each device (K and V of every layer, its KV heads)."""
-    heads = ceil_div(model_config.num_kv_heads, tp)
-    return (
-        2
-        * model_config.num_layers
-        * block_size
-        * heads
-        * model_config.head_dim
-        * jnp.dtype(dtype).itemsize
-    )
-
-
-def activation_reserve(model_config: Any, tokens: int, tp: int) -> int:
-    """A generous bound on one step's activation bytes on a device: float32 hidden states,
-    q/k/v, the MLP's intermediate and the logits of ``tokens`` rows, four times over."""
-    per_row = (
-        4 * model_config.hidden_size
-        + 3 * model_config.intermediate_size // tp
-        + model_config.vocab_size // tp
-    )
-    return 4 * 4 * tokens * per_row
-
-
 def check_utilization(utilization: Any) -> float:
     """``gpu_memory_utilization`` in (0, 1] (``ValueError`` naming it else)."""
     if not (
@@ -129,14 +106,14 @@ def cache_blocks(
     the engine holds beside the cache (its sampling state)."""
     check_utilization(utilization)
     tp = len(devices)
-    per_block = block_bytes(model_config, engine.block_size, tp, dtype)
+    per_block = memory.block_bytes(model_config, engine.block_size, tp, dtype)
     request_blocks = ceil_div(engine.max_model_len, engine.block_size)
     read = [d.memory_stats() for d in devices] if stats is None else list(stats)
     known = [s for s in read if s and "bytes_limit" in s]
     if len(known) < len(read):
         fit = max(CPU_CACHE_BYTES // per_block, request_blocks)
         return int(min(engine.max_num_seqs * request_blocks, fit))
-    reserve = activation_reserve(model_config, engine.max_num_batched_tokens, tp) + extra
+    reserve = memory.activation_reserve(model_config, engine.max_num_batched_tokens, tp) + extra
     free = min(
         math.floor(s["bytes_limit"] * utilization) - s.get("bytes_in_use", 0) - reserve
         for s in known

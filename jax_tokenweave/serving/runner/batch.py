@@ -4,7 +4,7 @@ Rows ``R = layout.rows``: ``[0, D)`` the decode segment, ``[D, R)`` prompt chunk
 boundaries; a decode-only step has ``R = D``. ``tables`` [D + (R - D)/tile, table_width]: one
 block table per attention group. Padding rows: position 0, zero table, cache slot
 ``num_blocks * block_size`` (writes dropped). The layout's split: ``plan_batch([R])``.
-Row layout and split rule: docs/SERVING.md#servingbatch.
+Row layout and split rule: docs/SERVING.md#servingrunnerbatch.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import numpy as np
 
 from jax_tokenweave.config import DecoderConfig
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.serving import processors, prompt_logprobs
 from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, step_rows
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.scheduler import ScheduledStep
+from jax_tokenweave.serving.sampling import processors, prompt_logprobs
+from jax_tokenweave.serving.scheduling.scheduler import ScheduledStep
 from jax_tokenweave.weave import tuning
 from jax_tokenweave.weave.plan import BatchPlan, WaveModel, midpoint, plan_batch
 
@@ -56,8 +56,8 @@ class StepArrays:
     [S] per sampled row (``seeds`` uint32, ``counters``: tokens the request made so far);
     ``want_logprobs`` bool []: some row asked for log-probabilities. ``processor_slots`` int32
     [S] (padding: ``max_num_seqs``), ``penalties`` float32 [S, 3] (presence, frequency,
-    repetition), ``processed`` bool []: ``serving.processors``'. ``prompt_targets`` int32 [R]:
-    the next prompt token where the row's request asked for prompt log-probabilities, else -1
+    repetition), ``processed`` bool []: ``serving.sampling.processors``'. ``prompt_targets`` int32
+    [R]: the next prompt token where the row's request asked for prompt log-probabilities, else -1
     (``want_prompt_logprobs`` bool []: any)."""
 
     tokens: np.ndarray

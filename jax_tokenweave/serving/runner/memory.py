@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from jax_tokenweave.serving import resolve
+from jax_tokenweave.kernel._util import ceil_div
 
 GIB = float(1 << 30)
 
@@ -24,6 +25,30 @@ GIB = float(1 << 30)
 def device_stats(devices: Sequence[Any]) -> list[dict[str, int] | None]:
     """``memory_stats()`` of each device (None where it reports none)."""
     return [d.memory_stats() for d in devices]
+
+
+def block_bytes(model_config: Any, block_size: int, tp: int, dtype: Any) -> int:
+    """Bytes of one KV cache block on each device (K and V of every layer, its KV heads)."""
+    heads = ceil_div(model_config.num_kv_heads, tp)
+    return (
+        2
+        * model_config.num_layers
+        * block_size
+        * heads
+        * model_config.head_dim
+        * jnp.dtype(dtype).itemsize
+    )
+
+
+def activation_reserve(model_config: Any, tokens: int, tp: int) -> int:
+    """A generous bound on one step's activation bytes on a device: float32 hidden states,
+    q/k/v, the MLP's intermediate and the logits of ``tokens`` rows, four times over."""
+    per_row = (
+        4 * model_config.hidden_size
+        + 3 * model_config.intermediate_size // tp
+        + model_config.vocab_size // tp
+    )
+    return 4 * 4 * tokens * per_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +67,11 @@ class PoolNeed:
 
 def pool_need(model_config: Any, config: Any, tp: int, dtype: Any, extra: int = 0) -> PoolNeed:
     """What an engine of ``config`` (an ``EngineConfig``) needs on each of its ``tp`` devices:
-    its KV pool and ``resolve.activation_reserve`` of a step plus ``extra`` bytes."""
+    its KV pool and :func:`activation_reserve` of a step plus ``extra`` bytes."""
     return PoolNeed(
         config.num_blocks,
-        resolve.block_bytes(model_config, config.block_size, tp, dtype),
-        resolve.activation_reserve(model_config, config.max_num_batched_tokens, tp) + extra,
+        block_bytes(model_config, config.block_size, tp, dtype),
+        activation_reserve(model_config, config.max_num_batched_tokens, tp) + extra,
     )
 
 

@@ -1,10 +1,11 @@
 """``ModelRunner``: the device side of the engine: state, paged KV cache, step programs.
 
-:meth:`ModelRunner.dispatch` packs a scheduled step (``serving.batch``) and dispatches it
+:meth:`ModelRunner.dispatch` packs a scheduled step (``serving.runner.batch``) and dispatches it
 without waiting (-> :class:`InFlight`); :meth:`ModelRunner.fetch` brings its tokens (and
 asked-for log-probabilities) to the host. Sampled tokens (int32 ``[max_num_seqs]``, replicated)
 stay on the device as the next step's ``prev_tokens``. A step is two programs, the forward and
-a sampler; :meth:`ModelRunner.warmup` loads or compiles them all. See docs/SERVING.md#servingrunner.
+a sampler; :meth:`ModelRunner.warmup` loads or compiles them all. See
+docs/SERVING.md#servingrunnerrunner.
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_tokenweave.nn.forward import ForwardOptions
-from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving import checks, memory, processors
-from jax_tokenweave.serving import executable_cache as exe_cache
-from jax_tokenweave.serving import prompt_logprobs as prompt_lp
-from jax_tokenweave.serving import warmup as warmup_lib
+from jax_tokenweave.serving import checks
+from jax_tokenweave.serving.attention.paged_attention import resolve_for
+from jax_tokenweave.serving.attention.paged_cache import init_paged_cache
 from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, next_pow2
-from jax_tokenweave.serving.compilation_cache import use_compilation_cache
+from jax_tokenweave.serving.compilation import executable_cache as exe_cache
+from jax_tokenweave.serving.compilation.compilation_cache import use_compilation_cache
+from jax_tokenweave.serving.compilation.executable_cache import ExecutableCache, WarmupReport
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.executable_cache import ExecutableCache, WarmupReport
-from jax_tokenweave.serving.paged_attention import resolve_for
-from jax_tokenweave.serving.paged_cache import init_paged_cache
-from jax_tokenweave.serving.prompt_logprobs import PromptLogprobs
-from jax_tokenweave.serving.sampler import (
+from jax_tokenweave.serving.runner import batch as batch_lib
+from jax_tokenweave.serving.runner import memory
+from jax_tokenweave.serving.runner import warmup as warmup_lib
+from jax_tokenweave.serving.runner.sampler import (
     DeviceOutputs,
     HostOutputs,
     StepOutputs,
@@ -41,9 +41,12 @@ from jax_tokenweave.serving.sampler import (
     jitted_sampler,
     sampling_arrays,
 )
-from jax_tokenweave.serving.scheduler import ScheduledStep
-from jax_tokenweave.serving.step import UNSPLIT_K_MIN_ROWS, forward_program, jitted_forward
-from jax_tokenweave.serving.step_io import StepIO, new_io, pack_inputs
+from jax_tokenweave.serving.runner.step import UNSPLIT_K_MIN_ROWS, forward_program, jitted_forward
+from jax_tokenweave.serving.runner.step_io import StepIO, new_io, pack_inputs
+from jax_tokenweave.serving.sampling import processors
+from jax_tokenweave.serving.sampling import prompt_logprobs as prompt_lp
+from jax_tokenweave.serving.sampling.prompt_logprobs import PromptLogprobs
+from jax_tokenweave.serving.scheduling.scheduler import ScheduledStep
 from jax_tokenweave.weave.schedules import Collective, Schedule
 
 
@@ -57,7 +60,7 @@ class InFlight:
     outputs: DeviceOutputs
     want_logprobs: bool
     # prompt log-probabilities of its rows, and (request, first row, position, count) of
-    # each chunk that asked (serving.prompt_logprobs)
+    # each chunk that asked (serving.sampling.prompt_logprobs)
     prompt: PromptLogprobs[jax.Array] | None = None
     asked: tuple[tuple[Any, int, int, int], ...] = ()
 
@@ -153,7 +156,7 @@ class ModelRunner:
         return self._forward(layout)[0]
 
     def io(self, layout: batch_lib.StepLayout) -> StepIO | None:
-        """``layout``'s :class:`~jax_tokenweave.serving.step_io.StepIO` where its forward
+        """``layout``'s :class:`~jax_tokenweave.serving.runner.step_io.StepIO` where its forward
         replays (made on first use, then kept); None for the others, which keep no buffers."""
         if not self.replayed(layout):
             return None
@@ -182,7 +185,7 @@ class ModelRunner:
     ) -> DeviceOutputs:
         """Dispatch the step (no wait): the forward program, then the sampler program the host
         picks (greedy where no sampled row draws; log-probabilities only where one asked;
-        processed where a row needs ``serving.processors``). The cache is replaced by the
+        processed where a row needs ``serving.sampling.processors``). The cache is replaced by the
         step's. Returns its device outputs. ``prev_tokens``: the previous step's
         ``StepOutputs.tokens`` (default zeros)."""
         return self._run(layout, arrays, prev_tokens)[0]
@@ -319,7 +322,7 @@ class ModelRunner:
         return [make(d, r, cfg, self.model_config, self.tp) for d, r in mixed + only]
 
     def warmup(self, workers: int | None = None, progress: bool = False) -> WarmupReport:
-        """Make every program a step can run (``serving.warmup``; afterwards no step
+        """Make every program a step can run (``serving.runner.warmup``; afterwards no step
         compiles): loaded from the executable cache, else compiled (``workers`` threads) and
         stored. ``progress``: a progress bar. Returns how many layouts were loaded and
         compiled."""

@@ -1,8 +1,8 @@
 """The serving step's sampler programs: one token per sampled row of the forward's logits, the
 asked-for log-probabilities, and the tokens laid out to feed the next step. The host picks the
 program per step (no ``lax.cond`` on the device): greedy or drawn, with log-probabilities or
-not, and processed (``serving.processors``: penalties, ``logit_bias``, ``min_tokens``) or not;
-a processed program updates the token history it is donated. Log-probabilities are the model's
+not, and processed (``serving.sampling.processors``: penalties, ``logit_bias``, ``min_tokens``) or
+not; a processed program updates the token history it is donated. Log-probabilities are the model's
 (of the logits before processing and temperature), as vLLM's default ``raw_logprobs``.
 """
 
@@ -17,9 +17,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave.serving import processors, sampling
-from jax_tokenweave.serving.batch import StepArrays
-from jax_tokenweave.serving.processors import ProcessorState
+from jax_tokenweave.serving.runner.batch import StepArrays
+from jax_tokenweave.serving.sampling import processors, sampling
+from jax_tokenweave.serving.sampling.processors import ProcessorState
 
 TokensT = TypeVar("TokensT")
 LogprobsT = TypeVar("LogprobsT")

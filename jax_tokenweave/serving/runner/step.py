@@ -1,11 +1,12 @@
 """The serving step's forward program: a packed batch through the model, its K/V into the
-paged cache, the logits of the sampled rows (the samplers the host picks: ``serving.sampler``).
+paged cache, the logits of the sampled rows (the samplers the host picks:
+``serving.runner.sampler``).
 
 The forward stages the step's inputs, runs the model's one forward
 (``nn.forward.decoder_forward`` with a ``PagedAttention``) and hands the logits back; its
 inputs and logits sit in ``step_io.StepIO`` so decode-only steps replay from command buffers.
 Static per program: the ``StepLayout``, the ``nn.forward.ForwardOptions``, the top prompt
-log-probabilities; every request-dependent value is traced. See docs/SERVING.md#servingstep.
+log-probabilities; every request-dependent value is traced. See docs/SERVING.md#servingrunnerstep.
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ from flax import nnx
 
 from jax_tokenweave.nn import forward as forward_lib
 from jax_tokenweave.nn.forward import ForwardOptions
-from jax_tokenweave.serving import prompt_logprobs
-from jax_tokenweave.serving.batch import StepArrays, StepLayout
-from jax_tokenweave.serving.paged_attention import PagedAttention
-from jax_tokenweave.serving.paged_cache import PagedKVCache
-from jax_tokenweave.serving.sampler import SAMPLERS as SAMPLERS  # re-exported: moved there
-from jax_tokenweave.serving.sampler import DeviceOutputs, sample_step, sampling_arrays
-from jax_tokenweave.serving.sampler import HostOutputs as HostOutputs
-from jax_tokenweave.serving.sampler import StepOutputs as StepOutputs
-from jax_tokenweave.serving.sampler import jitted_sampler as jitted_sampler
-from jax_tokenweave.serving.step_io import ForwardInputs, StepIO, give_back, stage_inputs
+from jax_tokenweave.serving.attention.paged_attention import PagedAttention
+from jax_tokenweave.serving.attention.paged_cache import PagedKVCache
+from jax_tokenweave.serving.runner.batch import StepArrays, StepLayout
+from jax_tokenweave.serving.runner.sampler import SAMPLERS as SAMPLERS  # re-exported: moved there
+from jax_tokenweave.serving.runner.sampler import DeviceOutputs, sample_step, sampling_arrays
+from jax_tokenweave.serving.runner.sampler import HostOutputs as HostOutputs
+from jax_tokenweave.serving.runner.sampler import StepOutputs as StepOutputs
+from jax_tokenweave.serving.runner.sampler import jitted_sampler as jitted_sampler
+from jax_tokenweave.serving.runner.step_io import ForwardInputs, StepIO, give_back, stage_inputs
+from jax_tokenweave.serving.sampling import prompt_logprobs
 
 
 def model_hidden(
@@ -109,8 +110,8 @@ long and GPU-bound, and their schedules overlap streams at TP >= 2)."""
 REPLAY_COMPILER_OPTIONS: dict[str, str] = {}
 """XLA options of the forward of a decode-only step: XLA's defaults, which record the program
 as command buffers (CUDA graphs) and replay them. With the inputs and logits at fixed addresses
-(``serving.step_io``) a replay updates one kernel; the host then launches one graph instead of
-~400 kernels (one H200, Llama-3-8B shapes, batch 1: ``benchmarks/results/2026-11-24-h200x1``)."""
+(``serving.runner.step_io``) a replay updates one kernel; the host then launches one graph instead
+of ~400 kernels (one H200, Llama-3-8B shapes, batch 1: ``benchmarks/results/2026-11-24-h200x1``)."""
 
 _FORWARD_STATICS = ("graphdef", "layout", "options", "state_def", "num_prompt_logprobs")
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave.serving.batch import StepArrays, StepLayout
+from jax_tokenweave.serving.runner.batch import StepArrays, StepLayout
 
 
 class ForwardInputs(NamedTuple):

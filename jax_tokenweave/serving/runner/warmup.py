@@ -1,9 +1,9 @@
 """``ModelRunner.warmup``: every program a stream of requests can run, made before the first
 request, so none compiles later: each layout's forward, the samplers of each sampled-row count
-(greedy or drawn, with log-probabilities or not, processed or not: ``serving.sampler``) and the
-processor state's slot writes (``serving.processors``, one per prompt bucket). Each is loaded
-from the executable cache or traced, lowered, compiled and stored there. Not made: the forward
-variant of steps with prompt log-probabilities (``serving.prompt_logprobs``)."""
+(greedy or drawn, with log-probabilities or not, processed or not: ``serving.runner.sampler``) and
+the processor state's slot writes (``serving.sampling.processors``, one per prompt bucket). Each is
+loaded from the executable cache or traced, lowered, compiled and stored there. Not made: the
+forward variant of steps with prompt log-probabilities (``serving.sampling.prompt_logprobs``)."""
 
 from __future__ import annotations
 
@@ -17,18 +17,18 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_tokenweave.serving import batch as batch_lib
-from jax_tokenweave.serving import executable_cache as exe_cache
-from jax_tokenweave.serving import processors
-from jax_tokenweave.serving.executable_cache import WarmupReport
-from jax_tokenweave.serving.sampler import (
+from jax_tokenweave.serving.compilation import executable_cache as exe_cache
+from jax_tokenweave.serving.compilation.executable_cache import WarmupReport
+from jax_tokenweave.serving.runner import batch as batch_lib
+from jax_tokenweave.serving.runner.sampler import (
     SAMPLERS,
     StepOutputs,
     jitted_processed_sampler,
     jitted_sampler,
     sampling_arrays,
 )
-from jax_tokenweave.serving.step_io import StepIO
+from jax_tokenweave.serving.runner.step_io import StepIO
+from jax_tokenweave.serving.sampling import processors
 
 
 def warm(runner: Any, workers: int | None = None, progress: bool = False) -> WarmupReport:

@@ -2,8 +2,8 @@
 penalties, ``logit_bias`` and ``min_tokens``; their values are traced (new values compile
 nothing). Each running request has a slot (``scheduler.Request.slot``); :class:`ProcessorState`
 holds per slot its token history and bias table, written at admission (:func:`start_slot`);
-the processed sampler (``serving.sampler``) runs :func:`apply` and :func:`record`. Layout and
-costs: docs/SERVING.md#servingprocessors.
+the processed sampler (``serving.runner.sampler``) runs :func:`apply` and :func:`record`. Layout and
+costs: docs/SERVING.md#servingsamplingprocessors.
 """
 
 from __future__ import annotations

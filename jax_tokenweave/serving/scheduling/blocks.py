@@ -1,11 +1,11 @@
 """The paged KV cache's block allocator (host side, pure Python).
 
-``num_blocks`` blocks of ``block_size`` positions (``serving.paged_cache``); a request's block
-table maps its position ``p`` to block ``table[p // block_size]``. Blocks are reference-counted
-(requests sharing a cached prefix share blocks); a full block may carry a hash
-(``serving.prefix_cache``) and stays cached without users until handed out again (blocks
+``num_blocks`` blocks of ``block_size`` positions (``serving.attention.paged_cache``); a request's
+block table maps its position ``p`` to block ``table[p // block_size]``. Blocks are
+reference-counted (requests sharing a cached prefix share blocks); a full block may carry a hash
+(``serving.scheduling.prefix_cache``) and stays cached without users until handed out again (blocks
 without a hash first, then cached ones least recently freed first). Asking for more blocks than
-are free raises :class:`OutOfBlocksError`. Details: docs/SERVING.md#servingblocks.
+are free raises :class:`OutOfBlocksError`. Details: docs/SERVING.md#servingschedulingblocks.
 """
 
 from __future__ import annotations

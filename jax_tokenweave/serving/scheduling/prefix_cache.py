@@ -6,7 +6,7 @@ through the prefix cache (host side, pure Python).
 none is free) or ``"reserve"`` (every block at admission). With ``enable_prefix_caching``, full
 blocks are cached under a hash chained over the tokens before them (:func:`block_hashes`) once a
 taken step wrote them, and an admitted request reuses its longest cached prefix (all but its
-last token at most). Details: docs/SERVING.md#servingprefix_cache.
+last token at most). Details: docs/SERVING.md#servingschedulingprefix_cache.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from jax_tokenweave.serving.blocks import BlockAllocator
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.request_state import Request
+from jax_tokenweave.serving.scheduling.blocks import BlockAllocator
+from jax_tokenweave.serving.scheduling.request_state import Request
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> list[bytes]:

@@ -1,5 +1,5 @@
-"""``Request``: one sample's state in the scheduler (``serving.scheduler``): its tokens, its
-place in the paged KV cache (block table, positions scheduled and written, prefix-cache
+"""``Request``: one sample's state in the scheduler (``serving.scheduling.scheduler``): its tokens,
+its place in the paged KV cache (block table, positions scheduled and written, prefix-cache
 hashes) and the steps holding it. Host side, pure Python and NumPy."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import functools
 
 import numpy as np
 
-from jax_tokenweave.serving import processors
+from jax_tokenweave.serving.sampling import processors
 from jax_tokenweave.serving.sampling_params import SamplingParams
 
 
@@ -43,7 +43,9 @@ class Request:
     num_cached_blocks: int = 0
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     preemptions: int = 0  # times its blocks were taken back to be recomputed
-    slot: int = -1  # its row of the device's processor state while it runs (serving.processors)
+    slot: int = (
+        -1
+    )  # its row of the device's processor state while it runs (serving.sampling.processors)
     _prefill_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
     _table: tuple[list[int], int, np.ndarray] | None = dataclasses.field(
         default=None, init=False, repr=False
@@ -102,7 +104,7 @@ class Request:
 
     @functools.cached_property
     def processed_until(self) -> int:
-        """Its tokens before this count are sampled with ``serving.processors``."""
+        """Its tokens before this count are sampled with ``serving.sampling.processors``."""
         return processors.processed_until(self.params)
 
     @property

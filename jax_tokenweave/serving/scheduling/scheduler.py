@@ -6,7 +6,7 @@ then prompt chunks (partly prefilled requests first, then newly admitted ones) u
 demand (the most recently admitted requests are preempted, to be recomputed, where the pool
 runs dry) or reserved at admission, cached prefixes reused. :meth:`Scheduler.add` raises
 ``ValueError`` for a request that can never fit; :meth:`Scheduler.update` takes a step's
-tokens later (async scheduling). The rules: docs/SERVING.md#servingscheduler.
+tokens later (async scheduling). The rules: docs/SERVING.md#servingschedulingscheduler.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.buckets import decode_rows
 from jax_tokenweave.serving.config import EngineConfig
-from jax_tokenweave.serving.prefix_cache import KVCacheManager
-from jax_tokenweave.serving.request_state import Request
+from jax_tokenweave.serving.scheduling.prefix_cache import KVCacheManager
+from jax_tokenweave.serving.scheduling.request_state import Request
 
 __all__ = ["Chunk", "Request", "ScheduledStep", "Scheduler"]
 
