@@ -320,12 +320,19 @@ print(json.dumps({"changed": changed, "cpus": [cpus, jax.config.jax_num_cpu_devi
 
 def test_both_build_files_list_every_extension_source():
     """ffi/CMakeLists.txt (the package) and BUILD (Bazel users) name every kernel and host
-    source; BUILD also every header (module.cc is the nanobind module: CMake only)."""
+    source of ffi/'s parts (collective/, attention/, common/); BUILD also every header. The
+    nanobind module (module.{h,cc}, each part's bindings.cc) is CMake's only."""
     ffi = ROOT / "ffi"
     cmake, bazel = (ffi / "CMakeLists.txt").read_text(), (ROOT / "BUILD").read_text()
-    for src in sorted(ffi.glob("*.c[cu]")):
-        assert src.name in cmake, f"{src.name} missing from ffi/CMakeLists.txt"
-        if src.name != "module.cc":
-            assert f'"ffi/{src.name}"' in bazel, f"{src.name} missing from BUILD"
-    for hdr in sorted([*ffi.glob("*.h"), *ffi.glob("*.cuh")]):
-        assert f'"ffi/{hdr.name}"' in bazel, f"{hdr.name} missing from BUILD"
+    parts = {p.parent.name for p in ffi.rglob("*") if p.suffix in (".cc", ".cu", ".h", ".cuh")}
+    assert parts == {"ffi", "collective", "attention", "common"}, parts
+    nanobind = {"module.cc", "module.h", "bindings.cc"}
+    for src in sorted([*ffi.rglob("*.cc"), *ffi.rglob("*.cu")]):
+        rel = src.relative_to(ffi).as_posix()
+        assert re.search(rf"(^|\s){re.escape(rel)}(\s|\))", cmake), f"{rel} missing from CMake"
+        if src.name not in nanobind:
+            assert f'"ffi/{rel}"' in bazel, f"{rel} missing from BUILD"
+    for hdr in sorted([*ffi.rglob("*.h"), *ffi.rglob("*.cuh")]):
+        rel = hdr.relative_to(ffi).as_posix()
+        if hdr.name not in nanobind:
+            assert f'"ffi/{rel}"' in bazel, f"{rel} missing from BUILD"

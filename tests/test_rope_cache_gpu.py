@@ -1,4 +1,4 @@
-"""RoPE + the paged-cache write in one CUDA kernel (``ffi/rope_cache.cu``) against a float64
+"""RoPE + the paged-cache write in one CUDA kernel (``ffi/attention/rope_cache.cu``) against a float64
 reference and against the XLA path it replaces (``attention.apply_rope`` + ``paged_cache.write``):
 grouped-query heads, bf16 and fp16, positions up to 20k, slots in random order, padding slots
 dropped, every other slot of the cache left untouched."""

@@ -15,9 +15,9 @@
 #include <cstdlib>
 #include <vector>
 
-#include "../../ffi/local_rows.cu"
-#include "../../ffi/oneshot.cu"
-#include "../../ffi/oneshot_rows.cu"
+#include "../../ffi/collective/local_rows.cu"
+#include "../../ffi/collective/oneshot.cu"
+#include "../../ffi/collective/oneshot_rows.cu"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "attention_common.cuh"
-#include "launch.cuh"
+#include "common/launch.cuh"
 
 namespace tokenweave {
 namespace attn {

@@ -10,7 +10,7 @@ namespace tokenweave {
 
 enum class AttnDType : int32_t { kF16 = 1, kBF16 = 2 };
 
-// One attention segment of a step, one rank (layouts as serving/paged_attention.py):
+// One attention segment of a step, one rank (layouts as serving/attention/paged_attention.py):
 //   q, out     [rows, hq, head_dim]          rows = groups * tile, query heads of this rank
 //   k_cache,   [num_blocks, block_size, kvh, head_dim]
 //   v_cache

@@ -25,8 +25,8 @@
 // (griddepcontrol.wait) before reading anything.
 #include "attention_common.cuh"
 #include "attention_mma.cuh"
+#include "common/device_facts.h"
 #include "decode_merge.cuh"
-#include "device_facts.h"
 
 namespace tokenweave {
 namespace attn {

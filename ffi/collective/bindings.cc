@@ -1,6 +1,7 @@
-// nanobind module jax_tokenweave.kernel._tokenweave_ffi: FFI handler capsules, communicator
-// registration and state, the limits and byte formulas the Python side sizes calls with, and
-// the loopback test harness. Importing it calls no CUDA function.
+// The collective's bindings in the extension module (ffi/module.h), used from
+// jax_tokenweave.kernel: the fused kernel's FFI handler capsules, communicator registration and
+// state, the limits and byte formulas the Python side sizes calls with, and the loopback test
+// harness. None of them calls CUDA on import.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -9,12 +10,12 @@
 
 #include <stdexcept>
 
-#include "attention_handlers.h"
 #include "ce_plan.h"
 #include "comm.h"
 #include "common.h"
 #include "handlers.h"
 #include "loopback.h"
+#include "module.h"
 #include "multicast.h"
 
 namespace nb = nanobind;
@@ -55,8 +56,7 @@ nb::bytes ToBytes(const std::vector<uint8_t>& v) {
 
 }  // namespace
 
-NB_MODULE(_tokenweave_ffi, m) {
-  m.doc() = "jax-tokenweave fused AllReduce + residual + RMSNorm (XLA FFI, CUDA)";
+void tokenweave::BindCollective(nb::module_& m) {
   m.def("handlers", [] {
     nb::dict d;
     d["allreduce_rmsnorm"] = nb::capsule(reinterpret_cast<void*>(TokenweaveAllreduceRmsnorm));
@@ -66,12 +66,6 @@ NB_MODULE(_tokenweave_ffi, m) {
         nb::capsule(reinterpret_cast<void*>(TokenweaveAllreduceRmsnormStart));
     d["allreduce_rmsnorm_done"] =
         nb::capsule(reinterpret_cast<void*>(TokenweaveAllreduceRmsnormDone));
-    return d;
-  });
-  m.def("attention_handlers", [] {
-    nb::dict d;
-    d["paged_attention"] = nb::capsule(reinterpret_cast<void*>(TokenweavePagedAttention));
-    d["rope_cache_write"] = nb::capsule(reinterpret_cast<void*>(TokenweaveRopeCacheWrite));
     return d;
   });
   m.def(
@@ -209,7 +203,7 @@ NB_MODULE(_tokenweave_ffi, m) {
       },
       nb::arg("rank"), nb::arg("n"), nb::arg("tokens"), nb::arg("row_bytes"),
       "The copy-engine call of `rank` as (kind, peer, phase, src, dst, bytes) tuples, in "
-      "stream order (ffi/ce_plan.h).");
+      "stream order (ffi/collective/ce_plan.h).");
   m.def(
       "copy_bandwidth",
       [](const std::vector<int>& ordinals, int64_t bytes, int reps) {
@@ -261,7 +255,7 @@ NB_MODULE(_tokenweave_ffi, m) {
       nb::arg("calls") = 1, nb::arg("slots") = 1, nb::arg("skip_call") = -1,
       nb::arg("skip_rank") = 0, nb::arg("graph_calls") = 0, nb::arg("graph_replays") = 0,
       nb::arg("free_running") = false, nb::arg("residual_replicated") = false,
-      "Runs every rank of a loopback comm on its one device (see ffi/loopback.h).");
+      "Runs every rank of a loopback comm on its one device (see ffi/collective/loopback.h).");
   m.def(
       "oneshot_encode",
       [](nb::bytes data, int itemsize) {
@@ -280,5 +274,5 @@ NB_MODULE(_tokenweave_ffi, m) {
       },
       nb::arg("comm_id"), nb::arg("preload"),
       "Seconds a never-loaded kernel's launch, completion, and a spinning fused kernel's end "
-      "take (see ffi/loopback.h).");
+      "take (see ffi/collective/loopback.h).");
 }

@@ -18,8 +18,8 @@
 // no peer reads its slot state, so skipping the state is safe: every call of a one-rank comm
 // takes this path (a closed comm still leaves NaN, below).
 #include "cluster.cuh"
-#include "device_facts.h"
-#include "launch.cuh"
+#include "common/device_facts.h"
+#include "common/launch.cuh"
 #include "rowops.cuh"
 
 namespace tokenweave {

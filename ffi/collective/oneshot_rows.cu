@@ -19,8 +19,8 @@
 // Partials are summed in rank order, then the residual, in float32, from their one-shot
 // encodings (own partial included), so every rank's rows are bitwise identical.
 #include "cluster.cuh"
-#include "device_facts.h"
-#include "launch.cuh"
+#include "common/device_facts.h"
+#include "common/launch.cuh"
 #include "rowops.cuh"
 
 namespace tokenweave {

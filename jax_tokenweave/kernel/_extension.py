@@ -1,6 +1,8 @@
-"""The CUDA extension ``jax_tokenweave.kernel._tokenweave_ffi``, if it was built (``ffi/``, when
-nvcc is present at install time). Importing it calls no CUDA function, so it loads on CPU-only
-machines.
+"""The one loader of the CUDA extension ``jax_tokenweave.kernel._tokenweave_ffi``, if it was built
+(``ffi/``, when nvcc is present at install time), shared by the two parts it binds: the
+collective (``ffi/collective/``: ``kernel._ffi``) and the attention (``ffi/attention/``:
+``serving.attention.attention_kernel``). Importing it calls no CUDA function, so it loads on
+CPU-only machines.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CUDA paged-attention kernels (``ffi/paged_attention.h``) as a JAX operation.
+"""The CUDA paged-attention kernels (``ffi/attention/paged_attention.h``) as a JAX operation.
 
 One FFI custom call, ``tokenweave_paged_attention``, per attention segment, per rank (inside
 ``shard_map``): ``tile == 1`` a split-K decode kernel, ``tile > 1`` a tensor-core flash-attention
@@ -155,7 +155,7 @@ def rope_cache_write(
     *,
     num_q_heads: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """RoPE and the cache write of one step's rows in one CUDA kernel (``ffi/rope_cache.h``),
+    """RoPE and the cache write of one step's rows in one CUDA kernel (``ffi/attention/rope_cache.h``),
     per rank: what ``attention.apply_rope`` on q and k and two ``paged_cache.write`` compute.
 
     ``qkv`` [R, Hq + 2 KVH, D] (the projection's heads in the order q, k, v); ``positions``,
