@@ -16,8 +16,8 @@ cached prefix of ``--prefixes`` positions (the chunk's own K/V are in the cache 
 serving step). Block tables are a random permutation of the cache's blocks; queries and the
 cache are fresh random normals (``--seed``). Each function runs ``--inner`` chained calls per
 dispatch (each call's output is the next one's queries; the caches are donated and handed on),
-timed by ``jax_tokenweave.bench.timing.benchmark`` (warm-up, interleaved timed dispatches, median);
-reported per call. Every implementation's first output is compared with ``xla``'s (relative
+timed by ``jax_tokenweave.harness.timing.benchmark`` (warm-up, interleaved timed dispatches,
+median); reported per call. Every implementation's first output is compared with ``xla``'s (relative
 Frobenius error; above ``--tolerance`` it is flagged).
 
 Per case: time, bytes moved (K and V read once per request and kv head, plus q and out), GB/s
@@ -42,7 +42,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 
 IMPLS = ("xla", "cuda", "cudnn", "pallas")

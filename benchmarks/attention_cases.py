@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 
 
@@ -191,8 +191,8 @@ def run_case(
     """Compile, check against ``xla`` and time every implementation on one case."""
     import jax.numpy as jnp
 
-    from jax_tokenweave.bench import timing
-    from jax_tokenweave.bench.modes import one_line
+    from jax_tokenweave.harness import timing
+    from jax_tokenweave.harness.modes import one_line
 
     rf = _roofline()
     inp = make_inputs(case, a, seed)

@@ -1,6 +1,6 @@
 """Where prefill time goes: the weave schedule's ablations side by side, in one run.
 
-Modes (``jax_tokenweave.bench.modes``), each the decoder stack on the same packed batch:
+Modes (``jax_tokenweave.harness.modes``), each the decoder stack on the same packed batch:
 
 - ``baseline``: plain TP, XLA ``psum``, replicated residual, no split;
 - ``nocomm``: ``baseline`` with every collective dropped: the floor (not the model's output);
@@ -20,7 +20,7 @@ their CTA counts are the tuning table's unless ``--ctas`` adds ``weave-ffi@<n>``
 columns: split cost = weave-local - nocomm; exposed communication = weave-ffi - weave-local;
 overlap gain = weave-ffi-sync - weave-ffi; gap recovered = (baseline - weave-ffi) / (baseline -
 nocomm); weave-ffi / nocomm and weave-auto / baseline. Every mode is timed the same way
-(``jax_tokenweave.bench.timing.benchmark``: warm-up calls, then interleaved timed calls, medians);
+(``jax_tokenweave.harness.timing.benchmark``: warm-up calls, then interleaved timed calls, medians);
 the modes that compute the model are checked against ``baseline`` first. Modes that cannot run
 (no fused kernel here) are reported as skipped. On CPUs (8 virtual devices, ``tiny``) it checks
 the tool, not the overlap.
@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jax_tokenweave.bench import benchmarking as bm
-from jax_tokenweave.bench.modes import Mode, measure
+from jax_tokenweave.harness import benchmarking as bm
+from jax_tokenweave.harness.modes import Mode, measure
 from jax_tokenweave.kernel import unavailable_reason
 
 MODES: dict[str, Mode] = {

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.attention.paged_attention import ATTENTION_IMPLS
 
@@ -339,7 +339,7 @@ def batch_layout(engine: Any, batch: int) -> dict[str, Any]:
 
 def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
     """The bandwidth, the model, every (batch, context) point."""
-    from jax_tokenweave.bench.modes import one_line
+    from jax_tokenweave.harness.modes import one_line
 
     rf = roofline()
     bandwidth = rf.copy_bandwidth(devices[0], int(a.copy_gb * rf.GB))

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 
 
 def to_markdown(report: dict[str, Any]) -> str:

@@ -1,8 +1,8 @@
 """End-to-end benchmark: prefill and decode-batch latency of the decoder stack, per mode.
 
-Modes are named as everywhere in this project (``jax_tokenweave.bench.benchmarking``): the schedule,
-and for ``weave`` the collective that does its reductions, plus ``-nosplit`` where the batch is kept
-whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requests:
+Modes are named as everywhere in this project (``jax_tokenweave.harness.benchmarking``): the
+schedule, and for ``weave`` the collective that does its reductions, plus ``-nosplit`` where the
+batch is kept whole. Prefill modes (``MODES``), each the layer stack on a packed batch of requests:
 
 - ``baseline``: XLA ``psum`` all-reduce, replicated residual (what a plain JAX TP model does);
 - ``weave-ffi-nosplit``: the weave schedule with the fused kernel but no token split;
@@ -20,7 +20,7 @@ Decode batches (``DECODE_MODES``: ``baseline``, ``weave-ffi``, ``weave-ffi-sync`
 with it token-sharded): the layer stack without a KV cache, i.e. the GEMMs and the communication of
 one decode step (attention over past tokens is not included). Modes that compute the model are
 checked against baseline (the dtype's tolerance); for MoE models against a float32 copy of the
-weights instead (``bench.modes.float32_copy``: a router's top-k flips on bf16 near ties, so two
+weights instead (``harness.modes.float32_copy``: a router's top-k flips on bf16 near ties, so two
 valid bf16 runs differ by more than rounding). Modes that cannot run here (no CUDA extension, too
 few devices) are reported as skipped with the reason. ``--time-budget`` bounds the run: work not
 started by then is reported as skipped. With no GPU it runs on 8 virtual CPU devices, whose
@@ -46,8 +46,8 @@ from typing import Any
 
 import jax
 
-from jax_tokenweave.bench import benchmarking as bm
-from jax_tokenweave.bench.modes import Mode, float32_copy, float32_output, measure
+from jax_tokenweave.harness import benchmarking as bm
+from jax_tokenweave.harness.modes import Mode, float32_copy, float32_output, measure
 from jax_tokenweave.kernel import unavailable_reason
 
 _step_profile = bm.sibling_module(__file__, "step_profile")  # busy_ms (found under -P)

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 
 ENGINE_OPTIONS = ("max_num_batched_tokens", "prefill_tile", "block_size", "key_chunk")

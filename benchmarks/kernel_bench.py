@@ -45,7 +45,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel import _ffi, ops
 from jax_tokenweave.kernel.comm import get_communicator
 

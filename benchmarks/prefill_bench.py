@@ -10,7 +10,7 @@ the layouts first, then ``--iters`` timed runs (median reported; compilations wh
 counted and must be zero).
 
 The bare stack: the same model's ``WeaveDecoder`` on the packed ``N x LEN`` tokens in one call,
-measured exactly as ``benchmarks/e2e_bench.py`` measures a prefill (``jax_tokenweave.bench.modes.
+measured exactly as ``benchmarks/e2e_bench.py`` measures a prefill (``jax_tokenweave.harness.modes.
 measure``: compile, check against ``baseline``, warm-up, timed calls, median) with the engine's
 schedule (``baseline``, or ``weave-<collective>``). It has no embedding, LM head, sampling, cache
 writes or paging: ratio = engine / bare is what serving costs on top of the stack. Writes
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 
 WORKLOADS = {"gpu": ["8192x1", "2048x4", "32768x1"], "cpu": ["128x1", "32x4", "512x1"]}
 CPU_BUDGET = 128
@@ -119,7 +119,7 @@ def run_workload(
     model: Any, a: argparse.Namespace, length: int, count: int, rng: np.random.Generator
 ) -> dict[str, Any]:
     """The engine's prefill steps and the bare stack's prefill of the same tokens."""
-    from jax_tokenweave.bench.modes import Mode, measure
+    from jax_tokenweave.harness.modes import Mode, measure
     from jax_tokenweave.serving import LLMEngine, count_compilations
 
     prompts = [rng.integers(0, model.config.vocab_size, length).tolist() for _ in range(count)]
@@ -169,7 +169,7 @@ def run_workload(
 
 def run(a: argparse.Namespace, devices: Sequence[Any]) -> dict[str, Any]:
     """Every workload on one model."""
-    from jax_tokenweave.bench.modes import one_line
+    from jax_tokenweave.harness.modes import one_line
 
     model = decode_bench().build_model(a, devices)
     rng = np.random.default_rng(a.seed)

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel import ops
 
 _step_profile = bm.sibling_module(__file__, "step_profile")  # found under -P

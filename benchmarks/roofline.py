@@ -22,7 +22,7 @@ def copy_bandwidth(
 
     On a CUDA device with PyTorch at hand: ``torch.Tensor.copy_`` (a plain ``cudaMemcpy``, what
     the copy engines and the DRAM allow) timed with CUDA events; elsewhere a jitted
-    ``jnp.copy`` timed by ``bench.timing.benchmark``. Median of ``iters`` copies after
+    ``jnp.copy`` timed by ``harness.timing.benchmark``. Median of ``iters`` copies after
     ``warmup``. Returns ``{"bytes", "median_ms", "gb_s", "method"}``; ``gb_s`` counts the bytes
     read and the bytes written (``2 * bytes / time``, in 1e9 B/s).
     """
@@ -33,7 +33,7 @@ def copy_bandwidth(
         import jax
         import jax.numpy as jnp
 
-        from jax_tokenweave.bench import timing
+        from jax_tokenweave.harness import timing
 
         x = jax.jit(
             lambda: jnp.arange(n, dtype=jnp.float32),
@@ -102,7 +102,7 @@ def matmul_rate(
 
     ms, method = _torch_matmul_ms(device, np.dtype(dtype).name, n, warmup, iters), "torch matmul"
     if ms is None:
-        from jax_tokenweave.bench import timing
+        from jax_tokenweave.harness import timing
 
         n = min(n, 1024)
         place = jax.sharding.SingleDeviceSharding(device)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving.attention.paged_attention import ATTENTION_IMPLS
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 
 
 def ratios(runs: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel import _ffi, ops
 
 profile = bm.sibling_module(__file__, "profile_kernels").profile  # found under python -P too

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from jax_tokenweave.bench import timing
+from jax_tokenweave.harness import timing
 
 FUSED = ("OneShot", "LocalRows", "TwoShot", "Direct", "Fused")
 """Name parts of this library's fused collective kernels."""

@@ -1,14 +1,14 @@
 """Regenerate the tuning table: per token count the fused kernel's CTA counts and the split
 offset correction, and per (model, TP) the split threshold; write the table the library reads.
 
-For each token count it times, the same way in one process (``jax_tokenweave.bench.timing``: warm-up
-calls, then the median of ``--iters`` interleaved timed calls), the baseline schedule, the weave
-schedule unsplit with the fused kernel (``--ctas``, and the kernel policy's count) and the weave
-schedule split (``--offsets`` corrections to the planner's split point x ``--ctas``), each
+For each token count it times, the same way in one process (``jax_tokenweave.harness.timing``:
+warm-up calls, then the median of ``--iters`` interleaved timed calls), the baseline schedule, the
+weave schedule unsplit with the fused kernel (``--ctas``, and the kernel policy's count) and the
+weave schedule split (``--offsets`` corrections to the planner's split point x ``--ctas``), each
 output checked against the baseline. The entry of a token count is the fastest candidate; the
 threshold is the smallest measured token count from which the split wins at every larger one
 (:func:`decide`). For each offset it also prints the compiled HLO's overlap check
-(``bench.hlo_check``). Rows are written for ``--model`` and ``--tp`` (with the model's
+(``harness.hlo_check``). Rows are written for ``--model`` and ``--tp`` (with the model's
 shapes, so configs of the same shapes find them) into a ``jax_tokenweave.weave.tuning`` JSON table;
 ``--merge`` adds them to the table already at ``--out``, e.g. the shipped one::
 
@@ -31,8 +31,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jax_tokenweave.bench import benchmarking as bm
-from jax_tokenweave.bench import hlo_check, timing
+from jax_tokenweave.harness import benchmarking as bm
+from jax_tokenweave.harness import hlo_check, timing
 from jax_tokenweave.weave import tuning
 from jax_tokenweave.weave.schedules import unavailable_reason
 from jax_tokenweave.weave.tuning import TuneEntry, TuneTable

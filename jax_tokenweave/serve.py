@@ -5,7 +5,8 @@ NAME`` a named config with random weights (token ids only). Compiles (or loads f
 executable cache) every step program before listening, saying how far it got on stderr
 (``--no-warmup`` skips it); SIGTERM / Ctrl-C drain for ``--drain-timeout`` seconds.
 
-Endpoints and shutdown: docs/SERVING.md#serve__main__.
+The server itself: ``jax_tokenweave.openai_server``. Endpoints and shutdown:
+docs/SERVING.md#serve.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from jax_tokenweave.serve import INSTALL_HINT  # noqa: F401  (the dependency check first)
-from jax_tokenweave.serve.errors import DEFAULT_MAX_REQUEST_BYTES
+from jax_tokenweave.openai_server import INSTALL_HINT  # noqa: F401  (the dependency check first)
+from jax_tokenweave.openai_server.errors import DEFAULT_MAX_REQUEST_BYTES
 from jax_tokenweave.serving import cli
 
 PROG = "python -m jax_tokenweave.serve"
@@ -159,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_warmup:
         warm_up(llm)
     name = args.served_model_name or args.model or args.random
-    from jax_tokenweave.serve.server import run
+    from jax_tokenweave.openai_server.server import run
 
     status = run(
         llm,

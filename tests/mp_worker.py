@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_tokenweave.bench.benchmarking import global_array, local_data
+from jax_tokenweave.harness.benchmarking import global_array, local_data
 from jax_tokenweave.kernel import _ffi
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.kernel.comm import CommFailed, get_communicator

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from testutil import load_benchmark
 
-from jax_tokenweave.bench import benchmarking as bm
-from jax_tokenweave.bench import job, report, timing
+from jax_tokenweave.harness import benchmarking as bm
+from jax_tokenweave.harness import job, report, timing
 from jax_tokenweave.kernel import unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -360,7 +360,7 @@ def test_cpu_devices_when_jax_started_first(tmp_path):
     out = tmp_path / "bench.json"
     script = (
         "import sys, jax; jax.devices()\n"
-        "from jax_tokenweave.bench import job; sys.exit(job.main(sys.argv[1:]))"
+        "from jax_tokenweave.harness import job; sys.exit(job.main(sys.argv[1:]))"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"

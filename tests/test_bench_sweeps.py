@@ -1,5 +1,5 @@
 """The sweep scripts: ``e2e_bench.py`` (its runs, skips and time budget), ``tune.py``,
-``breakdown.py``, and how ``bench.modes`` checks a mode against baseline or float32."""
+``breakdown.py``, and how ``harness.modes`` checks a mode against baseline or float32."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from testutil import load_benchmark
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel import unavailable_reason
 
 # ------------------------------------------------------------------------------ e2e bench ---
@@ -222,7 +222,7 @@ def test_breakdown_derived_columns():
 def test_moe_modes_are_checked_against_float32_not_bf16_baseline(rng):
     """With a float32 reference a mode may be as far from it as bf16 baseline is (times the
     margin); without one, the plain tolerance against baseline holds; a broken mode fails both."""
-    from jax_tokenweave.bench import modes as modes_lib
+    from jax_tokenweave.harness import modes as modes_lib
 
     ref32 = rng.standard_normal((64, 32))
 

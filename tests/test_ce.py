@@ -1,6 +1,6 @@
 """CPU tests of the copy-engine variant's host logic (``algo="ce"``): the stream plan each rank
-issues (ffi/collective/ce_plan.h), simulated across ranks and calls with random interleavings, and the
-settings and sizes the Python side checks."""
+issues (ffi/collective/ce_plan.h), simulated across ranks and calls with random interleavings, and
+the settings and sizes the Python side checks."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ CHECKOUT_ONLY = re.compile(r"\b(docs|benchmarks|tests|ffi|\.ci)/|\.md\b")
 
 def parsers():
     from jax_tokenweave import generate, launch
-    from jax_tokenweave.bench import job
+    from jax_tokenweave.harness import job
 
     out = {
         "generate": generate.build_parser,
@@ -21,7 +21,7 @@ def parsers():
         "bench": job.build_parser,
     }
     try:
-        from jax_tokenweave.serve import __main__ as serve
+        from jax_tokenweave import serve as serve
     except ImportError:  # the serve extra is not installed
         return out
     return {**out, "serve": serve.build_parser}

@@ -140,7 +140,7 @@ def test_roofline_bytes_by_hand(bench, cpu_mesh):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jax_tokenweave.bench import benchmarking as bm
+    from jax_tokenweave.harness import benchmarking as bm
     from jax_tokenweave.models.llama import LlamaModel
 
     rf = bench.roofline()
@@ -169,7 +169,7 @@ def test_serial_floor_by_hand(bench):
     """tiny: GEMMs (K, N) (64, 256), (128, 64), (64, 256), (128, 64) and the head (64, 256):
     65536 weights, 4 bytes each. At 1 GB/s and 1 GFLOP/s (1e-3 TFLOP/s) a GEMM reads its
     weights in 4 KN ns and multiplies R rows in 2 R KN ns: bytes bound at R = 1, FLOPs at R = 4."""
-    from jax_tokenweave.bench import benchmarking as bm
+    from jax_tokenweave.harness import benchmarking as bm
 
     rf, config = bench.roofline(), bm.load_config("tiny", 1)
     assert rf.projections(config, 1) == [(64, 256), (128, 64), (64, 256), (128, 64)]

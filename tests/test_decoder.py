@@ -17,7 +17,7 @@ from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.nn import attention as A
 from jax_tokenweave.nn.decoder import WeaveDecoder
 from jax_tokenweave.nn.params import logical_weights, named_params
-from jax_tokenweave.testing.reference import reference_decoder
+from jax_tokenweave.reference.model import reference_decoder
 from jax_tokenweave.weave.plan import plan_batch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -83,7 +83,7 @@ def test_the_names_deprecated_in_0_3_0_are_gone():
 
 
 def test_comm_option_is_gone(capsys):
-    from jax_tokenweave.bench import job
+    from jax_tokenweave.harness import job
 
     assert job.build_parser().parse_args(["--collective", "xla"]).collective == "xla"
     with pytest.raises(SystemExit):

@@ -1,7 +1,7 @@
-"""The fused call on a one-GPU axis (N = 1, ``ffi/collective/local_rows.cu``): nothing to communicate, so
-it is add + RMSNorm with no sync state. Against a float64 reference at decode and prefill
-sizes, rows past the register budget (float32 H = 16384), the start/done pair, a long chain of
-calls, and XLA's own add + RMSNorm."""
+"""The fused call on a one-GPU axis (N = 1, ``ffi/collective/local_rows.cu``): nothing to
+communicate, so it is add + RMSNorm with no sync state. Against a float64 reference at decode and
+prefill sizes, rows past the register budget (float32 H = 16384), the start/done pair, a long chain
+of calls, and XLA's own add + RMSNorm."""
 
 from __future__ import annotations
 

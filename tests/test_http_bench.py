@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")

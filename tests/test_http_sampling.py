@@ -48,7 +48,7 @@ def llm(tmp_path_factory):
 def serve(llm, work):
     """``await work(client, raw)`` against the app over ``llm``: an ``openai.AsyncOpenAI`` and
     an ``httpx.AsyncClient``, the engine loop running."""
-    from jax_tokenweave.serve.app import build_app
+    from jax_tokenweave.openai_server.app import build_app
 
     app = build_app(llm, model_name=MODEL)
 
@@ -200,7 +200,7 @@ def test_max_tokens_null_runs_to_the_models_length(llm):
 
 
 def test_protocol_maps_the_fields():
-    from jax_tokenweave.serve import protocol as P
+    from jax_tokenweave.openai_server import protocol as P
 
     req = P.CompletionRequest(
         prompt="x",

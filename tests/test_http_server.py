@@ -376,7 +376,7 @@ def test_every_error_status_in_openai_shape(server, case, method, path, body, st
 def test_a_body_over_the_limit_is_413_unread(server):
     """Over the default ``--max-request-bytes`` (4 MiB): 413 in OpenAI's shape, from the
     ``content-length`` or, chunked, as the body passes the limit; the server goes on."""
-    from jax_tokenweave.serve.errors import DEFAULT_MAX_REQUEST_BYTES as LIMIT
+    from jax_tokenweave.openai_server.errors import DEFAULT_MAX_REQUEST_BYTES as LIMIT
 
     body = b'{"prompt": "' + b"z" * LIMIT + b'"}'
     headers = {"content-type": "application/json"}
@@ -570,7 +570,7 @@ def test_a_full_waiting_queue_answers_429_never_hangs(llm):
     """In-process (the engine loop not started, so requests wait): beyond ``max_waiting``
     the answer is 429 at once, and a request's prompts are queued all or none; draining
     answers 503; cancelled requests leave nothing."""
-    from jax_tokenweave.serve.app import build_app
+    from jax_tokenweave.openai_server.app import build_app
 
     app = build_app(llm, model_name=MODEL, max_waiting=2)
     state = app.state.server
@@ -612,7 +612,7 @@ def test_a_full_waiting_queue_answers_429_never_hangs(llm):
 def test_tokenizing_runs_off_the_event_loop(llm, monkeypatch):
     """In-process: while a prompt is tokenized or a chat rendered (held until ``/health`` has
     answered), the event loop answers ``/health``."""
-    from jax_tokenweave.serve.app import build_app
+    from jax_tokenweave.openai_server.app import build_app
 
     real, started, release = llm.tokenizer, threading.Event(), threading.Event()
 
@@ -656,8 +656,8 @@ def test_tokenizing_runs_off_the_event_loop(llm, monkeypatch):
 def test_failures_answer_500_in_openai_shape(llm, monkeypatch):
     """In-process: a step that raises fails its requests with a 500 (streamed: an error
     event, then ``data: [DONE]``); an error in the server's own code is a 500 too."""
-    from jax_tokenweave.serve import protocol
-    from jax_tokenweave.serve.app import build_app
+    from jax_tokenweave.openai_server import protocol
+    from jax_tokenweave.openai_server.app import build_app
 
     app = build_app(llm, model_name=MODEL)
     state = app.state.server

@@ -12,7 +12,7 @@ from testutil import FakeKernel, build_decoder, rel_err
 
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.nn.params import logical_weights
-from jax_tokenweave.testing.reference import reference_decoder
+from jax_tokenweave.reference.model import reference_decoder
 from jax_tokenweave.weave.cost import CostModel
 from jax_tokenweave.weave.plan import WaveModel, plan_batch
 

@@ -19,8 +19,8 @@ from testutil import SMALL_ENGINE
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.nn.params import logical_weights
+from jax_tokenweave.reference.model import reference_logits
 from jax_tokenweave.serving import LLM, LLMEngine, RequestFailed, SamplingParams
-from jax_tokenweave.testing.reference import reference_logits
 
 CFG = SMALL_ENGINE  # the engine sizes these files share (testutil)
 UNCACHED = dataclasses.replace(CFG, enable_prefix_caching=False)

@@ -12,7 +12,7 @@ from testutil import rel_err
 from jax_tokenweave.models.configs import CONFIGS, config_names, get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.nn.params import logical_weights, named_params
-from jax_tokenweave.testing.reference import reference_logits
+from jax_tokenweave.reference.model import reference_logits
 from jax_tokenweave.weave.plan import plan_batch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

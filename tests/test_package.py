@@ -100,14 +100,16 @@ LAYERS: dict[str, int] = {
     "nn": 3,  # the decoder: layers, attention, params, the layer loop
     "hf": 4,  # Hugging Face checkpoints
     "models": 5,  # Llama / Qwen2 / Mixtral, the registry
-    "testing": 6,  # float64 references (tests only)
+    "reference": 6,  # float64 references (the tests' ground truth)
     "serving": 6,  # the engine, LLM, the command lines' shared options
-    "launch": 7,  # the commands: one process per GPU,
-    "bench": 8,  # the main job and the benchmarks' helpers,
-    "generate": 8,  # text from a checkpoint,
-    "serve": 8,  # the OpenAI server
+    "launch": 7,  # the command: one process per GPU
+    "harness": 8,  # the benchmark harness: the main job, the benchmarks' helpers
+    "openai_server": 8,  # the OpenAI-compatible HTTP server
+    "bench": 9,  # the commands: the main job,
+    "generate": 9,  # text from a checkpoint,
+    "serve": 9,  # the OpenAI server
 }
-TOP_MODULES = {"__init__", "_deprecation", "config", "generate", "launch"}
+TOP_MODULES = {"__init__", "_deprecation", "config", "bench", "generate", "launch", "serve"}
 """The only modules at the top of the package: the rest lives in the parts' subpackages."""
 
 
@@ -145,11 +147,11 @@ def test_imports_run_one_way():
     assert layer_violations(
         {
             "jax_tokenweave.weave.plan": {"jax_tokenweave.nn.attention"},  # up
-            "jax_tokenweave.serving.cli": {"jax_tokenweave.testing.reference"},  # sideways
+            "jax_tokenweave.serving.cli": {"jax_tokenweave.reference.model"},  # sideways
             "jax_tokenweave.nn.stack": {"jax_tokenweave.weave.plan", "jax_tokenweave.nn.x"},
         }
     ) == [
-        "jax_tokenweave.serving.cli -> jax_tokenweave.testing.reference",
+        "jax_tokenweave.serving.cli -> jax_tokenweave.reference.model",
         "jax_tokenweave.weave.plan -> jax_tokenweave.nn.attention",
     ]
 
@@ -247,8 +249,9 @@ def _requirement_name(req: str) -> str:
 
 
 # Package modules that may import an extra's packages besides the core dependencies: the HTTP
-# server's subpackage uses the serve extra (and says to install it where it is missing).
-EXTRA_MODULES = {"jax_tokenweave.serve": "serve"}
+# server (its package and its command) uses the serve extra (and says to install it where it is
+# missing).
+EXTRA_MODULES = {"jax_tokenweave.openai_server": "serve", "jax_tokenweave.serve": "serve"}
 
 
 def extras_of(module: str) -> set[str]:
@@ -283,7 +286,7 @@ def test_every_third_party_import_is_declared():
 def test_extra_modules_are_confined():
     """Only the modules of :data:`EXTRA_MODULES` get an extra's packages: the serving engine
     itself imports none of them."""
-    assert extras_of("jax_tokenweave.serve.app") == {"serve"}
+    assert extras_of("jax_tokenweave.openai_server.app") == {"serve"}
     assert extras_of("jax_tokenweave.serving.offline.llm") == set()
     assert extras_of("jax_tokenweave.server") == set()
 
@@ -303,7 +306,7 @@ print(json.dumps({"changed": changed, "cpus": [cpus, jax.config.jax_num_cpu_devi
                   "backends": xla_bridge.backends_are_initialized()}))
 """
     names = sorted(modules())
-    assert "jax_tokenweave.bench.job" in names and "jax_tokenweave.bench.benchmarking" in names
+    assert "jax_tokenweave.harness.job" in names and "jax_tokenweave.harness.benchmarking" in names
     proc = subprocess.run(
         [sys.executable, "-c", script, json.dumps(names)],
         cwd=ROOT,

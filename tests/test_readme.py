@@ -115,7 +115,7 @@ def test_hf_tests_fail_instead_of_skip_under_ci(monkeypatch, ci):
 
 
 def test_docs_name_the_same_main_job():
-    from jax_tokenweave.bench import job
+    from jax_tokenweave.harness import job
 
     assert "python -m jax_tokenweave.bench" in (job.__doc__ or "")
     assert job.build_parser().prog == "python -m jax_tokenweave.bench"
@@ -133,7 +133,7 @@ def test_version_matches_the_package_metadata():
 
 def test_readme_options_exist():
     """Every ``--option`` the README mentions is one the main job accepts."""
-    from jax_tokenweave.bench import job
+    from jax_tokenweave.harness import job
 
     known = {o for a in job.build_parser()._actions for o in a.option_strings}
     mentioned = set(re.findall(r"`(--[a-z][a-z-]*)`", README.read_text()))

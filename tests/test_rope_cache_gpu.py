@@ -1,7 +1,7 @@
-"""RoPE + the paged-cache write in one CUDA kernel (``ffi/attention/rope_cache.cu``) against a float64
-reference and against the XLA path it replaces (``attention.apply_rope`` + ``paged_cache.write``):
-grouped-query heads, bf16 and fp16, positions up to 20k, slots in random order, padding slots
-dropped, every other slot of the cache left untouched."""
+"""RoPE + the paged-cache write in one CUDA kernel (``ffi/attention/rope_cache.cu``) against a
+float64 reference and against the XLA path it replaces (``attention.apply_rope`` +
+``paged_cache.write``): grouped-query heads, bf16 and fp16, positions up to 20k, slots in random
+order, padding slots dropped, every other slot of the cache left untouched."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from testutil import SMALL_ENGINE
 from jax_tokenweave.models.configs import get_config
 from jax_tokenweave.models.llama import LlamaModel
 from jax_tokenweave.nn.params import logical_weights
+from jax_tokenweave.reference.model import reference_logits
 from jax_tokenweave.serving import (
     LLMEngine,
     SamplingParams,
@@ -28,7 +29,6 @@ from jax_tokenweave.serving import (
 from jax_tokenweave.serving.runner import batch as batch_lib
 from jax_tokenweave.serving.runner.step import jitted_forward
 from jax_tokenweave.serving.sampling.sampling import sample
-from jax_tokenweave.testing.reference import reference_logits
 
 # 32-row steps in tiles of 8 (buckets 8/16/32 rows, decode segments of 0/8 rows): few programs.
 CFG = SMALL_ENGINE  # the engine sizes these files share (testutil)

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 from testutil import GPU_CONFIG, FakeKernel, build_decoder, rel_err, run_calls
 
-from jax_tokenweave.bench import hlo_check
+from jax_tokenweave.harness import hlo_check
 from jax_tokenweave.kernel import _extension, _ffi
 from jax_tokenweave.kernel.comm import Communicator
 from jax_tokenweave.models.configs import get_config

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave.bench import benchmarking as bm
+from jax_tokenweave.harness import benchmarking as bm
 
 BENCH = Path(__file__).resolve().parents[1]
 

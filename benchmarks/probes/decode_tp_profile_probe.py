@@ -23,8 +23,8 @@ from typing import Any
 
 import jax
 
-from jax_tokenweave.bench import benchmarking as bm
-from jax_tokenweave.bench.modes import Mode, compile_forward, make_plan
+from jax_tokenweave.harness import benchmarking as bm
+from jax_tokenweave.harness.modes import Mode, compile_forward, make_plan
 
 _step_profile = bm.sibling_module(
     str(Path(__file__).resolve().parents[1] / "e2e_bench.py"), "step_profile"

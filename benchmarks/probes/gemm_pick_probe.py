@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    from jax_tokenweave.bench import benchmarking as bm
+    from jax_tokenweave.harness import benchmarking as bm
 
     bench = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     step_profile = bm.sibling_module(os.path.join(bench, "step_profile.py"), "step_profile")

@@ -1,6 +1,7 @@
-"""The main job and the benchmarks' helpers; importing any of them sets nothing.
+"""The benchmark harness: the main job and the helpers of ``benchmarks/*.py``; importing any of
+them sets nothing.
 
-``python -m jax_tokenweave.bench`` runs the main job (``bench.job``, ``bench.report``);
-``benchmarking``, ``modes``, ``timing`` and ``hlo_check`` serve it and ``benchmarks/*.py``.
-The modules' roles: docs/PACKAGE.md#bench.
+``python -m jax_tokenweave.bench`` (``jax_tokenweave/bench.py``) runs the main job (``job``,
+``report``); ``benchmarking``, ``modes``, ``timing`` and ``hlo_check`` serve it and
+``benchmarks/*.py``. The modules' roles: docs/PACKAGE.md#harness.
 """

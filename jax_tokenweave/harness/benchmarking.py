@@ -1,4 +1,4 @@
-"""Helpers shared by the main job (``bench.job``) and ``benchmarks/*.py``.
+"""Helpers shared by the main job (``harness.job``) and ``benchmarks/*.py``.
 
 Importing it sets nothing; entry points call :func:`use_cpu_devices` first in ``main``.
 Re-exports the command lines' argument types, help format and engine options
@@ -27,9 +27,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_tokenweave.bench.modes import Mode as Mode  # re-exported: the benchmarks' mode vocabulary
-from jax_tokenweave.bench.modes import compile_forward as compile_forward
-from jax_tokenweave.bench.modes import make_plan as make_plan
+from jax_tokenweave.harness.modes import (
+    Mode as Mode,  # re-exported: the benchmarks' mode vocabulary
+)
+from jax_tokenweave.harness.modes import compile_forward as compile_forward
+from jax_tokenweave.harness.modes import make_plan as make_plan
 from jax_tokenweave.nn.decoder import WeaveDecoder
 from jax_tokenweave.serving.cli import DTYPES as DTYPES  # re-exported: the command lines' helpers
 from jax_tokenweave.serving.cli import ENGINE_OPTIONS as ENGINE_OPTIONS

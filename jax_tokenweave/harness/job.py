@@ -18,8 +18,8 @@ from typing import Any
 
 import jax
 
-from jax_tokenweave.bench import timing
-from jax_tokenweave.bench.benchmarking import (
+from jax_tokenweave.harness import timing
+from jax_tokenweave.harness.benchmarking import (
     CPU_DEVICES,
     CPU_NOTE,
     DTYPES,
@@ -46,7 +46,7 @@ from jax_tokenweave.bench.benchmarking import (
     resolve_seed,
     start_devices,
 )
-from jax_tokenweave.bench.report import config_dict, describe, format_table, result, write_plot
+from jax_tokenweave.harness.report import config_dict, describe, format_table, result, write_plot
 from jax_tokenweave.kernel import unavailable_reason
 from jax_tokenweave.weave import tuning
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jax_tokenweave.bench import timing
+from jax_tokenweave.harness import timing
 from jax_tokenweave.weave.tuning import DEFAULT_ENTRY, TuneEntry
 
 

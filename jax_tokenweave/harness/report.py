@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_tokenweave.bench import timing
+from jax_tokenweave.harness import timing
 
 
 def result(

@@ -1,6 +1,6 @@
 """The loopback harness from Python: every rank of an N-rank group on ONE GPU (see
-``ffi/collective/loopback.h``). It runs the real fused kernels and their device-resident protocol, so the
-protocol for N in {1, 2, 4, 8} is tested where a single GPU is at hand. Its timings compare
+``ffi/collective/loopback.h``). It runs the real fused kernels and their device-resident protocol,
+so the protocol for N in {1, 2, 4, 8} is tested where a single GPU is at hand. Its timings compare
 variants' fixed costs only: "peer" memory is local memory here, not NVLink.
 """
 

@@ -3,9 +3,9 @@
     python -m jax_tokenweave.serve /path/to/checkpoint --tp 2 --host 127.0.0.1 --port 8000
 
 Modules ``protocol``, ``prompts``, ``async_engine``, ``render``, ``errors``, ``metrics``,
-``app``, ``server``, ``__main__``. Needs the ``serve`` extra (``pip install
-"jax-tokenweave[serve]"``); without it, importing raises ``ImportError`` saying so. The
-modules' roles: docs/SERVING.md#serve.
+``app``, ``server``; the command line is ``jax_tokenweave/serve.py``. Needs the ``serve`` extra
+(``pip install "jax-tokenweave[serve]"``); without it, importing raises ``ImportError`` saying
+so. The modules' roles: docs/SERVING.md#openai_server.
 """
 
 from __future__ import annotations

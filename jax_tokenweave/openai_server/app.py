@@ -1,7 +1,7 @@
-"""The FastAPI app: OpenAI's endpoints over an :class:`~jax_tokenweave.serve.async_engine.
+"""The FastAPI app: OpenAI's endpoints over an :class:`~jax_tokenweave.openai_server.async_engine.
 AsyncEngine` (module ``serve`` docstring).
 
-Every error is OpenAI's error body (``serve.errors``); a body over ``max_request_bytes`` is
+Every error is OpenAI's error body (``openai_server.errors``); a body over ``max_request_bytes`` is
 refused (413) before it is parsed. Tokenizing and rendering chat templates run in worker
 threads, so ``/health`` and the streams stay responsive. A request's prompts are queued all or
 none; more prompts than the waiting queue's bound is a 400. A client that disconnects
@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
-from jax_tokenweave.serve import errors
-from jax_tokenweave.serve import protocol as P
-from jax_tokenweave.serve.async_engine import AsyncEngine
-from jax_tokenweave.serve.metrics import Metrics
-from jax_tokenweave.serve.prompts import Prompts
-from jax_tokenweave.serve.render import Collected, Renderer
+from jax_tokenweave.openai_server import errors
+from jax_tokenweave.openai_server import protocol as P
+from jax_tokenweave.openai_server.async_engine import AsyncEngine
+from jax_tokenweave.openai_server.metrics import Metrics
+from jax_tokenweave.openai_server.prompts import Prompts
+from jax_tokenweave.openai_server.render import Collected, Renderer
 
 log = logging.getLogger("jax_tokenweave.serve")
 

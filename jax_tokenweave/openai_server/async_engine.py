@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from jax_tokenweave.serve.metrics import Metrics
+from jax_tokenweave.openai_server.metrics import Metrics
 from jax_tokenweave.serving import SamplingParams, StreamDelta
 
 log = logging.getLogger("jax_tokenweave.serve")

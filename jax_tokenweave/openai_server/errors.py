@@ -19,9 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from jax_tokenweave.serve import protocol as P
-from jax_tokenweave.serve.async_engine import Cut, EngineFailed, Overloaded
-from jax_tokenweave.serve.metrics import Metrics
+from jax_tokenweave.openai_server import protocol as P
+from jax_tokenweave.openai_server.async_engine import Cut, EngineFailed, Overloaded
+from jax_tokenweave.openai_server.metrics import Metrics
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 """The default body limit: 4 MiB (a 128k-token prompt as text or token ids takes about 1)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
-from jax_tokenweave.serve import protocol as P
+from jax_tokenweave.openai_server import protocol as P
 from jax_tokenweave.serving import SamplingParams
 
 NORMALIZER_SLACK = 4

@@ -1,6 +1,6 @@
 """OpenAI's responses out: a request's deltas collected into choices (:class:`Collected`),
 responses and server-sent event chunks (:class:`Renderer`); the requests' side is
-``serve.prompts``.
+``openai_server.prompts``.
 
 Choice ``index`` is ``prompt index * n + sample index`` (OpenAI's order). ``usage`` counts each
 prompt's tokens once and every sample's new tokens. A stream sends one chunk per delta (one
@@ -18,8 +18,8 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-from jax_tokenweave.serve import protocol as P
-from jax_tokenweave.serve.async_engine import Cut, EngineFailed
+from jax_tokenweave.openai_server import protocol as P
+from jax_tokenweave.openai_server.async_engine import Cut, EngineFailed
 from jax_tokenweave.serving import SamplingParams, StreamDelta, TokenLogprob
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 from uvicorn.logging import DefaultFormatter
 
-from jax_tokenweave.serve.app import build_app
+from jax_tokenweave.openai_server.app import build_app
 
 GRACE_S = 0.5
 """uvicorn cancels what still runs this long after the drain timeout cut the requests."""

@@ -1,1 +1,2 @@
-"""Float64 single-device references of the model, for tests and for checking a deployment."""
+"""Float64 single-device references of the model (``model``), the ground truth the tests compare
+with, also for checking a deployment."""

@@ -155,8 +155,9 @@ def rope_cache_write(
     *,
     num_q_heads: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """RoPE and the cache write of one step's rows in one CUDA kernel (``ffi/attention/rope_cache.h``),
-    per rank: what ``attention.apply_rope`` on q and k and two ``paged_cache.write`` compute.
+    """RoPE and the cache write of one step's rows in one CUDA kernel
+    (``ffi/attention/rope_cache.h``), per rank: what ``attention.apply_rope`` on q and k and two
+    ``paged_cache.write`` compute.
 
     ``qkv`` [R, Hq + 2 KVH, D] (the projection's heads in the order q, k, v); ``positions``,
     ``slots`` int32 [R] (a slot outside the cache is dropped); ``inv_freq`` [D / 2];
