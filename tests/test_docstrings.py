@@ -41,3 +41,21 @@ def test_docstrings_link_existing_docs():
     for path in sorted(PACKAGE.rglob("*.py")):
         for name in re.findall(r"docs/([A-Za-z0-9_]+\.md)", path.read_text(encoding="utf-8")):
             assert (docs / name).is_file(), f"{path}: docs/{name}"
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a markdown text's headings (lower case, punctuation but ``-`` and
+    ``_`` dropped, spaces as ``-``): ``## serving.runner.step`` -> ``servingrunnerstep``."""
+    headings = re.findall(r"^#+ (.+)$", markdown, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_docstrings_link_existing_doc_sections():
+    """A moved or renamed module keeps its docstring's link to its section true."""
+    docs = PACKAGE.parent / "docs"
+    assert "servingrunnerstep" in heading_anchors("## serving.runner.step\n")
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        for name, anchor in re.findall(r"docs/([A-Za-z0-9_]+\.md)#([\w-]+)", text):
+            anchors = heading_anchors((docs / name).read_text(encoding="utf-8"))
+            assert anchor in anchors, f"{path}: docs/{name}#{anchor}"

@@ -3,7 +3,7 @@
 Importing it sets nothing; entry points call :func:`use_cpu_devices` first in ``main``.
 Re-exports the command lines' argument types, help format and engine options
 (``serving.cli``). Mode names (``baseline``, ``nocomm``, ``weave-<collective>``, ``-nosplit``):
-See docs/PACKAGE.md#benchbenchmarking.
+See docs/PACKAGE.md#harnessbenchmarking.
 """
 
 from __future__ import annotations

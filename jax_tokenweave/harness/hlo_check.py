@@ -3,7 +3,7 @@
 ``overlap_report(compiled_text)`` pairs each ``allreduce_rmsnorm_start`` with its ``done`` (by
 workspace slot, in schedule order) and lists the GEMMs scheduled between them. Target names come
 from ``kernel._ffi.TARGETS``. How the text is walked and what counts as a GEMM:
-docs/PACKAGE.md#benchhlo_check.
+docs/PACKAGE.md#harnesshlo_check.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``python -m jax_tokenweave.bench`` builds a random-weight ``WeaveDecoder``, checks ``weave``
 against ``baseline``, then times ``baseline``, ``weave`` and ``nocomm`` the same way and prints
 medians and ratios (``--json``/``--plot`` save them; ``--help`` lists the options).
-GPU defaults and the CPU run: docs/PACKAGE.md#benchjob.
+GPU defaults and the CPU run: docs/PACKAGE.md#harnessjob.
 """
 
 from __future__ import annotations

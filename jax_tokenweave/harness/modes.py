@@ -2,7 +2,7 @@
 
 A mode: ``baseline``, ``nocomm`` or ``weave-<collective>``, plus ``-nosplit`` / ``@<n>`` (CTAs).
 :func:`measure` compiles every mode, checks those that compute the model against ``baseline``
-and times them all in one run. Mode names in full: docs/PACKAGE.md#benchmodes.
+and times them all in one run. Mode names in full: docs/PACKAGE.md#harnessmodes.
 """
 
 from __future__ import annotations

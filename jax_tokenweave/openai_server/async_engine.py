@@ -5,7 +5,7 @@ none (raises :class:`Overloaded`: 429 beyond ``max_waiting``, 503 after :meth:`s
 :meth:`deltas` yields its deltas, and leaving it early aborts the request. A step that raises
 fails every request in the engine (:class:`EngineFailed`); the loop goes on with new ones.
 :meth:`cut` ends every request with :class:`Cut` (the drain timeout). Threading:
-docs/SERVING.md#serveasync_engine.
+docs/SERVING.md#openai_serverasync_engine.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Requests by outcome, time to first token and per output token, running / waiting requests, KV
 blocks in use / cached / total, preemptions, prefix cache queries and hits (tokens), prompt and
 generation tokens and the generation rate over :data:`RATE_WINDOW_S` seconds. Metric names and
-labels: docs/SERVING.md#servemetrics.
+labels: docs/SERVING.md#openai_servermetrics.
 """
 
 from __future__ import annotations

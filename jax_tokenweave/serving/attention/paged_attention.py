@@ -84,7 +84,7 @@ def paged_attention(
     ``"cuda"`` or ``"cudnn"`` (resolve ``"auto"`` first); ``tight``: decode rows at most half
     padding (sizes the CUDA grid).
     Returns ``(out [G * tile, Hq, D] in q's dtype, k_cache, v_cache)``: write the next K/V into
-    these caches (the in-place chain). See docs/SERVING.md#servingpaged_attentionpaged_attention.
+    these caches (in place); docs/SERVING.md#servingattentionpaged_attentionpaged_attention.
     """
     rows, hq, d = q.shape
     _, bs, kvh, _ = k_cache.shape

@@ -53,7 +53,7 @@ class LLM:
     ``gpu_memory_utilization`` (sizes ``num_blocks`` unless given), ``tokenizer`` (object,
     directory, None: the checkpoint's, False: none), ``seed``, ``use_tqdm``, ``warmup`` (compile
     every step program first), ``config`` (an ``EngineConfig``; ``**engine`` overrides its
-    fields). Each argument: docs/SERVING.md#servingllmllm."""
+    fields). Each argument: docs/SERVING.md#servingofflinellmllm."""
 
     def __init__(
         self,

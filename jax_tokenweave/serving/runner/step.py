@@ -139,7 +139,7 @@ def forward(
     ``nnx.State``). Jitted with ``io`` and ``cache`` donated as :data:`jitted_forward` /
     :data:`jitted_forward_replayed`, shared by engines of one model structure. Holds no
     ``lax.cond`` (XLA's GPU runtime would wait on the host for it): the host picks the
-    sampler program (``sampler.jitted_sampler``). See docs/SERVING.md#servingstepforward.
+    sampler program (``sampler.jitted_sampler``). See docs/SERVING.md#servingrunnerstepforward.
     """
     if state_def is not None:
         state = jax.tree_util.tree_unflatten(state_def, state)
