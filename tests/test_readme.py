@@ -203,8 +203,26 @@ def test_layout_sections_name_every_part():
     for part in parts:
         files = sorted(p.name for p in (package / part).iterdir() if p.suffix in (".py", ".json"))
         listed = f"{part}/" in tree and (
-            part in ("hf", "models", "serving", "serve", "testing")  # described in prose
+            part in ("hf", "models", "serving", "openai_server")  # described in prose
             or all(f in names for f in files if f != "__init__.py")
         )
         assert listed, f"docs/ARCHITECTURE.md's tree misses {part}/ or one of {files}"
     assert all(m in names for m in top), top
+
+
+def test_layout_sections_name_serving_rooms_and_ffi_parts():
+    """The README's layout section names each room of ``serving/`` and each part of ``ffi/``;
+    ARCHITECTURE.md's tree names them too, and every module of each room."""
+    serving, ffi = ROOT / "jax_tokenweave" / "serving", ROOT / "ffi"
+    rooms = sorted(p for p in serving.iterdir() if (p / "__init__.py").is_file())
+    ffi_parts = sorted(p.name for p in ffi.iterdir() if p.is_dir())
+    assert len(rooms) >= 7 and ffi_parts == ["attention", "collective", "common"], ffi_parts
+    readme = markdown_section(README.read_text(), "## Layout")
+    missing = [f"{d}/" for d in [p.name for p in rooms] + ffi_parts if f"`{d}/`" not in readme]
+    assert not missing, f"the README's layout section misses {missing}"
+    tree = markdown_section((ROOT / "docs" / "ARCHITECTURE.md").read_text(), "## Layout")
+    names = set(re.findall(r"[\w.]+", tree))
+    for room in rooms:
+        files = sorted(p.name for p in room.glob("*.py") if p.name != "__init__.py")
+        assert f"{room.name}/" in tree and set(files) <= names, f"{room.name}/: {files}"
+    assert all(f"{d}/" in tree for d in ffi_parts), ffi_parts
