@@ -78,7 +78,7 @@ NB_MODULE(_tokenweave_ffi, m) {
       "register_comm",
       [](const std::vector<int>& ordinals, int group_size, int64_t area_bytes,
          int64_t oneshot_bytes, int num_slots, double timeout_s, bool multimem, bool loopback,
-         int64_t ce_bytes) {
+         int64_t ce_bytes, bool launch_gate) {
         nb::gil_scoped_release release;
         CommOptions o;
         o.area_bytes = area_bytes;
@@ -88,15 +88,17 @@ NB_MODULE(_tokenweave_ffi, m) {
         o.timeout_s = timeout_s;
         o.multimem = multimem;
         o.loopback = loopback;
+        o.launch_gate = launch_gate;
         return RegisterComm(ordinals, group_size, o);
       },
       nb::arg("ordinals"), nb::arg("group_size"), nb::arg("area_bytes"), nb::arg("oneshot_bytes"),
       nb::arg("num_slots"), nb::arg("timeout_s"), nb::arg("multimem") = false,
-      nb::arg("loopback") = false, nb::arg("ce_bytes") = 0,
+      nb::arg("loopback") = false, nb::arg("ce_bytes") = 0, nb::arg("launch_gate") = true,
       "Allocates a new communicator on the devices (CUDA ordinals in group order; -1 for a "
       "device of another process; with loopback, one ordinal repeated group_size times) and "
       "enables peer access within each group; returns its id. ce_bytes: each slot's "
-      "copy-engine staging area (0: no copy-engine calls).");
+      "copy-engine staging area (0: no copy-engine calls). launch_gate: each call first waits "
+      "for this process's other devices of the comm (launch_gate.h).");
   m.def(
       "export_workspace",
       [](int64_t id, int index) {
