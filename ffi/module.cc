@@ -2,18 +2,22 @@
 // registration and state, the limits and byte formulas the Python side sizes calls with, and
 // the loopback test harness. Importing it calls no CUDA function.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <stdexcept>
+#include <thread>
 
 #include "attention_handlers.h"
 #include "ce_plan.h"
 #include "comm.h"
 #include "common.h"
 #include "handlers.h"
+#include "launch_gate.h"
 #include "loopback.h"
 #include "multicast.h"
 
@@ -274,6 +278,37 @@ NB_MODULE(_tokenweave_ffi, m) {
       nb::arg("data"), nb::arg("itemsize"),
       "(encoded bytes, per-16-byte-vector 'still the sentinel' flags) of the one-shot wire "
       "encoding, computed on the host by the kernels' own functions.");
+  m.def(
+      "launch_gate_trial",
+      [](const std::vector<int>& ordinals, const std::vector<std::pair<int, double>>& arrivals,
+         double timeout_s) {
+        LaunchGate gate(ordinals);
+        std::vector<GateWait> waits(arrivals.size());
+        std::vector<double> waited(arrivals.size());
+        {
+          nb::gil_scoped_release release;
+          std::vector<std::thread> threads;
+          const auto t0 = std::chrono::steady_clock::now();
+          for (size_t i = 0; i < arrivals.size(); ++i)
+            threads.emplace_back([&, i] {
+              std::this_thread::sleep_until(t0 + std::chrono::duration<double>(arrivals[i].second));
+              const auto a = std::chrono::steady_clock::now();
+              waits[i] = gate.Arrive(arrivals[i].first, timeout_s);
+              waited[i] =
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+            });
+          for (auto& t : threads) t.join();
+        }
+        nb::list out;
+        for (size_t i = 0; i < arrivals.size(); ++i)
+          out.append(
+              nb::make_tuple(waits[i].call, waits[i].late_ordinal, waits[i].late_calls, waited[i]));
+        return out;
+      },
+      nb::arg("ordinals"), nb::arg("arrivals"), nb::arg("timeout_s"),
+      "The launch gate's host logic alone (no CUDA): each (ordinal, delay_s) of `arrivals` "
+      "arrives on its own thread after its delay; per arrival (call, late ordinal or -1, the "
+      "late one's calls, seconds waited).");
   m.def(
       "lazy_load_probe",
       [](int64_t comm_id, bool preload) {
