@@ -45,6 +45,8 @@ from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.harness.modes import Mode, measure
 from jax_tokenweave.kernel import unavailable_reason
 
+_step_profile = bm.sibling_module(__file__, "step_profile")  # busy_ms (found under -P)
+
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
@@ -113,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time weave-ffi with each of these fused-call variants (weave-ffi[<algo>], "
         "with each --ctas count if any; default: none, the tuning table's variant only)",
     )
+    p.add_argument(
+        "--device-time",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N runs per mode and batch: device-busy ms and device ms per kernel "
+        "class (gemm, fused, copy, ...; PyTorch's CUDA profiler, median over GPUs) (0: off)",
+    )
     bm.add_run_options(p, warmup=2, iters=7, unit="mode and batch")
     bm.add_sweep_options(p, plot="breakdown.png")
     return p
@@ -122,6 +132,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check the options (``parser.error`` before any work on bad ones)."""
     p = build_parser()
     args = p.parse_args(argv)
+    if args.device_time < 0:
+        p.error(f"--device-time must be >= 0, got {args.device_time}")
     if args.model is not None:
         try:
             bm.load_config(args.model, None)
@@ -182,6 +194,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype, tol = bm.DTYPES[args.dtype], bm.TOLERANCE[args.dtype]
     mesh = bm.make_mesh(devices, args.tp)
     decoder = bm.build_decoder(config, mesh, dtype, seed)
+    n = args.device_time
+    device_time = (lambda run: _step_profile.busy_ms(run, n)) if n > 0 else None
     start, rows = time.perf_counter(), []
     for i, tokens in enumerate(args.tokens):
         if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
@@ -208,6 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warmup=args.warmup,
             iters=args.iters,
             ffi_reason=unavailable_reason(mesh, "tp", dtype, (tokens, config.hidden_size)),
+            device_time=device_time,
         )
         rows.append(
             {
@@ -290,7 +305,32 @@ def to_markdown(report: dict[str, Any]) -> str:
             )
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *(f"[{n}] {text}" for text, n in notes.items())]
+    lines += _device_lines(report)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _device_lines(report: dict[str, Any]) -> list[str]:
+    """With ``--device-time``: per batch and mode, device ms per kernel class (median GPU)."""
+    cells = [
+        (row["tokens"], m, r)
+        for row in report["rows"]
+        for m, r in row["modes"].items()
+        if "device_class_ms" in r
+    ]
+    if not cells:
+        return []
+    classes = sorted({c for _, _, r in cells for c in r["device_class_ms"]})
+    lines = [
+        "",
+        "Profiled device ms per run (median GPU): busy, then summed kernel time per class.",
+        "",
+        "| tokens | mode | busy | " + " | ".join(classes) + " |",
+        "|---" * (3 + len(classes)) + "|",
+    ]
+    for tokens, m, r in cells:
+        per = [f"{r['device_class_ms'].get(c, 0.0):.2f}" for c in classes]
+        lines.append(f"| {tokens} | {m} | {r['device_ms']:.2f} | " + " | ".join(per) + " |")
+    return lines
 
 
 def write_plot(report: dict[str, Any], path: Path) -> bool:

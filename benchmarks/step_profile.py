@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 
 from jax_tokenweave.harness import timing
 
-FUSED = ("OneShot", "LocalRows", "TwoShot", "Direct", "Fused")
-"""Name parts of this library's fused collective kernels."""
+FUSED = ("OneShot", "LocalRows", "TwoShot", "Direct", "Fused", "CeWait", "CeReduce", "CeFinish")
+"""Name parts of this library's fused collective kernels (the copy-engine call's included)."""
 GEMM = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "triton_dot")
 """Name parts (lower case) of matrix-multiply kernels."""
 
@@ -54,9 +54,12 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def kernel_class(name: str) -> str:
-    """``fused`` (this library's collective), ``nccl``, ``gemm`` or ``other``."""
+    """``fused`` (this library's collective), ``nccl``, ``gemm``, ``copy`` (memcpy and memset,
+    copy engines: the ``ce`` call's transfers) or ``other``."""
     if "tokenweave" in name and any(k in name for k in FUSED):
         return "fused"
+    if name.startswith(("Memcpy", "Memset")):
+        return "copy"
     if "nccl" in name.lower():
         return "nccl"
     return "gemm" if any(k in name.lower() for k in GEMM) else "other"
@@ -115,14 +118,18 @@ def per_device(kernels: list[Kernel], iters: int) -> dict[int, dict[str, float]]
 
 def busy_ms(run: Callable[[], Any], iters: int, ahead: int = 1) -> dict[str, Any]:
     """Device-busy ms per run of ``run`` (:func:`record_kernels`): ``median`` over GPUs and
-    their ``range`` [min, max]; ``reason`` instead where the profiler cannot run here."""
+    their ``range`` [min, max], and ``classes``: per :func:`kernel_class` the summed device ms
+    (median over GPUs); ``reason`` instead where the profiler cannot run here."""
     if (why := unavailable_reason()) is not None:
         return {"reason": why}
     _, kernels = record_kernels(run, iters, ahead=ahead)
-    busy = sorted(d["busy"] / 1e3 for d in per_device(kernels, iters * ahead).values())
+    rows = per_device(kernels, iters * ahead).values()
+    busy = sorted(d["busy"] / 1e3 for d in rows)
     if not busy:
         return {"reason": "the profiler saw no kernel"}
-    return {"median": statistics.median(busy), "range": [busy[0], busy[-1]]}
+    names = sorted({k for d in rows for k in d} - {"busy", "launches"})
+    classes = {c: statistics.median(d.get(c, 0.0) / 1e3 for d in rows) for c in names}
+    return {"median": statistics.median(busy), "range": [busy[0], busy[-1]], "classes": classes}
 
 
 def idle_gaps(spans: list[tuple[float, float, str]], top: int = 6) -> dict[str, Any]:

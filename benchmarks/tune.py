@@ -5,7 +5,8 @@ For each token count it times, the same way in one process (``jax_tokenweave.har
 warm-up calls, then the median of ``--iters`` interleaved timed calls), the baseline schedule, the
 weave schedule unsplit with the fused kernel (``--ctas``, and the kernel policy's count) and the
 weave schedule split (``--offsets`` corrections to the planner's split point x ``--ctas``), each
-output checked against the baseline. The entry of a token count is the fastest candidate; the
+with every ``--algos`` variant of the fused call (default: the kernel policy's), each output
+checked against the baseline. The entry of a token count is the fastest candidate; the
 threshold is the smallest measured token count from which the split wins at every larger one
 (:func:`decide`). For each offset it also prints the compiled HLO's overlap check
 (``harness.hlo_check``). Rows are written for ``--model`` and ``--tp`` (with the model's
@@ -76,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"[{tuning.MIN_CTAS}, {tuning.MAX_CTAS}]",
     )
     p.add_argument(
+        "--algos",
+        nargs="+",
+        default=[],
+        choices=["one_shot", "two_shot", "direct", "ce"],
+        help="fused-call variants to try for every candidate (default: the kernel policy's, by "
+        "size); the entry keeps the fastest's",
+    )
+    p.add_argument(
         "--offsets",
         type=int,
         nargs="+",
@@ -122,8 +131,9 @@ def skip_reason(args: argparse.Namespace) -> tuple[str | None, Any]:
     return None, bm.make_mesh(devices, args.tp)
 
 
-Candidate = tuple[bool, int, int | None]
-"""``(split, offset correction, CTAs)`` of one measured configuration (CTAs None: policy)."""
+Candidate = tuple[bool, int, int | None, str | None]
+"""``(split, offset correction, CTAs, variant)`` of one measured configuration (CTAs, variant
+None: the kernel policy's)."""
 
 
 def decide(
@@ -131,9 +141,9 @@ def decide(
 ) -> tuple[dict[int, TuneEntry], int]:
     """Entries and threshold from the medians ``times[tokens][candidate]`` (ms).
 
-    Per token count, the entry holds the fastest candidate's CTAs (split or not) and the best
-    split candidate's offset. The threshold is the smallest measured token count from which the
-    best split beats the best unsplit candidate at it and at every larger measured count;
+    Per token count, the entry holds the fastest candidate's CTAs and variant (split or not)
+    and the best split candidate's offset. The threshold is the smallest measured token count
+    from which the best split beats the best unsplit candidate at it and at every larger count;
     where the split wins at every count, ``min(current_threshold, smallest count)``; where it
     wins at the largest count nowhere, one more than the largest count.
     """
@@ -144,7 +154,8 @@ def decide(
         whole = {c: t for c, t in cands.items() if not c[0]}
         best = min(cands, key=cands.__getitem__)
         offset = min(split, key=split.__getitem__)[1] if split else None
-        entries[tokens] = TuneEntry(offset or None, best[2])
+        algo = best[3] if len(best) > 3 else None
+        entries[tokens] = TuneEntry(offset or None, best[2], algo=algo)
         wins[tokens] = bool(split) and (not whole or min(split.values()) < min(whole.values()))
     counts = sorted(wins)
     if not counts:
@@ -180,7 +191,7 @@ def tune_tokens(
                 print(f"   split={split} offset {offset}: skipped: {why}", flush=True)
                 continue
             shown = False
-            for ctas in [*args.ctas, None]:
+            for ctas, algo in [(c, a) for a in args.algos or [None] for c in [*args.ctas, None]]:
                 if time.perf_counter() > deadline:
                     break
                 run, _, text = bm.compile_forward(
@@ -189,7 +200,7 @@ def tune_tokens(
                     hidden,
                     schedule="weave",
                     collective="ffi",
-                    tuning=TuneEntry(None, ctas),
+                    tuning=TuneEntry(None, ctas, algo=algo),
                 )
                 if split and not shown:
                     problems = hlo_check.overlap_problems(text)
@@ -199,21 +210,17 @@ def tune_tokens(
                         flush=True,
                     )
                     shown = True
+                name = f"split={split} offset={offset} ctas={ctas}" + (f" {algo}" if algo else "")
                 err = timing.rel_error(run().astype(jnp.float32), reference)
                 if not err <= bm.TOLERANCE[args.dtype]:
-                    print(
-                        f"   split={split} offset {offset} ctas {ctas}: relative error "
-                        f"{err:.3g}: rejected",
-                        flush=True,
-                    )
+                    print(f"   {name}: relative error {err:.3g}: rejected", flush=True)
                     continue
-                name = f"split={split} offset={offset} ctas={ctas}"
-                fns[name], names[name] = run, (split, offset, ctas)
+                fns[name], names[name] = run, (split, offset, ctas, algo)
     stats = timing.benchmark(fns, warmup=args.warmup, iters=args.iters)
     base = stats["baseline"].median_ms
     for name in fns:
         ms = stats[name].median_ms
-        print(f"   {name:38s} {ms:9.3f} ms  ({base / ms:.3f}x baseline)", flush=True)
+        print(f"   {name:42s} {ms:9.3f} ms  ({base / ms:.3f}x baseline)", flush=True)
     return {names[n]: stats[n].median_ms for n in names}
 
 

@@ -126,6 +126,8 @@ def test_tune_decides_entries_and_threshold():
     assert tune.decide({t: times[t] for t in (8192, 16384)}, 1024)[1] == 1024  # wins all
     assert tune.decide({t: times[t] for t in (8192, 16384)}, 9000)[1] == 8192
     assert tune.decide({1024: times[1024]}, 512)[1] == 1025  # never wins
+    by_algo = {8192: {(False, 0, 32, "direct"): 80.0, (True, 0, 16, "ce"): 74.0}}
+    assert tune.decide(by_algo, 1024)[0][8192] == TuneEntry(None, 16, algo="ce")
 
 
 def test_tune_skips_without_gpus(capsys):

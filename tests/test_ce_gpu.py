@@ -60,12 +60,13 @@ def test_slots_overlapped_many_times(ffi_mesh2, rng):
 
 
 def test_forced_timeout_fails_the_call_within_the_bound(ffi_mesh2, rng):
-    """Rank 1 never issues the call: rank 0's wait gives up past the bound (1 s); the outputs
-    are NaN, the report names the stage and the missing rank, later launches are refused, and
-    both GPUs keep working."""
-    comm = Communicator(
-        ffi_mesh2, "tp", CommSettings(workspace_mib=64, ce_mib=64, num_slots=2, timeout_s=1.0)
+    """Rank 1 never issues the call (launch gate off, so rank 0's kernels run): rank 0's wait
+    gives up past the bound (1 s); the outputs are NaN, the report names the stage and the
+    missing rank, later launches are refused, and both GPUs keep working."""
+    settings = CommSettings(
+        workspace_mib=64, ce_mib=64, num_slots=2, timeout_s=1.0, launch_gate=False
     )
+    comm = Communicator(ffi_mesh2, "tp", settings)
     alone = Mesh(ffi_mesh2.devices[:1], ("tp",))
     p, r, w = _inputs(rng, 1, 512, 4096, jnp.bfloat16)
     r = r[: ops.rows_per_rank(512, 2)]

@@ -105,6 +105,10 @@ def test_settings_from_env_and_validation(monkeypatch):
     for bad in (dict(num_slots=0), dict(timeout_s=0), dict(algo="push"), dict(workspace_mib=-1)):
         with pytest.raises(ValueError):
             CommSettings(**bad)
+    assert s.launch_gate  # on unless turned off
+    monkeypatch.setenv("JAX_TOKENWEAVE_LAUNCH_GATE", "0")
+    assert not CommSettings.from_env().launch_gate
+    assert CommSettings.from_env(launch_gate=True).launch_gate
     monkeypatch.setenv("JAX_TOKENWEAVE_ALGO", "three_shot")
     with pytest.raises(ValueError, match="algo"):
         CommSettings.from_env()

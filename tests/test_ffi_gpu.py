@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -239,7 +240,7 @@ def test_start_done_matches_sync(ffi_mesh2, rng, algo):
 def test_errors(ffi_mesh2, rng, monkeypatch):
     args = _inputs(rng, 2, 16, 4096, jnp.bfloat16)
 
-    def body(p, r, w, num_ctas=129, algo="auto"):
+    def body(p, r, w, num_ctas=1000, algo="auto"):
         kw = dict(axis_name="tp", mesh=ffi_mesh2, num_ctas=num_ctas, algo=algo)
         return _ffi.allreduce_rmsnorm(p, r, w, **kw)
 
@@ -277,15 +278,16 @@ def test_under_shard_map_with_check_vma(ffi_mesh2, rng):
 
 def test_forced_timeout_raises_and_leaves_the_gpus_usable(ffi_mesh2, rng):
     """Rank 1 never issues the call (the step runs on GPU 0 alone, with a communicator of both
-    GPUs): rank 0's wait expires, the kernel returns NaN, the next call raises the recorded
-    error, and both GPUs keep working."""
+    GPUs; launch gate off, so rank 0's kernel runs): rank 0's wait expires, the kernel returns
+    NaN, the next call raises the recorded error, and both GPUs keep working."""
     from jax.sharding import Mesh
 
     from jax_tokenweave.kernel.comm import CommFailed, CommSettings, Communicator
 
-    comm = Communicator(
-        ffi_mesh2, "tp", CommSettings(workspace_mib=64, oneshot_mib=4, num_slots=2, timeout_s=1.0)
+    settings = CommSettings(
+        workspace_mib=64, oneshot_mib=4, num_slots=2, timeout_s=1.0, launch_gate=False
     )
+    comm = Communicator(ffi_mesh2, "tp", settings)
     alone = Mesh(ffi_mesh2.devices[:1], ("tp",))
     p, r, w = _inputs(rng, 1, 16, 4096, jnp.bfloat16)
     r = r[: ops.rows_per_rank(16, 2)]  # the residual rows rank 0 owns in a group of two
@@ -318,3 +320,44 @@ def test_forced_timeout_raises_and_leaves_the_gpus_usable(ffi_mesh2, rng):
     comm.close()  # the failed workspace is freed; a call compiled with it now refuses
     with pytest.raises(Exception, match="unknown comm id"):
         jax.block_until_ready(step(p, r, w))
+
+
+@pytest.mark.parametrize("start", [False, True], ids=["sync", "start"])
+def test_launch_gate_fails_the_call_when_a_local_gpu_never_arrives(ffi_mesh2, rng, start):
+    """One process, two GPUs, rank 1's host never reaches the call (a start, or the uncaptured
+    sync call): rank 0 launches nothing of it, waits at the launch gate for the bound (1 s),
+    then reports (stage "launch gate", the late rank and its count) and leaves NaN; later calls
+    are refused; the GPUs keep working."""
+    from jax.sharding import Mesh
+
+    from jax_tokenweave.kernel.comm import CommFailed, CommSettings, Communicator
+
+    settings = CommSettings(workspace_mib=64, oneshot_mib=4, ce_mib=64, num_slots=2, timeout_s=1.0)
+    comm = Communicator(ffi_mesh2, "tp", settings)
+    alone = Mesh(ffi_mesh2.devices[:1], ("tp",))
+    p, r, w = _inputs(rng, 1, 64, 4096, jnp.bfloat16)
+    r = r[: ops.rows_per_rank(64, 2)]
+
+    def body(p, r, w):
+        if not start:  # the gated sync call: the copy-engine one (never in a command buffer)
+            return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", comm=comm, algo="ce")
+        pending = _ffi.allreduce_rmsnorm_start(p, r, w, axis_name="tp", comm=comm, algo="two_shot")
+        return _ffi.allreduce_rmsnorm_done(pending, axis_name="tp", comm=comm)
+
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=alone, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False
+        )
+    )
+    t0 = time.perf_counter()
+    normed, res = jax.block_until_ready(step(p, r, w))
+    assert 1.0 <= time.perf_counter() - t0 < 10.0
+    assert np.isnan(np.asarray(normed.astype(jnp.float32))).all()
+    assert np.isnan(np.asarray(res.astype(jnp.float32))).all()
+    with pytest.raises(CommFailed, match=r"launch gate expired.*rank 1 .*call 1 .*reached 0"):
+        comm.check()
+    with pytest.raises(Exception, match="launch gate expired"):
+        jax.block_until_ready(step(p, r, w))
+    for d in ffi_mesh2.devices.flat:
+        assert float(jnp.sum(jax.device_put(jnp.arange(8.0), d))) == 28.0
+    comm.close()

@@ -3,17 +3,21 @@
 // state, the limits and byte formulas the Python side sizes calls with, and the loopback test
 // harness. None of them calls CUDA on import.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <stdexcept>
+#include <thread>
 
 #include "ce_plan.h"
 #include "comm.h"
 #include "common.h"
 #include "handlers.h"
+#include "launch_gate.h"
 #include "loopback.h"
 #include "module.h"
 #include "multicast.h"
@@ -72,7 +76,7 @@ void tokenweave::BindCollective(nb::module_& m) {
       "register_comm",
       [](const std::vector<int>& ordinals, int group_size, int64_t area_bytes,
          int64_t oneshot_bytes, int num_slots, double timeout_s, bool multimem, bool loopback,
-         int64_t ce_bytes) {
+         int64_t ce_bytes, bool launch_gate) {
         nb::gil_scoped_release release;
         CommOptions o;
         o.area_bytes = area_bytes;
@@ -82,15 +86,17 @@ void tokenweave::BindCollective(nb::module_& m) {
         o.timeout_s = timeout_s;
         o.multimem = multimem;
         o.loopback = loopback;
+        o.launch_gate = launch_gate;
         return RegisterComm(ordinals, group_size, o);
       },
       nb::arg("ordinals"), nb::arg("group_size"), nb::arg("area_bytes"), nb::arg("oneshot_bytes"),
       nb::arg("num_slots"), nb::arg("timeout_s"), nb::arg("multimem") = false,
-      nb::arg("loopback") = false, nb::arg("ce_bytes") = 0,
+      nb::arg("loopback") = false, nb::arg("ce_bytes") = 0, nb::arg("launch_gate") = true,
       "Allocates a new communicator on the devices (CUDA ordinals in group order; -1 for a "
       "device of another process; with loopback, one ordinal repeated group_size times) and "
       "enables peer access within each group; returns its id. ce_bytes: each slot's "
-      "copy-engine staging area (0: no copy-engine calls).");
+      "copy-engine staging area (0: no copy-engine calls). launch_gate: each call first waits "
+      "for this process's other devices of the comm (launch_gate.h).");
   m.def(
       "export_workspace",
       [](int64_t id, int index) {
@@ -266,6 +272,37 @@ void tokenweave::BindCollective(nb::module_& m) {
       nb::arg("data"), nb::arg("itemsize"),
       "(encoded bytes, per-16-byte-vector 'still the sentinel' flags) of the one-shot wire "
       "encoding, computed on the host by the kernels' own functions.");
+  m.def(
+      "launch_gate_trial",
+      [](const std::vector<int>& ordinals, const std::vector<std::pair<int, double>>& arrivals,
+         double timeout_s) {
+        LaunchGate gate(ordinals);
+        std::vector<GateWait> waits(arrivals.size());
+        std::vector<double> waited(arrivals.size());
+        {
+          nb::gil_scoped_release release;
+          std::vector<std::thread> threads;
+          const auto t0 = std::chrono::steady_clock::now();
+          for (size_t i = 0; i < arrivals.size(); ++i)
+            threads.emplace_back([&, i] {
+              std::this_thread::sleep_until(t0 + std::chrono::duration<double>(arrivals[i].second));
+              const auto a = std::chrono::steady_clock::now();
+              waits[i] = gate.Arrive(arrivals[i].first, timeout_s);
+              waited[i] =
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+            });
+          for (auto& t : threads) t.join();
+        }
+        nb::list out;
+        for (size_t i = 0; i < arrivals.size(); ++i)
+          out.append(
+              nb::make_tuple(waits[i].call, waits[i].late_ordinal, waits[i].late_calls, waited[i]));
+        return out;
+      },
+      nb::arg("ordinals"), nb::arg("arrivals"), nb::arg("timeout_s"),
+      "The launch gate's host logic alone (no CUDA): each (ordinal, delay_s) of `arrivals` "
+      "arrives on its own thread after its delay; per arrival (call, late ordinal or -1, the "
+      "late one's calls, seconds waited).");
   m.def(
       "lazy_load_probe",
       [](int64_t comm_id, bool preload) {

@@ -168,11 +168,27 @@ cudaError_t LaunchCeWait(const KernelParams& p, int phase, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
+namespace {
+__global__ void __launch_bounds__(32)
+    GateTimeoutKernel(const __grid_constant__ KernelParams p, int peer, uint32_t call,
+                      uint32_t peer_calls) {
+  if (threadIdx.x == 0) ReportFailure(p, kStageLaunchGate, peer, -1, call, 0, peer_calls);
+}
+}  // namespace
+
+// The finish kernel doubles as the poison: the report above has marked the group failed.
+cudaError_t LaunchGateTimeout(const KernelParams& p, DType dtype, int peer, uint32_t call,
+                              uint32_t peer_calls, cudaStream_t stream) {
+  GateTimeoutKernel<<<1, 32, 0, stream>>>(p, peer, call, peer_calls);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  return LaunchCeFinish(p, dtype, stream);
+}
+
 cudaError_t PreloadCeKernels() {
   cudaFuncAttributes a;
-  if (cudaError_t e = cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(CeWaitKernel));
-      e != cudaSuccess)
-    return e;
+  for (const void* k : {reinterpret_cast<const void*>(CeWaitKernel),
+                        reinterpret_cast<const void*>(GateTimeoutKernel)})
+    if (cudaError_t e = cudaFuncGetAttributes(&a, k); e != cudaSuccess) return e;
   for (cudaError_t e : {PreloadFor<float>(), PreloadFor<__half>(), PreloadFor<__nv_bfloat16>()})
     if (e != cudaSuccess) return e;
   return cudaSuccess;

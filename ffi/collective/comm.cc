@@ -46,10 +46,22 @@ std::string FailureMessage(const Comm& comm) {
   if (!e.failed) return "";
   static const char* kStages[] = {"barrier 0", "barrier 1", "one-shot data",
                                   "copy-engine reduce-scatter", "copy-engine all-gather"};
-  const char* stage = e.stage >= 0 && e.stage < 5 ? kStages[e.stage] : "?";
-  const bool ce = e.stage == kStageCeScatter || e.stage == kStageCeGather;
   char bound[32];
   std::snprintf(bound, sizeof(bound), "%g", comm.options().timeout_s);
+  if (e.stage == kStageLaunchGate)
+    return "jax-tokenweave: a fused call's launch gate expired (bound " + std::string(bound) +
+           " s) on device " + std::to_string(e.device) + " (rank " + std::to_string(e.rank) +
+           ", slot " + std::to_string(e.slot) + "): the host thread of rank " +
+           std::to_string(e.peer) + " (this process) never reached its call " +
+           std::to_string(e.epoch) + " of the comm (it had reached " +
+           std::to_string(e.peer_entered) +
+           "; it is blocked or runs another program; see \"One process, several GPUs\" in "
+           "jax-tokenweave's ffi/README.md). Nothing of the call was launched and its outputs "
+           "are NaN. The communicator is unusable: outputs of later calls are NaN and every "
+           "later launch fails; jax_tokenweave.comm.reset_communicators() frees it and starts "
+           "over";
+  const char* stage = e.stage >= 0 && e.stage < 5 ? kStages[e.stage] : "?";
+  const bool ce = e.stage == kStageCeScatter || e.stage == kStageCeGather;
   std::string s = std::string("jax-tokenweave: a fused ") + (ce ? "call" : "kernel") +
                   "'s cross-GPU wait expired (bound " + std::string(bound) + " s) on device " +
                   std::to_string(e.device) + " (rank " + std::to_string(e.rank) + ", slot " +
@@ -167,30 +179,11 @@ Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options
   }
   for (auto& d : devs_)
     if (d->ordinal >= 0) Allocate(*d);
-  WarmPeerCopies();
-}
-
-// One small copy-engine copy between every ordered pair of this process's devices of a group,
-// while they are idle: whatever the driver sets up on a pair's first peer copy is then done
-// before any call can have a GPU waiting for its peer (a first copy-engine call in a weave
-// forward stalled, 2026-11-28; whether this is why is not measured yet).
-void Comm::WarmPeerCopies() {
-  if (CeTotal() == 0) return;
-  for (const auto& a : devs_)
-    for (const auto& b : devs_) {
-      if (a == b || a->group != b->group || a->ordinal < 0 || b->ordinal < 0) continue;
-      TW_THROW_CHECK(cudaSetDevice(a->ordinal));
-      TW_THROW_CHECK(cudaMemcpyAsync(b->ce, a->ce, 256, cudaMemcpyDefault, nullptr));
-      TW_THROW_CHECK(cudaMemcpyAsync(b->ce_flags, &a->rank_ctl->one, sizeof(uint32_t),
-                                     cudaMemcpyDefault, nullptr));
-      TW_THROW_CHECK(cudaDeviceSynchronize());
-      TW_THROW_CHECK(cudaMemset(b->ce_flags, 0, sizeof(uint32_t)));  // the flag written above
-    }
+  std::vector<int> local;  // the gate spans this process's devices of groups that communicate
   for (const auto& d : devs_)
-    if (d->ordinal >= 0) {
-      TW_THROW_CHECK(cudaSetDevice(d->ordinal));
-      TW_THROW_CHECK(cudaDeviceSynchronize());
-    }
+    if (d->ordinal >= 0 && group_size_ > 1 && !options_.loopback && options_.launch_gate)
+      local.push_back(d->ordinal);
+  gate_ = std::make_unique<LaunchGate>(std::move(local));
 }
 
 void Comm::EnablePeerAccess() {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common.h"
+#include "launch_gate.h"
 #include "shared_alloc.h"
 
 namespace tokenweave {
@@ -23,9 +24,10 @@ struct CommOptions {
   int64_t oneshot_bytes = 0;  // one of a slot's kLamportBuffers one-shot receive buffers
   int64_t ce_bytes = 0;       // a slot's copy-engine staging area (0: no copy-engine calls)
   int num_slots = 0;
-  double timeout_s = 0;   // bound on every cross-rank wait
-  bool multimem = false;  // opt-in; refused where NCCL_NVLS_ENABLE=0
-  bool loopback = false;  // every rank on one device (the test harness only; no handlers)
+  double timeout_s = 0;     // bound on every cross-rank wait
+  bool multimem = false;    // opt-in; refused where NCCL_NVLS_ENABLE=0
+  bool loopback = false;    // every rank on one device (the test harness only; no handlers)
+  bool launch_gate = true;  // calls wait for this process's other devices (launch_gate.h)
 };
 
 // One device (rank) of a comm. In a cross-process comm, devices of other processes have
@@ -67,6 +69,8 @@ class Comm {
   void Fill(const DeviceState& d, int slot, KernelParams& p) const;
   // The side stream and per-slot events of `d`, created on first use.
   cudaError_t EnsureSideStream(DeviceState& d);
+  // Where every call waits for this process's other devices of the comm (launch_gate.h).
+  LaunchGate& gate() { return *gate_; }
 
   bool cross_process() const { return cross_process_; }
   // Cross-process comms: a new file descriptor of local device `index`'s workspace and its
@@ -93,7 +97,6 @@ class Comm {
 
  private:
   void EnablePeerAccess();
-  void WarmPeerCopies();  // a first peer copy per ordered pair, at build (comm.cc says why)
   void Allocate(DeviceState& d);
   int64_t SyncBytes() const;                           // SlotControl[slots] | RankControl | flags
   int64_t DataBytes() const;                           // slots x 2 parities x area_bytes
@@ -109,6 +112,7 @@ class Comm {
   CommOptions options_;
   std::vector<std::unique_ptr<DeviceState>> devs_;  // in `ordinals_` order
   ErrorRecord* err_ = nullptr;
+  std::unique_ptr<LaunchGate> gate_;
 };
 
 // Registers (or finds) the comm for these CUDA ordinals, in group order, `group_size` devices

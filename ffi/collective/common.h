@@ -101,8 +101,9 @@ enum Stage : int32_t {
   kStageBarrier0 = 0,
   kStageBarrier1 = 1,
   kStageOneShotData = 2,
-  kStageCeScatter = 3,  // a copy-engine call's wait for its peers' reduce-scatter rows
-  kStageCeGather = 4,   // its wait for the peers' normed rows
+  kStageCeScatter = 3,   // a copy-engine call's wait for its peers' reduce-scatter rows
+  kStageCeGather = 4,    // its wait for the peers' normed rows
+  kStageLaunchGate = 5,  // the host's wait for this process's other devices (launch_gate.h)
 };
 
 // Bytes of the per-call working memory each algorithm needs, for N ranks, T tokens,
@@ -153,6 +154,11 @@ cudaError_t LaunchCeReduce(const KernelParams& p, DType dtype, int num_ctas, cud
 cudaError_t LaunchCeFinish(const KernelParams& p, DType dtype, cudaStream_t stream);
 cudaError_t LaunchCeWait(const KernelParams& p, int phase, cudaStream_t stream);
 cudaError_t PreloadCeKernels();
+// A call whose launch gate expired (launch_gate.h): reports it as an expired wait of stage
+// kStageLaunchGate (the group fails; `peer` the late rank, `call` the call it had not reached,
+// `peer_calls` the calls it had) and leaves NaN in both outputs.
+cudaError_t LaunchGateTimeout(const KernelParams& p, DType dtype, int peer, uint32_t call,
+                              uint32_t peer_calls, cudaStream_t stream);
 // GB/s one device's copy engine moves into the next device's memory, all devices at once.
 double MeasureCopyBandwidth(const std::vector<int>& ordinals, int64_t bytes, int reps);
 // Loads every kernel of the extension into the current device's context (see

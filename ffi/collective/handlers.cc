@@ -177,7 +177,15 @@ ffi::Error Prepare(int32_t ordinal, const CallArgs& args, Call* call) {
   return ffi::Error::Success();
 }
 
-ffi::Error Launch(Call& c, cudaStream_t stream) {
+// The call's kernels, or where its launch gate expired (`gate`), the report and NaN outputs.
+ffi::Error Launch(Call& c, const GateWait& gate, cudaStream_t stream) {
+  if (gate.late_ordinal >= 0) {
+    const DeviceState* late = c.comm->Find(gate.late_ordinal);
+    TW_FFI_CHECK(LaunchGateTimeout(c.params, c.dtype, late != nullptr ? late->rank : -1,
+                                   static_cast<uint32_t>(gate.call),
+                                   static_cast<uint32_t>(gate.late_calls), stream));
+    return ffi::Error::Success();
+  }
   c.dev->issued[c.params.slot].fetch_add(1, std::memory_order_relaxed);
   if (c.algo == Algo::kCopyEngine && c.params.nranks > 1) {
     if (std::string why = IssueCopyEngineCall(c.params, c.dtype, c.num_ctas, stream); !why.empty())
@@ -189,11 +197,10 @@ ffi::Error Launch(Call& c, cudaStream_t stream) {
   return ffi::Error::Success();
 }
 
-ffi::Error RunImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
-                   ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                   ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> residual_out,
-                   int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo,
-                   int32_t residual_replicated) {
+ffi::Error Run(bool gated, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
+               ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> normed,
+               ffi::Result<ffi::AnyBuffer> residual_out, int64_t comm_id, int32_t slot, float eps,
+               int32_t num_ctas, int32_t algo, int32_t residual_replicated) {
   Call call;
   if (ffi::Error e = Prepare(ordinal,
                              {partial, residual, weight, *normed, *residual_out, comm_id, slot, eps,
@@ -201,7 +208,31 @@ ffi::Error RunImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
                              &call);
       e.failure())
     return e;
-  return Launch(call, stream);
+  // Only where XLA calls the handler on every run of every device: a command buffer records
+  // the call, and may record it again on one device alone, so the counts could drift apart.
+  const GateWait gate =
+      gated ? call.comm->gate().Arrive(ordinal, call.comm->options().timeout_s) : GateWait{};
+  return Launch(call, gate, stream);
+}
+
+ffi::Error RunImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
+                   ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                   ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> residual_out,
+                   int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo,
+                   int32_t residual_replicated) {
+  return Run(false, stream, ordinal, partial, residual, weight, normed, residual_out, comm_id, slot,
+             eps, num_ctas, algo, residual_replicated);
+}
+
+// The uncaptured sync call: XLA calls it on every run, so it passes the launch gate.
+ffi::Error RunUncapturedImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
+                             ffi::AnyBuffer residual, ffi::AnyBuffer weight,
+                             ffi::Result<ffi::AnyBuffer> normed,
+                             ffi::Result<ffi::AnyBuffer> residual_out, int64_t comm_id,
+                             int32_t slot, float eps, int32_t num_ctas, int32_t algo,
+                             int32_t residual_replicated) {
+  return Run(true, stream, ordinal, partial, residual, weight, normed, residual_out, comm_id, slot,
+             eps, num_ctas, algo, residual_replicated);
 }
 
 // The start/done pair forks work onto a side stream and joins it in another call, which a
@@ -219,11 +250,12 @@ ffi::Error StartImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partia
                              &call);
       e.failure())
     return e;
+  const GateWait gate = call.comm->gate().Arrive(ordinal, call.comm->options().timeout_s);
   DeviceState& d = *call.dev;
   TW_FFI_CHECK(call.comm->EnsureSideStream(d));
   TW_FFI_CHECK(cudaEventRecord(d.ready[slot], stream));
   TW_FFI_CHECK(cudaStreamWaitEvent(d.side, d.ready[slot], 0));
-  if (ffi::Error e = Launch(call, d.side); e.failure()) return e;
+  if (ffi::Error e = Launch(call, gate, d.side); e.failure()) return e;
   TW_FFI_CHECK(cudaEventRecord(d.done[slot], d.side));
   return ffi::Error::Success();
 }
@@ -255,6 +287,7 @@ ffi::Error DoneImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer normed,
 
 using tokenweave::DoneImpl;
 using tokenweave::RunImpl;
+using tokenweave::RunUncapturedImpl;
 using tokenweave::StartImpl;
 
 // The buffers and attributes of the fused call and of its start (named: the typed API binds
@@ -282,7 +315,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnorm, RunImpl, TW_BIND_MAIN(
 // The same call for the copy-engine variant, left out of command buffers: captured, its peer
 // copies stalled the GPUs in a graph replay (2 x H200, 2026-11-28, with the stream-wait design
 // of that day); not measured again since the waits became a kernel.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormUncaptured, RunImpl, TW_BIND_MAIN());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormUncaptured, RunUncapturedImpl,
+                              TW_BIND_MAIN());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormStart, StartImpl, TW_BIND_MAIN());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormDone, DoneImpl,
                               ffi::Ffi::Bind()

@@ -242,9 +242,10 @@ __device__ __forceinline__ bool GroupFailed(const KernelParams& p) {
 // context stays usable. No device printf: flushing it crashed the host process on the GPU
 // image (seen twice on nvidia-h200/h100, inside the statically linked CUDA runtime).
 // `progress`: the missing rank's counter of calls begun (default: its SlotControl::entered).
-static __device__ __noinline__ void ReportTimeout(const KernelParams& p, int stage, int peer,
+// ReportFailure takes the missing rank's progress as a value (the launch gate's host count).
+static __device__ __noinline__ void ReportFailure(const KernelParams& p, int stage, int peer,
                                                   int block, uint32_t epoch, uint32_t seen,
-                                                  const uint32_t* progress = nullptr) {
+                                                  uint32_t peer_progress) {
   for (int j = 0; j < p.nranks; ++j) StVolatile(&p.rank_ctl[j]->failed, 1);
   __threadfence_system();
   if (atomicCAS_system(&p.err->claimed, 0, 1) == 0) {  // the first report fills the record
@@ -257,11 +258,18 @@ static __device__ __noinline__ void ReportTimeout(const KernelParams& p, int sta
     e->block = block;
     e->epoch = epoch;
     e->seen = seen;
-    e->peer_entered = LdVolatile(progress != nullptr ? progress : &p.ctl[peer]->entered);
+    e->peer_entered = peer_progress;
     __threadfence_system();
     e->failed = 1;  // published last: a host that sees it sees the fields
     __threadfence_system();
   }
+}
+
+static __device__ __noinline__ void ReportTimeout(const KernelParams& p, int stage, int peer,
+                                                  int block, uint32_t epoch, uint32_t seen,
+                                                  const uint32_t* progress = nullptr) {
+  ReportFailure(p, stage, peer, block, epoch, seen,
+                LdVolatile(progress != nullptr ? progress : &p.ctl[peer]->entered));
 }
 
 // A bounded spin. Tick() returns kWait while waiting may go on; it looks at the clock and at

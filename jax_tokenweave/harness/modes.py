@@ -198,7 +198,7 @@ def measure(
     anyway: modes that compute the model over ``tol`` from it are ``mismatch``, not timed; with
     ``reference`` (:func:`float32_output`) each ``rel_err_f32`` may be ``F32_MARGIN`` x
     baseline's. ``device_time``: a timed run -> ``{"median", "range"}`` ms or ``{"reason"}``
-    (``step_profile.busy_ms``), kept as ``device_ms``/``device_ms_range``/``device_reason``.
+    (``step_profile.busy_ms``): ``device_ms``/``_range``/``_reason``/``device_class_ms``.
     ``info``: ``status``, ``reason``, ``compile_s``, ``split``, ``half_lengths``, ``tuning``,
     errors and ``timing.Stats.summary`` (``ahead``: runs per sample, :func:`timing.time_once`)."""
     tp = decoder.tp
@@ -243,6 +243,8 @@ def measure(
                     info[name]["device_reason"] = dev["reason"]
                 else:
                     info[name].update(device_ms=dev["median"], device_ms_range=dev["range"])
+                    if "classes" in dev:
+                        info[name]["device_class_ms"] = dev["classes"]
     return {name: info[name] for name in modes}
 
 

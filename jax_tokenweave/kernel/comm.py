@@ -180,6 +180,7 @@ class Communicator:
                     s.timeout_s,
                     s.multimem,
                     ce_bytes=s.ce_bytes,
+                    launch_gate=s.launch_gate,
                 )
                 if self.cross_process:
                     try:

@@ -38,6 +38,7 @@ class CommSettings:
     timeout_s: float = 30.0
     algo: str = "auto"
     multimem: bool = False
+    launch_gate: bool = True  # one process, several GPUs: calls wait for every local device
 
     def __post_init__(self) -> None:
         if not self.workspace_mib > 0 or not self.oneshot_mib >= 0 or not self.ce_mib >= 0:
@@ -64,6 +65,7 @@ class CommSettings:
             timeout_s=float(_env("JAX_TOKENWEAVE_TIMEOUT_S", "30")),
             algo=_env("JAX_TOKENWEAVE_ALGO", "auto"),
             multimem=_env("JAX_TOKENWEAVE_MULTIMEM", "0") == "1",
+            launch_gate=_env("JAX_TOKENWEAVE_LAUNCH_GATE", "1") != "0",
         )
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields)
