@@ -187,3 +187,27 @@ def test_shipped_table():
     assert table.model_name(get_config("qwen2.5-72b", num_layers=8)) == "qwen2.5-72b"
     assert table.entry("qwen2.5-72b", 2, 2048).num_ctas == 32
     assert "4096 at TP=2" in table.describe_thresholds()
+
+
+def test_a_table_named_by_the_environment_merges_over_the_shipped(tmp_path, monkeypatch):
+    """``JAX_TOKENWEAVE_TUNING``: its rows replace the shipped rows of the same keys (here the
+    TP=2 split at 4096 tokens on copy engines, the threshold 2048), the others stay."""
+    shipped = tuning.shipped()
+    override = TuneTable(
+        {("llama3-70b", 2, 4096): TuneEntry(None, 16, algo="ce")}, {("llama3-70b", 2): 2048}
+    )
+    path = tmp_path / "ce.json"
+    tuning.save(override, path)
+    monkeypatch.setenv(tuning.TUNING_ENV, str(path))
+    table = tuning.shipped()
+    assert table.entry("llama3-70b", 2, 4096) == TuneEntry(None, 16, algo="ce")
+    assert table.threshold("llama3-70b", 2) == 2048
+    assert table.threshold("qwen2.5-72b", 2) == shipped.threshold("qwen2.5-72b", 2)
+    assert tuning.lookup("llama3-70b", 2, 4096).algo == "ce"  # what the planner reads
+    monkeypatch.setenv(tuning.TUNING_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="JAX_TOKENWEAVE_TUNING"):
+        tuning.shipped()
+    monkeypatch.delenv(tuning.TUNING_ENV)
+    assert (
+        tuning.shipped() is tuning.shipped() and tuning.shipped().threshold("llama3-70b", 2) == 4096
+    )

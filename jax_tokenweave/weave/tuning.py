@@ -30,6 +30,7 @@ __all__ = [
     "MAX_CTAS",
     "MIN_CTAS",
     "POLICY_ENTRY",
+    "TUNING_ENV",
     "TuneEntry",
     "TuneTable",
     "from_json",
@@ -194,10 +195,25 @@ class TuneTable:
         )
 
 
-@functools.cache
+TUNING_ENV = "JAX_TOKENWEAVE_TUNING"
+"""Names a tuning table (a path) whose rows :func:`shipped` merges over the package's."""
+
+
 def shipped() -> TuneTable:
-    """The table shipped with the package (``tuning.json``, read once)."""
-    return load(DEFAULT_PATH)
+    """The table in use: the package's ``tuning.json``, with the rows of the table at
+    ``$JAX_TOKENWEAVE_TUNING`` (a path, if set) merged over it (same keys replaced). Each file
+    is read once."""
+    return _in_use(os.environ.get(TUNING_ENV) or None)
+
+
+@functools.cache
+def _in_use(override: str | None) -> TuneTable:
+    table = load(DEFAULT_PATH)
+    if override is None:
+        return table
+    if not Path(override).is_file():
+        raise FileNotFoundError(f"{TUNING_ENV}={override!r}: no such tuning table")
+    return table.merged(load(Path(override)))
 
 
 def lookup(
