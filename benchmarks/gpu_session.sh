@@ -13,15 +13,16 @@
 #             Logs never go into the tree; OUT inside benchmarks/results is refused.
 #
 # Stages (in this order, each optional): build tests loopback profile ncu fixedcost kernel mp
-# smtax breakdown main e2e attention decode prefill (mp: one process per GPU, the multi-process
-# tests and MP_KERNEL_ARGS through python -m jax_tokenweave.launch; compare with the kernel
+# smtax breakdown ce main e2e attention decode prefill (ce: the breakdown with the copy-engine
+# variant forced beside the tables' choice, profiled per kernel class; mp: one process per GPU,
+# the multi-process tests and MP_KERNEL_ARGS through python -m jax_tokenweave.launch; compare with the kernel
 # stage's single process; attention: paged attention per layer, xla / cuda / pallas, vs the
 # copy bandwidth; decode: the serving engine's decode step vs the memory roofline; prefill: the
 # engine's prefill steps vs the bare stack; all three on one GPU, Llama-3-8B shapes by default).
 # Knobs: TESTS (pytest paths), TEST_RUNS, LOOPBACK_ARGS, PROFILE_ARGS, NCU_TOKENS, KERNEL_ARGS,
-# SMTAX_ARGS, BREAKDOWN_ARGS, MAIN_ARGS, E2E_ARGS, ATTENTION_ARGS, DECODE_ARGS, PREFILL_ARGS
+# SMTAX_ARGS, BREAKDOWN_ARGS, CE_ARGS, MAIN_ARGS, E2E_ARGS, ATTENTION_ARGS, DECODE_ARGS, PREFILL_ARGS
 # (default: each benchmark's GPU defaults, attention within 300 s; e.g. ATTENTION_ARGS=--quick),
-# per-stage time limits T_TESTS, T_KERNEL, T_MAIN, T_E2E, T_ATTENTION, T_DECODE, T_PREFILL
+# per-stage time limits T_TESTS, T_KERNEL, T_CE, T_MAIN, T_E2E, T_ATTENTION, T_DECODE, T_PREFILL
 # (seconds; the last three default to 420: a device call ends at 10 minutes, so run the full
 # attention, decode and prefill stages in separate calls); JAX_TOKENWEAVE_COMMIT names the
 # commit the copy was made from (the device machine gets no .git).
@@ -42,6 +43,7 @@ PROFILE_ARGS=${PROFILE_ARGS:---tokens 1 16 64 256}
 KERNEL_ARGS=${KERNEL_ARGS:---tp 2 4 --hidden 8192 --tokens 1 16 64 256 1024 4096 16384 --ctas 16 32 64 128 --algos one_shot direct two_shot --reps 10 --device-time}
 SMTAX_ARGS=${SMTAX_ARGS:---tokens 4096 8192 16384 --ctas 8 16 32}
 BREAKDOWN_ARGS=${BREAKDOWN_ARGS:---model llama3-70b --layers 8 --tokens 1024 2048 4096 8192 16384 --ctas 8 16 32}
+CE_ARGS=${CE_ARGS:---model llama3-70b --layers 8 --tokens 2048 4096 8192 16384 --modes baseline nocomm weave-local weave-ffi weave-auto --algos ce --ctas 16 32 --device-time 3}
 MAIN_ARGS=${MAIN_ARGS:---model llama3-70b --layers 4 --tokens 2048 8192 --collective xla --iters 10}
 E2E_ARGS=${E2E_ARGS:---models llama3-70b --tp 4 --tokens 2048 8192 --layers 8 --iters 5}
 ATTENTION_ARGS=${ATTENTION_ARGS:---time-budget 300}
@@ -203,6 +205,8 @@ fi
 has smtax && { bench smtax "${T_SMTAX:-200}" sm_tax.py $SMTAX_ARGS || status=$?; }
 # shellcheck disable=SC2086
 has breakdown && { bench breakdown "${T_BREAKDOWN:-400}" breakdown.py $BREAKDOWN_ARGS || status=$?; }
+# shellcheck disable=SC2086
+has ce && { bench ce "${T_CE:-420}" breakdown.py $CE_ARGS || status=$?; }
 if has main; then
   log "main job: $MAIN_ARGS"
   mkdir -p "$R/main" "$L/main"
