@@ -197,42 +197,32 @@ ffi::Error Launch(Call& c, const GateWait& gate, cudaStream_t stream) {
   return ffi::Error::Success();
 }
 
-ffi::Error Run(bool gated, cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
-               ffi::AnyBuffer residual, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> normed,
-               ffi::Result<ffi::AnyBuffer> residual_out, int64_t comm_id, int32_t slot, float eps,
-               int32_t num_ctas, int32_t algo, int32_t residual_replicated) {
-  Call call;
-  if (ffi::Error e = Prepare(ordinal,
-                             {partial, residual, weight, *normed, *residual_out, comm_id, slot, eps,
-                              num_ctas, algo, residual_replicated},
-                             &call);
-      e.failure())
-    return e;
-  // Only where XLA calls the handler on every run of every device: a command buffer records
-  // the call, and may record it again on one device alone, so the counts could drift apart.
-  const GateWait gate =
-      gated ? call.comm->gate().Arrive(ordinal, call.comm->options().timeout_s) : GateWait{};
-  return Launch(call, gate, stream);
+// Prepare, then, where `gated`, the launch gate: only calls XLA runs through the handler on
+// every run of every device pass it (a command buffer records a call, and may record it again
+// on one device alone, so the counts could drift apart).
+ffi::Error PrepareAndGate(int32_t ordinal, const CallArgs& args, bool gated, Call* call,
+                          GateWait* gate) {
+  if (ffi::Error e = Prepare(ordinal, args, call); e.failure()) return e;
+  if (gated) *gate = call->comm->gate().Arrive(ordinal, call->comm->options().timeout_s);
+  return ffi::Error::Success();
 }
 
+// The sync call; kGated: the uncaptured target, which XLA calls on every run.
+template <bool kGated>
 ffi::Error RunImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
                    ffi::AnyBuffer residual, ffi::AnyBuffer weight,
                    ffi::Result<ffi::AnyBuffer> normed, ffi::Result<ffi::AnyBuffer> residual_out,
                    int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo,
                    int32_t residual_replicated) {
-  return Run(false, stream, ordinal, partial, residual, weight, normed, residual_out, comm_id, slot,
-             eps, num_ctas, algo, residual_replicated);
-}
-
-// The uncaptured sync call: XLA calls it on every run, so it passes the launch gate.
-ffi::Error RunUncapturedImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partial,
-                             ffi::AnyBuffer residual, ffi::AnyBuffer weight,
-                             ffi::Result<ffi::AnyBuffer> normed,
-                             ffi::Result<ffi::AnyBuffer> residual_out, int64_t comm_id,
-                             int32_t slot, float eps, int32_t num_ctas, int32_t algo,
-                             int32_t residual_replicated) {
-  return Run(true, stream, ordinal, partial, residual, weight, normed, residual_out, comm_id, slot,
-             eps, num_ctas, algo, residual_replicated);
+  Call call;
+  GateWait gate;
+  if (ffi::Error e = PrepareAndGate(ordinal,
+                                    {partial, residual, weight, *normed, *residual_out, comm_id,
+                                     slot, eps, num_ctas, algo, residual_replicated},
+                                    kGated, &call, &gate);
+      e.failure())
+    return e;
+  return Launch(call, gate, stream);
 }
 
 // The start/done pair forks work onto a side stream and joins it in another call, which a
@@ -244,13 +234,13 @@ ffi::Error StartImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer partia
                      int64_t comm_id, int32_t slot, float eps, int32_t num_ctas, int32_t algo,
                      int32_t residual_replicated) {
   Call call;
-  if (ffi::Error e = Prepare(ordinal,
-                             {partial, residual, weight, *normed, *residual_out, comm_id, slot, eps,
-                              num_ctas, algo, residual_replicated},
-                             &call);
+  GateWait gate;
+  if (ffi::Error e = PrepareAndGate(ordinal,
+                                    {partial, residual, weight, *normed, *residual_out, comm_id,
+                                     slot, eps, num_ctas, algo, residual_replicated},
+                                    true, &call, &gate);
       e.failure())
     return e;
-  const GateWait gate = call.comm->gate().Arrive(ordinal, call.comm->options().timeout_s);
   DeviceState& d = *call.dev;
   TW_FFI_CHECK(call.comm->EnsureSideStream(d));
   TW_FFI_CHECK(cudaEventRecord(d.ready[slot], stream));
@@ -287,7 +277,6 @@ ffi::Error DoneImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer normed,
 
 using tokenweave::DoneImpl;
 using tokenweave::RunImpl;
-using tokenweave::RunUncapturedImpl;
 using tokenweave::StartImpl;
 
 // The buffers and attributes of the fused call and of its start (named: the typed API binds
@@ -310,13 +299,12 @@ using tokenweave::StartImpl;
 
 // The synchronous call keeps no per-call host state (the kernels advance the device-resident
 // sync state), so XLA may record it into a command buffer and replay it.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnorm, RunImpl, TW_BIND_MAIN(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnorm, RunImpl<false>, TW_BIND_MAIN(),
                               {ffi::Traits::kCmdBufferCompatible});
 // The same call for the copy-engine variant, left out of command buffers: captured, its peer
 // copies stalled the GPUs in a graph replay (2 x H200, 2026-11-28, with the stream-wait design
 // of that day); not measured again since the waits became a kernel.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormUncaptured, RunUncapturedImpl,
-                              TW_BIND_MAIN());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormUncaptured, RunImpl<true>, TW_BIND_MAIN());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormStart, StartImpl, TW_BIND_MAIN());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenweaveAllreduceRmsnormDone, DoneImpl,
                               ffi::Ffi::Bind()
