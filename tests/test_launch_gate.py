@@ -1,5 +1,6 @@
-"""The launch gate's host logic (ffi/collective/launch_gate.h), run by the extension on host threads with
-no GPU: a device's n-th call waits until every local device of the comm reached its n-th."""
+"""The launch gate's host logic (ffi/collective/launch_gate.h), run by the extension on host
+threads with no GPU: a device's n-th call waits until every local device of the comm reached
+its n-th."""
 
 from __future__ import annotations
 
