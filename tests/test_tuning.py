@@ -207,7 +207,19 @@ def test_a_table_named_by_the_environment_merges_over_the_shipped(tmp_path, monk
     monkeypatch.setenv(tuning.TUNING_ENV, str(tmp_path / "missing.json"))
     with pytest.raises(FileNotFoundError, match="JAX_TOKENWEAVE_TUNING"):
         tuning.shipped()
+    (tmp_path / "bad.json").write_text("{")
+    monkeypatch.setenv(tuning.TUNING_ENV, str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match=r"JAX_TOKENWEAVE_TUNING=.*not valid JSON"):
+        tuning.shipped()
     monkeypatch.delenv(tuning.TUNING_ENV)
     assert (
         tuning.shipped() is tuning.shipped() and tuning.shipped().threshold("llama3-70b", 2) == 4096
     )
+
+
+def test_the_copy_engine_override_holds_tp2_ce_rows():
+    """``benchmarks/tuning_ce_tp2.json`` (measured rows for ``JAX_TOKENWEAVE_TUNING``) loads,
+    and every row is TP 2 on copy engines."""
+    table = tuning.load(Path(__file__).parents[1] / "benchmarks" / "tuning_ce_tp2.json")
+    assert table.entries and all(k[1] == 2 and e.algo == "ce" for k, e in table.entries.items())
+    assert "2026-11-28-h200x2" in table.meta["source"]

@@ -213,7 +213,10 @@ def _in_use(override: str | None) -> TuneTable:
         return table
     if not Path(override).is_file():
         raise FileNotFoundError(f"{TUNING_ENV}={override!r}: no such tuning table")
-    return table.merged(load(Path(override)))
+    try:
+        return table.merged(load(Path(override)))
+    except ValueError as err:
+        raise ValueError(f"{TUNING_ENV}={override!r}: {err}") from None
 
 
 def lookup(
