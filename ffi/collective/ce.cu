@@ -50,6 +50,13 @@ __global__ void __launch_bounds__(32)
   StVolatile(flag, 0);
 }
 
+// A call whose launch gate expired (launch_gate.h) reports like an expired wait.
+__global__ void __launch_bounds__(32)
+    GateTimeoutKernel(const __grid_constant__ KernelParams p, int peer, uint32_t call,
+                      uint32_t peer_calls) {
+  if (threadIdx.x == 0) ReportFailure(p, kStageLaunchGate, peer, -1, call, 0, peer_calls);
+}
+
 template <typename T>
 __device__ __forceinline__ void PoisonRows(char* base, int64_t rows, int64_t rb) {
   const uint4 nan = NanVec<T>();
@@ -167,14 +174,6 @@ cudaError_t LaunchCeWait(const KernelParams& p, int phase, cudaStream_t stream) 
   CeWaitKernel<<<1, 32, 0, stream>>>(p, phase);
   return cudaGetLastError();
 }
-
-namespace {
-__global__ void __launch_bounds__(32)
-    GateTimeoutKernel(const __grid_constant__ KernelParams p, int peer, uint32_t call,
-                      uint32_t peer_calls) {
-  if (threadIdx.x == 0) ReportFailure(p, kStageLaunchGate, peer, -1, call, 0, peer_calls);
-}
-}  // namespace
 
 // The finish kernel doubles as the poison: the report above has marked the group failed.
 cudaError_t LaunchGateTimeout(const KernelParams& p, DType dtype, int peer, uint32_t call,

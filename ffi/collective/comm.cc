@@ -46,6 +46,10 @@ std::string FailureMessage(const Comm& comm) {
   if (!e.failed) return "";
   static const char* kStages[] = {"barrier 0", "barrier 1", "one-shot data",
                                   "copy-engine reduce-scatter", "copy-engine all-gather"};
+  static const std::string kUnusable =
+      ". The communicator is unusable: outputs of later calls are NaN and every later launch "
+      "fails; jax_tokenweave.comm.reset_communicators() (in every process) frees it and starts "
+      "over";
   char bound[32];
   std::snprintf(bound, sizeof(bound), "%g", comm.options().timeout_s);
   if (e.stage == kStageLaunchGate)
@@ -57,9 +61,8 @@ std::string FailureMessage(const Comm& comm) {
            std::to_string(e.peer_entered) +
            "; it is blocked or runs another program; see \"One process, several GPUs\" in "
            "jax-tokenweave's ffi/README.md). Nothing of the call was launched and its outputs "
-           "are NaN. The communicator is unusable: outputs of later calls are NaN and every "
-           "later launch fails; jax_tokenweave.comm.reset_communicators() frees it and starts "
-           "over";
+           "are NaN" +
+           kUnusable;
   const char* stage = e.stage >= 0 && e.stage < 5 ? kStages[e.stage] : "?";
   const bool ce = e.stage == kStageCeScatter || e.stage == kStageCeGather;
   std::string s = std::string("jax-tokenweave: a fused ") + (ce ? "call" : "kernel") +
@@ -76,10 +79,7 @@ std::string FailureMessage(const Comm& comm) {
              "blocked; with several GPUs in one process, see \"One process, several GPUs\" "
              "in jax-tokenweave's ffi/README.md)"
            : " (it started this call but never arrived)";
-  return s + comm.IssuedNote(e) +
-         ". The communicator is unusable: outputs of later calls are NaN and every later "
-         "launch fails; jax_tokenweave.comm.reset_communicators() (in every process) "
-         "frees it and starts over";
+  return s + comm.IssuedNote(e) + kUnusable;
 }
 
 int64_t Comm::launches() const {
@@ -180,9 +180,9 @@ Comm::Comm(std::vector<int> ordinals, int group_size, const CommOptions& options
   for (auto& d : devs_)
     if (d->ordinal >= 0) Allocate(*d);
   std::vector<int> local;  // the gate spans this process's devices of groups that communicate
-  for (const auto& d : devs_)
-    if (d->ordinal >= 0 && group_size_ > 1 && !options_.loopback && options_.launch_gate)
-      local.push_back(d->ordinal);
+  if (group_size_ > 1 && !options_.loopback && options_.launch_gate)
+    for (const auto& d : devs_)
+      if (d->ordinal >= 0) local.push_back(d->ordinal);
   gate_ = std::make_unique<LaunchGate>(std::move(local));
 }
 
