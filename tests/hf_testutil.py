@@ -136,3 +136,10 @@ TINY_ENGINE = dict(
     collective="xla",
 )
 """The engine sizes the tests of a tiny checkpoint share (``LLM(path, **TINY_ENGINE, ...)``)."""
+
+
+def save_tiny_llama(directory: Any, seed: int, chat_template: str | None = None) -> str:
+    """A tiny random Llama checkpoint (``make_hf_model("llama", seed=seed)``) with the
+    character tokenizer (:func:`save_char_tokenizer`), saved into ``directory``; its path."""
+    path = save_checkpoint(make_hf_model("llama", seed=seed), str(directory))
+    return save_char_tokenizer(path, chat_template=chat_template)

@@ -16,13 +16,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from hf_testutil import (
-    TINY_ENGINE,
-    import_or_skip,
-    make_hf_model,
-    save_char_tokenizer,
-    save_checkpoint,
-)
+from hf_testutil import TINY_ENGINE, import_or_skip, save_tiny_llama
 
 from jax_tokenweave.serving import LLM, LLMEngine, SamplingParams
 from jax_tokenweave.serving.offline import llm_setup
@@ -42,10 +36,7 @@ ROOM_BLOCKS = 6000  # the device's free room beside what was alive before: one p
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = save_checkpoint(
-        make_hf_model("llama", seed=4), str(tmp_path_factory.mktemp("memory") / "tiny")
-    )
-    return save_char_tokenizer(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("memory") / "tiny", seed=4)
 
 
 def live_bytes(device) -> int:

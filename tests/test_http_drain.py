@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from hf_testutil import import_or_skip, make_hf_model, save_char_tokenizer, save_checkpoint
+from hf_testutil import import_or_skip, save_tiny_llama
 
 import_or_skip("torch")
 import_or_skip("transformers")
@@ -54,8 +54,7 @@ SIZES = dict(
 def server(tmp_path_factory):
     """``(base url, process, log path)``: warm-up on, into an empty cache (``HOME``)."""
     home = tmp_path_factory.mktemp("home")
-    path = save_checkpoint(make_hf_model("llama", seed=5), str(home / "tiny"))
-    checkpoint = save_char_tokenizer(path)
+    checkpoint = save_tiny_llama(home / "tiny", seed=5)
     log = home / "server.log"
     args = [checkpoint, "--tp", "2", "--served-model-name", MODEL, "--log-level", "info"]
     url, proc = start_server(

@@ -11,13 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hf_testutil import (
-    TINY_ENGINE,
-    import_or_skip,
-    make_hf_model,
-    save_char_tokenizer,
-    save_checkpoint,
-)
+from hf_testutil import TINY_ENGINE, import_or_skip, save_tiny_llama
 
 from jax_tokenweave.serving import LLM, SamplingParams
 
@@ -39,10 +33,8 @@ CLIENT = dict(temperature=0.0, max_tokens=8)  # with extra_body={"ignore_eos": T
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = save_checkpoint(
-        make_hf_model("llama", seed=17), str(tmp_path_factory.mktemp("sampling") / "tiny")
-    )
-    return LLM(save_char_tokenizer(path), use_tqdm=False, **SIZES)
+    path = save_tiny_llama(tmp_path_factory.mktemp("sampling") / "tiny", seed=17)
+    return LLM(path, use_tqdm=False, **SIZES)
 
 
 def serve(llm, work):

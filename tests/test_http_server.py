@@ -15,13 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from hf_testutil import (
-    CHAT_TEMPLATE,
-    import_or_skip,
-    make_hf_model,
-    save_char_tokenizer,
-    save_checkpoint,
-)
+from hf_testutil import CHAT_TEMPLATE, import_or_skip, save_tiny_llama
 
 from jax_tokenweave.serving import LLM, SamplingParams
 
@@ -59,10 +53,7 @@ MAX_WAITING = 1024  # the server's default --max-waiting
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = save_checkpoint(
-        make_hf_model("llama", seed=23), str(tmp_path_factory.mktemp("http") / "tiny")
-    )
-    return save_char_tokenizer(path, chat_template=CHAT_TEMPLATE)
+    return save_tiny_llama(tmp_path_factory.mktemp("http") / "tiny", 23, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

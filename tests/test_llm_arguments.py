@@ -7,14 +7,7 @@ without a ``role`` or ``content``, a ``model`` that is neither a path nor a mode
 from __future__ import annotations
 
 import pytest
-from hf_testutil import (
-    CHAT_TEMPLATE,
-    TINY_ENGINE,
-    import_or_skip,
-    make_hf_model,
-    save_char_tokenizer,
-    save_checkpoint,
-)
+from hf_testutil import CHAT_TEMPLATE, TINY_ENGINE, import_or_skip, save_tiny_llama
 
 from jax_tokenweave.serving import LLM, LLMEngine, SamplingParams
 
@@ -31,10 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = save_checkpoint(
-        make_hf_model("llama", seed=3), str(tmp_path_factory.mktemp("args") / "tiny")
-    )
-    return save_char_tokenizer(path, chat_template=CHAT_TEMPLATE)
+    return save_tiny_llama(tmp_path_factory.mktemp("args") / "tiny", 3, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

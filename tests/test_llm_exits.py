@@ -15,9 +15,7 @@ from hf_testutil import (
     CHAT_TEMPLATE,
     TINY_ENGINE,
     import_or_skip,
-    make_hf_model,
-    save_char_tokenizer,
-    save_checkpoint,
+    save_tiny_llama,
 )
 
 from jax_tokenweave.serving import LLM, RequestFailed, SamplingParams
@@ -35,10 +33,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = save_checkpoint(
-        make_hf_model("llama", seed=21), str(tmp_path_factory.mktemp("exits") / "tiny")
-    )
-    return save_char_tokenizer(path, chat_template=CHAT_TEMPLATE)
+    return save_tiny_llama(tmp_path_factory.mktemp("exits") / "tiny", 21, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])

@@ -13,14 +13,7 @@ import types
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_testutil import (
-    CHAT_TEMPLATE,
-    TINY_ENGINE,
-    import_or_skip,
-    make_hf_model,
-    save_char_tokenizer,
-    save_checkpoint,
-)
+from hf_testutil import CHAT_TEMPLATE, TINY_ENGINE, import_or_skip, save_tiny_llama
 
 from jax_tokenweave.hf.errors import CheckpointError
 from jax_tokenweave.serving import LLM, EngineConfig, RequestFailed, SamplingParams
@@ -49,10 +42,7 @@ for output in outputs:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = save_checkpoint(
-        make_hf_model("llama", seed=11), str(tmp_path_factory.mktemp("vllm") / "tiny")
-    )
-    return save_char_tokenizer(path, chat_template=CHAT_TEMPLATE)
+    return save_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny", 11, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
