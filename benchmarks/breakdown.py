@@ -44,6 +44,7 @@ from typing import Any
 from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.harness.modes import Mode, measure
 from jax_tokenweave.kernel import unavailable_reason
+from jax_tokenweave.kernel.policy import ALGOS
 
 _step_profile = bm.sibling_module(__file__, "step_profile")  # busy_ms (found under -P)
 
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--algos",
         nargs="+",
         default=[],
-        choices=["one_shot", "two_shot", "direct", "ce"],
+        choices=list(ALGOS),
         help="also time weave-ffi with each of these fused-call variants (weave-ffi[<algo>], "
         "with each --ctas count if any; default: none, the tuning table's variant only)",
     )

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.harness import hlo_check, timing
+from jax_tokenweave.kernel.policy import ALGOS
 from jax_tokenweave.weave import tuning
 from jax_tokenweave.weave.schedules import unavailable_reason
 from jax_tokenweave.weave.tuning import TuneEntry, TuneTable
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--algos",
         nargs="+",
         default=[],
-        choices=["one_shot", "two_shot", "direct", "ce"],
+        choices=list(ALGOS),
         help="fused-call variants to try for every candidate (default: the kernel policy's, by "
         "size); the entry keeps the fastest's",
     )

@@ -207,8 +207,13 @@ def shipped() -> TuneTable:
 
 
 @functools.cache
+def _package_table() -> TuneTable:
+    return load(DEFAULT_PATH)
+
+
+@functools.cache
 def _in_use(override: str | None) -> TuneTable:
-    table = load(DEFAULT_PATH)
+    table = _package_table()
     if override is None:
         return table
     if not Path(override).is_file():
