@@ -41,6 +41,7 @@ from jax_tokenweave.serving.attention.paged_attention import ATTENTION_IMPLS
 
 workloads = bm.sibling_module(__file__, "serve_workloads")
 serve_report = bm.sibling_module(__file__, "serve_report")
+serve_floor = bm.sibling_module(__file__, "serve_floor")
 WORKLOADS = workloads.WORKLOADS
 SCHEDULES = ("weave", "baseline")
 POLICIES = {
@@ -255,6 +256,8 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
     mesh = bm.make_mesh(devices, tp)
     model = LlamaModel(config, mesh, dtype=bm.DTYPES[args.dtype], rngs=nnx.Rngs(args.seed))
     requests = make_requests(args, config.vocab_size)
+    rates = measure_rates(devices[0], model) if platform == "gpu" else None
+    itemsize = np.dtype(bm.DTYPES[args.dtype]).itemsize
     longest = max(len(r["prompt"]) + r["max_tokens"] for rs in requests.values() for r in rs)
     num_blocks, sizing = kv_blocks(args, model, longest)
     engine_config = EngineConfig(
@@ -296,6 +299,10 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
             for workload in args.workloads:
                 engine.reset_prefix_cache()  # no run starts with another's cached blocks
                 r = serve(engine, requests[workload], workload, f"{workload} {name}")
+                if rates:
+                    r["floor"] = serve_floor.run_floor(
+                        config, tp, itemsize, requests[workload], r, **rates
+                    )
                 runs[workload].setdefault(schedule, {})[policy] = r
                 print(f"{workload} {name}: {_line(r)}", file=sys.stderr)
             del engine
@@ -310,8 +317,19 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
         "policies": {p: POLICIES[p] for p in args.policies},
         "runs": runs,
         "warmup": warmups,
+        "rates": rates,
         **serve_report.ratios(runs),
     }
+
+
+def measure_rates(device: Any, model: Any) -> dict[str, float]:
+    """``device``'s matmul rate (TFLOP/s, the model's dtype) and copy bandwidth (GB/s, read +
+    write) for the runs' floors (``serve_floor``), as ``decode_bench.py`` measures them."""
+    rf = serve_floor.roofline
+    gb_s = rf.copy_bandwidth(device, int(2 * rf.GB))["gb_s"]
+    tflop_s = rf.matmul_rate(device, model.embed.get_value().dtype)["tflop_s"]
+    print(f"copy bandwidth {gb_s:.0f} GB/s, matmul rate {tflop_s:.0f} TFLOP/s", file=sys.stderr)
+    return {"tflop_s": tflop_s, "gb_s": gb_s}
 
 
 def _line(r: dict[str, Any]) -> str:

@@ -39,18 +39,19 @@ def ratios(runs: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> dict[str, A
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    """The table, the ratios and the warm-ups (layouts loaded from the executable cache /
-    compiled)."""
+    """The table (with each run's time over its floor where the rates were measured), the
+    ratios and the warm-ups (layouts loaded from the executable cache / compiled)."""
     fmt = bm.number_or_dash
     rows = [
         "| workload | schedule | KV policy | output tok/s | total tok/s | TTFT p50 / p99 ms | "
         "TPOT p50 / p99 ms | steps (woven) | preemptions | prefix hits | peak running | "
-        "failed | compiles |",
-        "|---" * 13 + "|",
+        "failed | compiles | x floor |",
+        "|---" * 14 + "|",
     ]
     for workload, per in report["runs"].items():
         for schedule, by in per.items():
             for policy, r in by.items():
+                floor = r.get("floor") or {}
                 hits = (
                     f"{100 * r['prefix_cache_hits'] / r['prefix_cache_queries']:.0f}%"
                     if r["prefix_cache_queries"]
@@ -62,7 +63,7 @@ def to_markdown(report: dict[str, Any]) -> str:
                     f"{fmt(r['ttft_p99_ms'])} | {fmt(r['tpot_p50_ms'], 2)} / "
                     f"{fmt(r['tpot_p99_ms'], 2)} | {r['steps']} ({r['split_steps']}) | "
                     f"{r['preemptions']} | {hits} | {r['peak_running']} | {r['failed']} | "
-                    f"{r['compilations']} |"
+                    f"{r['compilations']} | {fmt(floor.get('measured_over_floor'), 2)} |"
                 )
     engine = report["engine"]
     lines = [
@@ -72,6 +73,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         *rows,
     ]
+    if report.get("rates"):
+        lines += [
+            "",
+            f"x floor: the run's time over its floor at {report['rates']['tflop_s']:.0f} TFLOP/s "
+            f"and {report['rates']['gb_s']:.0f} GB/s, measured here (serve_floor.py: the GEMMs "
+            "at the slower of their FLOPs and a weight read per step, then the K/V reads).",
+        ]
     weave = report["throughput_ratio_weave_over_baseline"]
     if weave:
         lines += [
