@@ -54,7 +54,7 @@ def serve(llm, work):
 
     out = asyncio.run(main())
     assert not llm.engine.has_unfinished()
-    assert llm.engine.scheduler.allocator.num_free == SIZES["num_blocks"]
+    assert llm.engine.scheduler.allocator.num_free == llm.engine.config.num_blocks
     return out
 
 
@@ -164,3 +164,28 @@ def test_a_stop_string_at_the_last_allowed_token_finishes_with_stop(llm):
     assert (choice.text, choice.finish_reason) == (full.outputs[0].text[:cut], "stop")
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_request_the_kv_pool_cannot_hold_names_the_prompt_or_max_tokens(tmp_path):
+    """A pool of 3 blocks of 4 positions: a 13-token prompt can never fit whatever
+    ``max_tokens`` (400 naming ``prompt``); a 9-token one with 8 new tokens cannot
+    (``max_tokens``); nothing is queued."""
+    path = save_tiny_llama(tmp_path / "tiny", 31, CHAT_TEMPLATE)
+    small = LLM(path, use_tqdm=False, warmup=False, **{**SIZES, "num_blocks": 3})
+    with pytest.raises(ValueError, match=r"its prompt alone needs 4 KV cache blocks"):
+        small.generate([[5] * 13], SamplingParams(max_tokens=1))
+
+    async def work(client, raw):
+        return [
+            await raw.post("/v1/completions", json={"prompt": [5] * tokens, "max_tokens": new})
+            for tokens, new in ((13, 1), (9, 8))
+        ]
+
+    alone, both = serve(small, work)
+    for response, param, says in (
+        (alone, "prompt", "prompt alone"),
+        (both, "max_tokens", "request needs 4"),
+    ):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and says in error["message"], error

@@ -19,8 +19,9 @@ from jax_tokenweave.serving import SamplingParams
 NORMALIZER_SLACK = 4
 """Room for normalizers that compose characters (NFC: a letter and its marks become one)."""
 
-# ``LLMEngine.check_request``'s messages -> the request field at fault (else the prompt)
+# ``LLMEngine.check_request``'s messages -> the request field at fault (None: the prompt)
 _CHECK_FIELDS = (
+    ("prompt alone", None),
     ("logit_bias", "logit_bias"),
     ("stop_token_ids", "stop_token_ids"),
     ("logprobs=", "logprobs"),
@@ -174,5 +175,5 @@ class Prompts:
             self.llm.engine.check_request(ids, params, what)
         except ValueError as err:
             text = str(err)
-            param = next((field for key, field in _CHECK_FIELDS if key in text), what)
+            param = next((field for key, field in _CHECK_FIELDS if key in text), None) or what
             raise P.BadRequest(text, param) from None
