@@ -25,6 +25,17 @@ PROG = "python -m jax_tokenweave.serve"
 ENGINE_OPTIONS = tuple(cli.ENGINE_OPTIONS)
 
 
+def tcp_port(text: str) -> int:
+    """A TCP port, 0 to 65535 (an ``argparse`` type; 0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 0 to 65535, got {text!r}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser; see ``--help``."""
     p = argparse.ArgumentParser(
@@ -47,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="--random: decoder layers to stack (default: the config's)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=cli.nonnegative_int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=tcp_port, default=8000, help="port to listen on (0: any free)")
     p.add_argument(
         "--served-model-name",
         help="the model's name in the API (default: MODEL, or the --random name)",

@@ -1,6 +1,6 @@
 """The commands' ``--help`` is plain text: no reST markup (double backticks, roles) and no path
 that exists only in a checkout of the repository (``docs/``, ``benchmarks/``, ...), since an
-installed package has neither."""
+installed package has neither; the server's ``--port`` is a TCP port."""
 
 from __future__ import annotations
 
@@ -36,3 +36,16 @@ def test_help_is_plain_text(command):
     assert f"python -m jax_tokenweave.{command}" in text
     assert "``" not in text and not re.search(r":\w+:`", text), text
     assert not CHECKOUT_ONLY.search(text), CHECKOUT_ONLY.search(text)
+
+
+@pytest.mark.parametrize("port", ["65536", "70000", "-1", "http"])
+def test_serve_port_must_be_a_tcp_port(port, capsys):
+    """``--port 70000`` listened on 4464 (70000 mod 65536) while the startup line said 70000."""
+    build = parsers().get("serve")
+    if build is None:
+        pytest.skip("the serve extra is not installed")
+    assert build().parse_args(["m", "--port", "65535"]).port == 65535
+    assert build().parse_args(["m", "--port", "0"]).port == 0  # any free port
+    with pytest.raises(SystemExit):
+        build().parse_args(["m", "--port", port])
+    assert "argument --port: expected a TCP port, 0 to 65535" in capsys.readouterr().err

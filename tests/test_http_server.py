@@ -290,7 +290,6 @@ BAD = [
     ("max_tokens beyond the model", {"prompt": "x", "max_tokens": 1000}, "max_tokens"),
     ("empty prompt", {"prompt": ""}, "prompt"),
     ("empty prompt list", {"prompt": []}, "prompt"),
-    ("unknown model", {"model": "gpt-5", "prompt": "x"}, "model"),
     ("prompt beyond max_model_len", {"prompt": "y" * 200}, "prompt"),
     ("token id beyond the vocabulary", {"prompt": [1, 99999]}, "prompt"),
     ("too many logprobs", {"prompt": "x", "logprobs": 50}, "logprobs"),

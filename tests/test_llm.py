@@ -122,6 +122,20 @@ def test_stop_strings_cut_the_text(llm):
     assert streamed[-1].finish_reason == "stop"
 
 
+def test_a_stop_string_at_the_last_allowed_token_is_a_stop(llm):
+    """vLLM's: the stop string found in the text of the ``max_tokens``-th token ends the
+    request with ``"stop"`` (its text cut), not ``"length"``."""
+    (full,) = llm.generate("Stop late", GREEDY)
+    stop = full.text[-1]
+    cut = full.text.index(stop)
+    params = dataclasses.replace(GREEDY, max_tokens=len(full.text[: cut + 1]), stop=(stop,))
+    (out,) = llm.generate("Stop late", params)
+    assert (out.text, out.finish_reason) == (full.text[:cut], "stop")
+    streamed = list(llm.stream("Stop late", params))
+    assert "".join(d.text for d in streamed) == out.text
+    assert streamed[-1].finish_reason == "stop"
+
+
 @pytest.mark.slow
 def test_async_streams_run_together_and_a_bad_one_fails_alone(llm):
     prompts = ["one", "two two", "three three three"]
@@ -162,6 +176,7 @@ def test_closing_a_stream_early_aborts_it(llm):
         (b"bytes", None, "must be a sequence of token ids"),
         (3, None, "prompts must be"),
         ("x" * 60, GREEDY, "cannot fit"),
+        (["ok", "a\udc80b"], None, r"prompt 1 is not valid Unicode: a lone surrogate '\\udc80' at"),
         (["a", "b"], [GREEDY], "2 prompts"),
     ],
 )

@@ -75,6 +75,8 @@ def test_prompt_dict_forms_served(llm):
         ([], "messages is empty"),
         ("hi", "messages must be a list"),
         ([[{"role": "user", "content": "a"}], [{"role": "user"}]], r"messages\[1\]\[0\]"),
+        ([{"role": "user", "content": "a\ud800"}], r"messages is not valid Unicode: a lone surr"),
+        ([{"role": "\udfff", "content": "a"}], "messages is not valid Unicode"),
     ],
 )
 def test_chat_messages_are_checked(llm, messages, match):

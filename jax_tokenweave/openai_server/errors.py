@@ -3,10 +3,10 @@
 
 :func:`add_error_handlers`: 400 for a request FastAPI cannot read (not UTF-8, invalid or too
 deeply nested JSON) or pydantic refuses (FastAPI's 422), or that names a bad value
-(``protocol.BadRequest``); 404 / 405 for an unknown path / method; 429 / 503 when the waiting
-queue is full / the server drains or cut the request (``async_engine.Overloaded``, ``Cut``);
-500 where a step failed or the server itself raised. :class:`BodyLimit`: 413 for a body over
-``max_bytes``, read no further.
+(``protocol.BadRequest``); 404 / 405 for an unknown path or model / method; 429 / 503 when
+the waiting queue is full / the server drains or cut the request (``async_engine.Overloaded``,
+``Cut``); 500 where a step failed or the server itself raised. :class:`BodyLimit`: 413 for a
+body over ``max_bytes``, read no further.
 """
 
 from __future__ import annotations

@@ -19,9 +19,11 @@ from jax_tokenweave.serving import SamplingParams
 NORMALIZER_SLACK = 4
 """Room for normalizers that compose characters (NFC: a letter and its marks become one)."""
 
-# ``LLMEngine.check_request``'s messages -> the request field at fault (else the prompt)
+# ``LLMEngine.check_request``'s messages -> the request field at fault (None: the prompt)
 _CHECK_FIELDS = (
+    ("prompt alone", None),
     ("logit_bias", "logit_bias"),
+    ("stop_token_ids", "stop_token_ids"),
     ("logprobs=", "logprobs"),
     (": n=", "n"),
     ("stop strings", "stop"),
@@ -64,9 +66,12 @@ class Prompts:
         )
 
     def check_model(self, model: str | None) -> None:
+        """404 (vLLM's and OpenAI's) where ``model`` names a model this server does not serve."""
         if model is not None and model != self.model_name:
             raise P.BadRequest(
-                f"model {model!r} does not exist; this server serves {self.model_name!r}", "model"
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                404,
             )
 
     def listed(self, req: P.CompletionRequest) -> list[str | list[int]]:
@@ -104,7 +109,10 @@ class Prompts:
                 if self.tokenizer is None:
                     raise P.BadRequest("this model has no tokenizer: send token ids", "prompt")
                 self._check_length(len(p), "prompt")
-                out.append((p, list(self.tokenizer.encode(p))))
+                try:
+                    out.append((p, self.llm.encode(p)))
+                except ValueError as err:  # text no tokenizer takes
+                    raise P.BadRequest(str(err), "prompt") from None
             else:
                 if not p:
                     raise P.BadRequest("prompt has an empty list of token ids", "prompt")
@@ -127,7 +135,14 @@ class Prompts:
                         f"{sorted(map(str, kinds))}",
                         "messages",
                     )
-                content = "".join(str(part.get("text", "")) for part in content)
+                for j, part in enumerate(content):
+                    if not isinstance(part.get("text"), str):
+                        raise P.BadRequest(
+                            f"messages[{i}].content[{j}]: a text part's 'text' must be a string, "
+                            f"got {part.get('text')!r:.40}",
+                            "messages",
+                        )
+                content = "".join(part["text"] for part in content)
             messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
         self._check_length(sum(len(m["content"]) for m in messages), "messages")
         return messages
@@ -160,5 +175,5 @@ class Prompts:
             self.llm.engine.check_request(ids, params, what)
         except ValueError as err:
             text = str(err)
-            param = next((field for key, field in _CHECK_FIELDS if key in text), what)
+            param = next((field for key, field in _CHECK_FIELDS if key in text), None) or what
             raise P.BadRequest(text, param) from None

@@ -315,11 +315,19 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": ((None, []), "documents for the chat template"),
 }
 
+CHAT_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # vLLM's chat extensions (completions serve a field of the same name)
+    "echo": ((None, False), "the last message prepended to the answer"),
+}
+
 
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """:class:`BadRequest` naming the first field of ``req`` this server cannot honour
-    (:data:`UNSUPPORTED`, ``best_of`` other than ``n``)."""
-    for name, (honoured, what) in UNSUPPORTED.items():
+    (:data:`UNSUPPORTED`, a chat's :data:`CHAT_UNSUPPORTED`, ``best_of`` other than ``n``)."""
+    refused = UNSUPPORTED
+    if isinstance(req, ChatCompletionRequest):
+        refused = {**UNSUPPORTED, **CHAT_UNSUPPORTED}
+    for name, (honoured, what) in refused.items():
         value = getattr(req, name, None)
         if not any(
             value == ok and isinstance(value, bool) == isinstance(ok, bool) for ok in honoured

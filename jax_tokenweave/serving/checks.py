@@ -45,6 +45,19 @@ def token_ids(values: Any, vocab_size: int, what: str = "prompt") -> list[int]:
     return ids
 
 
+def unicode_text(text: str, what: str) -> str:
+    """``text`` where it is valid Unicode; ``ValueError`` naming ``what`` where it holds a lone
+    surrogate (JSON's ``"\\ud800"`` decodes to one), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{what} is not valid Unicode: a lone surrogate {text[err.start]!r} at character "
+            f"{err.start}"
+        ) from None
+    return text
+
+
 MODEL_ATTRIBUTES = ("mesh", "axis_name", "config", "embed", "embed_tokens", "logits", "decoder")
 """What the engine reads of a model object (``models.llama.LlamaModel`` has them all)."""
 

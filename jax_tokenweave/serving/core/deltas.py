@@ -41,8 +41,11 @@ def sample_delta(
     text = None
     if sample.text is not None:
         check = len(seq.output) > seq.params.min_tokens  # vLLM's: stop strings after it
-        if sample.text.update(seq.output, check) and not seq.finished:
-            finish(seq, "stop")
+        if sample.text.update(seq.output, check):
+            if not seq.finished:
+                finish(seq, "stop")
+            elif seq.finish_reason == "length":  # vLLM's: the stop string is why it ended
+                seq.finish_reason = "stop"
         text = sample.text.delta(final=seq.finished)
     if request.finished:
         request.metrics.finish_time = now

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jax_tokenweave.serving import checks
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.core.engine import LLMEngine
 from jax_tokenweave.serving.offline import llm_setup
@@ -135,21 +136,25 @@ class LLM:
         self.close()
 
     # -- prompts -------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (the tokenizer's special tokens included, e.g. BOS)."""
+    def encode(self, text: str, what: str = "prompt") -> list[int]:
+        """Token ids of ``text`` (the tokenizer's special tokens included, e.g. BOS);
+        ``ValueError`` naming ``what`` for text no tokenizer takes (``checks.unicode_text``)."""
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer (this LLM has none: pass token ids)")
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(checks.unicode_text(text, what)))
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], what: str = "messages"
+    ) -> list[int]:
         """Token ids of one conversation (``prompts.check_messages``: each message a ``role``
         and a ``content``) rendered by the tokenizer's chat template, with the assistant's
-        turn opened (``add_generation_prompt``)."""
+        turn opened (``add_generation_prompt``); ``ValueError`` naming ``what``."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages need a tokenizer with a chat template (this LLM has none)")
         text = self.tokenizer.apply_chat_template(
-            prompt_forms.check_messages(messages), tokenize=False, add_generation_prompt=True
+            prompt_forms.check_messages(messages, what), tokenize=False, add_generation_prompt=True
         )
+        text = checks.unicode_text(text, what)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _prepare(
@@ -160,7 +165,7 @@ class LLM:
             assert text is not None
             if not text:
                 raise ValueError(f"{what} is an empty string")
-            ids = self.encode(text)
+            ids = self.encode(text, what)
         ids, params = self.engine.check_request(ids, params, what)
         return text, ids, params
 
@@ -260,7 +265,9 @@ class LLM:
         """:meth:`generate` of one conversation, or of a list of them (vLLM's), each rendered
         by :meth:`chat_prompt`; one ``RequestOutput`` per conversation."""
         self._check_open()
-        ids = [self.chat_prompt(c) for c in prompt_forms.conversations(messages)]
+        each = prompt_forms.conversations(messages)
+        names = ["messages"] if len(each) == 1 else [f"messages[{i}]" for i in range(len(each))]
+        ids = [self.chat_prompt(c, what) for c, what in zip(each, names, strict=True)]
         return self.generate(
             [{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm=use_tqdm
         )

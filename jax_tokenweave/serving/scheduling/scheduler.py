@@ -97,10 +97,14 @@ class Scheduler:
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"max_model_len ({cfg.max_model_len})"
             )
-        blocks = self.allocator.blocks_for(needed) * (1 if self.kv.on_demand else n)
+        samples = 1 if self.kv.on_demand else n
+        blocks = self.allocator.blocks_for(needed) * samples
         if blocks > cfg.num_blocks:
+            whose, alone = "the request", self.allocator.blocks_for(prompt_len) * samples
+            if alone > cfg.num_blocks:  # whatever max_tokens
+                whose, blocks = "its prompt alone", alone
             raise ValueError(
-                f"the request needs {blocks} KV cache blocks of {cfg.block_size} "
+                f"{whose} needs {blocks} KV cache blocks of {cfg.block_size} "
                 f"positions but the cache has only {cfg.num_blocks} (num_blocks)"
             )
 
