@@ -22,11 +22,14 @@ _ENGINE_OPTIONS = tuple(cli.ENGINE_OPTIONS)
 
 
 def token_ids(text: str) -> list[int]:
-    """``"1,2,3"`` -> ``[1, 2, 3]`` (an ``argparse`` type: integers >= 0)."""
-    values = [cli.nonnegative_int(part) for part in text.replace(",", " ").split()]
-    if not values:
-        raise argparse.ArgumentTypeError("expected comma-separated token ids")
-    return values
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (an ``argparse`` type: integers >= 0; an empty item, as in
+    ``"1,,3"``, is an error, not skipped)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not text.strip() or "" in parts:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids, got {text!r} (an empty item)"
+        )
+    return [cli.nonnegative_int(item) for part in parts for item in part.split()]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -163,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.model is None) == (args.random is None):
         parser.error("give a MODEL (checkpoint) or --random NAME, not both")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        parser.error("--served-model-name: an empty name (leave it out to serve as MODEL)")
     cli.start_devices(args.tp, args.cpu_devices)
     try:
         llm = load(args)

@@ -49,3 +49,26 @@ def test_serve_port_must_be_a_tcp_port(port, capsys):
     with pytest.raises(SystemExit):
         build().parse_args(["m", "--port", port])
     assert "argument --port: expected a TCP port, 0 to 65535" in capsys.readouterr().err
+
+
+def test_serve_refuses_an_empty_served_model_name(capsys):
+    """``--served-model-name ''`` served under the checkpoint's path instead."""
+    try:
+        from jax_tokenweave import serve
+    except ImportError:
+        pytest.skip("the serve extra is not installed")
+    with pytest.raises(SystemExit):
+        serve.main(["--random", "tiny", "--served-model-name", " "])
+    assert "--served-model-name: an empty name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["1,,5", ",", "", "1,"])
+def test_generate_ids_with_an_empty_item_are_refused(text):
+    """``--ids 1,,5`` dropped the empty item and ran ``[1, 5]``."""
+    import argparse
+
+    from jax_tokenweave import generate
+
+    with pytest.raises(argparse.ArgumentTypeError, match="an empty item"):
+        generate.token_ids(text)
+    assert generate.token_ids("1, 2 ,3") == [1, 2, 3]

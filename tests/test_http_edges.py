@@ -189,3 +189,36 @@ def test_a_request_the_kv_pool_cannot_hold_names_the_prompt_or_max_tokens(tmp_pa
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and says in error["message"], error
+
+
+def test_stream_options_without_stream_is_refused(llm):
+    """vLLM answers 400 to ``stream_options`` on a request that does not stream: it is not
+    ignored."""
+
+    async def work(client, raw):
+        r = await raw.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream_options": {}},
+        )
+        return r.status_code, r.json()["error"]
+
+    status, error = serve(llm, work)
+    assert status == 400 and error["param"] == "stream_options"
+    assert "only allowed with stream" in error["message"]
+
+
+def test_several_prompts_name_the_one_at_fault(llm):
+    """Of several prompts, the error says which one (``prompt[1]``), the field stays
+    ``prompt``."""
+
+    async def work(client, raw):
+        out = []
+        for prompt in ([[1, 2], [3, 10**6]], ["fine", ""], [[1], list(range(1, 70))]):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            r = await raw.post("/v1/completions", json=body)
+            out.append((r.status_code, r.json()["error"]))
+        return out
+
+    for status, error in serve(llm, work):
+        assert status == 400 and error["param"] == "prompt", error
+        assert error["message"].startswith("prompt[1] "), error

@@ -27,7 +27,7 @@ from jax_tokenweave.openai_server import errors
 from jax_tokenweave.openai_server import protocol as P
 from jax_tokenweave.openai_server.async_engine import AsyncEngine
 from jax_tokenweave.openai_server.metrics import Metrics
-from jax_tokenweave.openai_server.prompts import Prompts
+from jax_tokenweave.openai_server.prompts import Prompts, prompt_name
 from jax_tokenweave.openai_server.render import Collected, Renderer
 
 log = logging.getLogger("jax_tokenweave.serve")
@@ -191,8 +191,8 @@ def _add_routes(app: FastAPI, state: ServerState, prompts: Prompts) -> None:
         echo_logprobs = req.logprobs if req.echo else None  # the prompt's, echoed
         params = P.sampling_params(req, max_tokens, req.logprobs, echo_logprobs)
         pairs = await run_in_threadpool(prompts.completion_prompts, asked)
-        for _, ids in pairs:
-            prompts.check_fits(ids, params, "prompt")
+        for i, (_, ids) in enumerate(pairs):
+            prompts.check_fits(ids, params, prompt_name(i, len(pairs)), "prompt")
         return await _serve(raw, state, renderer, "cmpl", pairs, params, req, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)

@@ -32,6 +32,11 @@ _CHECK_FIELDS = (
 )
 
 
+def prompt_name(index: int, count: int) -> str:
+    """How errors name a completion's prompt: ``"prompt"``, or ``"prompt[2]"`` of several."""
+    return "prompt" if count == 1 else f"prompt[{index}]"
+
+
 def _token_ids(prompt: list[str] | list[int] | list[list[int]]) -> TypeGuard[list[int]]:
     """Whether a completion request's list ``prompt`` is one prompt's token ids (the request
     model's lists hold one kind of item)."""
@@ -89,12 +94,12 @@ class Prompts:
             )
         return prompts
 
-    def _check_length(self, chars: int, what: str) -> None:
+    def _check_length(self, chars: int, what: str, field: str) -> None:
         if self.max_chars is not None and chars > self.max_chars:
             raise P.BadRequest(
                 f"{what} has {chars} characters, more tokens than this model's maximum context "
                 f"length (max_model_len {self.max_model_len}) can hold",
-                what,
+                field,
             )
 
     def completion_prompts(
@@ -102,20 +107,21 @@ class Prompts:
     ) -> list[tuple[str | None, list[int]]]:
         """``(text, token ids)`` of each of :meth:`listed`'s prompts (in a worker thread)."""
         out: list[tuple[str | None, list[int]]] = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            what = prompt_name(i, len(prompts))
             if isinstance(p, str):
                 if not p:
-                    raise P.BadRequest("prompt is an empty string", "prompt")
+                    raise P.BadRequest(f"{what} is an empty string", "prompt")
                 if self.tokenizer is None:
                     raise P.BadRequest("this model has no tokenizer: send token ids", "prompt")
-                self._check_length(len(p), "prompt")
+                self._check_length(len(p), what, "prompt")
                 try:
-                    out.append((p, self.llm.encode(p)))
+                    out.append((p, self.llm.encode(p, what)))
                 except ValueError as err:  # text no tokenizer takes
                     raise P.BadRequest(str(err), "prompt") from None
             else:
                 if not p:
-                    raise P.BadRequest("prompt has an empty list of token ids", "prompt")
+                    raise P.BadRequest(f"{what} has an empty list of token ids", "prompt")
                 out.append((None, list(p)))
         return out
 
@@ -144,7 +150,7 @@ class Prompts:
                         )
                 content = "".join(part["text"] for part in content)
             messages.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
-        self._check_length(sum(len(m["content"]) for m in messages), "messages")
+        self._check_length(sum(len(m["content"]) for m in messages), "messages", "messages")
         return messages
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -156,14 +162,19 @@ class Prompts:
         except Exception as err:  # the template refused the conversation
             raise P.BadRequest(f"messages: the chat template failed: {err}", "messages") from None
 
-    def check_fits(self, ids: Sequence[int], params: SamplingParams, what: str) -> None:
-        """:class:`BadRequest` naming the field where the request cannot run."""
+    def check_fits(
+        self, ids: Sequence[int], params: SamplingParams, what: str, field: str | None = None
+    ) -> None:
+        """:class:`BadRequest` naming the field where the request cannot run; ``what``: the
+        prompt in messages (``"prompt[2]"`` of several), ``field``: its field (default
+        ``what``)."""
+        field = field or what
         limit = self.max_model_len
         if len(ids) >= limit:
             raise P.BadRequest(
                 f"{what} has {len(ids)} tokens; this model's maximum context "
                 f"length (max_model_len) is {limit}",
-                what,
+                field,
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise P.BadRequest(
@@ -175,5 +186,5 @@ class Prompts:
             self.llm.engine.check_request(ids, params, what)
         except ValueError as err:
             text = str(err)
-            param = next((field for key, field in _CHECK_FIELDS if key in text), None) or what
+            param = next((name for key, name in _CHECK_FIELDS if key in text), None) or field
             raise P.BadRequest(text, param) from None

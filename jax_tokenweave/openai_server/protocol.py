@@ -323,7 +323,8 @@ CHAT_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """:class:`BadRequest` naming the first field of ``req`` this server cannot honour
-    (:data:`UNSUPPORTED`, a chat's :data:`CHAT_UNSUPPORTED`, ``best_of`` other than ``n``)."""
+    (:data:`UNSUPPORTED`, a chat's :data:`CHAT_UNSUPPORTED`, ``best_of`` other than ``n``,
+    ``stream_options`` without ``stream``, as vLLM)."""
     refused = UNSUPPORTED
     if isinstance(req, ChatCompletionRequest):
         refused = {**UNSUPPORTED, **CHAT_UNSUPPORTED}
@@ -337,6 +338,8 @@ def check_supported(req: CompletionRequest | ChatCompletionRequest) -> None:
                 f"{name} is not supported by this server ({what}); got {shown}: leave it out",
                 name,
             )
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
     best_of = getattr(req, "best_of", None)
     if best_of is not None and best_of < req.n:
         raise BadRequest(f"best_of ({best_of}) must be >= n ({req.n})", "best_of")
