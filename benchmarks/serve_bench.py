@@ -124,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode steps without XLA command buffers (EngineConfig.command_buffers=False)",
     )
     p.add_argument(
+        "--no-trim-to-bucket",
+        action="store_true",
+        help="steps with prompt chunks pad up to their bucket, never cut to the one below "
+        "(EngineConfig.trim_to_bucket=False)",
+    )
+    p.add_argument(
         "--attention",
         choices=ATTENTION_IMPLS,
         default="auto",
@@ -268,6 +274,7 @@ def run(args: argparse.Namespace, devices: Sequence[Any], platform: str) -> dict
         max_logprobs=0,
         seed=args.seed,
         command_buffers=not args.no_command_buffers,
+        trim_to_bucket=not args.no_trim_to_bucket,
         attention=args.attention,
     )
     runs: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in args.workloads}

@@ -5,7 +5,8 @@ Replays a ``serve_bench.py`` workload (its seeded requests, ended by the client 
 request per step, as a synchronous engine would; per step the real rows and the layout's rows.
 Reports the steps, rows real and padded, the layouts used, and the GEMMs' per-step floor (each
 step at the slower of its rows' FLOPs and a weight read, ``serve_floor.py``'s rates) with real
-and with padded rows. ``--mixed-multiple M``: what if a step with prompt chunks rounded its rows
+and with padded rows (``--no-trim-to-bucket``: as an engine that pads every step up to its
+bucket). ``--mixed-multiple M``: what if a step with prompt chunks rounded its rows
 up to a multiple of M past M, instead of to a power of two. TP 1, dense configs.
 
     python3 -P benchmarks/probes/step_padding_probe.py --workloads chat --num-requests 2000 \
@@ -57,6 +58,7 @@ def replay(args: Any, mixed_multiple: int) -> dict[str, Any]:
         **bm.engine_options(args, serve_bench.ENGINE_OPTIONS),
         max_model_len=longest,
         num_blocks=args.num_blocks,
+        trim_to_bucket=not args.no_trim_to_bucket,
         **policy,
     )
     scheduler, target = Scheduler(cfg), {}

@@ -33,3 +33,22 @@ def step_rows(num_rows: int, budget: int, tile: int) -> int:
     """A step's bucketed row count: the next power of two of ``num_rows`` (at least ``tile``),
     capped at the budget (a multiple of ``tile``)."""
     return min(max(next_pow2(num_rows), tile), budget)
+
+
+TRIM_MIN_PADDING = 256
+"""Padding rows a step with prompt chunks must otherwise carry before :func:`trim_rows` cuts it
+to the bucket below. Past about 200 rows an H200's GEMMs are bound by their FLOPs (matmul rate /
+copy bandwidth), so padding costs its rows' time; an extra step costs a read of the weights."""
+
+
+def trim_rows(decode: int, chunk_rows: int, budget: int, tile: int) -> int:
+    """Rows of prompt chunks to leave for a later step so that a step of ``decode`` decode rows
+    and ``chunk_rows`` rows of chunks (multiples of ``tile``) fills the bucket below rather than
+    padding up to the next one: 0 where it fills its bucket, where the padding is under
+    :data:`TRIM_MIN_PADDING` rows, or where the bucket below would leave no chunk."""
+    want = decode + chunk_rows
+    padding = step_rows(want, budget, tile) - want
+    below = 1 << ((want - 1).bit_length() - 1)  # the largest power of two under want
+    if padding < TRIM_MIN_PADDING or below < decode + tile:
+        return 0
+    return want - below

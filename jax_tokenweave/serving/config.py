@@ -30,6 +30,10 @@ class EngineConfig:
     # and their padding); a multiple of prefill_tile.
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256  # requests running at once (each decodes one token per step)
+    # A step with prompt chunks that would pad 256+ rows up to its power-of-two bucket leaves
+    # the chunks' last tokens to a later step and fills the bucket below
+    # (serving.buckets.trim_rows); False: it pads.
+    trim_to_bucket: bool = True
     # Positions per request (prompt + new tokens); the block tables are that long.
     max_model_len: int = 8192
     # Paged KV cache (serving.attention.paged_cache).

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from jax_tokenweave.kernel._util import ceil_div
-from jax_tokenweave.serving.buckets import decode_rows
+from jax_tokenweave.serving.buckets import decode_rows, trim_rows
 from jax_tokenweave.serving.config import EngineConfig
 from jax_tokenweave.serving.scheduling.prefix_cache import KVCacheManager
 from jax_tokenweave.serving.scheduling.request_state import Request
@@ -87,6 +87,7 @@ class Scheduler:
         # dispatch order, after the steps that held the old
         self._slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._serial = 0  # non-empty steps scheduled
+        self.trimmed_steps = 0  # steps whose chunks were cut to fill the bucket below
 
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """``ValueError`` where a request of this size (``n`` samples) could never run: one
@@ -180,7 +181,39 @@ class Scheduler:
             admitted.append(head)
             chunks.append(Chunk(head, head.num_computed, length))
             room -= ceil_div(length, tile) * tile
+        if cfg.trim_to_bucket and chunks:
+            chunks = self._trim(decode_rows(len(decodes), tile), chunks, admitted)
         return self._issue(tuple(decodes), tuple(chunks), tuple(admitted))
+
+    def _trim(self, decode: int, chunks: list[Chunk], admitted: list[Request]) -> list[Chunk]:
+        """``chunks`` cut from the end to fill the step's bucket below (``buckets.trim_rows``):
+        the cut tokens come in a later step; a request admitted by this step whose whole chunk
+        is cut goes back to the front of the queue, as if never admitted."""
+        tile, cfg = self.config.prefill_tile, self.config
+        rows = [ceil_div(c.length, tile) * tile for c in chunks]
+        cut = trim_rows(decode, sum(rows), cfg.max_num_batched_tokens, tile)
+        self.trimmed_steps += cut > 0
+        while cut > 0:
+            last, r = chunks[-1], rows[-1]
+            if r > cut:
+                chunks[-1] = Chunk(last.seq, last.start, r - cut)  # < last.length: whole tiles
+                break
+            chunks.pop()
+            rows.pop()
+            cut -= r
+            if admitted and admitted[-1] is last.seq:
+                self._unadmit(admitted.pop())
+        return chunks
+
+    def _unadmit(self, seq: Request) -> None:
+        """Undo :meth:`schedule`'s admission of ``seq`` (nothing issued holds it yet)."""
+        self.running.remove(seq)
+        self._release_slot(seq)
+        if not seq.preemptions:  # admit counted its prompt tokens
+            self.kv.stats.prefix_cache_queries -= seq.num_prefill
+            self.kv.stats.prefix_cache_hits -= seq.num_computed
+        self.kv.free(seq)
+        self.waiting.appendleft(seq)
 
     def _issue(
         self,
