@@ -8,13 +8,15 @@ model of named shapes with random weights, once per (schedule, policy), for each
 ``all-at-once`` and ``poisson`` (uniform lengths, each request runs to its length), ``chat``
 (log-normal lengths, every request asking for ``--chat-max-tokens`` and ended by the client at
 its drawn length, as a stop string would end it) and ``shared-prefix`` (one system prompt, short
-questions). Reported per run: output and total throughput, TTFT and TPOT (p50 / p99), steps and
-woven steps, preemptions, prefix-cache hits, the most requests running at once, failed requests;
-then weave / baseline, on-demand / reserve and prefix cache on / off ratios. Every step layout is
-loaded or compiled before the clock starts (``LLMEngine.warmup``) and each engine serves eight
-requests once untimed; the prefix cache is emptied before each timed run. Writes ``serve.json``,
-``serve.md`` and ``serve.png`` (``--no-plot``: none; the plot needs the ``plot`` extra). With no
-GPU it runs the tiny config on 8 virtual CPU devices (timings say nothing about GPUs).
+questions). Reported per run: output and total throughput, TTFT and TPOT (p50 / p99), steps,
+woven steps and steps cut to the bucket below, preemptions, prefix-cache hits, the most
+requests running at once, failed requests; then weave / baseline, on-demand / reserve and
+prefix cache on / off ratios; on GPUs each run's time over its floor (``serve_floor.py``).
+Every step layout is loaded or compiled before the clock starts (``LLMEngine.warmup``) and each
+engine serves eight requests once untimed; the prefix cache is emptied before each timed run.
+Writes ``serve.json``, ``serve.md`` and ``serve.png`` (``--no-plot``: none; the plot needs the
+``plot`` extra). With no GPU it runs the tiny config on 8 virtual CPU devices (timings say
+nothing about GPUs).
 
 The GPU target (2 x H200, TP 2, Llama-3.3-70B shapes, 8 layers), install included::
 
@@ -172,7 +174,7 @@ def serve(engine: Any, requests: list[dict[str, Any]], workload: str, desc: str)
     made: dict[str, int] = {}
     stats, kv = engine.stats, engine.kv_stats
     before = (stats.steps, stats.split_steps, kv.preemptions, kv.prefix_cache_queries)
-    hits0, peak = kv.prefix_cache_hits, 0
+    hits0, peak, trimmed0 = kv.prefix_cache_hits, 0, engine.scheduler.trimmed_steps
     with count_compilations() as compiles, tqdm(total=len(requests), desc=desc, leave=False) as bar:
         start = time.perf_counter()
         pending = 0
@@ -223,6 +225,7 @@ def serve(engine: Any, requests: list[dict[str, Any]], workload: str, desc: str)
         "tpot_p99_ms": ms(tpot, 99),
         "steps": stats.steps - before[0],
         "split_steps": stats.split_steps - before[1],
+        "trimmed_steps": engine.scheduler.trimmed_steps - trimmed0,
         "preemptions": kv.preemptions - before[2],
         "prefix_cache_queries": kv.prefix_cache_queries - before[3],
         "prefix_cache_hits": kv.prefix_cache_hits - hits0,

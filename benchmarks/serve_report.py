@@ -44,14 +44,14 @@ def to_markdown(report: dict[str, Any]) -> str:
     fmt = bm.number_or_dash
     rows = [
         "| workload | schedule | KV policy | output tok/s | total tok/s | TTFT p50 / p99 ms | "
-        "TPOT p50 / p99 ms | steps (woven) | preemptions | prefix hits | peak running | "
+        "TPOT p50 / p99 ms | steps (woven / cut) | preemptions | prefix hits | peak running | "
         "failed | compiles | x floor |",
         "|---" * 14 + "|",
     ]
     for workload, per in report["runs"].items():
         for schedule, by in per.items():
             for policy, r in by.items():
-                floor = r.get("floor") or {}
+                floor, cut = r.get("floor") or {}, r.get("trimmed_steps", "-")
                 hits = (
                     f"{100 * r['prefix_cache_hits'] / r['prefix_cache_queries']:.0f}%"
                     if r["prefix_cache_queries"]
@@ -61,7 +61,7 @@ def to_markdown(report: dict[str, Any]) -> str:
                     f"| {workload} | {schedule} | {policy} | {fmt(r['output_tok_s'])} | "
                     f"{fmt(r['total_tok_s'])} | {fmt(r['ttft_p50_ms'])} / "
                     f"{fmt(r['ttft_p99_ms'])} | {fmt(r['tpot_p50_ms'], 2)} / "
-                    f"{fmt(r['tpot_p99_ms'], 2)} | {r['steps']} ({r['split_steps']}) | "
+                    f"{fmt(r['tpot_p99_ms'], 2)} | {r['steps']} ({r['split_steps']} / {cut}) | "
                     f"{r['preemptions']} | {hits} | {r['peak_running']} | {r['failed']} | "
                     f"{r['compilations']} | {fmt(floor.get('measured_over_floor'), 2)} |"
                 )
