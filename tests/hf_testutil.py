@@ -143,3 +143,44 @@ def save_tiny_llama(directory: Any, seed: int, chat_template: str | None = None)
     character tokenizer (:func:`save_char_tokenizer`), saved into ``directory``; its path."""
     path = save_checkpoint(make_hf_model("llama", seed=seed), str(directory))
     return save_char_tokenizer(path, chat_template=chat_template)
+
+
+def serve_in_process(llm: Any, work: Any, model_name: str) -> Any:
+    """``await work(client, raw)`` against the OpenAI-compatible app over ``llm``, in-process
+    over an ASGI transport (``openai.AsyncOpenAI``, ``httpx.AsyncClient``), the engine loop
+    running; then ``/health`` must answer 200. Returns what ``work`` returned."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from jax_tokenweave.openai_server.app import build_app
+
+    app = build_app(llm, model_name=model_name)
+
+    async def main() -> Any:
+        app.state.server.engine.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as raw:
+                client = openai.AsyncOpenAI(
+                    base_url="http://app/v1", api_key="none", http_client=raw, max_retries=0
+                )
+                out = await work(client, raw)
+                assert (await raw.get("/health")).status_code == 200
+                return out
+        finally:
+            app.state.server.engine.stop()
+
+    return asyncio.run(main())
+
+
+def require_server_stack() -> tuple[ModuleType, ModuleType]:
+    """At a test module's import: skip it (fail in CI where torch or transformers is missing:
+    :func:`import_or_skip`) unless the server's stack is here; returns ``(httpx, openai)``."""
+    import_or_skip("torch")
+    import_or_skip("transformers")
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    return httpx, openai

@@ -7,18 +7,18 @@ block free."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from hf_testutil import CHAT_TEMPLATE, TINY_ENGINE, import_or_skip, save_tiny_llama
+from hf_testutil import (
+    CHAT_TEMPLATE,
+    TINY_ENGINE,
+    require_server_stack,
+    save_tiny_llama,
+    serve_in_process,
+)
 
 from jax_tokenweave.serving import LLM, SamplingParams
 
-import_or_skip("torch")
-import_or_skip("transformers")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
+_, openai = require_server_stack()
 
 MODEL = "tiny"
 SIZES = dict(TINY_ENGINE, max_model_len=64, num_blocks=64)
@@ -32,27 +32,9 @@ def llm(tmp_path_factory):
 
 
 def serve(llm, work):
-    """``await work(client, raw)`` against the app over ``llm`` (``openai.AsyncOpenAI``,
-    ``httpx.AsyncClient``); then ``/health`` answers 200 and no KV block is in use."""
-    from jax_tokenweave.openai_server.app import build_app
-
-    app = build_app(llm, model_name=MODEL)
-
-    async def main():
-        app.state.server.engine.start()
-        try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://app") as raw:
-                client = openai.AsyncOpenAI(
-                    base_url="http://app/v1", api_key="none", http_client=raw, max_retries=0
-                )
-                out = await work(client, raw)
-                assert (await raw.get("/health")).status_code == 200
-                return out
-        finally:
-            app.state.server.engine.stop()
-
-    out = asyncio.run(main())
+    """``await work(client, raw)`` against the app over ``llm`` (``hf_testutil``); then no
+    request is left and no KV block is in use."""
+    out = serve_in_process(llm, work, MODEL)
     assert not llm.engine.has_unfinished()
     assert llm.engine.scheduler.allocator.num_free == llm.engine.config.num_blocks
     return out

@@ -8,18 +8,12 @@ values naming the field."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from hf_testutil import TINY_ENGINE, import_or_skip, save_tiny_llama
+from hf_testutil import TINY_ENGINE, require_server_stack, save_tiny_llama, serve_in_process
 
 from jax_tokenweave.serving import LLM, SamplingParams
 
-import_or_skip("torch")
-import_or_skip("transformers")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
+require_server_stack()
 
 MODEL = "tiny"
 SIZES = dict(
@@ -38,25 +32,8 @@ def llm(tmp_path_factory):
 
 
 def serve(llm, work):
-    """``await work(client, raw)`` against the app over ``llm``: an ``openai.AsyncOpenAI`` and
-    an ``httpx.AsyncClient``, the engine loop running."""
-    from jax_tokenweave.openai_server.app import build_app
-
-    app = build_app(llm, model_name=MODEL)
-
-    async def main():
-        app.state.server.engine.start()
-        try:
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://app") as raw:
-                client = openai.AsyncOpenAI(
-                    base_url="http://app/v1", api_key="none", http_client=raw, max_retries=0
-                )
-                return await work(client, raw)
-        finally:
-            app.state.server.engine.stop()
-
-    return asyncio.run(main())
+    """``await work(client, raw)`` against the app over ``llm`` (``hf_testutil``)."""
+    return serve_in_process(llm, work, MODEL)
 
 
 def test_penalties_min_tokens_and_logit_bias_equal_the_offline_api(llm):
