@@ -34,8 +34,9 @@ from jax_tokenweave.serving.sampling import processors
 def warm(runner: Any, workers: int | None = None, progress: bool = False) -> WarmupReport:
     """Make ``runner``'s (a ``ModelRunner``) programs (module docstring): the forwards in
     ``workers`` threads (default one per CPU) after tracing and lowering them one after the
-    other, then the small ones. ``progress``: a progress bar. Returns how many layouts were
-    loaded and compiled, and the seconds it took."""
+    other; a layout's samplers in the same threads as soon as its forward is made, beside the
+    other forwards. ``progress``: a progress bar. Returns how many layouts were loaded and
+    compiled, and the seconds it took."""
     start = time.perf_counter()
     layouts = runner.layouts()
     args = {layout: runner.padding_args(layout) for layout in layouts}
@@ -47,6 +48,7 @@ def warm(runner: Any, workers: int | None = None, progress: bool = False) -> War
     bar = tqdm(total=len(layouts), desc="warm-up", unit="layout", disable=not progress)
     counts = {"loaded": 0, "compiled": 0}
     lock = threading.Lock()
+    small: _SmallPrograms | None = None
 
     def done(layout: batch_lib.StepLayout, program: Any, how: str) -> None:
         with lock:
@@ -54,6 +56,8 @@ def warm(runner: Any, workers: int | None = None, progress: bool = False) -> War
             counts[how] += 1
             bar.set_postfix(counts, refresh=False)
             bar.update()
+        assert small is not None
+        small.add_samplers(layout, program)
 
     def compile_and_store(layout: batch_lib.StepLayout, lowered: Any) -> None:
         program, unstorable = exe_cache.compile_to_store(lowered, runner.platform)
@@ -69,6 +73,8 @@ def warm(runner: Any, workers: int | None = None, progress: bool = False) -> War
 
     devices = list(runner.mesh.devices.flat)
     with bar, concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+        small = _SmallPrograms(runner, pool)
+        small.add_slot_starts()
         missing = layouts
         if keys:
             exe_cache.register_ffi_targets()  # before XLA loads programs naming them
@@ -92,7 +98,7 @@ def warm(runner: Any, workers: int | None = None, progress: bool = False) -> War
         ]
         for future in futures:
             future.result()
-        _warm_small(runner, pool)
+        small.wait()  # those of the last forwards may still be compiling
     _first_runs(runner, layouts)
     return WarmupReport(
         len(layouts), counts["loaded"], counts["compiled"], time.perf_counter() - start
@@ -133,46 +139,78 @@ def _load_or_compile(
     return program
 
 
-def _warm_small(runner: Any, pool: concurrent.futures.Executor) -> None:
+class _SmallPrograms:
     """The samplers every warmed-up layout may pick, on its forward's logits (shape, dtype,
-    sharding from its ``out_info``), and the slot writes of every prompt bucket."""
-    plain = jax.tree_util.tree_structure(StepOutputs(0, 0, 0, 0))
-    state = runner.processors
-    processed = jax.tree_util.tree_structure((StepOutputs(0, 0, 0, 0), state))
-    module = jitted_sampler.__module__
-    wanted: dict[Any, tuple[Any, str, tuple[Any, ...], dict[str, Any], Any]] = {}
-    for layout, program in runner._executables.items():
+    sharding from its ``out_info``), and the slot writes of every prompt bucket: each made in
+    ``pool`` as soon as its inputs are known (a layout's samplers once its forward is made, so
+    they compile beside the other forwards), each once; :meth:`wait` stores them in ``runner``."""
+
+    def __init__(self, runner: Any, pool: concurrent.futures.Executor) -> None:
+        self.runner, self.pool = runner, pool
+        self.lock = threading.Lock()
+        self.samplers: dict[Any, concurrent.futures.Future[Any]] = {}
+        self.starts: dict[int, concurrent.futures.Future[Any]] = {}
+
+    def _submit(self, item: tuple[Any, str, tuple[Any, ...], dict[str, Any], Any]) -> Any:
+        return self.pool.submit(_load_or_compile, self.runner, *item)
+
+    def add_samplers(self, layout: batch_lib.StepLayout, program: Any) -> None:
+        """Submit the samplers of ``layout`` (its forward ``program`` made) not yet submitted."""
+        runner = self.runner
+        plain = jax.tree_util.tree_structure(StepOutputs(0, 0, 0, 0))
+        processed = jax.tree_util.tree_structure((StepOutputs(0, 0, 0, 0), runner.processors))
+        module = jitted_sampler.__module__
         padding = batch_lib.pack_padding(layout, runner.config)
         inputs = (program.out_info[0].logits, *sampling_arrays(padding), runner.no_tokens)
+        more = (runner.processors, padding.processor_slots, padding.penalties)
         for sampler in SAMPLERS:
             for logprobs in sorted({0, runner.config.max_logprobs}):
                 static = {"sampler": sampler, "num_logprobs": logprobs, "mesh": runner.mesh}
-                which = (layout.samples, sampler, logprobs, False)
-                wanted[which] = (jitted_sampler, f"{module}.sample_step", inputs, static, plain)
-                more = (state, padding.processor_slots, padding.penalties)
-                wanted[(*which[:3], True)] = (
-                    jitted_processed_sampler,
-                    f"{module}.processed_sample_step",
-                    inputs + more,
-                    static,
-                    processed,
+                which = (layout.samples, sampler, logprobs)
+                for key, item in (
+                    (
+                        (*which, False),
+                        (jitted_sampler, f"{module}.sample_step", inputs, static, plain),
+                    ),
+                    (
+                        (*which, True),
+                        (
+                            jitted_processed_sampler,
+                            f"{module}.processed_sample_step",
+                            inputs + more,
+                            static,
+                            processed,
+                        ),
+                    ),
+                ):
+                    with self.lock:
+                        if key in self.samplers or key in runner._samplers:
+                            continue
+                        self.samplers[key] = self._submit(item)
+
+    def add_slot_starts(self) -> None:
+        """Submit the slot writes of every prompt bucket not made yet."""
+        runner = self.runner
+        state, k = runner.processors, runner.config.max_biased_tokens
+        vocab = runner.model_config.vocab_size
+        row = (np.zeros(k, np.int32), np.zeros(k, np.float32), np.zeros(k, np.int32))
+        for bucket in processors.prompt_buckets(runner.config.max_model_len, vocab):
+            if bucket in runner._slot_starts or bucket in self.starts:
+                continue
+            ids = np.zeros(bucket, np.int32)
+            self.starts[bucket] = self._submit(
+                (
+                    processors.jitted_start_slot,
+                    f"{processors.__name__}.start_slot",
+                    (state, np.int32(0), ids, ids, *row),
+                    {},
+                    jax.tree_util.tree_structure(state),
                 )
-    wanted = {k: v for k, v in wanted.items() if k not in runner._samplers}
-    made = pool.map(lambda item: _load_or_compile(runner, *item), wanted.values())
-    runner._samplers.update(zip(wanted, made, strict=True))
-    k = runner.config.max_biased_tokens
-    vocab = runner.model_config.vocab_size
-    row = (np.zeros(k, np.int32), np.zeros(k, np.float32), np.zeros(k, np.int32))
-    starts: dict[int, tuple[Any, str, tuple[Any, ...], dict[str, Any], Any]] = {
-        bucket: (
-            processors.jitted_start_slot,
-            f"{processors.__name__}.start_slot",
-            (state, np.int32(0), np.zeros(bucket, np.int32), np.zeros(bucket, np.int32), *row),
-            {},
-            jax.tree_util.tree_structure(state),
-        )
-        for bucket in processors.prompt_buckets(runner.config.max_model_len, vocab)
-        if bucket not in runner._slot_starts
-    }
-    made = pool.map(lambda item: _load_or_compile(runner, *item), starts.values())
-    runner._slot_starts.update(zip(starts, made, strict=True))
+            )
+
+    def wait(self) -> None:
+        """Every submitted program made, stored in the runner."""
+        with self.lock:
+            samplers, starts = dict(self.samplers), dict(self.starts)
+        self.runner._samplers.update({k: f.result() for k, f in samplers.items()})
+        self.runner._slot_starts.update({k: f.result() for k, f in starts.items()})
