@@ -11,9 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
-from test_ffi_gpu import EPS, _check, _inputs, _op, _shard
+from test_ffi_gpu import EPS, _alone, _assert_gpus_work, _check, _inputs, _op, _shard
 
 from jax_tokenweave.kernel import _ffi, ops
 from jax_tokenweave.kernel.comm import CommFailed, CommSettings, Communicator
@@ -67,18 +65,13 @@ def test_forced_timeout_fails_the_call_within_the_bound(ffi_mesh2, rng):
         workspace_mib=64, ce_mib=64, num_slots=2, timeout_s=1.0, launch_gate=False
     )
     comm = Communicator(ffi_mesh2, "tp", settings)
-    alone = Mesh(ffi_mesh2.devices[:1], ("tp",))
     p, r, w = _inputs(rng, 1, 512, 4096, jnp.bfloat16)
     r = r[: ops.rows_per_rank(512, 2)]
 
     def body(p, r, w):
         return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", comm=comm, algo="ce")
 
-    step = jax.jit(
-        jax.shard_map(
-            body, mesh=alone, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False
-        )
-    )
+    step = _alone(ffi_mesh2, body)
     start = time.perf_counter()
     normed, res = jax.block_until_ready(step(p, r, w))
     seconds = time.perf_counter() - start
@@ -89,8 +82,7 @@ def test_forced_timeout_fails_the_call_within_the_bound(ffi_mesh2, rng):
         comm.check()
     with pytest.raises(Exception, match="wait expired"):
         jax.block_until_ready(step(p, r, w))
-    for d in ffi_mesh2.devices.flat:  # the CUDA contexts survived
-        assert float(jnp.sum(jax.device_put(jnp.arange(8.0), d))) == 28.0
+    _assert_gpus_work(ffi_mesh2)  # the CUDA contexts survived
     fresh = Communicator(ffi_mesh2, "tp", comm.settings)
     args = _inputs(rng, 2, 512, 4096, jnp.bfloat16)
 

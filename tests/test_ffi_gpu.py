@@ -40,6 +40,22 @@ def _shard(mesh, fn, n_in, n_out):
     return f
 
 
+def _alone(mesh2, body):
+    """``body(partial, residual, weight)`` jitted on the first GPU of ``mesh2`` alone (a rank
+    whose peer never issues the call), every input and output replicated."""
+    from jax.sharding import Mesh
+
+    alone = Mesh(mesh2.devices[:1], ("tp",))
+    spec = dict(in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False)
+    return jax.jit(jax.shard_map(body, mesh=alone, **spec))
+
+
+def _assert_gpus_work(mesh):
+    """Every GPU of ``mesh`` still runs a computation (no CUDA context was lost)."""
+    for d in mesh.devices.flat:
+        assert float(jnp.sum(jax.device_put(jnp.arange(8.0), d))) == 28.0
+
+
 def _inputs(rng, n, tokens, hidden, dtype):
     rows = ops.rows_per_rank(tokens, n)
     partial = rng.standard_normal((n * tokens, hidden)).astype(np.float32)
@@ -280,26 +296,19 @@ def test_forced_timeout_raises_and_leaves_the_gpus_usable(ffi_mesh2, rng):
     """Rank 1 never issues the call (the step runs on GPU 0 alone, with a communicator of both
     GPUs; launch gate off, so rank 0's kernel runs): rank 0's wait expires, the kernel returns
     NaN, the next call raises the recorded error, and both GPUs keep working."""
-    from jax.sharding import Mesh
-
     from jax_tokenweave.kernel.comm import CommFailed, CommSettings, Communicator
 
     settings = CommSettings(
         workspace_mib=64, oneshot_mib=4, num_slots=2, timeout_s=1.0, launch_gate=False
     )
     comm = Communicator(ffi_mesh2, "tp", settings)
-    alone = Mesh(ffi_mesh2.devices[:1], ("tp",))
     p, r, w = _inputs(rng, 1, 16, 4096, jnp.bfloat16)
     r = r[: ops.rows_per_rank(16, 2)]  # the residual rows rank 0 owns in a group of two
 
     def body(p, r, w):
         return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", comm=comm, algo="one_shot")
 
-    step = jax.jit(
-        jax.shard_map(
-            body, mesh=alone, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False
-        )
-    )
+    step = _alone(ffi_mesh2, body)
     normed, _ = step(p, r, w)
     assert np.isnan(np.asarray(normed.astype(jnp.float32))).all()
     issued = r"issued 0 launches on slot 0 to the missing rank \(device \d+\) and 1 to the waiting"
@@ -307,9 +316,7 @@ def test_forced_timeout_raises_and_leaves_the_gpus_usable(ffi_mesh2, rng):
         comm.check()  # the host never issued rank 1's call: its count says so
     with pytest.raises(Exception, match="wait expired"):
         jax.block_until_ready(step(p, r, w))
-    for d in ffi_mesh2.devices.flat:  # the CUDA contexts survived
-        x = jax.device_put(jnp.arange(8.0), d)
-        assert float(jnp.sum(x)) == 28.0
+    _assert_gpus_work(ffi_mesh2)  # the CUDA contexts survived
     fresh = Communicator(ffi_mesh2, "tp", comm.settings)
     args = _inputs(rng, 2, 16, 4096, jnp.bfloat16)
 
@@ -328,13 +335,10 @@ def test_launch_gate_fails_the_call_when_a_local_gpu_never_arrives(ffi_mesh2, rn
     sync call): rank 0 launches nothing of it, waits at the launch gate for the bound (1 s),
     then reports (stage "launch gate", the late rank and its count) and leaves NaN; later calls
     are refused; the GPUs keep working."""
-    from jax.sharding import Mesh
-
     from jax_tokenweave.kernel.comm import CommFailed, CommSettings, Communicator
 
     settings = CommSettings(workspace_mib=64, oneshot_mib=4, ce_mib=64, num_slots=2, timeout_s=1.0)
     comm = Communicator(ffi_mesh2, "tp", settings)
-    alone = Mesh(ffi_mesh2.devices[:1], ("tp",))
     p, r, w = _inputs(rng, 1, 64, 4096, jnp.bfloat16)
     r = r[: ops.rows_per_rank(64, 2)]
 
@@ -344,11 +348,7 @@ def test_launch_gate_fails_the_call_when_a_local_gpu_never_arrives(ffi_mesh2, rn
         pending = _ffi.allreduce_rmsnorm_start(p, r, w, axis_name="tp", comm=comm, algo="two_shot")
         return _ffi.allreduce_rmsnorm_done(pending, axis_name="tp", comm=comm)
 
-    step = jax.jit(
-        jax.shard_map(
-            body, mesh=alone, in_specs=(P(), P(), P()), out_specs=(P(), P()), check_vma=False
-        )
-    )
+    step = _alone(ffi_mesh2, body)
     t0 = time.perf_counter()
     normed, res = jax.block_until_ready(step(p, r, w))
     assert 1.0 <= time.perf_counter() - t0 < 10.0
@@ -358,6 +358,5 @@ def test_launch_gate_fails_the_call_when_a_local_gpu_never_arrives(ffi_mesh2, rn
         comm.check()
     with pytest.raises(Exception, match="launch gate expired"):
         jax.block_until_ready(step(p, r, w))
-    for d in ffi_mesh2.devices.flat:
-        assert float(jnp.sum(jax.device_put(jnp.arange(8.0), d))) == 28.0
+    _assert_gpus_work(ffi_mesh2)
     comm.close()
