@@ -265,9 +265,7 @@ class LLM:
         """:meth:`generate` of one conversation, or of a list of them (vLLM's), each rendered
         by :meth:`chat_prompt`; one ``RequestOutput`` per conversation."""
         self._check_open()
-        each = prompt_forms.conversations(messages)
-        names = ["messages"] if len(each) == 1 else [f"messages[{i}]" for i in range(len(each))]
-        ids = [self.chat_prompt(c, what) for c, what in zip(each, names, strict=True)]
+        ids = [self.chat_prompt(c, what) for what, c in prompt_forms.conversations(messages)]
         return self.generate(
             [{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm=use_tqdm
         )

@@ -68,17 +68,19 @@ def prompt_list(prompts: Any) -> list[Any]:
     return prompts
 
 
-def conversations(messages: Any) -> list[list[dict[str, Any]]]:
+def conversations(messages: Any) -> list[tuple[str, list[dict[str, Any]]]]:
     """``messages`` (one conversation or a list of them, vLLM's ``LLM.chat``) as a list of
-    checked conversations (:func:`check_messages`)."""
+    ``(name, checked conversation)`` (:func:`check_messages`); the name (``"messages"`` or
+    ``"messages[2]"``) is how errors call it."""
     if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
         raise ValueError(
             f"messages must be a list of {{'role', 'content'}} dicts (or a list of such lists), "
             f"got {type(messages).__name__}"
         )
     if messages and all(isinstance(m, Sequence) and not isinstance(m, str) for m in messages):
-        return [check_messages(m, f"messages[{i}]") for i, m in enumerate(messages)]
-    return [check_messages(messages, "messages")]
+        named = [(f"messages[{i}]", m) for i, m in enumerate(messages)]
+        return [(name, check_messages(m, name)) for name, m in named]
+    return [("messages", check_messages(messages, "messages"))]
 
 
 def check_messages(messages: Any, what: str = "messages") -> list[dict[str, Any]]:
