@@ -48,7 +48,7 @@ def trim_rows(decode: int, chunk_rows: int, budget: int, tile: int) -> int:
     :data:`TRIM_MIN_PADDING` rows, or where the bucket below would leave no chunk."""
     want = decode + chunk_rows
     padding = step_rows(want, budget, tile) - want
-    below = 1 << ((want - 1).bit_length() - 1)  # the largest power of two under want
+    below = next_pow2(want) // 2  # the largest power of two under want (padded: not one)
     if padding < TRIM_MIN_PADDING or below < decode + tile:
         return 0
     return want - below

@@ -98,6 +98,14 @@ class KVCacheManager:
             self.stats.prefix_cache_hits += computed
         return True
 
+    def unadmit(self, seq: Request) -> None:
+        """Undo :meth:`admit` of ``seq`` before any step used it: its blocks back (:meth:`free`)
+        and its prompt tokens out of the prefix-cache counts."""
+        if not seq.preemptions:  # admit counted them
+            self.stats.prefix_cache_queries -= seq.num_prefill
+            self.stats.prefix_cache_hits -= seq.num_computed
+        self.free(seq)
+
     def grow(self, seq: Request, positions: int) -> bool:
         """Give running ``seq`` the blocks to hold ``positions`` positions; False, changing
         nothing, where too few are free."""

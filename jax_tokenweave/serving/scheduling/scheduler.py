@@ -209,10 +209,7 @@ class Scheduler:
         """Undo :meth:`schedule`'s admission of ``seq`` (nothing issued holds it yet)."""
         self.running.remove(seq)
         self._release_slot(seq)
-        if not seq.preemptions:  # admit counted its prompt tokens
-            self.kv.stats.prefix_cache_queries -= seq.num_prefill
-            self.kv.stats.prefix_cache_hits -= seq.num_computed
-        self.kv.free(seq)
+        self.kv.unadmit(seq)
         self.waiting.appendleft(seq)
 
     def _issue(
