@@ -157,36 +157,28 @@ class _SmallPrograms:
     def add_samplers(self, layout: batch_lib.StepLayout, program: Any) -> None:
         """Submit the samplers of ``layout`` (its forward ``program`` made) not yet submitted."""
         runner = self.runner
-        plain = jax.tree_util.tree_structure(StepOutputs(0, 0, 0, 0))
-        processed = jax.tree_util.tree_structure((StepOutputs(0, 0, 0, 0), runner.processors))
         module = jitted_sampler.__module__
         padding = batch_lib.pack_padding(layout, runner.config)
         inputs = (program.out_info[0].logits, *sampling_arrays(padding), runner.no_tokens)
         more = (runner.processors, padding.processor_slots, padding.penalties)
+        outputs = jax.tree_util.tree_structure(StepOutputs(0, 0, 0, 0))
+        variants = {  # processed or not: (jitted, name, inputs, output tree)
+            False: (jitted_sampler, f"{module}.sample_step", inputs, outputs),
+            True: (
+                jitted_processed_sampler,
+                f"{module}.processed_sample_step",
+                inputs + more,
+                jax.tree_util.tree_structure((StepOutputs(0, 0, 0, 0), runner.processors)),
+            ),
+        }
         for sampler in SAMPLERS:
             for logprobs in sorted({0, runner.config.max_logprobs}):
                 static = {"sampler": sampler, "num_logprobs": logprobs, "mesh": runner.mesh}
-                which = (layout.samples, sampler, logprobs)
-                for key, item in (
-                    (
-                        (*which, False),
-                        (jitted_sampler, f"{module}.sample_step", inputs, static, plain),
-                    ),
-                    (
-                        (*which, True),
-                        (
-                            jitted_processed_sampler,
-                            f"{module}.processed_sample_step",
-                            inputs + more,
-                            static,
-                            processed,
-                        ),
-                    ),
-                ):
+                for processed, (jitted, name, args, out) in variants.items():
+                    key = (layout.samples, sampler, logprobs, processed)
                     with self.lock:
-                        if key in self.samplers or key in runner._samplers:
-                            continue
-                        self.samplers[key] = self._submit(item)
+                        if key not in self.samplers and key not in runner._samplers:
+                            self.samplers[key] = self._submit((jitted, name, args, static, out))
 
     def add_slot_starts(self) -> None:
         """Submit the slot writes of every prompt bucket not made yet."""
