@@ -26,7 +26,7 @@ import numpy as np
 from jax_tokenweave.harness import benchmarking as bm
 from jax_tokenweave.kernel._util import ceil_div
 from jax_tokenweave.serving import EngineConfig, SamplingParams
-from jax_tokenweave.serving.buckets import decode_only_rows, decode_rows, step_rows
+from jax_tokenweave.serving.runner.batch import step_shape
 from jax_tokenweave.serving.scheduling.request_state import Request
 from jax_tokenweave.serving.scheduling.scheduler import Scheduler
 
@@ -36,14 +36,13 @@ serve_floor = bm.sibling_module(str(BENCH), "serve_floor")
 
 
 def layout_rows(step: Any, cfg: EngineConfig, mixed_multiple: int) -> tuple[int, int]:
-    """(decode rows, rows) of ``step``'s layout, as ``serving.runner.batch.pack`` buckets it."""
-    tile, n = cfg.prefill_tile, len(step.decodes)
-    if step.decodes and not step.chunks:
-        return decode_only_rows(n, tile), decode_only_rows(n, tile)
-    decode = decode_rows(n, tile)
-    want = decode + sum(ceil_div(c.length, tile) * tile for c in step.chunks)
-    rows = step_rows(want, cfg.max_num_batched_tokens, tile)
-    if mixed_multiple and want > mixed_multiple:
+    """(decode rows, rows) of ``step``'s layout (``serving.runner.batch.step_shape``), or with
+    ``mixed_multiple``, a step with chunks past that many rows rounded to a multiple of it."""
+    tile = cfg.prefill_tile
+    chunk_rows = sum(ceil_div(c.length, tile) * tile for c in step.chunks)
+    decode, rows = step_shape(len(step.decodes), chunk_rows, cfg)
+    want = decode + chunk_rows
+    if chunk_rows and mixed_multiple and want > mixed_multiple:
         rows = min(ceil_div(want, mixed_multiple) * mixed_multiple, cfg.max_num_batched_tokens)
     return decode, rows
 

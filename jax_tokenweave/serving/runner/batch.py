@@ -97,6 +97,16 @@ def make_layout(
     return StepLayout(decode, rows, tile, samples, plan)
 
 
+def step_shape(num_decodes: int, chunk_rows: int, cfg: EngineConfig) -> tuple[int, int]:
+    """``(decode rows, rows)`` of a step of ``num_decodes`` decodes and ``chunk_rows`` rows of
+    prompt chunks (whole tiles): its layout's buckets (``serving.buckets``)."""
+    tile = cfg.prefill_tile
+    if num_decodes and not chunk_rows:
+        return (decode_only_rows(num_decodes, tile),) * 2
+    decode = decode_rows(num_decodes, tile)
+    return decode, step_rows(decode + chunk_rows, cfg.max_num_batched_tokens, tile)
+
+
 def pack(
     step: ScheduledStep, cfg: EngineConfig, model: DecoderConfig, tp: int
 ) -> tuple[StepLayout, StepArrays]:
@@ -105,11 +115,7 @@ def pack(
     decodes, chunks = step.decodes, step.chunks
     lengths = np.fromiter((c.length for c in chunks), np.int64, len(chunks))
     tiles = ceil_div(lengths, tile)  # [C]
-    if decodes and not chunks:
-        decode = rows = decode_only_rows(len(decodes), tile)
-    else:
-        decode = decode_rows(len(decodes), tile)
-        rows = step_rows(decode + int(tiles.sum()) * tile, cfg.max_num_batched_tokens, tile)
+    decode, rows = step_shape(len(decodes), int(tiles.sum()) * tile, cfg)
     layout = make_layout(decode, rows, cfg, model, tp)
     r, s = layout.rows, layout.samples
     tokens, positions = np.zeros(r, np.int32), np.zeros(r, np.int32)
