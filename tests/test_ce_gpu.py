@@ -5,16 +5,14 @@ the bound, with NaN outputs, a report naming the stage, and usable GPUs after.""
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_ffi_gpu import EPS, _alone, _assert_gpus_work, _check, _inputs, _op, _shard
+from test_ffi_gpu import EPS, _alone, _assert_fails_within_bound, _check, _inputs, _op, _shard
 
 from jax_tokenweave.kernel import _ffi, ops
-from jax_tokenweave.kernel.comm import CommFailed, CommSettings, Communicator
+from jax_tokenweave.kernel.comm import CommSettings, Communicator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -72,17 +70,8 @@ def test_forced_timeout_fails_the_call_within_the_bound(ffi_mesh2, rng):
         return _ffi.allreduce_rmsnorm(p, r, w, axis_name="tp", comm=comm, algo="ce")
 
     step = _alone(ffi_mesh2, body)
-    start = time.perf_counter()
-    normed, res = jax.block_until_ready(step(p, r, w))
-    seconds = time.perf_counter() - start
-    assert 1.0 <= seconds < 10.0, seconds
-    assert np.isnan(np.asarray(normed.astype(jnp.float32))).all()
-    assert np.isnan(np.asarray(res.astype(jnp.float32))).all()
-    with pytest.raises(CommFailed, match=r"copy-engine reduce-scatter.*rank 1.*never started"):
-        comm.check()
-    with pytest.raises(Exception, match="wait expired"):
-        jax.block_until_ready(step(p, r, w))
-    _assert_gpus_work(ffi_mesh2)  # the CUDA contexts survived
+    report = r"copy-engine reduce-scatter.*rank 1.*never started"
+    _assert_fails_within_bound(ffi_mesh2, comm, step, (p, r, w), report, "wait expired")
     fresh = Communicator(ffi_mesh2, "tp", comm.settings)
     args = _inputs(rng, 2, 512, 4096, jnp.bfloat16)
 

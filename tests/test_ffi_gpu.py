@@ -56,6 +56,25 @@ def _assert_gpus_work(mesh):
         assert float(jnp.sum(jax.device_put(jnp.arange(8.0), d))) == 28.0
 
 
+def _assert_fails_within_bound(mesh, comm, step, args, report, refusal):
+    """``step(*args)`` (a 1 s bound) gives up in 1-10 s with NaN in both outputs;
+    ``comm.check()`` raises ``CommFailed`` matching ``report``, a rerun raises matching
+    ``refusal``, and every GPU of ``mesh`` still works."""
+    from jax_tokenweave.kernel.comm import CommFailed
+
+    start = time.perf_counter()
+    normed, res = jax.block_until_ready(step(*args))
+    seconds = time.perf_counter() - start
+    assert 1.0 <= seconds < 10.0, seconds
+    assert np.isnan(np.asarray(normed.astype(jnp.float32))).all()
+    assert np.isnan(np.asarray(res.astype(jnp.float32))).all()
+    with pytest.raises(CommFailed, match=report):
+        comm.check()
+    with pytest.raises(Exception, match=refusal):
+        jax.block_until_ready(step(*args))
+    _assert_gpus_work(mesh)  # the CUDA contexts survived
+
+
 def _inputs(rng, n, tokens, hidden, dtype):
     rows = ops.rows_per_rank(tokens, n)
     partial = rng.standard_normal((n * tokens, hidden)).astype(np.float32)
@@ -335,7 +354,7 @@ def test_launch_gate_fails_the_call_when_a_local_gpu_never_arrives(ffi_mesh2, rn
     sync call): rank 0 launches nothing of it, waits at the launch gate for the bound (1 s),
     then reports (stage "launch gate", the late rank and its count) and leaves NaN; later calls
     are refused; the GPUs keep working."""
-    from jax_tokenweave.kernel.comm import CommFailed, CommSettings, Communicator
+    from jax_tokenweave.kernel.comm import CommSettings, Communicator
 
     settings = CommSettings(workspace_mib=64, oneshot_mib=4, ce_mib=64, num_slots=2, timeout_s=1.0)
     comm = Communicator(ffi_mesh2, "tp", settings)
@@ -349,14 +368,6 @@ def test_launch_gate_fails_the_call_when_a_local_gpu_never_arrives(ffi_mesh2, rn
         return _ffi.allreduce_rmsnorm_done(pending, axis_name="tp", comm=comm)
 
     step = _alone(ffi_mesh2, body)
-    t0 = time.perf_counter()
-    normed, res = jax.block_until_ready(step(p, r, w))
-    assert 1.0 <= time.perf_counter() - t0 < 10.0
-    assert np.isnan(np.asarray(normed.astype(jnp.float32))).all()
-    assert np.isnan(np.asarray(res.astype(jnp.float32))).all()
-    with pytest.raises(CommFailed, match=r"launch gate expired.*rank 1 .*call 1 .*reached 0"):
-        comm.check()
-    with pytest.raises(Exception, match="launch gate expired"):
-        jax.block_until_ready(step(p, r, w))
-    _assert_gpus_work(ffi_mesh2)
+    report = r"launch gate expired.*rank 1 .*call 1 .*reached 0"
+    _assert_fails_within_bound(ffi_mesh2, comm, step, (p, r, w), report, "launch gate expired")
     comm.close()
