@@ -295,6 +295,9 @@ BAD = [
     ("too many logprobs", {"prompt": "x", "logprobs": 50}, "logprobs"),
     ("empty messages", {"messages": []}, "messages"),
     ("messages of the wrong type", {"messages": "hi"}, "messages"),
+    ("stream_options without stream", {"prompt": "x", "stream_options": {}}, "stream_options"),
+    ("one of several prompts beyond the vocabulary", {"prompt": [[1, 2], [3, 99999]]}, "prompt"),
+    ("a lone surrogate", b'{"prompt": "x\\ud800"}', "prompt"),
 ]
 
 
